@@ -1,0 +1,95 @@
+"""Build a random-weight HF causal LM from a config: meta device first, then materialise.
+
+Why meta: constructing a model normally allocates every weight and runs torch's default
+init, then transformers' ``post_init`` re-initialises everything again. Under
+``torch.device("meta")`` construction allocates nothing (and ``post_init`` skips init on
+meta in transformers 5), so memory is allocated exactly once, by ``to_empty``, on the
+target device.
+
+Why re-running init works (transformers 5.x): ``PreTrainedModel.initialize_weights()``
+walks the module tree (``smart_apply``) calling ``_init_weights`` on every module not
+flagged ``_is_hf_initialized``. ``_init_weights`` covers Linear/Embedding/norms, the
+stacked MoE expert tensors and routers (model-specific overrides), *and* recomputes the
+rotary ``inv_freq`` / ``original_inv_freq`` buffers from the config - so the garbage
+``to_empty`` leaves in non-persistent buffers is overwritten too. ``tie_weights()`` is
+then re-run so ``lm_head`` shares the embedding when the config asks for it. We poison
+all floating tensors with NaN before init and fail loudly if any survives, so a future
+transformers change that skips a tensor cannot silently hand out garbage weights.
+
+Seeding: init runs under ``torch.random.fork_rng`` + ``torch.manual_seed(seed)``, so the
+result is bit-identical for a given (config, seed, device) and the caller's global RNG
+state is untouched. Init always runs in float32; lower-precision dtypes are then made by
+casting the parameters, so ``dtype=bf16`` gives the fp32 weights rounded (handy for
+numerics comparisons). Buffers stay as the modeling code made them (RoPE ``inv_freq``
+is float32), matching ``from_config(dtype=...)``. The cost: a bf16 request briefly holds
+the fp32 weights (fine for tiny configs; the allocation is still never doubled).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def build_on_meta(config) -> torch.nn.Module:
+    """Instantiate ``AutoModelForCausalLM`` for ``config`` on the meta device (no storage)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _fork_rng(device: torch.device):
+    if device.type == "cpu" or device.type == "meta":
+        return torch.random.fork_rng(devices=[])
+    backend = getattr(torch, device.type)
+    return torch.random.fork_rng(devices=list(range(backend.device_count())), device_type=device.type)
+
+
+def _floating_tensors(model: torch.nn.Module):
+    yield from (t for t in model.parameters() if t.is_floating_point())
+    yield from (t for t in model.buffers() if t.is_floating_point())
+
+
+@torch.no_grad()
+def materialise(model: torch.nn.Module, device: torch.device, seed: int) -> torch.nn.Module:
+    """Allocate ``model``'s meta tensors on ``device`` and initialise them deterministically."""
+    model.to_empty(device=device)
+    for t in _floating_tensors(model):
+        t.fill_(float("nan"))  # poison, see module docstring
+    with _fork_rng(device):
+        torch.manual_seed(seed)
+        model.initialize_weights()
+    model.tie_weights()
+    if device.type != "meta":
+        bad = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+               if t.is_floating_point() and not torch.isfinite(t).all()]
+        if bad:
+            raise RuntimeError(f"weight init left these tensors uninitialised (transformers change?): {bad}")
+    return model
+
+
+@torch.no_grad()
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast floating *parameters* (not buffers) to ``dtype``, preserving shared/tied ones."""
+    memo: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) not in memo:
+                memo[id(p)] = torch.nn.Parameter(p.to(dtype), requires_grad=p.requires_grad)
+            module._parameters[name] = memo[id(p)]
+    model.config.dtype = dtype
+    return model
+
+
+def build_random_model(config, dtype: torch.dtype, device: torch.device | str, seed: int) -> torch.nn.Module:
+    """Meta-build ``config``, materialise on ``device`` with ``seed``, cast to ``dtype``."""
+    device = torch.device(device)
+    model = materialise(build_on_meta(config), device, seed)
+    if dtype != torch.float32:
+        cast_parameters(model, dtype)
+    return model
+
+
+__all__ = ["build_on_meta", "materialise", "cast_parameters", "build_random_model"]

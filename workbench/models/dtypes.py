@@ -1,0 +1,44 @@
+"""dtype parsing for user-facing APIs.
+
+Notebooks and YAML pipelines pass dtypes as strings ("bf16"), Python code passes
+``torch.dtype`` objects; everything funnels through :func:`resolve_dtype` so a typo
+fails early with the list of accepted spellings instead of deep inside transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Accepted spellings -> dtype. Only the floating dtypes a model can sensibly run in.
+DTYPE_ALIASES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+_ALLOWED = frozenset(DTYPE_ALIASES.values())
+
+
+def resolve_dtype(x: torch.dtype | str) -> torch.dtype:
+    """Return the ``torch.dtype`` for ``x`` (a dtype, or a string such as ``"bf16"``).
+
+    Strings are case-insensitive and may carry a ``torch.`` prefix. Raises ``ValueError``
+    naming the accepted spellings for anything else (including non-floating dtypes).
+    """
+    if isinstance(x, torch.dtype):
+        if x not in _ALLOWED:
+            raise ValueError(f"unsupported model dtype {x}; use one of float32, bfloat16, float16")
+        return x
+    if isinstance(x, str):
+        key = x.strip().lower().removeprefix("torch.")
+        if key in DTYPE_ALIASES:
+            return DTYPE_ALIASES[key]
+    raise ValueError(
+        f"unknown dtype {x!r}; accepted: torch.float32/bfloat16/float16 or one of the strings "
+        + ", ".join(repr(k) for k in DTYPE_ALIASES)
+    )

@@ -1,0 +1,153 @@
+"""Small graph helpers shared by the framework and the transforms.
+
+Kept free of transform logic: cleanup (dead code, lint, recompile), shape propagation with the
+graph's own fake mode, cheap graph copies that share parameter storage, and op histograms.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+
+def graph_modules(mod: torch.nn.Module) -> List[fx.GraphModule]:
+    """Top-level graph modules in ``mod``: itself if it is one, else its outermost GraphModules."""
+    if isinstance(mod, fx.GraphModule):
+        return [mod]
+    found: List[fx.GraphModule] = []
+    skip_prefixes: List[str] = []
+    for name, sub in mod.named_modules():
+        if any(name.startswith(p) for p in skip_prefixes):
+            continue
+        if isinstance(sub, fx.GraphModule):
+            found.append(sub)
+            skip_prefixes.append(name + ".")
+    return found
+
+
+def canonicalize_graph(gm: fx.GraphModule) -> None:
+    """Dead-code elimination, lint and recompile: the 'clean graph' the flags talk about.
+
+    ``eliminate_dead_code`` keeps impure nodes (asserts, in-place ops), so guards survive.
+    """
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+
+
+def placeholder_values(gm: fx.GraphModule) -> List[Any]:
+    return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def run_shape_prop(gm: fx.GraphModule) -> None:
+    """Re-derive ``node.meta['val']`` for every node with the graph's own fake mode.
+
+    Placeholders keep the (symbolic) fake values export gave them, so dynamic dims stay symbolic.
+    Parameters reached through ``get_attr`` are real tensors; the fake mode converts them.
+    """
+    inputs = placeholder_values(gm)
+    if any(v is None for v in inputs):
+        raise RuntimeError(
+            "shape propagation needs meta['val'] on every placeholder (the graph did not come from "
+            "torch.export, or a transform added an input without metadata)"
+        )
+    fake_mode = detect_fake_mode(inputs)
+    if fake_mode is None:
+        raise RuntimeError("no fake mode found on the graph inputs; cannot propagate shapes")
+    with fake_mode:
+        fake_mode.allow_non_fake_inputs = True
+        FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule with a copied graph that shares (does not copy) parameter storage.
+
+    ``GraphModule(root, graph)`` re-attaches the attributes the graph reads from ``root`` by
+    reference, so parameters and buffers are the very same tensors. Node meta dicts are copied
+    shallowly (fake values are immutable and shared). Forward hooks (e.g. export's input checks)
+    are carried over.
+    """
+    new_graph = fx.Graph(owning_module=None, tracer_cls=gm.graph._tracer_cls)
+    val_map: Dict[fx.Node, fx.Node] = {}
+    out_args, out_node = new_graph.graph_copy(gm.graph, val_map, return_output_node=True)
+    new_out = new_graph.output(out_args, type_expr=out_node.type)
+    new_out.meta = copy.copy(out_node.meta)
+    new_graph._codegen = gm.graph._codegen  # in/out pytree specs; never mutated in place
+    new = fx.GraphModule(gm, new_graph, class_name=type(gm).__name__)
+    new.meta = dict(getattr(gm, "meta", {}))
+    # Plain attributes export attaches (validate_inputs, _in_spec, range_constraints, ...).
+    for name, value in gm.__dict__.items():
+        if name not in new.__dict__:
+            new.__dict__[name] = value
+    for hooks_name in (
+        "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+        "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+    ):
+        if hasattr(gm, hooks_name):
+            getattr(new, hooks_name).update(getattr(gm, hooks_name))
+    return new
+
+
+def copy_module(mod: torch.nn.Module) -> torch.nn.Module:
+    """Copy ``mod`` so later graph rewrites do not touch it; parameters stay shared.
+
+    Handles a bare GraphModule (the common case) and a wrapper holding GraphModules (e.g. after a
+    compile backend wraps the graph): the wrapper is shallow-copied and each graph copied.
+    """
+    if isinstance(mod, fx.GraphModule):
+        return copy_graph_module(mod)
+    new = copy.copy(mod)
+    new._modules = dict(mod._modules)
+    for name, sub in list(new._modules.items()):
+        if sub is not None and (isinstance(sub, fx.GraphModule) or graph_modules(sub)):
+            new._modules[name] = copy_module(sub)
+    return new
+
+
+def op_name(node: fx.Node) -> str:
+    """Readable op name: ``aten.linear.default``, ``workbench.torch_rmsnorm``, ``getitem``..."""
+    if node.op in ("call_function", "call_method"):
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload):
+            return f"{t.namespace}.{t._schema.name.split('::')[-1]}.{t._overloadname}"
+        if isinstance(t, torch._ops.OpOverloadPacket):
+            return f"{t._qualified_op_name.replace('::', '.')}"
+        return getattr(t, "__name__", str(t))
+    if node.op == "call_module":
+        return f"module:{node.target}"
+    return node.op
+
+
+def op_histogram(mod: torch.nn.Module) -> Dict[str, int]:
+    """Count of ``call_function``/``call_method``/``call_module`` nodes per op."""
+    counter: collections.Counter = collections.Counter()
+    for gm in graph_modules(mod):
+        for node in gm.graph.nodes:
+            if node.op not in ("placeholder", "output", "get_attr"):
+                counter[op_name(node)] += 1
+    return dict(counter.most_common())
+
+
+def num_nodes(mod: torch.nn.Module) -> int:
+    return sum(len(gm.graph.nodes) for gm in graph_modules(mod))
+
+
+def find_nodes(gm: fx.GraphModule, targets: Iterable[Any]) -> List[fx.Node]:
+    targets = set(targets)
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
+
+
+def tensor_meta(node: Any) -> Optional[torch.Tensor]:
+    """The fake value recorded on ``node`` if it is a tensor, else None."""
+    if isinstance(node, fx.Node):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val
+    return None

@@ -1,0 +1,316 @@
+"""The transform framework: ordered stages, configs, infos, the Transform base and its registry.
+
+A transform is a small class registered under its seed key. It declares a pydantic config class
+(unknown fields rejected) and implements only ``_apply``. The base class's ``__call__`` owns the
+rest -- enable/skip, ``skip_on_error``, graph cleanup and shape propagation before and after as the
+flags say, the per-phase timing and the ``[stage=..., transform=...]`` log prefix -- so every
+transform gets the same bookkeeping and the step-through driver can rely on it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Tuple, Type
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from .graph_utils import canonicalize_graph, graph_modules, run_shape_prop
+
+logger = logging.getLogger("workbench.pipeline")
+
+
+class Stages(str, enum.Enum):
+    """Enumerated (ordered!) stages of the transformation pipeline."""
+
+    FACTORY = "factory"
+    EXPORT = "export"
+    POST_EXPORT = "post_export"
+    PATTERN_MATCHER = "pattern_matcher"
+    SHARDING = "sharding"
+    WEIGHT_LOAD = "weight_load"
+    POST_LOAD_FUSION = "post_load_fusion"
+    CACHE_INIT = "cache_init"
+    VISUALIZE = "visualize"
+    COMPILE = "compile"
+
+    @property
+    def order(self) -> int:
+        return list(Stages).index(self)
+
+    def __lt__(self, other: "Stages") -> bool:  # type: ignore[override]
+        return self.order < Stages(other).order
+
+
+class TransformConfig(BaseModel):
+    """Fields every transform has (the seeds' common TransformConfig fields)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=False)
+
+    stage: Stages = Field(
+        description="The stage of the transformation pipeline where this transform should run."
+    )
+    run_per_gm: bool = Field(
+        default=True,
+        description="Whether to run the transform per graph (sub)module or on whole module.",
+    )
+    enabled: bool = Field(default=True, description="Whether to enable this transform.")
+    skip_on_error: bool = Field(
+        default=False, description="Whether to skip the transform if an error occurs."
+    )
+    run_graph_cleanup: bool = Field(
+        default=True,
+        description="Whether to run graph cleanup/canonicalization after this transform.",
+    )
+    run_shape_prop: bool = Field(
+        default=False, description="Whether to run shape propagation after this transform."
+    )
+    requires_clean_graph: bool = Field(
+        default=True,
+        description="Whether this transform requires the graph to be clean before it is applied.",
+    )
+    requires_shape_prop: bool = Field(
+        default=False,
+        description="Whether this transform requires shape propagation before it is applied.",
+    )
+    debug_visualize_dir: Optional[str] = Field(
+        default=None,
+        description="Debug visualization directory. None to disable visualization, or a path "
+        "string to specify the output directory.",
+    )
+    expect_mem_change: bool = Field(
+        default=False,
+        description="Whether this transform is expected to cause changes in memory stats "
+        "(CUDA memory on a GPU; parameter, buffer and cache bytes on CPU).",
+    )
+
+
+class TransformInfo(BaseModel):
+    """What a transform reports about one application."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    skipped: bool = Field(default=False, description="Whether the transform was skipped.")
+    num_matches: int = Field(default=0, description="Number of matches/rewrites made.")
+    is_clean: bool = Field(
+        default=False, description="Whether the graph is clean (canonicalized) after the transform."
+    )
+    has_valid_shapes: bool = Field(
+        default=False, description="Whether node shape metadata is valid after the transform."
+    )
+    skip_reason: Optional[str] = Field(
+        default=None, description="Why the transform was skipped (disabled, error text, ...)."
+    )
+    details: Dict[str, Any] = Field(
+        default_factory=dict, description="Transform-specific facts worth showing to a user."
+    )
+
+    def merged(self, other: "TransformInfo") -> "TransformInfo":
+        """Combine infos of several graph modules (``run_per_gm``)."""
+        return TransformInfo(
+            skipped=self.skipped and other.skipped,
+            num_matches=self.num_matches + other.num_matches,
+            is_clean=self.is_clean and other.is_clean,
+            has_valid_shapes=self.has_valid_shapes and other.has_valid_shapes,
+            skip_reason=self.skip_reason or other.skip_reason,
+            details={**self.details, **other.details},
+        )
+
+
+class TransformError(RuntimeError):
+    """A transform raised; names the key, stage and cause so the user knows what to fix."""
+
+    def __init__(self, key: str, stage: Stages, cause: BaseException):
+        self.key, self.stage, self.cause = key, stage, cause
+        super().__init__(
+            f"[stage={stage.value}, transform={key}] failed: {type(cause).__name__}: {cause}\n"
+            f"Earlier snapshots are kept. Fix the config (Workbench.configure('{key}', ...)) or "
+            f"disable the transform (Workbench.enable('{key}', False)), or set "
+            f"skip_on_error=true for it, then run again."
+        )
+
+
+@dataclass
+class PhaseTimes:
+    """Wall time of one transform application, split by phase (seconds)."""
+
+    pre_cleanup: float = 0.0
+    apply: float = 0.0
+    post_cleanup: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.pre_cleanup + self.apply + self.post_cleanup
+
+
+@dataclass
+class GraphState:
+    """What the framework knows about the current graph between transforms."""
+
+    is_clean: bool = False
+    has_valid_shapes: bool = False
+
+
+class Transform:
+    """Base class of every transform.
+
+    Subclasses set ``key`` (via the registry decorator), ``config_class`` when they have extra
+    fields, and implement ``_apply(gm, ctx) -> (gm, TransformInfo)``. ``__call__`` is final.
+    """
+
+    key: ClassVar[str] = ""
+    config_class: ClassVar[Type[TransformConfig]] = TransformConfig
+
+    def __init__(self, config: TransformConfig):
+        if not isinstance(config, self.config_class):
+            config = self.config_class.model_validate(config.model_dump())
+        self.config = config
+
+    @property
+    def log_prefix(self) -> str:
+        return f"[stage={self.config.stage.value}, transform={self.key}]"
+
+    def _apply(self, gm: torch.nn.Module, ctx: Any) -> Tuple[torch.nn.Module, TransformInfo]:
+        raise NotImplementedError
+
+    def __call__(
+        self, mod: torch.nn.Module, ctx: Any, state: GraphState
+    ) -> Tuple[torch.nn.Module, TransformInfo, PhaseTimes]:
+        """Apply the transform with the framework's bookkeeping.
+
+        ``state`` describes the incoming graph; it is updated in place with the outgoing state.
+        Raises ``TransformError`` unless ``skip_on_error`` is set.
+        """
+        cfg, times = self.config, PhaseTimes()
+        if not cfg.enabled:
+            info = TransformInfo(
+                skipped=True, skip_reason="disabled", is_clean=state.is_clean,
+                has_valid_shapes=state.has_valid_shapes,
+            )
+            return mod, info, times
+
+        t0 = time.perf_counter()
+        try:
+            targets = self._targets(mod)
+            if targets and cfg.requires_clean_graph and not state.is_clean:
+                for gm in targets:
+                    canonicalize_graph(gm)
+                state.is_clean = True
+            if targets and cfg.requires_shape_prop and not state.has_valid_shapes:
+                for gm in targets:
+                    run_shape_prop(gm)
+                state.has_valid_shapes = True
+            t1 = time.perf_counter()
+            times.pre_cleanup = t1 - t0
+
+            if targets:
+                info = None
+                for gm in targets:
+                    out, gm_info = self._apply(gm, ctx)
+                    if out is not gm:
+                        mod = self._swap(mod, gm, out)
+                    info = gm_info if info is None else info.merged(gm_info)
+            else:
+                mod, info = self._apply(mod, ctx)
+            t2 = time.perf_counter()
+            times.apply = t2 - t1
+        except Exception as e:  # noqa: BLE001 - recorded, re-raised or skipped on purpose
+            if not cfg.skip_on_error:
+                raise TransformError(self.key, cfg.stage, e) from e
+            logger.warning("%s skipped on error: %s: %s", self.log_prefix, type(e).__name__, e)
+            info = TransformInfo(
+                skipped=True, skip_reason=f"error: {type(e).__name__}: {e}",
+                is_clean=False, has_valid_shapes=False,
+            )
+            state.is_clean = state.has_valid_shapes = False
+            times.apply = time.perf_counter() - t0
+            return mod, info, times
+
+        # A transform with no matches left the graph as it was, so the incoming state still holds;
+        # otherwise only what the transform itself vouches for.
+        unchanged = info.num_matches == 0
+        is_clean = info.is_clean or (unchanged and state.is_clean)
+        has_shapes = info.has_valid_shapes or (unchanged and state.has_valid_shapes)
+        t3 = time.perf_counter()
+        graphs = self._targets(mod)
+        if graphs and cfg.run_graph_cleanup and not is_clean:
+            for gm in graphs:
+                canonicalize_graph(gm)
+            is_clean = True
+        if graphs and cfg.run_shape_prop and not has_shapes:
+            for gm in graphs:
+                run_shape_prop(gm)
+            has_shapes = True
+        times.post_cleanup = time.perf_counter() - t3
+        info = info.model_copy(update={"is_clean": is_clean, "has_valid_shapes": has_shapes})
+        state.is_clean, state.has_valid_shapes = is_clean, has_shapes
+        logger.info(
+            "%s matches=%d time=%.3fs", self.log_prefix, info.num_matches, times.total
+        )
+        return mod, info, times
+
+    def _targets(self, mod: torch.nn.Module) -> List[torch.fx.GraphModule]:
+        """The graph modules this transform runs on: per sub-graph, or the whole module."""
+        if isinstance(mod, torch.fx.GraphModule) and not self.config.run_per_gm:
+            return [mod]
+        return graph_modules(mod)
+
+    @staticmethod
+    def _swap(root: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module) -> torch.nn.Module:
+        """Replace sub-module ``old`` of ``root`` by ``new`` (or return ``new`` if it is the root)."""
+        if root is old:
+            return new
+        for name, sub in root.named_modules():
+            if sub is old:
+                parent_name, _, attr = name.rpartition(".")
+                setattr(root.get_submodule(parent_name) if parent_name else root, attr, new)
+                return root
+        raise RuntimeError("transform returned a new graph module that could not be re-attached")
+
+
+@dataclass
+class TransformRegistry:
+    """Transform classes by seed key.
+
+    Filled by the ``register`` decorator when the transform modules are imported (import time, not
+    run time), so the set of known transforms never depends on what ran before.
+    """
+
+    _classes: Dict[str, Type[Transform]] = field(default_factory=dict)
+
+    def register(self, key: str) -> Callable[[Type[Transform]], Type[Transform]]:
+        def deco(cls: Type[Transform]) -> Type[Transform]:
+            if key in self._classes and self._classes[key] is not cls:
+                raise ValueError(f"transform key '{key}' registered twice")
+            cls.key = key
+            self._classes[key] = cls
+            return cls
+
+        return deco
+
+    def get(self, key: str) -> Type[Transform]:
+        if key not in self._classes:
+            import difflib
+
+            close = difflib.get_close_matches(key, self._classes, n=3)
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise KeyError(
+                f"unknown transform '{key}'.{hint} Run `workbench transforms` to list them."
+            )
+        return self._classes[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._classes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._classes))
+
+    def items(self):
+        return sorted(self._classes.items())
+
+
+TRANSFORMS = TransformRegistry()
+register = TRANSFORMS.register

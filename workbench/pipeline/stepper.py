@@ -1,0 +1,308 @@
+"""The step-through driver: run the pipeline one transform at a time, snapshot after each.
+
+State is a cursor into the ordered pipeline plus one snapshot per executed position. Changing or
+toggling a transform drops the snapshots from that position on; the next run resumes from the last
+valid snapshot (a fresh graph copy sharing parameter storage), so nothing before it re-runs and the
+model is not re-exported. A failing transform leaves every earlier snapshot and the live graph as
+they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+
+import torch
+
+from ..models.export_contract import CausalLMLogits, ProbeBatch, make_batch
+from . import transforms as _transforms  # noqa: F401  (registers every transform)
+from .config import ConfigError, PipelineEntry, resolve_pipeline
+from .graph_utils import copy_module, graph_modules, num_nodes, op_histogram
+from .interface import TRANSFORMS, GraphState, Stages, TransformError
+from .memory import measure, unexpected_change
+from .numerics import Numerics, compare_logits, exceeds
+from .snapshot import PROVENANCE_KEY, Snapshot
+
+logger = logging.getLogger("workbench.pipeline")
+
+NUMERICS_DEFAULT_MAX_PARAMS = 1_000_000_000
+SnapshotHook = Callable[[Snapshot], None]
+
+
+class PipelineStepper:
+    """Runs an ordered list of transforms over a model with snapshots, rewind and bisect.
+
+    ``loaded`` is a ``workbench.models.LoadedModel``. ``numerics`` defaults to on for models under
+    ~1B parameters (one probe forward per transform).
+    """
+
+    def __init__(
+        self,
+        loaded: Any,
+        *,
+        yaml_extra: Sequence[Union[str, Mapping[str, Any]]] = (),
+        overrides: Union[Mapping[str, Any], Iterable[str]] = (),
+        entries: Optional[List[PipelineEntry]] = None,
+        device: Union[str, torch.device] = "cpu",
+        max_batch_size: int = 64,
+        max_seq_len: Optional[int] = None,
+        numerics: Optional[bool] = None,
+        snapshots: bool = True,
+        probe_shape: tuple = (2, 16),
+        on_snapshot: Sequence[SnapshotHook] = (),
+    ):
+        from .context import PipelineContext
+
+        self.loaded = loaded
+        self.entries: List[PipelineEntry] = (
+            list(entries) if entries is not None else resolve_pipeline(yaml_extra, overrides)
+        )
+        self._check_unique()
+        device = torch.device(device)
+        max_pos = getattr(loaded.config, "max_position_embeddings", 2048) or 2048
+        dtype = next(loaded.model.parameters()).dtype
+        self.ctx = PipelineContext(
+            spec=loaded.spec, loaded=loaded, device=device, dtype=dtype,
+            max_batch_size=max_batch_size, max_seq_len=max_seq_len or min(int(max_pos), 4096),
+        )
+        self.record_graphs = snapshots
+        if numerics is None:
+            numerics = loaded.num_parameters < NUMERICS_DEFAULT_MAX_PARAMS
+        self.numerics_enabled = numerics
+        self.probe: ProbeBatch = make_batch(self.ctx.vocab_size, *probe_shape, seed=1234, device=device)
+        self.on_snapshot: List[SnapshotHook] = list(on_snapshot)
+        self._eager = CausalLMLogits(loaded.model).eval()
+        self._reference: Optional[torch.Tensor] = None
+        self.snapshots: List[Snapshot] = []
+        self.last_error: Optional[TransformError] = None
+        self._live: torch.nn.Module = self._eager
+        self._state = GraphState()
+
+    # ------------------------------------------------------------------ pipeline inspection
+    @property
+    def keys(self) -> List[str]:
+        return [e.key for e in self.entries]
+
+    @property
+    def position(self) -> int:
+        """Index of the next transform to run (== number of valid snapshots)."""
+        return len(self.snapshots)
+
+    @property
+    def done(self) -> bool:
+        return self.position >= len(self.entries)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The live module after the last executed transform."""
+        return self._live
+
+    def index(self, key: str) -> int:
+        try:
+            return self.keys.index(key)
+        except ValueError:
+            raise KeyError(
+                f"'{key}' is not in this pipeline; its transforms are: {', '.join(self.keys)}"
+            ) from None
+
+    def snapshot(self, key: str) -> Snapshot:
+        i = self.index(key)
+        if i >= len(self.snapshots):
+            raise KeyError(f"'{key}' has not run yet (pipeline position {self.position})")
+        return self.snapshots[i]
+
+    def status(self, key: str) -> str:
+        """pending / done / skipped / failed for one transform."""
+        i = self.index(key)
+        if i < len(self.snapshots):
+            return self.snapshots[i].status
+        if self.last_error is not None and self.last_error.key == key and i == self.position:
+            return "failed"
+        return "pending"
+
+    def reference_logits(self) -> torch.Tensor:
+        if self._reference is None:
+            with torch.no_grad():
+                self._reference = self._eager(*self.probe.args)
+        return self._reference
+
+    # ------------------------------------------------------------------ editing
+    def enable(self, key: str, enabled: bool = True) -> None:
+        self.configure(key, enabled=enabled)
+
+    def configure(self, key: str, **fields: Any) -> None:
+        """Change fields of one transform (validated) and invalidate it and what follows."""
+        i = self.index(key)
+        entry = self.entries[i]
+        cls = TRANSFORMS.get(key).config_class
+        try:
+            new_cfg = cls.model_validate({**entry.config.model_dump(), **fields})
+        except Exception as e:  # pydantic ValidationError -> our message format
+            from .config import _format_validation
+
+            raise ConfigError(_format_validation(key, e, cls, "configure()")) from None
+        if new_cfg.stage != entry.config.stage:
+            raise ConfigError(f"transform '{key}': changing the stage is not supported here")
+        if new_cfg == entry.config:
+            return
+        self.entries[i] = PipelineEntry(key, new_cfg)
+        self.invalidate(i)
+
+    def invalidate(self, index: int) -> None:
+        """Drop snapshots at ``index`` and later; the live graph returns to the one before."""
+        if index >= len(self.snapshots):
+            if self.last_error is not None and self.index(self.last_error.key) >= index:
+                self.last_error = None
+            return
+        del self.snapshots[index:]
+        self.last_error = None
+        self._restore_live()
+
+    def rewind(self, key: str) -> None:
+        """Go back so that ``key`` is the next transform to run."""
+        self.invalidate(self.index(key))
+
+    def reset(self) -> None:
+        """Back to the eager model (the next step re-exports)."""
+        self.invalidate(0)
+
+    def _restore_live(self) -> None:
+        if self.snapshots and self.snapshots[-1].module is None:
+            # Graph copies were not kept (snapshots=False): the only way back is a fresh start.
+            self.snapshots.clear()
+        if self.snapshots:
+            last = self.snapshots[-1]
+            self._live = copy_module(last.module)
+            self.ctx.shared = dict(last.shared)
+            self.ctx.resources = dict(last.resources)
+            self._state = GraphState(last.info.is_clean, last.info.has_valid_shapes)
+        else:
+            self._live = self._eager
+            self.ctx.shared, self.ctx.resources = {}, {}
+            self._state = GraphState()
+
+    def _check_unique(self) -> None:
+        seen = set()
+        for e in self.entries:
+            if e.key in seen:
+                raise ConfigError(f"transform '{e.key}' appears twice in the pipeline")
+            seen.add(e.key)
+
+    # ------------------------------------------------------------------ running
+    def step(self) -> Snapshot:
+        """Run the next transform and record its snapshot."""
+        if self.done:
+            raise StopIteration("the pipeline has run to the end; rewind() or reset() to re-run")
+        i = self.position
+        entry = self.entries[i]
+        transform = TRANSFORMS.get(entry.key)(entry.config)
+        prev_names = self.snapshots[-1].node_names if self.snapshots else frozenset()
+        mem_before = measure(self._live, self.ctx.cache_bytes(), self.ctx.device)
+        state = GraphState(self._state.is_clean, self._state.has_valid_shapes)
+        try:
+            mod, info, times = transform(self._live, self.ctx, state)
+        except TransformError as e:
+            self.last_error = e
+            self._restore_live()  # the failing transform may have half-rewritten the live graph
+            raise
+        if info.skipped and info.skip_reason != "disabled":
+            self._restore_live()  # skip_on_error: undo whatever the failing call changed
+            mod, state = self._live, GraphState(self._state.is_clean, self._state.has_valid_shapes)
+        self.last_error = None
+        self._live, self._state = mod, state
+        snap = self._record(i, entry, info, times, mem_before, prev_names)
+        self.snapshots.append(snap)
+        for hook in self.on_snapshot:
+            hook(snap)
+        return snap
+
+    def _record(self, i, entry, info, times, mem_before, prev_names) -> Snapshot:
+        mod = self._live
+        added: List[str] = []
+        names = set()
+        for gm in graph_modules(mod):
+            for node in gm.graph.nodes:
+                names.add(node.name)
+                if PROVENANCE_KEY not in node.meta:
+                    node.meta[PROVENANCE_KEY] = entry.key
+                    added.append(node.name)
+        removed = sorted(prev_names - names) if prev_names else []
+        mem_after = measure(mod, self.ctx.cache_bytes(), self.ctx.device)
+        warning = None
+        if not entry.config.expect_mem_change and not info.skipped:
+            warning = unexpected_change(mem_before, mem_after)
+            if warning:
+                logger.warning("[stage=%s, transform=%s] unexpected memory change: %s",
+                               entry.config.stage.value, entry.key, warning)
+        changed = bool(added or removed) or not self.snapshots
+        if not self.record_graphs:
+            stored = mod if not self.snapshots else None
+        elif changed or info.num_matches:
+            stored = copy_module(mod) if graph_modules(mod) else mod
+        else:  # nothing changed: share the previous snapshot's (immutable) copy
+            stored = self.snapshots[-1].module
+        return Snapshot(
+            index=i, key=entry.key, stage=entry.config.stage, config=entry.config, info=info,
+            times=times, mem_before=mem_before, mem_after=mem_after, mem_warning=warning,
+            num_nodes=num_nodes(mod), op_histogram=op_histogram(mod), module=stored,
+            node_names=frozenset(names), added_nodes=added, removed_nodes=removed,
+            numerics=self._probe(mod) if self.numerics_enabled else None,
+            shared=dict(self.ctx.shared), resources=dict(self.ctx.resources),
+        )
+
+    def _probe(self, mod: torch.nn.Module) -> Numerics:
+        runner = self.ctx.shared.get("probe_fn")
+        try:
+            with torch.no_grad():
+                out = runner(mod, self.probe) if runner else mod(*self.probe.args)
+        except Exception as e:  # noqa: BLE001 - the probe is diagnostic, never fatal
+            return Numerics(error=f"probe could not run: {type(e).__name__}: {e}"[:300])
+        if not isinstance(out, torch.Tensor):
+            return Numerics(error=f"probe returned {type(out).__name__}, not logits")
+        return compare_logits(out, self.reference_logits())
+
+    def run_to(self, key: str) -> List[Snapshot]:
+        """Run up to and including ``key``."""
+        target = self.index(key)
+        out = []
+        while self.position <= target:
+            out.append(self.step())
+        return out
+
+    def run(self) -> List[Snapshot]:
+        out = []
+        while not self.done:
+            out.append(self.step())
+        return out
+
+    # ------------------------------------------------------------------ analysis
+    def bisect(self, tol: float = 1e-3, metric: str = "rmse_ratio") -> Optional[Snapshot]:
+        """The first snapshot whose numerics cross ``tol`` (None if none does).
+
+        Runs the pipeline to the end first if needed; probes that could not run are ignored.
+        """
+        if not self.numerics_enabled:
+            raise RuntimeError("numerics are off for this run; create it with numerics=True")
+        if not self.done:
+            self.run()
+        for snap in self.snapshots:
+            if exceeds(snap.numerics, tol, metric):
+                return snap
+        return None
+
+    def table(self):
+        """The per-transform table as a pandas DataFrame."""
+        import pandas as pd
+
+        rows, prev = [], 0
+        for s in self.snapshots:
+            rows.append(s.row(prev))
+            prev = s.num_nodes
+        return pd.DataFrame(rows)
+
+    def total_time(self) -> float:
+        return sum(s.times.total for s in self.snapshots)
+
+
+__all__ = ["PipelineStepper", "Stages", "TransformError", "ConfigError"]

@@ -1,0 +1,79 @@
+"""Export patches: small, named context managers that work around HF quirks during export.
+
+Each patch is switchable from ``export_to_gm``'s ``patches`` field (``{name: bool}``); the table
+here is filled once at import time and never mutated afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Dict, Iterator, List
+
+import torch
+
+from ..._compat import hf_packed_sequence_detection_disabled
+
+
+@dataclass(frozen=True)
+class ExportPatch:
+    name: str
+    description: str
+    enabled_by_default: bool
+    # Builds the context manager for one export of ``model``.
+    enter: Callable[[torch.nn.Module], ContextManager]
+
+
+def _no_packed_sequence_mask(model: torch.nn.Module) -> ContextManager:
+    return hf_packed_sequence_detection_disabled()
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Export in eval mode (dropout off) and restore the caller's mode afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+EXPORT_PATCHES: Dict[str, ExportPatch] = {
+    p.name: p
+    for p in [
+        ExportPatch(
+            "no_packed_sequence_mask",
+            "Skip transformers' packed-sequence detection from position_ids, which otherwise "
+            "materialises a position-dependent attention mask (diff/cumsum/index) in the graph.",
+            True,
+            _no_packed_sequence_mask,
+        ),
+        ExportPatch(
+            "eval_mode",
+            "Export with the model in eval mode (no dropout), restoring its mode afterwards.",
+            True,
+            _eval_mode,
+        ),
+    ]
+}
+
+
+def resolve_patches(overrides: Dict[str, bool]) -> List[ExportPatch]:
+    """The patches to apply: defaults, with ``overrides`` switching individual ones on or off."""
+    unknown = sorted(set(overrides) - set(EXPORT_PATCHES))
+    if unknown:
+        raise ValueError(
+            f"unknown export patch(es) {unknown}; known: {sorted(EXPORT_PATCHES)}"
+        )
+    return [
+        p for name, p in EXPORT_PATCHES.items() if overrides.get(name, p.enabled_by_default)
+    ]
+
+
+@contextlib.contextmanager
+def apply_patches(patches: List[ExportPatch], model: torch.nn.Module) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p.enter(model))
+        yield
