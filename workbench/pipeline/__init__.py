@@ -1,0 +1,1 @@
+"""The transform pipeline: framework (interface, config, stepper) and transforms."""

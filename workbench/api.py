@@ -1,0 +1,63 @@
+"""The user-facing ``Workbench``: a pipeline stepper over a model spec, plus the extras a user
+expects in a notebook (renders into ``debug_visualize_dir``, a table, later the runtime and UI).
+
+The engine is ``workbench.pipeline.stepper.PipelineStepper``; this class only wires things that
+the pipeline package must not import itself (viz).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+
+from .models import LoadedModel, load_model
+from .pipeline.stepper import PipelineStepper
+from .pipeline.snapshot import Snapshot
+
+logger = logging.getLogger("workbench")
+
+
+class Workbench(PipelineStepper):
+    """Step through the compilation pipeline of one model.
+
+    >>> wb = Workbench("tiny:llama")
+    >>> wb.step()            # export_to_gm
+    >>> wb.run()             # the rest
+    >>> wb.table()           # per-transform matches, time, memory, numerics
+    """
+
+    def __init__(
+        self,
+        model: Union[str, LoadedModel] = "smollm2",
+        *,
+        dtype: Union[str, torch.dtype] = "float32",
+        device: Union[str, torch.device] = "cpu",
+        yaml_extra: Sequence[Union[str, Mapping[str, Any]]] = (),
+        overrides: Union[Mapping[str, Any], Iterable[str]] = (),
+        debug_visualize_dir: Optional[str] = None,
+        seed: int = 0,
+        **kwargs: Any,
+    ):
+        loaded = model if isinstance(model, LoadedModel) else load_model(
+            model, dtype=dtype, device=device, seed=seed
+        )
+        super().__init__(loaded, yaml_extra=yaml_extra, overrides=overrides, device=device, **kwargs)
+        if debug_visualize_dir is not None:
+            from .pipeline.config import apply_global_field
+
+            self.entries = apply_global_field(self.entries, "debug_visualize_dir", debug_visualize_dir)
+        self.on_snapshot.append(self._visualize)
+
+    def _visualize(self, snap: Snapshot) -> None:
+        """Write the snapshot's render when its transform has ``debug_visualize_dir`` set."""
+        out_dir = snap.config.debug_visualize_dir
+        if not out_dir or snap.module is None:
+            return
+        try:
+            from .viz.render import write_snapshot_svg
+        except ImportError as e:  # viz is optional at this layer; say so instead of failing
+            logger.warning("debug_visualize_dir set but workbench.viz is unavailable: %s", e)
+            return
+        write_snapshot_svg(snap, out_dir)

@@ -1,0 +1,131 @@
+"""``workbench run | transforms``: the command-line face of the step-through API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import List, Optional
+
+from .pipeline.config import ConfigError
+
+
+def _fmt_bytes(n: int) -> str:
+    if n == 0:
+        return "0"
+    return f"{n / 2**20:+.1f}MiB"
+
+
+def _fmt_num(snap) -> str:
+    n = snap.numerics
+    if n is None:
+        return "off"
+    if not n.ok:
+        return "n/a"
+    return f"rmse {n.rmse_ratio:.1e} max {n.max_abs:.1e} top1 {n.top1_agreement:.0%}"
+
+
+def format_table(stepper) -> str:
+    """Fixed-width per-transform table: stage, key, status, matches, time, nodes, memory, numerics."""
+    header = ("#", "stage", "transform", "status", "match", "time", "nodes", "Δnodes", "Δmem", "numerics")
+    rows, prev = [], 0
+    for s in stepper.snapshots:
+        rows.append((
+            str(s.index), s.stage.value, s.key, s.status, str(s.info.num_matches),
+            f"{s.times.total:.3f}s", str(s.num_nodes), f"{s.num_nodes - prev:+d}",
+            _fmt_bytes(s.mem_delta) + (" !" if s.mem_warning else ""), _fmt_num(s),
+        ))
+        prev = s.num_nodes
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    out = [line(header), line(tuple("-" * w for w in widths))] + [line(r) for r in rows]
+    notes = [f"  ! {s.key}: {s.mem_warning}" for s in stepper.snapshots if s.mem_warning]
+    notes += [f"  {s.key}: {s.info.skip_reason}" for s in stepper.snapshots
+              if s.info.skip_reason and s.info.skip_reason != "disabled"]
+    return "\n".join(out + notes)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .api import Workbench
+
+    t0 = time.perf_counter()
+    wb = Workbench(
+        args.model, dtype=args.dtype, yaml_extra=args.yaml_extra, overrides=args.set,
+        debug_visualize_dir=args.debug_visualize_dir,
+        numerics=False if args.no_numerics else None,
+    )
+    load_s = time.perf_counter() - t0
+    print(f"model: {wb.loaded!r} (loaded in {load_s:.1f}s)")
+    try:
+        wb.run()
+    finally:
+        print(format_table(wb))
+    print(f"pipeline: {len(wb.snapshots)} transforms in {wb.total_time():.2f}s")
+    if args.debug_visualize_dir:
+        print(f"renders: {args.debug_visualize_dir}")
+    return 0
+
+
+def cmd_transforms(args: argparse.Namespace) -> int:
+    from .pipeline.config import load_default_yaml
+    from .pipeline.interface import TRANSFORMS, TransformConfig
+    from .pipeline import transforms as _t  # noqa: F401  (registers)
+
+    default = load_default_yaml().get("transforms", {})
+    common = set(TransformConfig.model_fields)
+    for key, cls in TRANSFORMS.items():
+        stage = (default.get(key) or {}).get("stage", "-")
+        extra = [
+            f"{name}: {_ann(f.annotation)} = {f.get_default(call_default_factory=True)!r}" if not f.is_required()
+            else f"{name}: {_ann(f.annotation)} (required)"
+            for name, f in cls.config_class.model_fields.items() if name not in common
+        ]
+        in_default = "default" if key in default else "opt-in"
+        print(f"{key:40s} {stage:16s} {in_default:8s} {'; '.join(extra)}")
+    return 0
+
+
+def _ann(a) -> str:
+    return a.__name__ if isinstance(a, type) else str(a).replace("typing.", "")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="workbench", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the pipeline on a model and print the per-transform table")
+    r.add_argument("--model", default="smollm2", help="smollm2 | tiny:<arch> | HF dir | cached HF id")
+    r.add_argument("--dtype", default="float32")
+    r.add_argument("--yaml-extra", action="append", default=[], metavar="FILE",
+                   help="YAML deep-merged on top of the default pipeline (repeatable)")
+    r.add_argument("--set", action="append", default=[], metavar="KEY.FIELD=VALUE",
+                   help="override one config field, e.g. export_to_gm.strict=true (repeatable)")
+    r.add_argument("--debug-visualize-dir", default=None, metavar="DIR",
+                   help="render every snapshot to DIR/NN_<transform>.svg")
+    r.add_argument("--no-numerics", action="store_true", help="skip the per-step numerics probe")
+    r.set_defaults(func=cmd_run)
+    t = sub.add_parser("transforms", help="list registered transforms, stages and config fields")
+    t.set_defaults(func=cmd_transforms)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - the CLI prints one clear line, not a traceback
+        from .models import ModelSpecError
+        from .pipeline.interface import TransformError
+
+        if isinstance(e, (ModelSpecError, TransformError)):
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())
