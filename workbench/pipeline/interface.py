@@ -285,6 +285,8 @@ class TransformRegistry:
         def deco(cls: Type[Transform]) -> Type[Transform]:
             if key in self._classes and self._classes[key] is not cls:
                 raise ValueError(f"transform key '{key}' registered twice")
+            if cls.key and cls.key != key:
+                raise ValueError(f"{cls.__name__} is already registered as '{cls.key}'")
             cls.key = key
             self._classes[key] = cls
             return cls
@@ -310,6 +312,10 @@ class TransformRegistry:
 
     def items(self):
         return sorted(self._classes.items())
+
+    def copy(self) -> "TransformRegistry":
+        """An independent registry with the same transforms (to add experimental ones to)."""
+        return TransformRegistry(dict(self._classes))
 
 
 TRANSFORMS = TransformRegistry()

@@ -19,7 +19,7 @@ from ..models.export_contract import CausalLMLogits, ProbeBatch, make_batch
 from . import transforms as _transforms  # noqa: F401  (registers every transform)
 from .config import ConfigError, PipelineEntry, resolve_pipeline
 from .graph_utils import copy_module, graph_modules, num_nodes, op_histogram
-from .interface import TRANSFORMS, GraphState, Stages, TransformError
+from .interface import TRANSFORMS, GraphState, Stages, TransformError, TransformRegistry
 from .memory import measure, unexpected_change
 from .numerics import Numerics, compare_logits, exceeds
 from .snapshot import PROVENANCE_KEY, Snapshot
@@ -51,12 +51,15 @@ class PipelineStepper:
         snapshots: bool = True,
         probe_shape: tuple = (2, 16),
         on_snapshot: Sequence[SnapshotHook] = (),
+        registry: TransformRegistry = TRANSFORMS,
     ):
         from .context import PipelineContext
 
         self.loaded = loaded
+        self.registry = registry
         self.entries: List[PipelineEntry] = (
-            list(entries) if entries is not None else resolve_pipeline(yaml_extra, overrides)
+            list(entries) if entries is not None
+            else resolve_pipeline(yaml_extra, overrides, registry=registry)
         )
         self._check_unique()
         device = torch.device(device)
@@ -135,7 +138,7 @@ class PipelineStepper:
         """Change fields of one transform (validated) and invalidate it and what follows."""
         i = self.index(key)
         entry = self.entries[i]
-        cls = TRANSFORMS.get(key).config_class
+        cls = self.registry.get(key).config_class
         try:
             new_cfg = cls.model_validate({**entry.config.model_dump(), **fields})
         except Exception as e:  # pydantic ValidationError -> our message format
@@ -196,7 +199,7 @@ class PipelineStepper:
             raise StopIteration("the pipeline has run to the end; rewind() or reset() to re-run")
         i = self.position
         entry = self.entries[i]
-        transform = TRANSFORMS.get(entry.key)(entry.config)
+        transform = self.registry.get(entry.key)(entry.config)
         prev_names = self.snapshots[-1].node_names if self.snapshots else frozenset()
         mem_before = measure(self._live, self.ctx.cache_bytes(), self.ctx.device)
         state = GraphState(self._state.is_clean, self._state.has_valid_shapes)

@@ -1,0 +1,282 @@
+"""Framework semantics: ordering, merge, validation errors, skip_on_error, rewind/invalidate/resume,
+snapshots that share parameter storage, failures that lose nothing."""
+
+import pytest
+import torch
+
+from workbench import ConfigError, TransformError, Workbench
+from workbench.pipeline.config import deep_merge, parse_override, resolve_pipeline
+from workbench.pipeline.interface import (
+    TRANSFORMS, Stages, Transform, TransformConfig, TransformInfo,
+)
+
+
+# ---------------------------------------------------------------- configuration
+def test_default_pipeline_is_ordered_by_stage():
+    entries = resolve_pipeline()
+    assert entries[0].key == "export_to_gm"
+    orders = [e.config.stage.order for e in entries]
+    assert orders == sorted(orders)
+    assert list(Stages)[0] == Stages.FACTORY and list(Stages)[-1] == Stages.COMPILE
+    assert Stages.EXPORT < Stages.COMPILE
+
+
+def test_yaml_extra_entry_lands_in_its_stage(tmp_path):
+    # cleanup_noop_slice moved to the compile stage by a user file: it now runs after post_export.
+    f = tmp_path / "extra.yaml"
+    f.write_text("transforms:\n  cleanup_noop_slice:\n    stage: compile\n    skip_on_error: true\n")
+    entries = resolve_pipeline([f])
+    keys = [e.key for e in entries]
+    assert keys.index("cleanup_noop_slice") > keys.index("cleanup_input_constraints")
+    cfg = entries[keys.index("cleanup_noop_slice")].config
+    assert cfg.skip_on_error is True and cfg.stage == Stages.COMPILE
+
+
+def test_deep_merge_and_overrides():
+    base = {"transforms": {"a": {"stage": "export", "patches": {"x": True, "y": True}}}}
+    merged = deep_merge(base, {"transforms": {"a": {"patches": {"y": False}}}})
+    assert merged["transforms"]["a"]["patches"] == {"x": True, "y": False}
+    assert base["transforms"]["a"]["patches"]["y"] is True  # inputs untouched
+    assert parse_override("export_to_gm.strict=true") == ("export_to_gm.strict", True)
+    assert parse_override("export_to_gm.max_seq_len=128") == ("export_to_gm.max_seq_len", 128)
+    entries = resolve_pipeline(
+        [{"transforms": {"export_to_gm": {"example_seq_len": 4}}}],
+        ["export_to_gm.example_seq_len=6", "export_to_gm.patches.eval_mode=false"],
+    )
+    cfg = entries[0].config
+    assert cfg.example_seq_len == 6 and cfg.patches == {"eval_mode": False}
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["export_to_gm.strct=true"], ["export_to_gm", "unknown field 'strct'", "did you mean 'strict'"]),
+        (["export_to_gm.example_seq_len=many"], ["export_to_gm", "field 'example_seq_len'", "'many'"]),
+        (["export_to_gm.enabled=maybe"], ["export_to_gm", "field 'enabled'"]),
+        (["export_to_gm.patches.no_such_patch=true"], ["unknown export patch", "no_such_patch"]),
+        (["noop"], ["expected transform_key.field=value"]),
+    ],
+)
+def test_validation_errors_name_key_and_field(overrides, expected):
+    with pytest.raises(ConfigError) as e:
+        resolve_pipeline([], overrides)
+    for text in expected:
+        assert text in str(e.value)
+
+
+def test_unknown_transform_key_suggests_the_right_one():
+    with pytest.raises(ConfigError, match=r"unknown transform 'cleanup_noop_slise'.*'cleanup_noop_slice'"):
+        resolve_pipeline([{"transforms": {"cleanup_noop_slise": {"stage": "post_export"}}}])
+
+
+def test_bad_yaml_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("transforms:\n  export_to_gm: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        resolve_pipeline([bad])
+    with pytest.raises(ConfigError, match="not found"):
+        resolve_pipeline([tmp_path / "missing.yaml"])
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        resolve_pipeline([wrong])
+
+
+def test_config_rejects_unknown_fields_and_has_descriptions():
+    for key, cls in TRANSFORMS.items():
+        for name, field in cls.config_class.model_fields.items():
+            assert field.description, f"{key}.{name} has no description"
+        with pytest.raises(Exception, match="extra"):
+            cls.config_class(stage="export", not_a_field=1)
+
+
+# ---------------------------------------------------------------- stepping
+@pytest.fixture()
+def wb(tiny_llama):
+    return Workbench(tiny_llama)
+
+
+def test_step_run_to_and_snapshot_contents(wb):
+    snap = wb.step()
+    assert snap.key == "export_to_gm" and snap.stage == Stages.EXPORT and wb.position == 1
+    assert isinstance(snap.module, torch.fx.GraphModule)
+    assert snap.num_nodes == len(snap.module.graph.nodes)
+    assert snap.op_histogram["aten.linear.default"] == 2 * 7 + 1  # q,k,v,o,gate,up,down + lm_head
+    assert snap.times.apply > 0 and snap.times.total >= snap.times.apply
+    assert snap.mem_before.param_bytes == snap.mem_after.param_bytes > 0
+    assert snap.mem_after.rss_bytes > 0 and snap.mem_warning is None
+    assert snap.numerics.max_abs == 0.0 and snap.numerics.top1_agreement == 1.0
+    assert all(n.meta["wb_created_by"] == "export_to_gm" for n in snap.module.graph.nodes)
+    wb.run_to("cleanup_noop_add")
+    assert [s.key for s in wb.snapshots][-1] == "cleanup_noop_add"
+    assert wb.status("cleanup_input_constraints") == "pending"
+    wb.run()
+    assert wb.done and len(wb.snapshots) == len(wb.entries)
+    table = wb.table()
+    assert list(table["transform"]) == wb.keys
+    with pytest.raises(StopIteration):
+        wb.step()
+
+
+def test_snapshot_graph_shares_parameter_storage(wb, tiny_llama):
+    wb.run()
+    q = tiny_llama.model.model.layers[0].self_attn.q_proj.weight
+    for snap in wb.snapshots:
+        p = snap.module.get_parameter("model.model.layers.0.self_attn.q_proj.weight")
+        assert p.data_ptr() == q.data_ptr()
+    # Snapshots are independent graphs: the live graph is not any snapshot's graph object.
+    assert all(s.module.graph is not wb.module.graph for s in wb.snapshots)
+
+
+def test_configure_invalidates_only_later_snapshots_and_resumes(wb):
+    wb.run()
+    export_snap = wb.snapshots[0]
+    n_slice = wb.snapshots[1]
+    wb.configure("cleanup_noop_add", enabled=False)
+    assert [s.key for s in wb.snapshots] == ["export_to_gm", "cleanup_noop_slice"]
+    assert wb.status("cleanup_noop_add") == "pending"
+    wb.run()
+    assert wb.snapshots[0] is export_snap and wb.snapshots[1] is n_slice  # not re-exported
+    assert wb.snapshot("cleanup_noop_add").status == "skipped"
+    assert wb.snapshot("cleanup_noop_add").info.skip_reason == "disabled"
+    # Disabled: the noop adds survive into later snapshots.
+    adds_after = wb.snapshot("cleanup_input_constraints").op_histogram.get("aten.add.Tensor", 0)
+    wb.enable("cleanup_noop_add", True)
+    wb.run()
+    assert wb.snapshot("cleanup_noop_add").info.num_matches == 2
+    assert wb.snapshot("cleanup_input_constraints").op_histogram["aten.add.Tensor"] == adds_after - 2
+    # Setting a field to its current value does not invalidate anything.
+    n = len(wb.snapshots)
+    wb.configure("cleanup_noop_add", enabled=True)
+    assert len(wb.snapshots) == n
+
+
+def test_rewind_and_reset(wb):
+    wb.run()
+    wb.rewind("cleanup_input_constraints")
+    assert wb.position == wb.index("cleanup_input_constraints")
+    # The live graph is back to the state after cleanup_noop_add: export's input checks still on.
+    assert any(n.target == "_guards_fn" for n in wb.module.graph.nodes)
+    wb.run()
+    assert not any(n.target == "_guards_fn" for n in wb.module.graph.nodes)
+    wb.reset()
+    assert wb.position == 0 and not isinstance(wb.module, torch.fx.GraphModule)
+
+
+def test_configure_validation_error_changes_nothing(wb):
+    wb.run()
+    n = len(wb.snapshots)
+    with pytest.raises(ConfigError, match="(?s)export_to_gm.*example_seq_len"):
+        wb.configure("export_to_gm", example_seq_len=-3)
+    with pytest.raises(ConfigError, match="unknown field 'bogus'"):
+        wb.configure("cleanup_noop_add", bogus=1)
+    with pytest.raises(KeyError, match="not in this pipeline"):
+        wb.configure("no_such_transform", enabled=False)
+    assert len(wb.snapshots) == n
+
+
+class _Explode(Transform):
+    """Test-only transform that half-rewrites the graph, then raises."""
+
+    def _apply(self, gm, ctx):
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target is torch.ops.aten.silu.default:
+                node.target = torch.ops.aten.relu.default  # a partial rewrite ...
+                break
+        raise ValueError("boom on purpose")  # ... then a failure
+
+
+def _registry_with_explode():
+    reg = TRANSFORMS.copy()
+    reg.register("explode_on_purpose")(type("ExplodeOnPurpose", (_Explode,), {}))
+    return reg
+
+
+def test_failing_transform_raises_named_error_and_loses_nothing(tiny_llama):
+    reg = _registry_with_explode()
+    extra = {"transforms": {"explode_on_purpose": {"stage": "post_export"}}}
+    wb = Workbench(tiny_llama, yaml_extra=[extra], registry=reg)
+    with pytest.raises(TransformError) as e:
+        wb.run()
+    msg = str(e.value)
+    assert "transform=explode_on_purpose" in msg and "stage=post_export" in msg
+    assert "boom on purpose" in msg
+    done = [s.key for s in wb.snapshots]
+    assert "export_to_gm" in done and wb.status("explode_on_purpose") == "failed"
+    # The half-rewrite was undone: the live graph still has its silu nodes.
+    assert sum(n.target is torch.ops.aten.silu.default for n in wb.module.graph.nodes) == 2
+    # Fix (skip it) and continue from where it stopped, without re-exporting.
+    export_snap = wb.snapshots[0]
+    wb.enable("explode_on_purpose", False)
+    wb.run()
+    assert wb.done and wb.snapshots[0] is export_snap
+
+
+def test_skip_on_error_records_the_error_and_continues(tiny_llama):
+    reg = _registry_with_explode()
+    extra = {"transforms": {"explode_on_purpose": {"stage": "post_export", "skip_on_error": True}}}
+    wb = Workbench(tiny_llama, yaml_extra=[extra], registry=reg)
+    wb.run()
+    snap = wb.snapshot("explode_on_purpose")
+    assert snap.status == "failed" and "boom on purpose" in snap.info.skip_reason
+    assert snap.numerics.max_abs == 0.0  # graph restored before the probe
+    assert wb.snapshots[-1].numerics.max_abs == 0.0
+
+
+def test_failing_export_keeps_the_model_and_can_be_fixed(tiny_llama):
+    wb = Workbench(tiny_llama, overrides=["export_to_gm.max_seq_len=4"])  # example seq 8 > max 4
+    with pytest.raises(TransformError, match="transform=export_to_gm"):
+        wb.step()
+    assert wb.position == 0
+    wb.configure("export_to_gm", max_seq_len=64)
+    wb.run()
+    assert wb.done
+
+
+def test_memory_warning_when_a_transform_allocates(tiny_llama):
+    class AddBuffer(Transform):
+        def _apply(self, gm, ctx):
+            gm.register_buffer("scratch", torch.zeros(1024))
+            return gm, TransformInfo(num_matches=0)
+
+    reg = TRANSFORMS.copy()
+    reg.register("add_buffer_on_purpose")(AddBuffer)
+    extra = {"transforms": {"add_buffer_on_purpose": {"stage": "post_export"}}}
+    wb = Workbench(tiny_llama, yaml_extra=[extra], registry=reg)
+    wb.run()
+    snap = wb.snapshot("add_buffer_on_purpose")
+    assert snap.mem_delta == 4096 and "changed by" in snap.mem_warning
+    wb.configure("add_buffer_on_purpose", expect_mem_change=True)
+    wb.run()
+    assert wb.snapshot("add_buffer_on_purpose").mem_warning is None
+
+
+def test_bisect_finds_the_first_transform_that_breaks_numerics(tiny_llama):
+    class BreakNumerics(Transform):
+        """Swap silu for relu: the first place numerics diverge."""
+
+        def _apply(self, gm, ctx):
+            n = 0
+            for node in gm.graph.nodes:
+                if node.op == "call_function" and node.target is torch.ops.aten.silu.default:
+                    node.target = torch.ops.aten.relu.default
+                    n += 1
+            return gm, TransformInfo(num_matches=n)
+
+    reg = TRANSFORMS.copy()
+    reg.register("break_numerics_on_purpose")(BreakNumerics)
+    extra = {"transforms": {"break_numerics_on_purpose": {"stage": "post_export"}}}
+    wb = Workbench(tiny_llama, yaml_extra=[extra], registry=reg)
+    bad = wb.bisect(tol=1e-5)
+    assert bad is not None and bad.key == "break_numerics_on_purpose"
+    assert bad.numerics.rmse_ratio > 1e-5
+    wb.enable("break_numerics_on_purpose", False)
+    assert wb.bisect(tol=1e-5) is None
+
+
+def test_numerics_can_be_switched_off(tiny_llama):
+    wb = Workbench(tiny_llama, numerics=False)
+    wb.step()
+    assert wb.snapshots[0].numerics is None
+    with pytest.raises(RuntimeError, match="numerics are off"):
+        wb.bisect()
