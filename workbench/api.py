@@ -13,6 +13,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import torch
 
 from .models import LoadedModel, load_model
+from .pipeline.config import apply_global_field, resolve_pipeline
+from .pipeline.interface import TRANSFORMS
 from .pipeline.stepper import PipelineStepper
 from .pipeline.snapshot import Snapshot
 
@@ -40,14 +42,15 @@ class Workbench(PipelineStepper):
         seed: int = 0,
         **kwargs: Any,
     ):
+        # Validate the configuration before loading weights: a typo should fail in milliseconds.
+        registry = kwargs.pop("registry", TRANSFORMS)
+        entries = kwargs.pop("entries", None) or resolve_pipeline(yaml_extra, overrides, registry)
+        if debug_visualize_dir is not None:
+            entries = apply_global_field(entries, "debug_visualize_dir", debug_visualize_dir)
         loaded = model if isinstance(model, LoadedModel) else load_model(
             model, dtype=dtype, device=device, seed=seed
         )
-        super().__init__(loaded, yaml_extra=yaml_extra, overrides=overrides, device=device, **kwargs)
-        if debug_visualize_dir is not None:
-            from .pipeline.config import apply_global_field
-
-            self.entries = apply_global_field(self.entries, "debug_visualize_dir", debug_visualize_dir)
+        super().__init__(loaded, entries=entries, device=device, registry=registry, **kwargs)
         self.on_snapshot.append(self._visualize)
 
     def _visualize(self, snap: Snapshot) -> None:
