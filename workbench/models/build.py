@@ -3,16 +3,22 @@
 Why meta: constructing a model normally allocates every weight and runs torch's default
 init, then transformers' ``post_init`` re-initialises everything again. Under
 ``torch.device("meta")`` construction allocates nothing (and ``post_init`` skips init on
-meta in transformers 5), so memory is allocated exactly once, by ``to_empty``, on the
-target device.
+meta in transformers 5), so memory is allocated exactly once, on the target device.
+
+Why not plain ``Module.to_empty``: it *unties* shared parameters (each module that holds
+the tied embedding gets its own fresh tensor: ``lm_head.weight is embed_tokens.weight``
+becomes False), which allocates the tied matrix twice and changes init results (HF's
+normal build initialises the shared tensor twice, the last writer - lm_head - wins).
+:func:`to_empty_keep_ties` allocates each distinct parameter/buffer once and re-installs
+the same object everywhere it was shared.
 
 Why re-running init works (transformers 5.x): ``PreTrainedModel.initialize_weights()``
 walks the module tree (``smart_apply``) calling ``_init_weights`` on every module not
 flagged ``_is_hf_initialized``. ``_init_weights`` covers Linear/Embedding/norms, the
 stacked MoE expert tensors and routers (model-specific overrides), *and* recomputes the
 rotary ``inv_freq`` / ``original_inv_freq`` buffers from the config - so the garbage
-``to_empty`` leaves in non-persistent buffers is overwritten too. ``tie_weights()`` is
-then re-run so ``lm_head`` shares the embedding when the config asks for it. We poison
+left in non-persistent buffers is overwritten too. ``tie_weights()`` is re-run afterwards
+(a no-op when the ties survived, a safety net otherwise). We poison
 all floating tensors with NaN before init and fail loudly if any survives, so a future
 transformers change that skips a tensor cannot silently hand out garbage weights.
 
@@ -21,8 +27,9 @@ result is bit-identical for a given (config, seed, device) and the caller's glob
 state is untouched. Init always runs in float32; lower-precision dtypes are then made by
 casting the parameters, so ``dtype=bf16`` gives the fp32 weights rounded (handy for
 numerics comparisons). Buffers stay as the modeling code made them (RoPE ``inv_freq``
-is float32), matching ``from_config(dtype=...)``. The cost: a bf16 request briefly holds
-the fp32 weights (fine for tiny configs; the allocation is still never doubled).
+is float32), matching ``from_config(dtype=...)``. The cost: a bf16 request first
+allocates the fp32 weights, then each is replaced by its cast (peak ~ fp32 size; fine
+for tiny configs, and still no tensor is allocated twice in the same dtype).
 """
 
 from __future__ import annotations
@@ -51,9 +58,27 @@ def _floating_tensors(model: torch.nn.Module):
 
 
 @torch.no_grad()
+def to_empty_keep_ties(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Like ``model.to_empty(device=device)`` but shared tensors stay shared (allocated once)."""
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in memo:  # keep `t` alive in memo so its id cannot be reused
+                    new = torch.empty_like(t, device=device)
+                    if isinstance(t, torch.nn.Parameter):
+                        new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                    memo[id(t)] = (t, new)
+                table[name] = memo[id(t)][1]
+    return model
+
+
+@torch.no_grad()
 def materialise(model: torch.nn.Module, device: torch.device, seed: int) -> torch.nn.Module:
     """Allocate ``model``'s meta tensors on ``device`` and initialise them deterministically."""
-    model.to_empty(device=device)
+    to_empty_keep_ties(model, device)
     for t in _floating_tensors(model):
         t.fill_(float("nan"))  # poison, see module docstring
     with _fork_rng(device):
@@ -76,6 +101,8 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modu
         for name, p in module._parameters.items():
             if p is None or not p.is_floating_point() or p.dtype == dtype:
                 continue
+            # Keys are ids of original params, all alive when the loop starts, so a freed
+            # original's id cannot collide with one looked up later (no need to pin them).
             if id(p) not in memo:
                 memo[id(p)] = torch.nn.Parameter(p.to(dtype), requires_grad=p.requires_grad)
             module._parameters[name] = memo[id(p)]
@@ -92,4 +119,4 @@ def build_random_model(config, dtype: torch.dtype, device: torch.device | str, s
     return model
 
 
-__all__ = ["build_on_meta", "materialise", "cast_parameters", "build_random_model"]
+__all__ = ["build_on_meta", "to_empty_keep_ties", "materialise", "cast_parameters", "build_random_model"]

@@ -7,8 +7,8 @@ paths while staying fast on a 2-core CPU:
 
 * hidden 64, 2 layers (MoE: 2 as well - enough to see layer repetition), vocab 512,
   max positions 512;
-* 4 query heads / 2 KV heads (GQA), head_dim 16 (explicit, so hidden != heads*head_dim
-  bugs would show), MLP intermediate 128;
+* 4 query heads / 2 KV heads (GQA), head_dim 16 (set explicitly: not every family
+  derives it from hidden/heads), MLP intermediate 128;
 * MoE: 4 experts, top-2 routing, expert intermediate 64.
 
 The registry is a plain dict populated declaratively below. :func:`register_tiny_arch`
@@ -28,8 +28,11 @@ model construction resolves it to ``"grouped_mm"`` (``torch._grouped_mm``), fall
 back to ``"eager"`` (a per-expert loop) only where grouped_mm cannot dispatch.
 
 gpt_oss is deliberately *not* registered: ``GptOssForCausalLM`` refuses sdpa (it needs
-attention sinks), so it would export the eager attention chain. It builds fine with
-``_attn_implementation = "eager"``; register it yourself if you want that.
+attention sinks), so it would export the eager attention chain. Checked: a builder
+returning ``GptOssConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+rope_parameters={"rope_type": "default", "rope_theta": 150000.0})`` with
+``_attn_implementation = "eager"`` builds, inits and runs; register it yourself if you
+want it (the default yarn rope warns about max_position_embeddings at this size).
 """
 
 from __future__ import annotations
