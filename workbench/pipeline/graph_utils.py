@@ -66,35 +66,6 @@ def run_shape_prop(gm: fx.GraphModule) -> None:
         FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
 
 
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new GraphModule with a copied graph that shares (does not copy) parameter storage.
-
-    ``GraphModule(root, graph)`` re-attaches the attributes the graph reads from ``root`` by
-    reference, so parameters and buffers are the very same tensors. Node meta dicts are copied
-    shallowly (fake values are immutable and shared). Forward hooks (e.g. export's input checks)
-    are carried over.
-    """
-    new_graph = fx.Graph(owning_module=None, tracer_cls=gm.graph._tracer_cls)
-    val_map: Dict[fx.Node, fx.Node] = {}
-    out_args, out_node = new_graph.graph_copy(gm.graph, val_map, return_output_node=True)
-    new_out = new_graph.output(out_args, type_expr=out_node.type)
-    new_out.meta = copy.copy(out_node.meta)
-    new_graph._codegen = gm.graph._codegen  # in/out pytree specs; never mutated in place
-    new = fx.GraphModule(gm, new_graph, class_name=type(gm).__name__)
-    new.meta = dict(getattr(gm, "meta", {}))
-    # Plain attributes export attaches (validate_inputs, _in_spec, range_constraints, ...).
-    for name, value in gm.__dict__.items():
-        if name not in new.__dict__:
-            new.__dict__[name] = value
-    for hooks_name in (
-        "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-        "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-    ):
-        if hasattr(gm, hooks_name):
-            getattr(new, hooks_name).update(getattr(gm, hooks_name))
-    return new
-
-
 def copy_module(mod: torch.nn.Module) -> torch.nn.Module:
     """Copy ``mod`` so later graph rewrites do not touch it; parameters stay shared.
 
@@ -102,7 +73,9 @@ def copy_module(mod: torch.nn.Module) -> torch.nn.Module:
     compile backend wraps the graph): the wrapper is shallow-copied and each graph copied.
     """
     if isinstance(mod, fx.GraphModule):
-        return copy_graph_module(mod)
+        from .graph_copy import GraphCopy
+
+        return GraphCopy(mod).module  # built from its own graph copy: independent of mod
     new = copy.copy(mod)
     new._modules = dict(mod._modules)
     for name, sub in list(new._modules.items()):

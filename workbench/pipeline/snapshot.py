@@ -12,6 +12,7 @@ from typing import Any, Dict, FrozenSet, List, Optional
 
 import torch
 
+from .graph_copy import GraphCopy
 from .interface import PhaseTimes, Stages, TransformConfig, TransformInfo
 from .memory import MemoryStats
 from .numerics import Numerics
@@ -33,13 +34,24 @@ class Snapshot:
     mem_warning: Optional[str]
     num_nodes: int
     op_histogram: Dict[str, int]
-    module: torch.nn.Module  # shares parameter storage with the live model
+    graph_copy: Optional[GraphCopy]  # None only when snapshots are off (snapshots=False)
     node_names: FrozenSet[str]
     added_nodes: List[str]  # created by this transform (provenance)
     removed_nodes: List[str]  # present before, gone after
     numerics: Optional[Numerics] = None
     shared: Dict[str, Any] = field(default_factory=dict)  # ctx.shared as it was after the step
     resources: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def module(self) -> Optional[torch.nn.Module]:
+        """The graph after this transform, as a GraphModule sharing parameter storage (read it;
+        to continue transforming use ``graph_copy.materialize()``)."""
+        return None if self.graph_copy is None else self.graph_copy.module
+
+    @property
+    def graph(self) -> Optional[torch.fx.Graph]:
+        """The frozen graph, without building a module."""
+        return None if self.graph_copy is None else self.graph_copy.graph
 
     @property
     def status(self) -> str:

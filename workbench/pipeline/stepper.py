@@ -18,7 +18,8 @@ import torch
 from ..models.export_contract import CausalLMLogits, ProbeBatch, make_batch
 from . import transforms as _transforms  # noqa: F401  (registers every transform)
 from .config import ConfigError, PipelineEntry, resolve_pipeline
-from .graph_utils import copy_module, graph_modules, num_nodes, op_histogram
+from .graph_copy import GraphCopy
+from .graph_utils import graph_modules, num_nodes, op_histogram
 from .interface import TRANSFORMS, GraphState, Stages, TransformError, TransformRegistry
 from .memory import measure, unexpected_change
 from .numerics import Numerics, compare_logits, exceeds
@@ -171,12 +172,12 @@ class PipelineStepper:
         self.invalidate(0)
 
     def _restore_live(self) -> None:
-        if self.snapshots and self.snapshots[-1].module is None:
+        if self.snapshots and self.snapshots[-1].graph_copy is None:
             # Graph copies were not kept (snapshots=False): the only way back is a fresh start.
             self.snapshots.clear()
         if self.snapshots:
             last = self.snapshots[-1]
-            self._live = copy_module(last.module)
+            self._live = last.graph_copy.materialize()
             self.ctx.shared = dict(last.shared)
             self.ctx.resources = dict(last.resources)
             self._state = GraphState(last.info.is_clean, last.info.has_valid_shapes)
@@ -238,17 +239,17 @@ class PipelineStepper:
             if warning:
                 logger.warning("[stage=%s, transform=%s] unexpected memory change: %s",
                                entry.config.stage.value, entry.key, warning)
-        changed = bool(added or removed) or not self.snapshots
-        if not self.record_graphs:
-            stored = mod if not self.snapshots else None
-        elif changed or info.num_matches:
-            stored = copy_module(mod) if graph_modules(mod) else mod
+        changed = bool(added or removed) or info.num_matches > 0 or not self.snapshots
+        if not self.record_graphs or not graph_modules(mod):
+            stored = None
+        elif changed:
+            stored = GraphCopy(mod)
         else:  # nothing changed: share the previous snapshot's (immutable) copy
-            stored = self.snapshots[-1].module
+            stored = self.snapshots[-1].graph_copy
         return Snapshot(
             index=i, key=entry.key, stage=entry.config.stage, config=entry.config, info=info,
             times=times, mem_before=mem_before, mem_after=mem_after, mem_warning=warning,
-            num_nodes=num_nodes(mod), op_histogram=op_histogram(mod), module=stored,
+            num_nodes=num_nodes(mod), op_histogram=op_histogram(mod), graph_copy=stored,
             node_names=frozenset(names), added_nodes=added, removed_nodes=removed,
             numerics=self._probe(mod) if self.numerics_enabled else None,
             shared=dict(self.ctx.shared), resources=dict(self.ctx.resources),

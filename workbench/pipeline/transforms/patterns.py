@@ -1,0 +1,517 @@
+"""A small declarative pattern matcher over exported ATen graphs.
+
+A pattern is two eager functions: ``search`` written the way model code computes something (the
+RMSNorm chain, rotate-half RoPE, ...) and ``replace`` that computes the same with a canonical
+``torch.ops.workbench`` op. ``search`` is traced with ``torch.export`` -- the same tracer that made
+the model graph -- so the pattern is spelled in exactly the ops the model graph uses (``aten.to.dtype``
+casts, ``aten.linear``, ...). No hand-written node lists.
+
+Matching walks the traced pattern backwards from its output(s):
+
+* pattern placeholders bind to any graph node (consistently: a placeholder used twice must meet
+  the same node twice);
+* ``literals`` are keyword arguments of ``search`` traced with sentinel values; a sentinel in the
+  traced graph matches any literal in the model graph and is bound under its name (e.g. ``eps``);
+* ``ignore`` lists ``(op, argument name)`` pairs whose values may differ (shapes in reshapes, slice
+  bounds): ``check`` must then validate them, usually from ``meta['val']`` shapes;
+* ``aten.add.Tensor`` / ``aten.mul.Tensor`` match in either argument order;
+* a match is only used if its inner nodes feed nothing outside the match (else the replaced
+  computation would have to stay anyway).
+
+``replace`` is called with ``torch.fx.Proxy`` objects for the bound inputs, so it records its ops
+straight into the model graph; each new node gets ``meta['val']`` (the graph's fake mode),
+the replaced nodes' names in ``meta['wb_replaces']`` and the anchor's module-stack metadata.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..snapshot import REPLACES_KEY
+
+aten = torch.ops.aten
+
+COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
+# Export leaves these behind; they are bookkeeping, never part of a pattern.
+_EXPORT_NOISE = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
+# Meta keys copied from the match's anchor to replacement nodes (viz groups nodes by module).
+_INHERITED_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn")
+
+
+# --------------------------------------------------------------------------------------------
+# Export helper (patterns and tests use the same tracer as the pipeline)
+
+
+class _FnModule(torch.nn.Module):
+    def __init__(self, fn: Callable[..., Any], kwargs: Mapping[str, Any]):
+        super().__init__()
+        self.fn, self.kwargs = fn, dict(kwargs)
+
+    def forward(self, *args):
+        return self.fn(*args, **self.kwargs)
+
+
+def export_graph_module(
+    fn: Callable[..., Any] | torch.nn.Module,
+    args: Sequence[Any],
+    *,
+    kwargs: Optional[Mapping[str, Any]] = None,
+    dynamic_shapes: Any = None,
+) -> fx.GraphModule:
+    """``torch.export`` (non-strict) of a function or module -> GraphModule without export's
+    runtime guards and metadata asserts, like ``export_to_gm`` leaves the model graph.
+
+    ``kwargs`` are bound into a function (not exported as inputs).
+    """
+    mod = fn if isinstance(fn, torch.nn.Module) else _FnModule(fn, kwargs or {})
+    with torch.no_grad():
+        ep = torch.export.export(mod, tuple(args), dynamic_shapes=dynamic_shapes, strict=False)
+    gm = ep.module()
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _EXPORT_NOISE:
+            gm.graph.erase_node(node)
+        elif node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+    for key, hook in list(gm._forward_pre_hooks.items()):
+        if getattr(hook, "__name__", "") == "_check_input_constraints_pre_hook":
+            del gm._forward_pre_hooks[key]
+    gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    return gm
+
+
+# --------------------------------------------------------------------------------------------
+# Patterns
+
+
+@dataclass(frozen=True, eq=False)  # identity hash: patterns are module constants, traced once
+class Pattern:
+    """One rewrite: ``search`` (model spelling) -> ``replace`` (canonical op)."""
+
+    name: str
+    search: Callable[..., Any]
+    replace: Callable[..., Any]
+    # Builds example tensors for tracing ``search`` (one per positional parameter).
+    example_inputs: Callable[[], Tuple[torch.Tensor, ...]]
+    # Keyword args of ``search`` -> sentinel values used when tracing; bound as wildcards.
+    literals: Mapping[str, Any] = field(default_factory=dict)
+    # (op, argument name) pairs whose values are not compared; ``check`` validates them.
+    ignore: Tuple[Tuple[Any, str], ...] = ()
+    # Ops whose matched nodes may also feed nodes outside the match; they then stay in the graph.
+    # (Export spells an fp32 ``x.to(torch.float32)`` as a node that *aliases* x, so the residual
+    # branch reads the RMSNorm's first cast.)
+    shareable: Tuple[Any, ...] = ()
+    # Match -> None to reject, or extra keyword arguments for ``replace``.
+    check: Optional[Callable[["Match"], Optional[Dict[str, Any]]]] = None
+
+    @property
+    def input_names(self) -> List[str]:
+        params = inspect.signature(self.search).parameters.values()
+        return [p.name for p in params if p.name not in self.literals]
+
+
+@functools.lru_cache(maxsize=None)
+def traced_pattern(pattern: Pattern) -> fx.Graph:
+    """The ATen graph of ``pattern.search`` on its example inputs (cached per pattern)."""
+    gm = export_graph_module(pattern.search, pattern.example_inputs(), kwargs=pattern.literals)
+    names = pattern.input_names
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(names):
+        raise ValueError(f"pattern {pattern.name}: {len(names)} inputs but traced {len(placeholders)}")
+    for node, name in zip(placeholders, names):
+        node.meta["pattern_input"] = name
+    seen = {repr(v) for n in gm.graph.nodes for v in _flat_literals((n.args, n.kwargs))}
+    for key, sentinel in pattern.literals.items():
+        if repr(sentinel) not in seen:
+            raise ValueError(f"pattern {pattern.name}: literal {key}={sentinel!r} not in the trace")
+    return gm.graph
+
+
+def _flat_literals(x: Any) -> Iterator[Any]:
+    if isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _flat_literals(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _flat_literals(y)
+    elif not isinstance(x, fx.Node):
+        yield x
+
+
+def named_args(node: fx.Node) -> List[Tuple[str, Any]]:
+    """``node``'s arguments as (name, value) for every schema argument, defaults filled in.
+
+    Makes ``mean(x, [-1], True)`` and ``mean(x, [-1], keepdim=True)`` compare equal.
+    """
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        out = []
+        for i, arg in enumerate(target._schema.arguments):
+            if i < len(node.args):
+                value = node.args[i]
+            elif arg.name in node.kwargs:
+                value = node.kwargs[arg.name]
+            elif arg.has_default_value():
+                value = arg.default_value
+            else:
+                value = None
+            out.append((arg.name, value))
+        return out
+    return [(str(i), a) for i, a in enumerate(node.args)] + sorted(node.kwargs.items())
+
+
+# --------------------------------------------------------------------------------------------
+# Matching
+
+
+@dataclass
+class _State:
+    nodes: Dict[fx.Node, fx.Node] = field(default_factory=dict)  # pattern node -> graph node
+    inputs: Dict[str, Any] = field(default_factory=dict)  # pattern input name -> graph node
+    literals: Dict[str, Any] = field(default_factory=dict)
+
+    def copy(self) -> "_State":
+        return _State(dict(self.nodes), dict(self.inputs), dict(self.literals))
+
+
+@dataclass
+class Match:
+    """A found occurrence of a pattern: what ``check`` and ``replace`` get to see."""
+
+    pattern: Pattern
+    gm: fx.GraphModule
+    inputs: Dict[str, fx.Node]  # pattern input name -> graph node
+    literals: Dict[str, Any]  # literal name -> value found in the graph
+    nodes: Dict[fx.Node, fx.Node]  # pattern node -> graph node
+    outputs: List[fx.Node]  # graph nodes computing the pattern's outputs
+
+    def val(self, name: str) -> Any:
+        """``meta['val']`` (fake tensor) of a bound input."""
+        node = self.inputs[name]
+        return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+    def matched(self, target: Any) -> List[fx.Node]:
+        """Graph nodes matched to pattern nodes calling ``target`` (in pattern order)."""
+        return [g for p, g in self.nodes.items() if p.target == target]
+
+    @property
+    def graph_nodes(self) -> List[fx.Node]:
+        return list(self.nodes.values())
+
+
+class PatternMatcher:
+    """Applies an ordered list of patterns to a graph; created per transform call."""
+
+    def __init__(self, patterns: Sequence[Pattern] = ()):
+        self.patterns: List[Pattern] = list(patterns)
+
+    def register(self, pattern: Pattern) -> None:
+        self.patterns.append(pattern)
+
+    # -- public API ------------------------------------------------------------------------
+    def apply(self, gm: fx.GraphModule) -> Dict[str, int]:
+        """Replace every match of every pattern (in order); returns matches per pattern name."""
+        counts: Dict[str, int] = {}
+        for pattern in self.patterns:
+            n = 0
+            anchor_target = _outputs(traced_pattern(pattern))[0].target
+            for node in [x for x in gm.graph.nodes if x.target == anchor_target]:
+                if node._erased or node.op != "call_function":
+                    continue
+                match = self.match_at(gm, pattern, node)
+                if match is not None and replace_match(match):
+                    n += 1
+            counts[pattern.name] = n
+        return counts
+
+    def match_at(self, gm: fx.GraphModule, pattern: Pattern, node: fx.Node) -> Optional[Match]:
+        """The first valid match of ``pattern`` whose first output is ``node``, if any."""
+        graph = traced_pattern(pattern)
+        outs = _outputs(graph)
+        by_target: Dict[Any, List[fx.Node]] = {}
+        for state in self._node(pattern, outs[0], node, _State()):
+            for full in self._more_outputs(pattern, gm, outs[1:], state, by_target):
+                match = Match(
+                    pattern, gm, dict(full.inputs), dict(full.literals), dict(full.nodes),
+                    [full.nodes[o] for o in outs],
+                )
+                if not _self_contained(match):
+                    continue
+                extras = pattern.check(match) if pattern.check else {}
+                if extras is None:
+                    continue
+                match.literals.update(extras)
+                return match
+        return None
+
+    # -- backtracking search ---------------------------------------------------------------
+    def _more_outputs(self, pattern, gm, outs, state, by_target) -> Iterator[_State]:
+        if not outs:
+            yield state
+            return
+        out, rest = outs[0], outs[1:]
+        if out in state.nodes:
+            yield from self._more_outputs(pattern, gm, rest, state, by_target)
+            return
+        if out.target not in by_target:
+            by_target[out.target] = [n for n in gm.graph.nodes if n.target == out.target]
+        for cand in by_target[out.target]:
+            if cand._erased:
+                continue
+            for s in self._node(pattern, out, cand, state):
+                yield from self._more_outputs(pattern, gm, rest, s, by_target)
+
+    def _node(self, pattern: Pattern, p: fx.Node, g: Any, st: _State) -> Iterator[_State]:
+        if p.op == "placeholder":
+            name = p.meta["pattern_input"]
+            if name in st.inputs:
+                if st.inputs[name] is g:
+                    yield st
+                return
+            if isinstance(g, fx.Node) and g not in st.nodes.values():
+                st = st.copy()
+                st.inputs[name] = g
+                yield st
+            return
+        if p.op == "get_attr":  # constants captured by the pattern: rare, require the same op
+            return
+        if not isinstance(g, fx.Node) or g.op != "call_function" or g.target != p.target:
+            return
+        if p in st.nodes:
+            if st.nodes[p] is g:
+                yield st
+            return
+        if g in st.nodes.values() or g in st.inputs.values():
+            return
+        st = st.copy()
+        st.nodes[p] = g
+        p_args, g_args = named_args(p), named_args(g)
+        if len(p_args) != len(g_args):
+            return
+        ignored = {name for op, name in pattern.ignore if op == p.target}
+        pairs = [(pv, gv) for (name, pv), (_, gv) in zip(p_args, g_args) if name not in ignored]
+        orders = [pairs]
+        if p.target in COMMUTATIVE and len(pairs) >= 2 and not ignored:
+            orders.append([(pairs[0][0], pairs[1][1]), (pairs[1][0], pairs[0][1])] + pairs[2:])
+        for order in orders:
+            yield from self._values(pattern, order, st)
+
+    def _values(self, pattern, pairs, st) -> Iterator[_State]:
+        if not pairs:
+            yield st
+            return
+        (pv, gv), rest = pairs[0], pairs[1:]
+        for s in self._value(pattern, pv, gv, st):
+            yield from self._values(pattern, rest, s)
+
+    def _value(self, pattern, pv, gv, st) -> Iterator[_State]:
+        if isinstance(pv, fx.Node):
+            yield from self._node(pattern, pv, gv, st)
+        elif isinstance(pv, (list, tuple)):
+            if isinstance(gv, (list, tuple)) and len(pv) == len(gv):
+                yield from self._values(pattern, list(zip(pv, gv)), st)
+        else:
+            name = _sentinel_name(pattern, pv)
+            if name is not None:
+                if isinstance(gv, fx.Node):
+                    return
+                if name in st.literals:
+                    if _same_literal(st.literals[name], gv):
+                        yield st
+                    return
+                st = st.copy()
+                st.literals[name] = gv
+                yield st
+            elif _same_literal(pv, gv):
+                yield st
+
+
+def _sentinel_name(pattern: Pattern, value: Any) -> Optional[str]:
+    for key, sentinel in pattern.literals.items():
+        if _same_literal(sentinel, value):
+            return key
+    return None
+
+
+def _same_literal(a: Any, b: Any) -> bool:
+    """Equal literals of the same type (``1`` and ``1.0`` trace to different overloads)."""
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        return a is b
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - incomparable values are different values
+        return False
+
+
+def _outputs(graph: fx.Graph) -> List[fx.Node]:
+    out = next(n for n in graph.nodes if n.op == "output").args[0]
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    return outs
+
+
+def _self_contained(match: Match) -> bool:
+    """Inner nodes (all but outputs and ``shareable`` ones) may only be used inside the match."""
+    inside = set(match.nodes.values())
+    inner = inside - set(match.outputs)
+    shareable = set(match.pattern.shareable)
+    return all(u in inside for n in inner if n.target not in shareable for u in n.users)
+
+
+# --------------------------------------------------------------------------------------------
+# Replacement
+
+
+def replace_match(match: Match) -> bool:
+    """Record ``pattern.replace`` into the graph and reroute the outputs' users to it.
+
+    Returns False (graph untouched) if the replacement cannot be placed: it goes right after the
+    last input, which must come before every user of the match's outputs.
+    """
+    gm, graph = match.gm, match.gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    input_nodes = [n for n in match.inputs.values() if isinstance(n, fx.Node)]
+    last = max(input_nodes, key=order.__getitem__) if input_nodes else next(iter(graph.nodes))
+    first_user = min(
+        (order[u] for o in match.outputs for u in o.users), default=len(order)
+    )
+    if order[last] >= first_user:
+        return False
+    tracer = fx.proxy.GraphAppendingTracer(graph)
+    args = [fx.Proxy(match.inputs[name], tracer) for name in match.pattern.input_names]
+    before = set(graph.nodes)
+    with graph.inserting_before(last.next):
+        result = match.pattern.replace(*args, **match.literals)
+    results = list(result) if isinstance(result, (list, tuple)) else [result]
+    if len(results) != len(match.outputs):
+        raise ValueError(f"pattern {match.pattern.name}: replace returned {len(results)} outputs")
+    new_nodes = [n for n in graph.nodes if n not in before]
+    for old, new in zip(match.outputs, results):
+        old.replace_all_uses_with(new.node if isinstance(new, fx.Proxy) else new)
+    names = {n: n.name for n in match.graph_nodes}
+    erase_dead(graph, match.graph_nodes)
+    replaced = [name for n, name in names.items() if n._erased]  # shared nodes stay: not replaced
+    annotate_new_nodes(gm, new_nodes, replaced, anchor=match.outputs[0])
+    return True
+
+
+def annotate_new_nodes(
+    gm: fx.GraphModule, nodes: Sequence[fx.Node], replaced: Sequence[str], anchor: Optional[fx.Node]
+) -> None:
+    """Provenance, inherited module metadata and fake values for nodes a transform created."""
+    for node in nodes:
+        node.meta[REPLACES_KEY] = list(replaced)
+        if anchor is not None:
+            for key in _INHERITED_META:
+                if key in anchor.meta and key not in node.meta:
+                    node.meta[key] = anchor.meta[key]
+    propagate_fake_values(gm, nodes)
+
+
+def propagate_fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> bool:
+    """Set ``meta['val']`` on ``nodes`` (in order) by running them on their inputs' fake values.
+
+    Returns False (leaving later nodes without values) when an input has no fake value; the
+    transform's ``run_shape_prop`` flag then repairs the metadata.
+    """
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        missing = []
+
+        def fake(a: fx.Node) -> Any:
+            v = a.meta.get("val")
+            if v is None:
+                missing.append(a)
+            return v
+
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), fake)
+        if missing:
+            return False
+        flat = [v for v in torch.utils._pytree.tree_leaves((args, kwargs))]
+        mode = detect_fake_mode(flat)
+        if node.target is operator.getitem:
+            node.meta["val"] = args[0][args[1]]
+            continue
+        if mode is None:
+            if any(isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor) for v in flat):
+                return False
+            node.meta["val"] = node.target(*args, **kwargs)
+            continue
+        with mode:
+            node.meta["val"] = node.target(*args, **kwargs)
+    return True
+
+
+def erase_dead(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:
+    """Erase ``nodes`` that are now unused (users first), leaving any still-used ones."""
+    pending = [n for n in nodes if not n._erased]
+    changed = True
+    while changed:
+        changed = False
+        for node in list(pending):
+            if not node.users:
+                graph.erase_node(node)
+                pending.remove(node)
+                changed = True
+
+
+# --------------------------------------------------------------------------------------------
+# Shape helpers for checks
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """Whether two (possibly symbolic) sizes are provably equal."""
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001 - unknown relation means "not provably equal"
+        return False
+
+
+def same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def fake(node: Any) -> Optional[torch.Tensor]:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+__all__ = [
+    "Pattern", "PatternMatcher", "Match", "export_graph_module", "traced_pattern", "replace_match",
+    "annotate_new_nodes", "propagate_fake_values", "erase_dead", "same_size", "same_shape", "fake",
+    "named_args",
+]
+
+
+def match_info(gm: fx.GraphModule, counts: Mapping[str, int], **details: Any):
+    """The TransformInfo of a pattern transform: matches per pattern, recompiled graph.
+
+    Shapes stay valid when every node still carries a fake value (replacements get theirs from
+    ``propagate_fake_values``), so later matchers can read ``meta['val']`` without a shape prop.
+    """
+    from ..interface import TransformInfo
+
+    n = sum(counts.values())
+    if n:
+        gm.graph.lint()
+        gm.recompile()
+    shapes = all(
+        "val" in node.meta for node in gm.graph.nodes if node.op in ("call_function", "placeholder")
+    )
+    return gm, TransformInfo(
+        num_matches=n, is_clean=n == 0, has_valid_shapes=shapes,
+        details={"matches": dict(counts), **details},
+    )
