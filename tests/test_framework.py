@@ -280,3 +280,32 @@ def test_numerics_can_be_switched_off(tiny_llama):
     assert wb.snapshots[0].numerics is None
     with pytest.raises(RuntimeError, match="numerics are off"):
         wb.bisect()
+
+
+class _InsertScale(Transform):
+    """Test-only: multiply the logits by 1.0 with a new node that has no shape metadata."""
+
+    def _apply(self, gm, ctx):
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        (src,) = out.args[0]  # exported graphs return a pytree-flattened tuple
+        with gm.graph.inserting_before(out):
+            new = gm.graph.call_function(torch.ops.aten.mul.Tensor, (src, 1.0))
+        out.replace_input_with(src, new)
+        return gm, TransformInfo(num_matches=1)
+
+
+@pytest.mark.parametrize("shape_prop", [True, False])
+def test_shape_propagation_runs_when_the_flag_says(tiny_llama, shape_prop):
+    reg = TRANSFORMS.copy()
+    reg.register("insert_scale_on_purpose")(_InsertScale)
+    extra = {"transforms": {"insert_scale_on_purpose": {"stage": "post_export", "run_shape_prop": shape_prop}}}
+    wb = Workbench(tiny_llama, yaml_extra=[extra], registry=reg, numerics=False)
+    snap = wb.run_to("insert_scale_on_purpose")[-1]
+    assert snap.info.has_valid_shapes is shape_prop
+    new = [n for n in snap.graph.nodes if n.name in snap.added_nodes]
+    assert len(new) == 1 and new[0].meta["wb_created_by"] == "insert_scale_on_purpose"
+    val = new[0].meta.get("val")
+    if shape_prop:  # symbolic batch/seq dims survive propagation
+        assert val is not None and val.shape[-1] == 512 and not isinstance(val.shape[0], int)
+    else:
+        assert val is None
