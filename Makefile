@@ -10,16 +10,24 @@ PYTEST_ARGS ?=
 
 install: system-deps $(STAMP)
 
-# The system `dot` binary renders graphs (Debian package graphviz).
-system-deps:
-	@if ! command -v dot >/dev/null 2>&1; then \
+# System binaries, from Debian packages, installed when missing and we are root:
+#   dot       (graphviz) renders graphs;
+#   chromium  (chromium) loads the HTML report in the browser test.
+# $(call ensure_deb,binary,package[,optional]): an optional one missing is a warning, not an error.
+define ensure_deb
+	@if ! command -v $(1) >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing graphviz (dot)..."; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null; \
+	    echo "installing $(2) ($(1))..."; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(2) >/dev/null; \
 	  else \
-	    echo "error: the 'dot' binary is missing: install the Debian package 'graphviz' (sudo apt-get install graphviz)"; exit 1; \
+	    echo "$(if $(3),warning,error): the '$(1)' binary is missing: install the Debian package '$(2)' (sudo apt-get install $(2))"; $(if $(3),true,exit 1); \
 	  fi; \
 	fi
+endef
+
+system-deps:
+	$(call ensure_deb,dot,graphviz)
+	$(call ensure_deb,chromium,chromium,optional)
 
 # torch==2.13.0 first: on this machine it resolves to the local CPU build, and the package's
 # loose `torch>=2.6` is then already satisfied (no CUDA wheels are pulled).
