@@ -36,3 +36,16 @@ def test_unknown_model_is_a_clear_error(capsys):
 def test_bad_yaml_path(capsys, tmp_path):
     assert main(["run", "--model", "tiny:llama", "--yaml-extra", str(tmp_path / "nope.yaml")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_run_writes_report_and_renders(capsys, tmp_path):
+    report, renders = tmp_path / "report", tmp_path / "renders"
+    argv = ["run", "--model", "tiny:llama", "--report", str(report), "--debug-visualize-dir", str(renders),
+            "--set", "export_to_gm.max_seq_len=64"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"report: {report / 'index.html'}" in out
+    html = (report / "index.html").read_text()
+    assert "export_to_gm" in html and "cleanup_identity_dtype_cast" in html
+    svgs = sorted(p.name for p in renders.glob("*.svg"))
+    assert svgs[0] == "00_export_to_gm.svg" and len(svgs) >= 5

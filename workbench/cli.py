@@ -60,7 +60,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         wb.run()
     finally:
+        # A failing transform still leaves a table and a report of everything before it.
         print(format_table(wb))
+        if args.report:
+            from .viz.report import write_report
+
+            print(f"report: {write_report(wb, args.report)}")
     print(f"pipeline: {len(wb.snapshots)} transforms in {wb.total_time():.2f}s")
     if args.debug_visualize_dir:
         print(f"renders: {args.debug_visualize_dir}")
@@ -102,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override one config field, e.g. export_to_gm.strict=true (repeatable)")
     r.add_argument("--debug-visualize-dir", default=None, metavar="DIR",
                    help="render every snapshot to DIR/NN_<transform>.svg")
+    r.add_argument("--report", default=None, metavar="DIR",
+                   help="write a standalone HTML report to DIR/index.html")
     r.add_argument("--no-numerics", action="store_true", help="skip the per-step numerics probe")
     r.set_defaults(func=cmd_run)
     t = sub.add_parser("transforms", help="list registered transforms, stages and config fields")
