@@ -1,7 +1,5 @@
 """The CLI: `workbench run` prints the table, `workbench transforms` lists, bad input is one clear line."""
 
-import pytest
-
 from workbench.cli import main
 
 
@@ -14,29 +12,24 @@ def test_run_prints_table(capsys):
     assert "skipped" in out  # the disabled one
     assert "rmse 0.0e+00" in out
 
-
 def test_transforms_lists_keys_stages_and_fields(capsys):
     assert main(["transforms"]) == 0
     out = capsys.readouterr().out
     assert "export_to_gm" in out and "export" in out and "example_seq_len" in out
-
 
 def test_bad_override_is_a_clear_error(capsys):
     assert main(["run", "--model", "tiny:llama", "--set", "export_to_gm.strct=true"]) == 2
     err = capsys.readouterr().err
     assert "unknown field 'strct'" in err and "did you mean 'strict'" in err
 
-
 def test_unknown_model_is_a_clear_error(capsys):
     assert main(["run", "--model", "no/such-model-xyz"]) == 1
     err = capsys.readouterr().err
     assert "no/such-model-xyz" in err
 
-
 def test_bad_yaml_path(capsys, tmp_path):
     assert main(["run", "--model", "tiny:llama", "--yaml-extra", str(tmp_path / "nope.yaml")]) == 2
     assert "not found" in capsys.readouterr().err
-
 
 def test_run_writes_report_and_renders(capsys, tmp_path):
     report, renders = tmp_path / "report", tmp_path / "renders"

@@ -7,7 +7,7 @@ import torch
 from workbench import ConfigError, TransformError, Workbench
 from workbench.pipeline.config import deep_merge, parse_override, resolve_pipeline
 from workbench.pipeline.interface import (
-    TRANSFORMS, Stages, Transform, TransformConfig, TransformInfo,
+    TRANSFORMS, Stages, Transform, TransformInfo,
 )
 
 

@@ -10,8 +10,7 @@ they were.
 from __future__ import annotations
 
 import logging
-import time
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
 

@@ -12,7 +12,7 @@ import torch
 from pydantic import Field, field_validator
 
 from ...models.export_contract import make_batch
-from ..interface import Stages, Transform, TransformConfig, TransformInfo, register
+from ..interface import Transform, TransformConfig, TransformInfo, register
 from .export_patches import EXPORT_PATCHES, apply_patches, resolve_patches
 
 
