@@ -84,6 +84,47 @@ def copy_module(mod: torch.nn.Module) -> torch.nn.Module:
     return new
 
 
+# Export's runtime checks on inputs: scalar asserts and range constraints on input dims.
+INPUT_ASSERT_OPS = frozenset({
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+    torch.ops.aten.sym_constrain_range.default,
+})
+
+
+def remove_tensor_metadata_asserts(gm: fx.GraphModule) -> int:
+    """Erase ``aten._assert_tensor_metadata`` nodes export adds around ``.to()`` calls.
+
+    They check nothing the graph can violate, and as extra users of a node they get in the way of
+    pattern matching. Returns how many were removed.
+    """
+    nodes = [n for n in gm.graph.nodes if n.target is torch.ops.aten._assert_tensor_metadata.default]
+    for node in nodes:
+        gm.graph.erase_node(node)
+    return len(nodes)
+
+
+def remove_input_checks(gm: fx.GraphModule) -> int:
+    """Erase export's input checks: the ``_guards_fn`` call, input asserts and the pre-hook
+    ``ExportedProgram.module()`` installs. Returns how many were removed."""
+    n = 0
+    for node in list(gm.graph.nodes):
+        if (node.op == "call_module" and node.target == "_guards_fn") or (
+            node.op == "call_function" and node.target in INPUT_ASSERT_OPS
+        ):
+            gm.graph.erase_node(node)
+            n += 1
+    for key, hook in list(gm._forward_pre_hooks.items()):
+        if getattr(hook, "__name__", "") == "_check_input_constraints_pre_hook":
+            del gm._forward_pre_hooks[key]
+            n += 1
+    if hasattr(gm, "_guards_fn") and not any(
+        nd.op == "call_module" and nd.target == "_guards_fn" for nd in gm.graph.nodes
+    ):
+        delattr(gm, "_guards_fn")
+    return n
+
+
 def op_name(node: fx.Node) -> str:
     """Readable op name: ``aten.linear.default``, ``workbench.torch_rmsnorm``, ``getitem``..."""
     if node.op in ("call_function", "call_method"):

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph_utils import tensor_meta
+from ..graph_utils import remove_input_checks, tensor_meta
 from ..interface import Transform, TransformInfo, register
 
 aten = torch.ops.aten
@@ -131,13 +131,6 @@ class CleanupNoopAdd(Transform):
         return _finish(gm, n)
 
 
-_INPUT_ASSERTS = {
-    aten._assert_scalar.default,
-    aten.sym_constrain_range_for_size.default,
-    aten.sym_constrain_range.default,
-}
-
-
 @register("cleanup_input_constraints")
 class CleanupInputConstraints(Transform):
     """Remove export's runtime input checks; keep the ranges they encode as graph metadata.
@@ -149,22 +142,7 @@ class CleanupInputConstraints(Transform):
     """
 
     def _apply(self, gm, ctx):
-        n = 0
-        for node in list(gm.graph.nodes):
-            if node.op == "call_module" and node.target == "_guards_fn" or (
-                node.op == "call_function" and node.target in _INPUT_ASSERTS
-            ):
-                gm.graph.erase_node(node)
-                n += 1
-        for key, hook in list(gm._forward_pre_hooks.items()):
-            if getattr(hook, "__name__", "") == "_check_input_constraints_pre_hook":
-                del gm._forward_pre_hooks[key]
-                n += 1
-        if hasattr(gm, "_guards_fn") and not any(
-            nd.op == "call_module" and nd.target == "_guards_fn" for nd in gm.graph.nodes
-        ):
-            delattr(gm, "_guards_fn")
-        return _finish(gm, n)
+        return _finish(gm, remove_input_checks(gm))
 
 
 _DEFAULT_FORMATS = (None, torch.preserve_format)

@@ -12,6 +12,7 @@ import torch
 from pydantic import Field, field_validator
 
 from ...models.export_contract import make_batch
+from ..graph_utils import remove_tensor_metadata_asserts
 from ..interface import Transform, TransformConfig, TransformInfo, register
 from .export_patches import EXPORT_PATCHES, apply_patches, resolve_patches
 
@@ -68,12 +69,7 @@ class ExportToGM(Transform):
         with apply_patches(patches, mod), torch.inference_mode(False), torch.no_grad():
             ep = torch.export.export(mod, example.args, dynamic_shapes=dyn, strict=cfg.strict)
         gm = ep.module()
-        removed = 0
-        if cfg.remove_tensor_metadata_asserts:
-            for node in list(gm.graph.nodes):
-                if node.target is torch.ops.aten._assert_tensor_metadata.default:
-                    gm.graph.erase_node(node)
-                    removed += 1
+        removed = remove_tensor_metadata_asserts(gm) if cfg.remove_tensor_metadata_asserts else 0
         gm.meta["range_constraints"] = {str(k): str(v) for k, v in ep.range_constraints.items()}
         gm.meta["export_patches"] = [p.name for p in patches]
         gm.meta["dynamic_dims"] = {"batch": (1, max_b), "seq": (1, max_s)}

@@ -37,13 +37,12 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..graph_utils import remove_input_checks, remove_tensor_metadata_asserts
 from ..snapshot import REPLACES_KEY
 
 aten = torch.ops.aten
 
 COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
-# Export leaves these behind; they are bookkeeping, never part of a pattern.
-_EXPORT_NOISE = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
 # Meta keys copied from the match's anchor to replacement nodes (viz groups nodes by module).
 _INHERITED_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn")
 
@@ -74,17 +73,13 @@ def export_graph_module(
     ``kwargs`` are bound into a function (not exported as inputs).
     """
     mod = fn if isinstance(fn, torch.nn.Module) else _FnModule(fn, kwargs or {})
+    if not isinstance(fn, torch.nn.Module) and isinstance(dynamic_shapes, (list, tuple)):
+        dynamic_shapes = (tuple(dynamic_shapes),)  # the wrapper's forward takes *args
     with torch.no_grad():
         ep = torch.export.export(mod, tuple(args), dynamic_shapes=dynamic_shapes, strict=False)
     gm = ep.module()
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in _EXPORT_NOISE:
-            gm.graph.erase_node(node)
-        elif node.op == "call_module" and node.target == "_guards_fn":
-            gm.graph.erase_node(node)
-    for key, hook in list(gm._forward_pre_hooks.items()):
-        if getattr(hook, "__name__", "") == "_check_input_constraints_pre_hook":
-            del gm._forward_pre_hooks[key]
+    remove_tensor_metadata_asserts(gm)
+    remove_input_checks(gm)
     gm.graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
     gm.recompile()
@@ -114,9 +109,13 @@ class Pattern:
     shareable: Tuple[Any, ...] = ()
     # Match -> None to reject, or extra keyword arguments for ``replace``.
     check: Optional[Callable[["Match"], Optional[Dict[str, Any]]]] = None
+    # Names of the positional inputs of ``search``; default: read from its signature.
+    inputs: Optional[Tuple[str, ...]] = None
 
     @property
     def input_names(self) -> List[str]:
+        if self.inputs is not None:
+            return list(self.inputs)
         params = inspect.signature(self.search).parameters.values()
         return [p.name for p in params if p.name not in self.literals]
 
@@ -300,10 +299,17 @@ class PatternMatcher:
         if len(p_args) != len(g_args):
             return
         ignored = {name for op, name in pattern.ignore if op == p.target}
-        pairs = [(pv, gv) for (name, pv), (_, gv) in zip(p_args, g_args) if name not in ignored]
+        # Sentinels only count where the pattern passed a value: a filled-in default (add's
+        # alpha=1) must not be mistaken for a literal sentinel that happens to equal it.
+        explicit = {name for name, _ in p_args[: len(p.args)]} | set(p.kwargs)
+        pairs = [
+            (pv, gv, name in explicit)
+            for (name, pv), (_, gv) in zip(p_args, g_args) if name not in ignored
+        ]
         orders = [pairs]
         if p.target in COMMUTATIVE and len(pairs) >= 2 and not ignored:
-            orders.append([(pairs[0][0], pairs[1][1]), (pairs[1][0], pairs[0][1])] + pairs[2:])
+            (a, ga, wa), (b, gb, wb_) = pairs[0], pairs[1]
+            orders.append([(a, gb, wa), (b, ga, wb_)] + pairs[2:])
         for order in orders:
             yield from self._values(pattern, order, st)
 
@@ -311,18 +317,18 @@ class PatternMatcher:
         if not pairs:
             yield st
             return
-        (pv, gv), rest = pairs[0], pairs[1:]
-        for s in self._value(pattern, pv, gv, st):
+        (pv, gv, wild), rest = pairs[0], pairs[1:]
+        for s in self._value(pattern, pv, gv, st, wild):
             yield from self._values(pattern, rest, s)
 
-    def _value(self, pattern, pv, gv, st) -> Iterator[_State]:
+    def _value(self, pattern, pv, gv, st, wild=True) -> Iterator[_State]:
         if isinstance(pv, fx.Node):
             yield from self._node(pattern, pv, gv, st)
         elif isinstance(pv, (list, tuple)):
             if isinstance(gv, (list, tuple)) and len(pv) == len(gv):
-                yield from self._values(pattern, list(zip(pv, gv)), st)
+                yield from self._values(pattern, [(a, b, wild) for a, b in zip(pv, gv)], st)
         else:
-            name = _sentinel_name(pattern, pv)
+            name = _sentinel_name(pattern, pv) if wild else None
             if name is not None:
                 if isinstance(gv, fx.Node):
                     return

@@ -1,0 +1,8 @@
+"""Canonical ops, ``torch.ops.workbench.*``: importing this package registers every op.
+
+One folder per category (attention, rope, normalization, mlp, moe), each with a README table.
+Every op is a ``torch.library.custom_op`` with its fake (meta) implementation right below it and
+a plain-PyTorch reference implementation that runs on CPU.
+"""
+
+from . import attention, mlp, moe, normalization, rope  # noqa: F401

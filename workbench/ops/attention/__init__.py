@@ -1,0 +1,5 @@
+"""Attention ops; see README.md for the table."""
+
+from .torch_attention import torch_attention, visible_keys  # noqa: F401
+from .torch_attention_repeat_kv import torch_attention_repeat_kv  # noqa: F401
+from .torch_attention_sdpa import torch_attention_sdpa  # noqa: F401

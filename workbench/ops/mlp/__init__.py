@@ -1,0 +1,4 @@
+"""Dense MLP and linear ops; see README.md for the table."""
+
+from .torch_linear_simple import torch_linear_simple  # noqa: F401
+from .torch_swiglu import torch_swiglu_mlp  # noqa: F401

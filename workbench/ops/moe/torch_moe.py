@@ -1,0 +1,137 @@
+"""Canonical mixture-of-experts ops: per-expert lists, stacked ("fused") weights, dense BMM form.
+
+Shapes: ``T`` tokens, ``H`` hidden, ``I`` expert intermediate, ``E`` experts, ``k`` experts per
+token. Every expert is a gated MLP ``down(act(gate(x)) * up(x))`` with weights in ``nn.Linear``
+layout (``[out, in]``). The token/expert combination is summed over the ``k`` slots in slot order
+and cast back to ``x``'s dtype, as HF's MoE blocks do, so a match is numerically faithful.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+def _act(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown MoE activation {name!r}; known: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def _combine(
+    x: torch.Tensor,
+    selected_experts: torch.Tensor,
+    routing_weights: torch.Tensor,
+    expert_fn: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``sum_j routing_weights[t, j] * expert_{selected[t, j]}(x[t])`` -> [*x.shape].
+
+    x [..., H] (flattened to [T, H]); selected_experts/routing_weights [T, k]. Only experts that
+    received tokens run. The per-slot results are summed over ``k`` in slot order.
+    """
+    hidden = x.shape[-1]
+    xt = x.reshape(-1, hidden)
+    sel = selected_experts.reshape(xt.shape[0], -1)
+    weights = routing_weights.reshape(sel.shape)
+    out_dtype = torch.promote_types(x.dtype, weights.dtype)
+    slots = xt.new_zeros(*sel.shape, hidden, dtype=out_dtype)  # [T, k, H]
+    for e in sel.unique().tolist():
+        tok, slot = torch.nonzero(sel == e, as_tuple=True)
+        slots[tok, slot] = expert_fn(int(e), xt[tok]) * weights[tok, slot, None]
+    return slots.sum(dim=1).to(x.dtype).reshape(x.shape)
+
+
+@torch.library.custom_op("workbench::torch_moe", mutates_args=())
+def torch_moe(
+    x: torch.Tensor,
+    selected_experts: torch.Tensor,
+    routing_weights: torch.Tensor,
+    w1_weight: List[torch.Tensor],
+    w2_weight: List[torch.Tensor],
+    w3_weight: List[torch.Tensor],
+    act_fn: str = "silu",
+) -> torch.Tensor:
+    """MoE with one weight tensor per expert (the form sharding splits across devices).
+
+    x [..., H]; selected_experts [T, k] (int); routing_weights [T, k]; w1 (gate) and w3 (up)
+    lists of E tensors [I, H]; w2 (down) list of E tensors [H, I] -> [..., H].
+    """
+    act = _act(act_fn)
+
+    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+        return F.linear(act(F.linear(xe, w1_weight[e])) * F.linear(xe, w3_weight[e]), w2_weight[e])
+
+    return _combine(x, selected_experts, routing_weights, expert)
+
+
+@torch_moe.register_fake
+def _torch_moe_fake(x, selected_experts, routing_weights, w1_weight, w2_weight, w3_weight, act_fn="silu"):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("workbench::torch_moe_fused", mutates_args=())
+def torch_moe_fused(
+    x: torch.Tensor,
+    selected_experts: torch.Tensor,
+    routing_weights: torch.Tensor,
+    w1_w3_stacked: torch.Tensor,
+    w2_stacked: torch.Tensor,
+    act_fn: str = "silu",
+) -> torch.Tensor:
+    """MoE with stacked expert weights (HF transformers>=5 ``experts.gate_up_proj/down_proj``).
+
+    x [..., H]; selected_experts/routing_weights [T, k]; w1_w3_stacked [E, 2I, H] with the gate
+    (w1) rows first, then up (w3); w2_stacked [E, H, I] -> [..., H].
+    """
+    act = _act(act_fn)
+
+    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(xe, w1_w3_stacked[e]).chunk(2, dim=-1)
+        return F.linear(act(gate) * up, w2_stacked[e])
+
+    return _combine(x, selected_experts, routing_weights, expert)
+
+
+@torch_moe_fused.register_fake
+def _torch_moe_fused_fake(x, selected_experts, routing_weights, w1_w3_stacked, w2_stacked, act_fn="silu"):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("workbench::torch_moe_dense_mlp", mutates_args=())
+def torch_moe_dense_mlp(
+    x: torch.Tensor,
+    routing_weights: torch.Tensor,
+    w1_w3_stacked: torch.Tensor,
+    w2_stacked: torch.Tensor,
+    act_fn: str = "silu",
+    apply_routing_on_input: bool = False,
+) -> torch.Tensor:
+    """The dense/BMM form: every expert runs on every token, weighted by a dense routing matrix.
+
+    x [..., H]; routing_weights [T, E] (zero where an expert was not selected); w1_w3_stacked
+    [E, 2I, H]; w2_stacked [E, H, I] -> [..., H]. With ``apply_routing_on_input`` (Llama-4 style,
+    top-1) the weight scales the expert's *input* instead of its output.
+    """
+    act = _act(act_fn)
+    hidden = x.shape[-1]
+    xt = x.reshape(-1, hidden)
+    r = routing_weights.reshape(xt.shape[0], -1).transpose(0, 1)[..., None]  # [E, T, 1]
+    xe = xt.unsqueeze(0).expand(r.shape[0], -1, -1)  # [E, T, H]
+    if apply_routing_on_input:
+        xe = xe * r
+    gate, up = torch.bmm(xe.to(w1_w3_stacked.dtype), w1_w3_stacked.transpose(1, 2)).chunk(2, dim=-1)
+    y = torch.bmm(act(gate) * up, w2_stacked.transpose(1, 2))  # [E, T, H]
+    if not apply_routing_on_input:
+        y = y * r
+    return y.sum(dim=0).to(x.dtype).reshape(x.shape)
+
+
+@torch_moe_dense_mlp.register_fake
+def _torch_moe_dense_mlp_fake(
+    x, routing_weights, w1_w3_stacked, w2_stacked, act_fn="silu", apply_routing_on_input=False
+):
+    return torch.empty_like(x)

@@ -1,0 +1,8 @@
+"""RoPE ops; see README.md for the table."""
+
+from .torch_rope import (  # noqa: F401
+    rotate_half,
+    torch_rope_with_complex_freqs,
+    torch_rope_with_explicit_cos_sin,
+    torch_rope_with_qk_interleaving,
+)
