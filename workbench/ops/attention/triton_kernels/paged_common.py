@@ -1,0 +1,83 @@
+"""Jitted helpers shared by the paged-attention kernels.
+
+Cache layout: ``cache[page, slot, kv_head, d]`` ([num_pages, page_size, Hkv, D]); sequence ``b``
+keeps its logical position ``pos`` at ``page_table[b, pos // PAGE_SIZE]``, slot ``pos % PAGE_SIZE``.
+"""
+
+import triton
+import triton.language as tl
+
+# Softmax runs in base 2 (exp2 is the native instruction): logits are multiplied by log2(e) once.
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def paged_row_offsets(page_table_row_ptr, pos, mask, stride_page, stride_slot, PAGE_SIZE: tl.constexpr):
+    """Element offset of each logical position's row in the cache; pos, mask: [BLOCK_N] -> int64.
+
+    Gathers per position rather than per page, so a KV block may span several pages and block
+    sizes need not divide the page size. Page ids go to int64 first: ``page * stride_page``
+    overflows int32 once a cache holds more than 2**31 elements.
+    """
+    page = tl.load(page_table_row_ptr + pos // PAGE_SIZE, mask=mask, other=0)
+    return page.to(tl.int64) * stride_page + (pos % PAGE_SIZE).to(tl.int64) * stride_slot
+
+
+@triton.jit
+def soft_cap(x, cap):
+    """``cap * tanh(x / cap)`` with tanh(y) = 2*sigmoid(2y) - 1.
+
+    tl has no tanh that both the CPU interpreter and the CUDA backend of triton 3.x accept
+    (libdevice is backend-specific); the sigmoid form is exact to ~1e-7 in fp32 and saturates
+    cleanly at +-cap for large |x|.
+    """
+    return cap * (2.0 * tl.sigmoid(2.0 * x / cap) - 1.0)
+
+
+@triton.jit
+def attend_block(q, k, v, visible, m_i, l_i, acc, scale, cap,
+                 HAS_CAP: tl.constexpr, FP32_DOT: tl.constexpr):
+    """One online-softmax step over a block of keys (the flash-attention update).
+
+    q [M, D] (M query rows), k/v [N, D] in q's dtype, visible [M, N] bool; running state
+    m_i [M] (max logit, base 2), l_i [M] (sum of exp2), acc [M, D] fp32 -> updated (m_i, l_i, acc).
+    FP32_DOT (q already fp32): full fp32 products; tl.dot would otherwise use TF32 on GPUs.
+    """
+    if FP32_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if HAS_CAP:
+        s = soft_cap(s * scale, cap) * LOG2E
+    else:
+        s = s * (scale * LOG2E)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead of -inf keeps
+    # exp2(-inf - (-inf)) = NaN out of alpha and p (both become exactly 0).
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP32_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def initial_state(sinks_ptr, heads, head_ok, ROWS: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """Online-softmax start (m [ROWS], l [ROWS]) for the query rows' heads [ROWS].
+
+    A sink is a key with logit ``sinks[head]`` and a zero value: starting from m = sink, l = 1
+    puts it in the denominator and nowhere else.
+    """
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * LOG2E
+        l_i = tl.full([ROWS], 1.0, tl.float32)
+    else:
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+    return m_i, l_i

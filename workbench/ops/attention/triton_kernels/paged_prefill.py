@@ -1,0 +1,88 @@
+"""Prefill / chunked prefill: flash attention of a sequence's new tokens over its pages.
+
+Grid (tiles, Hq). The launcher numbers the BLOCK_M-row query tiles of all prefill sequences
+back to back (tile_seq, tile_start); the grid is sized from T alone (no device->host sync), so
+trailing programs find tile_seq == num_prefill and exit. Keys come from the cache, which the
+write kernel has already filled with this step's rows, so chunked prefill (input_pos > 0) needs
+no special case.
+"""
+
+import triton
+import triton.language as tl
+
+from .paged_common import attend_block, initial_state, paged_row_offsets
+
+
+@triton.jit
+def paged_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
+    cu_seqlens_ptr, input_pos_ptr, page_table_ptr, tile_seq_ptr, tile_start_ptr,
+    num_prefill, scale, window, cap,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kcp, stride_kcs, stride_kch, stride_kcd,
+    stride_vcp, stride_vcs, stride_vch, stride_vcd,
+    stride_pt,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """out[0, rows of the tile, head] for q [T, Hq, D] and caches [pages, PAGE_SIZE, Hkv, D].
+
+    Row r of sequence b sits at logical position input_pos[b] + r and sees cached positions
+    max(0, pos - window + 1) .. pos.
+    """
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.load(tile_seq_ptr + tile)
+    if b >= num_prefill:
+        return
+    kv_head = head // GROUP
+    seq_start = tl.load(cu_seqlens_ptr + b)
+    seq_len = tl.load(cu_seqlens_ptr + b + 1) - seq_start
+    ctx = tl.load(input_pos_ptr + b)
+    m0 = tl.load(tile_start_ptr + tile)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # query rows within the sequence
+    row_ok = offs_m < seq_len
+    q_pos = ctx + offs_m
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    tok = (seq_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)  # k/v follow q's dtype below
+
+    hi = ctx + tl.minimum(m0 + BLOCK_M, seq_len)  # one past the tile's last query position
+    if HAS_WINDOW:
+        # The tile's first row has the earliest window start; align down so blocks stay
+        # page-aligned when BLOCK_N divides the page size (positions before it get masked).
+        lo = tl.maximum(ctx + m0 - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+
+    m_i, l_i = initial_state(sinks_ptr, head + tl.zeros([BLOCK_M], tl.int32), row_ok, BLOCK_M,
+                             HAS_SINKS)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    pt_row = page_table_ptr + b * stride_pt
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        rows = paged_row_offsets(pt_row, offs_n, n_ok, stride_kcp, stride_kcs, PAGE_SIZE)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + rows[:, None] + kv_head * stride_kch + offs_d[None, :] * stride_kcd,
+                    mask=kv_mask, other=0.0)
+        rows = paged_row_offsets(pt_row, offs_n, n_ok, stride_vcp, stride_vcs, PAGE_SIZE)
+        v = tl.load(v_cache_ptr + rows[:, None] + kv_head * stride_vch + offs_d[None, :] * stride_vcd,
+                    mask=kv_mask, other=0.0)
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
+        m_i, l_i, acc = attend_block(q, k.to(q.dtype), v.to(q.dtype), visible, m_i, l_i, acc,
+                                     scale, cap, HAS_CAP, FP32_DOT)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0 only on rows past the sequence
+    tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
