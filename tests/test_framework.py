@@ -120,10 +120,10 @@ def test_step_run_to_and_snapshot_contents(wb):
 
 def test_snapshot_graph_shares_parameter_storage(wb, tiny_llama):
     wb.run()
-    q = tiny_llama.model.model.layers[0].self_attn.q_proj.weight
+    o = tiny_llama.model.model.layers[0].self_attn.o_proj.weight
     for snap in wb.snapshots:
-        p = snap.module.get_parameter("model.model.layers.0.self_attn.q_proj.weight")
-        assert p.data_ptr() == q.data_ptr()
+        p = snap.module.get_parameter("model.model.layers.0.self_attn.o_proj.weight")
+        assert p.data_ptr() == o.data_ptr()
     # Snapshots are independent graphs: the live graph is not any snapshot's graph object.
     assert all(s.module.graph is not wb.module.graph for s in wb.snapshots)
 
@@ -309,3 +309,13 @@ def test_shape_propagation_runs_when_the_flag_says(tiny_llama, shape_prop):
         assert val is not None and val.shape[-1] == 512 and not isinstance(val.shape[0], int)
     else:
         assert val is None
+
+
+def test_snapshot_copies_keep_buffers_registered(wb):
+    wb.run_to("cleanup_noop_slice")
+    live = {n: b.data_ptr() for n, b in wb.module.named_buffers()}
+    snap = wb.snapshots[-1]
+    for copy in (snap.module, snap.graph_copy.materialize()):
+        bufs = {n: b.data_ptr() for n, b in copy.named_buffers()}
+        # the graph's buffers (unused ones like original_inv_freq are not carried), same storage
+        assert "model.model.rotary_emb.inv_freq" in bufs and bufs.items() <= live.items()

@@ -59,6 +59,10 @@ class GraphCopy:
             n.target: _fetch(mod, n.target)
             for n in mod.graph.nodes if n.op in ("get_attr", "call_module")
         }
+        buffer_names = {name for name, _ in mod.named_buffers()}
+        # fx.GraphModule(dict, graph) re-attaches tensors as plain attributes; remember which were
+        # registered buffers so memory accounting (and .buffers()) sees them as before.
+        self._buffer_targets = sorted(t for t in self._attrs if t in buffer_names)
         self._meta = dict(getattr(mod, "meta", {}))
         self._extra = {k: v for k, v in mod.__dict__.items() if k not in _GM_BASE_ATTRS}
         self._hooks = {h: dict(getattr(mod, h)) for h in _HOOK_DICTS if hasattr(mod, h)}
@@ -85,6 +89,13 @@ class GraphCopy:
 
     def _build(self, graph: fx.Graph) -> fx.GraphModule:
         gm = fx.GraphModule(self._attrs, graph, class_name=self._class_name)
+        for target in self._buffer_targets:
+            parent, _, name = target.rpartition(".")
+            owner = gm.get_submodule(parent) if parent else gm
+            tensor = getattr(owner, name)
+            if name not in owner._buffers:
+                delattr(owner, name)
+                owner.register_buffer(name, tensor)
         gm.meta = dict(self._meta)
         for name, value in self._extra.items():
             gm.__dict__.setdefault(name, value)
