@@ -24,28 +24,11 @@ op runs under CUDA graphs. The op is always registered; ``is_available`` says wh
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def is_available(device: torch.device | str = "cuda") -> Tuple[bool, str]:
-    """Whether the Triton kernels can run on ``device``, and why not if they cannot."""
-    device = torch.device(device)
-    if not _HAS_TRITON:
-        return False, "the 'triton' package is not installed"
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return False, "CUDA is not available"
-        return True, "triton on CUDA"
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        return True, "triton interpreter (TRITON_INTERPRET=1) on CPU tensors"
-    return False, (f"triton does not compile for {device.type} tensors (on CPU it runs only under "
-                   "the interpreter: set TRITON_INTERPRET=1 before triton is imported)")
+from ..triton_support import triton_available as is_available  # noqa: F401  (public per-op name)
 
 
 def _next_pow2(n: int) -> int:

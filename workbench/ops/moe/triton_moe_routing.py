@@ -12,29 +12,13 @@ reference, so a graph that uses it runs everywhere.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Tuple
 
 import torch
 
 from .torch_moe_routing import torch_moe_topk_softmax
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def is_available(device: torch.device | str = "cuda") -> Tuple[bool, str]:
-    """Whether the Triton kernel can run on ``device``, and why not if it cannot."""
-    device = torch.device(device)
-    if not _HAS_TRITON:
-        return False, "the 'triton' package is not installed"
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return False, "CUDA is not available"
-        return True, "triton on CUDA"
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        return True, "triton interpreter (TRITON_INTERPRET=1) on CPU tensors"
-    return False, f"triton does not compile for {device.type} tensors (set TRITON_INTERPRET=1 for CPU)"
+from ..triton_support import triton_available as is_available  # noqa: F401  (public per-op name)
 
 
 def _kernel():
