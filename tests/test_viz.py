@@ -57,6 +57,16 @@ def svg_texts(g) -> str:
     return "\n".join(t.text or "" for t in g.iter(f"{SVG_NS}text"))
 
 
+def exported_linear(gm, suffix: str = "self_attn.o_proj"):
+    """A linear node that export_to_gm created and no later transform replaced.
+
+    o_proj survives the whole default pipeline (fuse_gemms replaces q/k/v and gate/up with fused
+    nodes of its own), so its identity is stable from the first snapshot to the last.
+    """
+    return next(n for n in gm.graph.nodes if op_name(n) == "aten.linear.default"
+                and created_by(n) == "export_to_gm" and module_path(n).endswith(suffix))
+
+
 def written_svg(renders: Path, snap) -> str:
     return (renders / f"{snap.index:02d}_{snap.key}.svg").read_text()
 
@@ -125,7 +135,7 @@ def test_op_colours_are_stable_and_canonical_ops_have_their_own(wb, renders):
     assert op_kind("aten.linear.default") == "call_function"
     # the same node has the same fill in the first and the last snapshot
     first, last = (svg_nodes(written_svg(renders, s)) for s in (wb.snapshots[0], wb.snapshots[-1]))
-    name = next(n.name for n in graph(wb.snapshots[-1]).graph.nodes if op_name(n) == "aten.linear.default")
+    name = exported_linear(graph(wb.snapshots[-1])).name
     fill = lambda g: next(p.get("fill") for p in g.iter() if p.tag.endswith("polygon"))  # noqa: E731
     assert fill(first[name]) == fill(last[name]) == op_color("aten.linear.default")
     canonical = [n.name for n in graph(wb.snapshots[-1]).graph.nodes
@@ -198,13 +208,13 @@ def test_provenance_names_the_creating_transform(wb, renders):
     gm = graph(snap)
     for node in gm.graph.nodes:
         assert created_by(node) in wb.keys
-    linear = next(n for n in gm.graph.nodes if op_name(n) == "aten.linear.default")
+    linear = exported_linear(gm)
     assert created_by(linear) == "export_to_gm"
-    assert module_path(linear) == "model.model.layers.0.self_attn.q_proj"
+    assert module_path(linear) == "model.model.layers.0.self_attn.o_proj"
     assert source_location(linear).endswith("in forward") and ".py:" in source_location(linear)
     nodes = svg_nodes(to_svg(render_snapshot(snap, show_provenance=True)))
     text = svg_texts(nodes[linear.name])
-    assert "by export_to_gm" in text and "in layers.0.self_attn.q_proj" in text
+    assert "by export_to_gm" in text and "in layers.0.self_attn.o_proj" in text
     assert "by export_to_gm" not in svg_texts(svg_nodes(written_svg(renders, snap))[linear.name])
     if RMSNORM in wb.keys:
         norm = next(n for n in gm.graph.nodes if "torch_rmsnorm" in op_name(n))
@@ -262,7 +272,7 @@ def test_diff_matches_nodes_by_name_and_provenance_not_position(wb):
     snap = wb.snapshots[-1]
     mod = copy_module(snap.module)
     gm = graph_modules(mod)[0]
-    node = next(n for n in gm.graph.nodes if op_name(n) == "aten.linear.default")
+    node = exported_linear(gm)
     node.meta["wb_created_by"] = "some_later_transform"  # same name, different identity
     diff = diff_graphs(snap.module, mod)
     assert diff.names("removed") == [node.name] and diff.names("added") == [node.name]

@@ -53,6 +53,15 @@ class Workbench(PipelineStepper):
         super().__init__(loaded, entries=entries, device=device, registry=registry, **kwargs)
         self.on_snapshot.append(self._visualize)
 
+    def ui(self):
+        """The notebook panel over this workbench (``workbench.widgets.WorkbenchPanel``).
+
+        End a cell with it, or ``display(wb.ui())``; needs ipywidgets (the ``notebooks`` extra).
+        """
+        from .widgets import WorkbenchPanel
+
+        return WorkbenchPanel(self)
+
     def _visualize(self, snap: Snapshot) -> None:
         """Write the snapshot's render when its transform has ``debug_visualize_dir`` set."""
         out_dir = snap.config.debug_visualize_dir
@@ -64,3 +73,26 @@ class Workbench(PipelineStepper):
             logger.warning("debug_visualize_dir set but workbench.viz is unavailable: %s", e)
             return
         write_snapshot_svg(snap, out_dir)
+
+    # ------------------------------------------------------------------ generation (runtime)
+    def generate(self, prompts: Any, max_new_tokens: int = 64, **kwargs: Any):
+        """Generate text for one prompt or a list of them on the compiled model.
+
+        Runs the rest of the pipeline first if it has not finished. Prompts are strings (chat
+        template applied when the tokenizer has one), chat message lists or token-id lists;
+        several prompts are continuously batched. ``kwargs`` go to ``workbench.runtime.generate``
+        (temperature, top_k, top_p, stop_token_ids, stream, seed, truncate_prompt, chat_template).
+        Returns a ``GenerationOutput`` (``.text``, ``.texts``, ``.results``, ``.stats`` with tokens/s).
+        """
+        from .runtime.generate import default_stop_token_ids, generate
+        from .runtime.runner import runner_for
+
+        if not self.done:
+            self.run()
+        tokenizer = self.loaded.tokenizer
+        if "stop_token_ids" not in kwargs:
+            gen_cfg = getattr(self.loaded.model, "generation_config", None)
+            kwargs["stop_token_ids"] = default_stop_token_ids(tokenizer, gen_cfg)
+        runner = runner_for(self.module, self.ctx)
+        return generate(runner, prompts, tokenizer=tokenizer, vocab_size=self.ctx.vocab_size,
+                        max_new_tokens=max_new_tokens, **kwargs)

@@ -10,6 +10,8 @@ from typing import List, Optional
 
 from .pipeline.config import ConfigError
 
+DEFAULT_PROMPT = "What is the capital of France?"
+
 
 def _fmt_bytes(n: int) -> str:
     if n == 0:
@@ -69,7 +71,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"pipeline: {len(wb.snapshots)} transforms in {wb.total_time():.2f}s")
     if args.debug_visualize_dir:
         print(f"renders: {args.debug_visualize_dir}")
+    if args.max_new_tokens > 0:
+        _generate(wb, args.prompt, args.max_new_tokens)
     return 0
+
+
+def _generate(wb, prompt: str, max_new_tokens: int) -> None:
+    """The end of `workbench run`: answer ``prompt`` with the compiled model (greedy)."""
+    if wb.loaded.tokenizer is None:
+        print(f"generate: skipped ({wb.loaded.spec} has no tokenizer; Workbench.generate takes token ids)")
+        return
+    out = wb.generate(prompt, max_new_tokens=max_new_tokens)
+    result = out.results[0]
+    print(f"prompt: {prompt}")
+    print(f"output: {result.text if result.error is None else 'error: ' + result.error}")
+    print(f"generate: {out.stats}")
 
 
 def cmd_transforms(args: argparse.Namespace) -> int:
@@ -110,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--report", default=None, metavar="DIR",
                    help="write a standalone HTML report to DIR/index.html")
     r.add_argument("--no-numerics", action="store_true", help="skip the per-step numerics probe")
+    r.add_argument("--prompt", default=DEFAULT_PROMPT,
+                   help=f"after the pipeline, generate an answer to this prompt (default: {DEFAULT_PROMPT!r})")
+    r.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
+                   help="tokens to generate for --prompt (0: do not generate)")
     r.set_defaults(func=cmd_run)
     t = sub.add_parser("transforms", help="list registered transforms, stages and config fields")
     t.set_defaults(func=cmd_transforms)

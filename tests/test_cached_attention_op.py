@@ -1,0 +1,202 @@
+"""The cached attention ops against ``torch_attention`` (the uncached canonical op).
+
+A sequence attended in pieces through the paged cache -- prefill, chunked prefill, decode, mixed
+in one call with other sequences, pages scattered over the pool -- must give what attending to the
+whole sequence at once gives. Triton runs in a child process (``TRITON_INTERPRET`` must be set
+before triton is imported); FlashInfer needs a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import workbench.ops  # noqa: F401
+from workbench.ops.attention.flashinfer_cached_attention import is_available as flashinfer_available
+
+wb = torch.ops.workbench
+HAS_TRITON_OP = importlib.util.find_spec("workbench.ops.attention.triton_cached_attention") is not None
+TRITON_SKIP = "triton_cached_attention not implemented yet"
+
+
+def _seqs(lens, hq=4, hkv=2, d=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda h: [torch.randn(n, h, d, generator=g).to(dtype) for n in lens]  # noqa: E731
+    return mk(hq), mk(hkv), mk(hkv)
+
+
+def _reference(q, k, v, i, **kw):
+    """Whole sequence i through torch_attention (bsnd, causal): [L, Hq, D]."""
+    return wb.torch_attention(q[i][None], k[i][None], v[i][None], is_causal=True, layout="bsnd", **kw)[0]
+
+
+def run_schedule(op, lens, chunks, kw, page_size=4, num_pages=64, dtype=torch.float32, seed=0):
+    """Feed sequences in steps; ``chunks[step][i]`` = new tokens of sequence i (0: not in this step).
+
+    Returns the max abs error of every token against the whole-sequence reference.
+    """
+    q, k, v = _seqs(lens, dtype=dtype, seed=seed)
+    hkv, d = k[0].shape[1:]
+    k_cache = torch.zeros(num_pages, page_size, hkv, d, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed + 1)).int()
+    per_seq = -(-max(lens) // page_size)
+    page_table = perm[: len(lens) * per_seq].view(len(lens), per_seq)  # scattered, non-contiguous pages
+    done = [0] * len(lens)
+    err = 0.0
+    for step in chunks:
+        # Prefill-like sequences (>1 token, or still inside their first chunk) first, then decodes.
+        active = [i for i, n in enumerate(step) if n]
+        prefill = [i for i in active if step[i] > 1 or done[i] == 0]
+        order = prefill + [i for i in active if i not in prefill]
+        sl = torch.tensor([step[i] for i in order], dtype=torch.int32)
+        ip = torch.tensor([done[i] for i in order], dtype=torch.int32)
+        cat = lambda xs: torch.cat([xs[i][done[i]: done[i] + step[i]] for i in order])[None]  # noqa: E731
+        out = op(cat(q), cat(k), cat(v), k_cache, v_cache, sl, ip, page_table[order], len(prefill), 0.3, **kw)
+        assert out.shape == (1, int(sl.sum()), q[0].shape[1], d) and out.dtype == dtype
+        off = 0
+        for i in order:
+            ref = _reference(q, k, v, i, scale=0.3, **kw)[done[i]: done[i] + step[i]]
+            err = max(err, (out[0, off: off + step[i]].float() - ref.float()).abs().max().item())
+            off += step[i]
+            done[i] += step[i]
+    assert done == list(lens)
+    return err
+
+
+LENS = [7, 5, 9, 1, 12]
+# step 1: mixed prefill (seq 2 chunked); step 2: seq 0 decode, seq 2 next chunk, seq 4 joins;
+# then decode everything to the end (sequence 3 is a 1-token prompt).
+SCHEDULE = [
+    [6, 4, 4, 1, 0],
+    [1, 1, 3, 0, 5],
+    [0, 0, 1, 0, 4],
+    [0, 0, 1, 0, 1],
+    [0, 0, 0, 0, 1],
+    [0, 0, 0, 0, 1],
+]
+VARIANTS = {
+    "plain": {},
+    "sliding_window": {"sliding_window": 3},
+    "logit_cap": {"logit_cap": 2.0},
+    "sinks": {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_torch_cached_attention_matches_uncached(variant):
+    assert run_schedule(wb.torch_cached_attention, LENS, SCHEDULE, VARIANTS[variant]) < 1e-5
+
+
+def test_torch_cached_attention_bf16_and_page_size_one():
+    err = run_schedule(wb.torch_cached_attention, LENS, SCHEDULE, {}, dtype=torch.bfloat16)
+    assert err < 2e-2  # bf16 inputs, fp32 softmax: the output rounding dominates
+    assert run_schedule(wb.torch_cached_attention, LENS, SCHEDULE, {}, page_size=1) < 1e-5
+
+
+def test_cache_writes_land_in_the_right_pages():
+    q, k, v = _seqs([3])
+    k_cache, v_cache = torch.zeros(4, 2, 2, 8), torch.zeros(4, 2, 2, 8)
+    pt = torch.tensor([[3, 1]], dtype=torch.int32)
+    wb.torch_cached_attention(q[0][None], k[0][None], v[0][None], k_cache, v_cache,
+                              torch.tensor([3], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), pt, 1, 1.0)
+    assert torch.equal(k_cache[3], k[0][:2]) and torch.equal(k_cache[1, 0], k[0][2])
+    assert torch.equal(v_cache[3], v[0][:2]) and k_cache[0].abs().sum() == 0 and k_cache[2].abs().sum() == 0
+
+
+def test_stale_nan_in_unwritten_slots_does_not_leak():
+    q, k, v = _seqs([5])
+    k_cache = torch.full((4, 4, 2, 8), float("nan"))
+    v_cache = torch.full((4, 4, 2, 8), float("nan"))
+    pt = torch.tensor([[0, 1]], dtype=torch.int32)
+    one = lambda n: torch.tensor([n], dtype=torch.int32)  # noqa: E731
+    wb.torch_cached_attention(q[0][None, :4], k[0][None, :4], v[0][None, :4], k_cache, v_cache, one(4), one(0), pt, 1, 0.3)
+    out = wb.torch_cached_attention(q[0][None, 4:], k[0][None, 4:], v[0][None, 4:], k_cache, v_cache, one(1), one(4), pt, 0, 0.3)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[0], _reference(q, k, v, 0, scale=0.3)[4:])
+
+
+def test_bad_metadata_is_a_clear_error():
+    q, k, v = _seqs([4])
+    kc = torch.zeros(4, 4, 2, 8)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match="seq_lens sum to 3"):
+        wb.torch_cached_attention(q[0][None], k[0][None], v[0][None], kc, kc.clone(), i32(3), i32(0), i32(0)[None], 1, 1.0)
+    with pytest.raises(ValueError, match="decode steps"):
+        wb.torch_cached_attention(q[0][None], k[0][None], v[0][None], kc, kc.clone(), i32(4), i32(0), i32(0)[None], 0, 1.0)
+    with pytest.raises(ValueError, match="needs 2 pages"):
+        wb.torch_cached_attention(q[0][None], k[0][None], v[0][None], kc, kc.clone(), i32(4), i32(1), i32(0)[None], 1, 1.0)
+
+
+@pytest.mark.parametrize("name", ["torch_cached_attention", "flashinfer_cached_attention"])
+def test_fake_impl_and_schema(name):
+    op = getattr(wb, name).default
+    assert [a.name for a in op._schema.arguments if a.alias_info and a.alias_info.is_write] == ["k_cache", "v_cache"]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = torch.empty(1, 10, 4, 8), torch.empty(1, 10, 2, 8)
+        out = op(q, k, k, torch.empty(8, 4, 2, 8), torch.empty(8, 4, 2, 8), torch.empty(2, dtype=torch.int32),
+                 torch.empty(2, dtype=torch.int32), torch.empty(2, 3, dtype=torch.int32), 1, 0.5)
+    assert out.shape == (1, 10, 4, 8)
+
+
+def test_opcheck_torch_cached_attention():
+    q, k, v = _seqs([6, 1], seed=3)
+    kc, vc = torch.zeros(8, 4, 2, 8), torch.zeros(8, 4, 2, 8)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    args = (torch.cat(q)[None], torch.cat(k)[None], torch.cat(v)[None], kc, vc, i32(6, 1), i32(0, 3),
+            i32(0, 1, 2, 3).view(2, 2), 1, 0.3)
+    torch.library.opcheck(wb.torch_cached_attention.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.skipif(flashinfer_available()[0], reason="flashinfer is available here")
+def test_flashinfer_says_what_is_missing():
+    ok, why = flashinfer_available()
+    assert not ok and ("flashinfer" in why or "CUDA" in why)
+    q, k, v = _seqs([2])
+    kc = torch.zeros(2, 4, 2, 8)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(RuntimeError, match="cannot run"):
+        wb.flashinfer_cached_attention(q[0][None], k[0][None], v[0][None], kc, kc.clone(), i32(2), i32(0), i32(0)[None], 1, 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not flashinfer_available()[0], reason=f"flashinfer backend unavailable: {flashinfer_available()[1]}")
+@pytest.mark.parametrize("variant", ["plain", "sliding_window", "logit_cap"])
+def test_flashinfer_cached_attention_matches_reference(variant):
+    def on_gpu(*a, **kw):
+        a = [x.cuda() if isinstance(x, torch.Tensor) else x for x in a]
+        return wb.flashinfer_cached_attention(*a, **kw).cpu()
+
+    assert run_schedule(on_gpu, LENS, SCHEDULE, VARIANTS[variant], page_size=16, dtype=torch.float16) < 2e-2
+
+
+# ------------------------------------------------------------------------------ triton (child process)
+
+
+@pytest.mark.skipif(not HAS_TRITON_OP, reason=TRITON_SKIP)
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_cached_attention_matches_uncached():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__, "--triton-child"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(e < 1e-4 for e in errors.values()), errors
+
+
+def _triton_child() -> None:
+    import workbench.ops.attention.triton_cached_attention  # noqa: F401
+
+    errors = {name: run_schedule(wb.triton_cached_attention, LENS, SCHEDULE, kw) for name, kw in VARIANTS.items()}
+    print(json.dumps(errors))
+
+
+if __name__ == "__main__" and "--triton-child" in sys.argv:
+    _triton_child()

@@ -1,0 +1,124 @@
+"""Greedy generation on every ``tiny:`` arch equals ``transformers.generate``, token for token.
+
+8 prompts of different lengths (1..47 tokens) run together with continuous batching, 32 new
+tokens each; the reference generates each prompt alone. Per arch the pipeline runs with the
+numerics probe on, and the cached decode is compared with a full re-forward step by step.
+
+Backends: ``torch`` in-process; ``triton`` in a child process under ``TRITON_INTERPRET=1``
+(the interpreter costs ~25 s per arch, so on CPU tiny:llama runs by default and the whole sweep
+with ``WORKBENCH_TRITON_E2E=all``); on a GPU both run compiled, in-process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_runtime import _hf_greedy, decode_vs_reforward
+
+from workbench import Workbench
+from workbench.models import load_model
+from workbench.models.tiny import list_tiny_archs
+
+ARCHS = list_tiny_archs()
+LENS = [1, 3, 6, 9, 14, 22, 31, 47]
+NEW = 32
+HAS_TRITON_OP = importlib.util.find_spec("workbench.ops.attention.triton_cached_attention") is not None
+TRITON_SKIP = "triton_cached_attention not implemented yet"
+GPU = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """2 shared cores: with the other one busy, OpenMP's spin-waiting makes small ops 10-30x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def prompts_for(vocab: int):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENS]
+
+
+def compare_with_hf(arch: str, backend: str, device: str = "cpu") -> dict:
+    """Run the pipeline with ``backend``, generate, compare with HF; a JSON-able summary."""
+    loaded = load_model(f"tiny:{arch}", device=device)
+    bench = Workbench(loaded, device=device, overrides={"insert_cached_attention.backend": backend})
+    bench.run()
+    prompts = prompts_for(bench.ctx.vocab_size)
+    out = bench.generate(prompts, max_new_tokens=NEW, stop_token_ids=[])
+    mismatches = {}
+    for i, (p, r) in enumerate(zip(prompts, out.results)):
+        ref = _hf_greedy(loaded.model, p, NEW)
+        if r.token_ids != ref:
+            first = next(j for j, (a, b) in enumerate(zip(r.token_ids, ref)) if a != b)
+            mismatches[i] = f"prompt of {len(p)} tokens differs from token {first}"
+    probe = bench.snapshots[-1].numerics
+    return {
+        "arch": arch, "backend": backend, "mismatches": mismatches, "generated": out.stats.generated_tokens,
+        "probe_rmse": probe.rmse_ratio if probe is not None and probe.ok else None,
+        "concurrency": out.stats.max_concurrency, "bench": bench,
+    }
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_arch_greedy_equals_hf(arch):
+    res = compare_with_hf(arch, "torch")
+    assert res["mismatches"] == {} and res["generated"] == 8 * NEW and res["concurrency"] == 8
+    assert res["probe_rmse"] is not None and res["probe_rmse"] <= 1e-5
+    worst, compared, _ = decode_vs_reforward(res["bench"], prompts_for(512)[3:6], steps=4, join_at=1)
+    assert compared == 12 and worst <= 1e-5, worst
+
+
+def _triton_archs():
+    if GPU or os.environ.get("WORKBENCH_TRITON_E2E") == "all":
+        return ARCHS
+    return ["llama"]
+
+
+@pytest.mark.skipif(not HAS_TRITON_OP, reason=TRITON_SKIP)
+@pytest.mark.skipif(GPU, reason="on a GPU the triton backend runs compiled in test_tiny_arch_triton_gpu")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_tiny_archs_triton_backend_equals_hf():
+    archs = _triton_archs()
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__, "--triton-child", *archs], env=env, capture_output=True,
+                          text=True, timeout=600 * len(archs), cwd=os.path.dirname(__file__))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["arch"] for r in results] == archs
+    for r in results:
+        assert r["mismatches"] == {} and r["generated"] == 8 * NEW, r
+        assert r["probe_rmse"] is not None and r["probe_rmse"] <= 1e-5, r
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.skipif(not HAS_TRITON_OP, reason=TRITON_SKIP)
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tiny_arch_gpu(arch, backend):
+    res = compare_with_hf(arch, backend, device="cuda")
+    assert res["mismatches"] == {} and res["generated"] == 8 * NEW
+
+
+def _triton_child(archs) -> None:
+    torch.set_num_threads(1)
+    out = []
+    for arch in archs:
+        res = compare_with_hf(arch, "triton")
+        res.pop("bench")
+        out.append(res)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__" and "--triton-child" in sys.argv:
+    _triton_child(sys.argv[sys.argv.index("--triton-child") + 1:])

@@ -1,0 +1,233 @@
+"""The cache_init stage on tiny models: insert_cached_attention, insert_cached_residual_add,
+initialize_cache / resize_kv_cache, and the transformers mode.
+
+One module-scoped pipeline run on tiny:llama feeds most tests (the export is the slow part).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+from workbench import Workbench
+from workbench.models.export_contract import CausalLMLogits, make_batch
+from workbench.pipeline.config import ConfigError
+from workbench.pipeline.graph_utils import copy_module, op_histogram, run_shape_prop
+from workbench.pipeline.interface import Stages, TransformConfig, TransformError
+from workbench.pipeline.transforms.cache_inputs import run_cached
+from workbench.pipeline.transforms.cached_attention import InsertCachedAttention
+from workbench.pipeline.transforms.hf_cached_attention import HFCachedLM, transformers_mode_entries
+from workbench.pipeline.transforms.patterns import export_graph_module
+from workbench.runtime import CachedRunner, PageAllocator, runner_for
+from workbench.runtime.kv_cache import PAGED, CacheFullError, CacheSpec, KVCacheConfig, add_specs
+from workbench.runtime.scheduler import Request
+from workbench.runtime.sequence_info import INPUT_KEY
+
+ATTN, CACHED = "workbench.torch_attention.default", "workbench.torch_cached_attention.default"
+EXPECTED_INPUTS = ["input_ids", "position_ids", "seq_lens", "input_pos", "page_table", "num_prefill",
+                   "k_cache_0", "v_cache_0", "k_cache_1", "v_cache_1"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """2 shared cores: with the other one busy, OpenMP's spin-waiting makes small ops 10-30x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def wb(tiny_llama):
+    bench = Workbench(tiny_llama)
+    bench.run()
+    return bench
+
+
+def _rmse_ratio(out, ref):
+    return ((out.float() - ref.float()).pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt()).item()
+
+
+def test_attention_becomes_cached_attention(wb):
+    before = wb.snapshot("detect_hidden_states_for_capture").op_histogram
+    snap = wb.snapshot("insert_cached_attention")
+    assert before[ATTN] == 2 and ATTN not in snap.op_histogram and snap.op_histogram[CACHED] == 2
+    assert snap.info.num_matches == 2 and snap.info.details["backend"] == "torch"
+    gm = wb.module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert [n.meta.get(INPUT_KEY, n.name) for n in placeholders] == EXPECTED_INPUTS
+    assert all(n.meta.get("val") is not None for n in placeholders)
+    assert str(placeholders[-1].meta["val"].shape[-2:]) == "torch.Size([2, 16])"  # [pages, page_size, Hkv, D]
+    # Every node still carries metadata; a fresh shape propagation agrees.
+    assert all("val" in n.meta for n in gm.graph.nodes if n.op not in ("output",))
+    copy = copy_module(gm)
+    run_shape_prop(copy)
+    assert "torch_cached_attention" in gm.code and "num_prefill" in gm.code
+
+
+def test_graph_stays_renderable(wb):
+    from workbench.viz import render_graph
+    from workbench.viz.labels import has_shape_meta
+
+    gm = wb.snapshot("insert_cached_attention").module
+    assert all(has_shape_meta(n) for n in gm.graph.nodes)
+    src = render_graph(gm).source
+    assert "torch_cached_attention" in src and "k_cache_0" in src
+    assert render_graph(gm, collapsed=True).source
+
+
+def test_numerics_probe_runs_through_the_cached_graph(wb):
+    for key in ("insert_cached_attention", "initialize_cache", "resize_kv_cache", "cleanup_identity_dtype_cast"):
+        n = wb.snapshot(key).numerics
+        assert n.ok and n.rmse_ratio <= 1e-5 and n.top1_agreement == 1.0, (key, n)
+    # Another probe shape through the same probe function.
+    probe = make_batch(wb.ctx.vocab_size, 3, 23, seed=5)
+    with torch.no_grad():
+        out = wb.ctx.shared["probe_fn"](wb.module, probe)
+        ref = CausalLMLogits(wb.loaded.model)(*probe.args)
+    assert out.shape == ref.shape and _rmse_ratio(out, ref) <= 1e-5
+
+
+def test_kv_cache_bytes_are_the_memory_delta(wb):
+    init, resize = wb.snapshot("initialize_cache"), wb.snapshot("resize_kv_cache")
+    bytes_per_page = 2 * 2 * 16 * 2 * 16 * 4  # layers * (K, V) * page_size * Hkv * D * fp32
+    assert init.info.details["num_pages"] == 191  # conservative: 2048/16 + 64 - 1 pages
+    assert init.mem_delta == 191 * bytes_per_page == init.mem_after.cache_bytes and init.mem_warning is None
+    new_pages = resize.info.details["num_pages"]
+    assert new_pages == 64 * 512 // 16  # the 256 MiB budget is more than 64 full sequences need
+    assert resize.mem_delta == (new_pages - 191) * bytes_per_page and resize.mem_warning is None
+    assert wb.ctx.cache_bytes() == new_pages * bytes_per_page
+    assert "resize_kv_cache" in {s.key for s in wb.snapshots if s.mem_delta}
+
+
+def test_resize_follows_the_cpu_budget_and_rewinds(wb):
+    try:
+        wb.configure("resize_kv_cache", cpu_budget_bytes=10 * 8192 + 100)
+        wb.run()
+        cfg = wb.ctx.shared["kv_cache_config"]
+        assert cfg.num_pages == 10 and wb.snapshot("resize_kv_cache").mem_delta == (10 - 191) * 8192
+        out = wb.generate([[1, 2, 3]], max_new_tokens=4, stop_token_ids=[])
+        assert len(out.results[0].token_ids) == 4
+    finally:
+        wb.configure("resize_kv_cache", cpu_budget_bytes=256 * 2**20)
+        wb.run()
+    assert wb.ctx.shared["kv_cache_config"].num_pages == 2048
+
+
+def test_bnsd_layout_gets_transposes(tiny_llama):
+    bench = Workbench(tiny_llama, overrides={"match_attention_layout.attn_layout": "bnsd"})
+    bench.run_to("insert_cached_attention")
+    hist = bench.snapshot("insert_cached_attention").op_histogram
+    assert hist[CACHED] == 2 and hist.get("aten.transpose.int", 0) >= 8
+    n = bench.snapshots[-1].numerics
+    assert n.ok and n.rmse_ratio <= 1e-5, n
+
+
+def test_backend_choice_errors():
+    with pytest.raises(ConfigError, match="unknown attention backend"):
+        Workbench("tiny:llama", overrides={"insert_cached_attention.backend": "cudnn"})
+    from workbench.ops.attention.flashinfer_cached_attention import is_available
+
+    if is_available()[0]:
+        pytest.skip("flashinfer is available here")
+    bench = Workbench("tiny:llama", numerics=False, overrides={"insert_cached_attention.backend": "flashinfer"})
+    with pytest.raises(TransformError, match="flashinfer") as e:
+        bench.run()
+    assert "pip install flashinfer-python" in str(e.value) or "CUDA" in str(e.value)
+    assert bench.status("insert_cached_attention") == "failed"
+
+
+def test_uncacheable_attention_is_refused():
+    def f(q, k, v):
+        return torch.ops.workbench.torch_attention(q, k, v, is_causal=False, layout="bsnd")
+
+    gm = export_graph_module(f, [torch.randn(1, 4, 2, 8)] * 3)
+    t = InsertCachedAttention(TransformConfig(stage=Stages.CACHE_INIT))
+    with pytest.raises(ValueError, match="not causal"):
+        t._apply(gm, None)
+
+
+def test_hidden_state_capture(tiny_llama):
+    bench = Workbench(tiny_llama, numerics=False,
+                      overrides={"detect_hidden_states_for_capture.eagle3_layers_to_capture": [0]})
+    bench.run()
+    snap = bench.snapshot("insert_cached_residual_add")
+    assert snap.info.num_matches == 1 and snap.info.details["captured_layers"] == [0]
+    cache = bench.ctx.resources["hidden_states_cache_0"]
+    assert tuple(cache.shape) == (2048, 64)
+    ids = [5, 9, 200, 3, 17]
+    runner = runner_for(bench.module, bench.ctx)
+    sched = runner.scheduler()
+    req = Request(index=0, prompt=ids, max_new_tokens=1)
+    sched.add(req)
+    runner.step(sched.schedule(), sched)
+    with torch.no_grad():
+        ref = tiny_llama.model(torch.tensor([ids]), output_hidden_states=True).hidden_states[1][0]
+    torch.testing.assert_close(cache[:5], ref)
+
+
+def test_transformers_mode(tiny_llama):
+    bench = Workbench(tiny_llama, entries=transformers_mode_entries(page_size=8))
+    bench.run()
+    assert [s.key for s in bench.snapshots][:2] == ["detect_hf_attn_layers", "transformers_replace_cached_attn"]
+    assert bench.snapshot("detect_hf_attn_layers").info.num_matches == 2
+    assert isinstance(bench.module, HFCachedLM)
+    assert bench.snapshot("initialize_cache").mem_delta > 0
+    for s in bench.snapshots[1:]:
+        assert s.numerics.ok and s.numerics.rmse_ratio <= 1e-5, (s.key, s.numerics)
+    # The eager model is untouched (its attention implementation is switched only inside forward).
+    assert tiny_llama.model.config._attn_implementation == "sdpa"
+    prompts = [[1, 2, 3], list(range(40, 60)), [7]]
+    got = bench.generate(prompts, max_new_tokens=12, stop_token_ids=[]).token_ids
+    for p, toks in zip(prompts, got):
+        ids = torch.tensor([p])
+        ref = tiny_llama.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                        do_sample=False, eos_token_id=[], pad_token_id=0)
+        assert toks == ref[0, len(p):].tolist()
+
+
+def test_transformers_mode_refuses_graphs(wb):
+    from workbench.pipeline.transforms.hf_cached_attention import DetectHFAttnLayers
+
+    t = DetectHFAttnLayers(TransformConfig(stage=Stages.CACHE_INIT))
+    with pytest.raises(TypeError, match="un-exported"):
+        t._apply(wb.module, wb.ctx)
+
+
+# ------------------------------------------------------------------------------ cache pieces
+
+
+def test_kv_cache_config_math():
+    specs = (CacheSpec("k", PAGED, (2, 16)), CacheSpec("v", PAGED, (2, 16)), CacheSpec("h", "token", (64,), torch.float16))
+    cfg = KVCacheConfig(page_size=16, num_pages=10, dtype=torch.float32, max_batch_size=4, max_seq_len=100,
+                        max_num_tokens=32, specs=specs)
+    assert cfg.max_pages_per_seq == 7 and cfg.pages_to_fill() == 28 and cfg.token_capacity == 160
+    assert cfg.bytes_per_page() == 2 * 16 * 2 * 16 * 4 and cfg.per_token_bytes() == 32 * 64 * 2
+    assert cfg.total_bytes() == 10 * cfg.bytes_per_page() + cfg.per_token_bytes()
+    with pytest.raises(ValueError, match="declared twice"):
+        add_specs(specs, [CacheSpec("k", PAGED, (4, 16))])
+    with pytest.raises(ValueError, match="num_pages"):
+        cfg.with_pages(0)
+
+
+def test_page_allocator():
+    a = PageAllocator(5)
+    assert a.allocate(1, 2) == [0, 1] and a.allocate(2, 2) == [2, 3] and a.num_free == 1
+    with pytest.raises(CacheFullError, match="needs 2 pages"):
+        a.allocate(3, 2)
+    a.free(1)
+    assert a.num_free == 3 and a.allocate(3, 3) == [0, 1, 4] and a.pages(3) == [0, 1, 4]
+
+
+def test_cached_runner_checks_its_inputs(wb):
+    cfg = wb.ctx.shared["kv_cache_config"]
+    with pytest.raises(ValueError, match="no cache tensors"):
+        CachedRunner(wb.module, {}, cfg)
+    caches = dict(wb.ctx.resources)
+    caches["k_cache_0"] = torch.empty(0)
+    with pytest.raises(ValueError, match="released"):
+        CachedRunner(wb.module, caches, cfg)
+    assert isinstance(wb.module, fx.GraphModule) and set(op_histogram(wb.module)) >= {CACHED}
+    with pytest.raises(KeyError, match="no value"):
+        run_cached(wb.module, {})

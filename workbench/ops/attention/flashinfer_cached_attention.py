@@ -1,0 +1,123 @@
+"""``workbench::flashinfer_cached_attention``: the cached attention op on FlashInfer's paged kernels.
+
+Same signature and semantics as ``torch_cached_attention`` (see that module for shapes). GPU only
+and an optional extra (``pip install flashinfer-python``): the op is always registered, so graphs
+that use it stay loadable and printable everywhere; ``is_available()`` says whether it can run
+here and, if not, what is missing. ``insert_cached_attention(backend="flashinfer")`` refuses to
+pick it when it cannot run.
+
+Mapping to FlashInfer (NHD layout, separate K and V page pools, exactly our cache layout):
+
+* ``append_paged_kv_cache`` writes the step's k/v at ``input_pos .. input_pos + seq_lens - 1``;
+* ``BatchPrefillWithPagedKVCacheWrapper`` handles every sequence of the step (decode is the
+  ``qo_len == 1`` case), causal with bottom-right alignment as in our reference;
+* ``sliding_window = w`` keeps ``q - k < w``, FlashInfer's ``window_left = w - 1``;
+* ``logit_cap`` is FlashInfer's ``logits_soft_cap``. Attention sinks are not supported here.
+
+The plan is rebuilt on every call (per layer): simple and correct; sharing one plan across the
+layers of a step is the obvious optimisation once this backend is measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Dict, Optional, Tuple
+
+import torch
+
+_WORKSPACE_BYTES = 128 * 2**20
+
+
+def is_available() -> Tuple[bool, str]:
+    """(True, "") when FlashInfer can run here, else (False, what is missing)."""
+    missing = []
+    if importlib.util.find_spec("flashinfer") is None:
+        missing.append("the flashinfer package is not installed (pip install flashinfer-python)")
+    if not torch.cuda.is_available():
+        missing.append("no CUDA GPU is visible (FlashInfer kernels are GPU-only)")
+    return (not missing), "; ".join(missing)
+
+
+class _Workspaces:
+    """FlashInfer's scratch buffer, one per device, allocated on first use and then reused.
+
+    An explicit object owned by this module rather than a bare dict so the one piece of state
+    this backend keeps is named and documented; it only caches an allocation.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: Dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        if device not in self._buffers:
+            self._buffers[device] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._buffers[device]
+
+
+WORKSPACES = _Workspaces()
+
+
+def paged_kv_indices(seq_lens, input_pos, page_table, page_size: int):
+    """FlashInfer's CSR page description: (kv_indptr [B+1], kv_indices [nnz], last_page_len [B],
+    kv_lens [B]), all int32 on the metadata's device."""
+    kv_lens = (input_pos + seq_lens).int()
+    n_pages = (kv_lens + page_size - 1) // page_size  # [B]
+    kv_indptr = torch.zeros(kv_lens.numel() + 1, dtype=torch.int32, device=kv_lens.device)
+    kv_indptr[1:] = torch.cumsum(n_pages, 0)
+    cols = torch.arange(page_table.shape[1], device=kv_lens.device)
+    used = cols[None, :] < n_pages[:, None]  # [B, max_pages]
+    kv_indices = page_table[: kv_lens.numel()][used].int()
+    last_page_len = ((kv_lens - 1) % page_size + 1).int()
+    return kv_indptr, kv_indices, last_page_len, kv_lens
+
+
+@torch.library.custom_op("workbench::flashinfer_cached_attention", mutates_args=("k_cache", "v_cache"))
+def flashinfer_cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    input_pos: torch.Tensor,
+    page_table: torch.Tensor,
+    num_prefill: int,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    logit_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    ok, why = is_available()
+    if not ok:
+        raise RuntimeError(f"flashinfer_cached_attention cannot run: {why}")
+    if sinks is not None:
+        raise NotImplementedError("flashinfer_cached_attention: attention sinks are not supported; use backend torch or triton")
+    import flashinfer
+
+    page_size = k_cache.shape[1]
+    hq, hkv, d = q.shape[2], k.shape[2], q.shape[3]
+    t = q.shape[1]
+    kv_indptr, kv_indices, last_page_len, kv_lens = paged_kv_indices(seq_lens, input_pos, page_table, page_size)
+    qo_indptr = torch.zeros_like(kv_indptr)
+    qo_indptr[1:] = torch.cumsum(seq_lens.int(), 0)
+    batch_indices, positions = flashinfer.get_batch_indices_positions(qo_indptr, kv_lens, t)
+    flashinfer.append_paged_kv_cache(
+        k[0], v[0], batch_indices, positions, (k_cache, v_cache), kv_indices, kv_indptr,
+        last_page_len, kv_layout="NHD",
+    )
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(WORKSPACES.get(q.device), "NHD")
+    wrapper.plan(
+        qo_indptr, kv_indptr, kv_indices, last_page_len, hq, hkv, d, page_size, causal=True,
+        sm_scale=scale, window_left=-1 if sliding_window is None else sliding_window - 1,
+        logits_soft_cap=logit_cap or 0.0, q_data_type=q.dtype, kv_data_type=k_cache.dtype,
+    )
+    out = wrapper.run(q[0], (k_cache, v_cache))  # [T, Hq, Dv]
+    return out.to(q.dtype).unsqueeze(0)
+
+
+@flashinfer_cached_attention.register_fake
+def _flashinfer_cached_attention_fake(
+    q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, scale,
+    sliding_window=None, logit_cap=None, sinks=None,
+):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])

@@ -1,0 +1,54 @@
+"""``workbench::flashinfer_rmsnorm``: ``torch_rmsnorm`` on FlashInfer's fused RMSNorm kernel.
+
+GPU only and an optional extra (``pip install flashinfer-python``). The op is always registered,
+so graphs that use it stay loadable and printable everywhere; ``is_available()`` says whether it can
+run here and, if not, what is missing. ``fuse_rmsnorm(backend="flashinfer")`` refuses to pick it
+when it cannot run, naming the missing piece.
+
+Contract: input [..., H], weight [H] of the *same dtype* as input -> [..., H]. FlashInfer takes
+2-D rows, so leading dims are flattened. One difference from the canonical op in half precision:
+FlashInfer multiplies the weight in fp32 and rounds once, where HF rounds the normalised row to
+the input dtype first and then rounds the product again (<= 1 ulp apart). In fp32 both agree.
+``fuse_rmsnorm`` only swaps nodes whose input and weight dtypes are equal.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Tuple
+
+import torch
+
+
+def is_available(device: torch.device | str | None = None) -> Tuple[bool, str]:
+    """(True, reason) when FlashInfer can run here (on ``device`` if given), else (False, what is
+    missing)."""
+    missing = []
+    if importlib.util.find_spec("flashinfer") is None:
+        missing.append("the flashinfer package is not installed (pip install flashinfer-python)")
+    if not torch.cuda.is_available():
+        missing.append("no CUDA GPU is visible (FlashInfer kernels are GPU-only)")
+    elif device is not None and torch.device(device).type != "cuda":
+        missing.append(f"tensors are on {torch.device(device).type}, FlashInfer needs CUDA tensors")
+    return (not missing), ("; ".join(missing) or "flashinfer on CUDA")
+
+
+@torch.library.custom_op("workbench::flashinfer_rmsnorm", mutates_args=())
+def flashinfer_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """FlashInfer RMSNorm; see the module docstring."""
+    ok, why = is_available(input.device)
+    if not ok:
+        raise RuntimeError(f"flashinfer_rmsnorm cannot run: {why}. Use the 'torch' or 'triton' "
+                           "RMSNorm backend (fuse_rmsnorm.backend=...).")
+    if weight.dtype != input.dtype:
+        raise ValueError(f"flashinfer_rmsnorm needs weight dtype == input dtype, got "
+                         f"{weight.dtype} and {input.dtype}")
+    import flashinfer
+
+    rows = input.reshape(-1, input.shape[-1]).contiguous()
+    return flashinfer.norm.rmsnorm(rows, weight.contiguous(), eps).reshape(input.shape)
+
+
+@flashinfer_rmsnorm.register_fake
+def _flashinfer_rmsnorm_fake(input, weight, eps):
+    return input.new_empty(input.shape, dtype=torch.promote_types(input.dtype, weight.dtype))

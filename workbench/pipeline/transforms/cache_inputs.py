@@ -1,0 +1,168 @@
+"""Graph inputs of a cached graph: adding them, describing them, and feeding them.
+
+The cache stage turns ``(input_ids, position_ids) -> logits`` into
+``(input_ids, position_ids, seq_lens, input_pos, page_table, num_prefill, <caches...>) -> logits``.
+New inputs are placeholders with a fake value in ``meta['val']`` (symbolic sizes from the graph's
+own shape environment), so the graph stays printable, renderable and shape-propagatable, and
+with ``meta['wb_cache_input']`` naming what the runtime feeds them (metadata name or cache
+resource key). Export's pytree calling convention is rebuilt to take the extra positional inputs.
+
+``CachedProbe`` keeps the per-transform numerics probe working after cache insertion: it runs the
+probe batch as one prefill through the cached module on scratch pages of its own, so the probe
+never touches (or needs) the real caches.
+
+Not a transform itself: helpers for ``cached_attention``, ``cached_residual_add``, ``kvcache`` and
+``hf_cached_attention``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch._dynamo.source import ConstantSource
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import DimDynamic
+from torch.utils import _pytree as pytree
+
+from ...runtime.kv_cache import CacheSpec, KVCacheConfig, allocate_caches
+from ...runtime.sequence_info import INPUT_KEY, METADATA_INPUTS, SequenceInfo, module_input_names
+
+_SYMBOLS_KEY = "wb_cache_symbols"  # gm.meta: symbolic sizes shared by all cache inputs
+
+
+def graph_fake_mode(gm: fx.GraphModule):
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode([v for v in vals if v is not None])
+    if mode is None or mode.shape_env is None:
+        raise RuntimeError(
+            "the graph's inputs carry no fake values with a shape environment (was it exported with "
+            "torch.export?); the cache stage needs them to describe its new inputs"
+        )
+    return mode
+
+
+def _symbol(gm: fx.GraphModule, name: str, hint: int):
+    """A named symbolic size (one per name and graph), e.g. ``num_pages``."""
+    table = dict(gm.meta.get(_SYMBOLS_KEY, {}))
+    if name not in table:
+        env = graph_fake_mode(gm).shape_env
+        sym = env.create_symbol(hint, source=ConstantSource(f"wb_{name}"), dynamic_dim=DimDynamic.DYNAMIC)
+        table[name] = env.create_symintnode(sym, hint=hint)
+        gm.meta[_SYMBOLS_KEY] = table  # a new dict: snapshots share the old one
+    return table[name]
+
+
+def _fake(gm: fx.GraphModule, shape: Sequence[Any], dtype: torch.dtype, device: torch.device):
+    with graph_fake_mode(gm):
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def find_input(gm: fx.GraphModule, key: str) -> Optional[fx.Node]:
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.meta.get(INPUT_KEY, n.name) == key:
+            return n
+    return None
+
+
+def add_graph_input(gm: fx.GraphModule, key: str, val: Any) -> fx.Node:
+    """Append a placeholder fed by ``key``, with fake value ``val``; fix export's input spec."""
+    if find_input(gm, key) is not None:
+        raise ValueError(f"the graph already has an input {key!r}")
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last):
+        node = gm.graph.placeholder(key)
+    node.meta["val"] = val
+    node.meta[INPUT_KEY] = key
+    _rebuild_input_spec(gm)
+    return node
+
+
+def _rebuild_input_spec(gm: fx.GraphModule) -> None:
+    """Export's codegen flattens ``(args, kwargs)`` with a fixed spec: extend it to every placeholder.
+
+    A new codegen object, never an in-place edit: snapshot graph copies share the old one.
+    """
+    codegen = gm.graph._codegen
+    if not isinstance(codegen, fx.graph._PyTreeCodeGen):
+        return  # plain positional codegen: the new placeholder is simply a new argument
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    in_spec = pytree.tree_structure((tuple(range(len(names))), {}))
+    info = fx.graph._PyTreeInfo(names, in_spec, codegen.pytree_info.out_spec)
+    gm.graph._codegen = fx.graph._PyTreeCodeGen(info)
+    gm._in_spec = in_spec
+
+
+def metadata_inputs(gm: fx.GraphModule, device: torch.device) -> Dict[str, fx.Node]:
+    """The four metadata inputs (created once per graph): seq_lens/input_pos [B] int32,
+    page_table [B, max_pages_per_seq] int32, num_prefill (a symbolic int)."""
+    out = {k: find_input(gm, k) for k in METADATA_INPUTS}
+    if all(v is not None for v in out.values()):
+        return out
+    b, pages = _symbol(gm, "num_seqs", 3), _symbol(gm, "max_pages_per_seq", 5)
+    vals = {
+        "seq_lens": _fake(gm, (b,), torch.int32, device),
+        "input_pos": _fake(gm, (b,), torch.int32, device),
+        "page_table": _fake(gm, (b, pages), torch.int32, device),
+        "num_prefill": _symbol(gm, "num_prefill", 1),
+    }
+    for key in METADATA_INPUTS:
+        if out[key] is None:
+            out[key] = add_graph_input(gm, key, vals[key])
+    return out
+
+
+def cache_input(gm: fx.GraphModule, spec: CacheSpec, dtype: torch.dtype, device: torch.device) -> fx.Node:
+    """A cache placeholder: [num_pages, page_size, *shape] (paged) or [max_num_tokens, *shape]."""
+    if spec.kind == "paged":
+        lead = (_symbol(gm, "num_pages", 7), _symbol(gm, "page_size", 11))
+    else:
+        lead = (_symbol(gm, "max_num_tokens", 13),)
+    return add_graph_input(gm, spec.name, _fake(gm, (*lead, *spec.shape), spec.dtype or dtype, device))
+
+
+def run_cached(module: torch.nn.Module, values: Mapping[str, Any]) -> Any:
+    """Call a cached module with its inputs looked up by name."""
+    names = module_input_names(module)
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise KeyError(f"no value for the module inputs {missing} (have {sorted(values)})")
+    return module(*[values[n] for n in names])
+
+
+class CachedProbe:
+    """``ctx.shared['probe_fn']`` after cache insertion: ``(module, probe_batch) -> logits [b, s, V]``.
+
+    The probe's b rows become b prefill sequences of s tokens on scratch caches sized for exactly
+    that (zero pages shared with the real caches). Graph modules get ``input_ids [b, s]`` as is:
+    the cached attention flattens ``[b, s, ...]`` to ``[1, b*s, ...]`` itself, so the logits come
+    back in the probe's shape.
+    """
+
+    def __init__(self, specs: Sequence[CacheSpec], dtype: torch.dtype, page_size: int = 16):
+        self.specs, self.dtype, self.page_size = tuple(specs), dtype, page_size
+
+    def __call__(self, module: torch.nn.Module, probe) -> torch.Tensor:
+        ids, pos = probe.input_ids, probe.position_ids
+        b, s = ids.shape
+        per_seq = -(-s // self.page_size)
+        cfg = KVCacheConfig(
+            page_size=self.page_size, num_pages=b * per_seq, dtype=self.dtype, max_batch_size=b,
+            max_seq_len=s, max_num_tokens=b * s, specs=self.specs,
+        )
+        info = SequenceInfo.from_config(cfg, ids.device)
+        pages = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
+        info.set_batch(ids.tolist(), [0] * b, pages, num_prefill=b, page_size=self.page_size)
+        values = {**info.inputs(), **allocate_caches(cfg, ids.device)}
+        values.update(input_ids=ids, position_ids=pos)  # [b, s]: logits come back as [b, s, V]
+        return run_cached(module, values)
+
+    def __repr__(self) -> str:
+        return f"CachedProbe({len(self.specs)} cache inputs, scratch pages of {self.page_size})"
+
+
+__all__ = [
+    "graph_fake_mode", "find_input", "add_graph_input", "metadata_inputs", "cache_input",
+    "run_cached", "CachedProbe",
+]

@@ -1,0 +1,225 @@
+"""``insert_cached_attention`` (stage ``cache_init``): canonical attention -> paged cached attention.
+
+Every ``torch.ops.workbench.torch_attention`` node becomes the backend's cached op::
+
+    torch_attention(q, k, v, is_causal=True, scale, sliding_window, logit_cap, sinks, layout)
+      q [b, s, Hq, D] (bsnd) or [b, Hq, s, D] (bnsd)
+    ->  reshape to flattened tokens: q [1, b*s, Hq, D], k/v [1, b*s, Hkv, D]
+        <backend>_cached_attention(q, k, v, k_cache_<i>, v_cache_<i>, seq_lens, input_pos,
+                                   page_table, num_prefill, scale, sliding_window, logit_cap, sinks)
+        reshape back to q's layout [b, s, Hq, Dv] / [b, Hq, s, Dv]
+
+and the graph gains the metadata inputs (shared by all layers) and one K and one V page pool per
+layer (see ``cache_inputs``). The runtime feeds ``input_ids [1, T]`` -- the whole step's tokens
+flattened -- so the reshapes are views; a ``[b, s]`` batch of b fresh prefill sequences also
+works unchanged (that is how the numerics probe runs). Allocation happens later
+(``initialize_cache``): this transform only declares ``CacheSpec``s in ``ctx.shared['cache_specs']``.
+
+Backends (one table, resolved when the transform runs, each with a reason when unavailable):
+``torch`` (reference, CPU and GPU), ``triton`` (``triton_cached_attention``: GPU, or CPU under
+``TRITON_INTERPRET=1``), ``flashinfer`` (GPU only, optional extra).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+from pydantic import Field, field_validator
+
+from ... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ...runtime.kv_cache import PAGED, CacheSpec, add_specs
+from ..interface import Transform, TransformConfig, TransformInfo, register
+from .cache_inputs import CachedProbe, cache_input, metadata_inputs
+from .patterns import annotate_new_nodes, named_args
+
+aten = torch.ops.aten
+
+
+# ------------------------------------------------------------------------------ backends
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    module: str  # where the op is defined (imported on use)
+    op_name: str  # torch.ops.workbench.<op_name>
+    requirement: str  # what it needs, for error messages
+
+    def resolve(self, device: torch.device) -> Callable:
+        """The op overload, or a ``RuntimeError`` naming what is missing."""
+        try:
+            mod = importlib.import_module(self.module)
+        except ModuleNotFoundError as e:
+            if e.name == self.module:
+                raise RuntimeError(f"attention backend '{self.name}': {self.op_name} not implemented yet") from e
+            raise
+        is_available = getattr(mod, "is_available", None)
+        if is_available is not None:
+            try:
+                ok, why = is_available(device)
+            except TypeError:  # is_available() without a device argument
+                ok, why = is_available()
+            if not ok:
+                raise RuntimeError(
+                    f"attention backend '{self.name}' cannot run on {device}: {why}. It needs {self.requirement}; "
+                    "pick backend 'torch' (insert_cached_attention.backend=torch) to run anywhere."
+                )
+        return getattr(torch.ops.workbench, self.op_name).default
+
+
+BACKENDS: Dict[str, AttentionBackend] = {
+    b.name: b for b in (
+        AttentionBackend("torch", "workbench.ops.attention.torch_cached_attention", "torch_cached_attention",
+                         "nothing beyond PyTorch"),
+        AttentionBackend("triton", "workbench.ops.attention.triton_cached_attention", "triton_cached_attention",
+                         "triton and a CUDA GPU (or TRITON_INTERPRET=1 on CPU)"),
+        AttentionBackend("flashinfer", "workbench.ops.attention.flashinfer_cached_attention",
+                         "flashinfer_cached_attention",
+                         "a CUDA GPU and the flashinfer package (pip install flashinfer-python)"),
+    )
+}
+DEFAULT_BACKEND = "torch"
+
+
+def resolve_backend(name: Optional[str], device: torch.device) -> Tuple[str, Callable]:
+    name = name or DEFAULT_BACKEND
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
+    return name, BACKENDS[name].resolve(device)
+
+
+class InsertCachedAttentionConfig(TransformConfig):
+    backend: Optional[str] = Field(
+        default=None,
+        description=f"The attention backend to use: {' | '.join(BACKENDS)} (None: {DEFAULT_BACKEND}).",
+    )
+
+    @field_validator("backend")
+    @classmethod
+    def _known(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and v not in BACKENDS:
+            raise ValueError(f"unknown attention backend {v!r}; known: {', '.join(BACKENDS)}")
+        return v
+
+
+# ------------------------------------------------------------------------------ the rewrite
+
+
+def _attention_nodes(gm: fx.GraphModule) -> List[fx.Node]:
+    target = torch.ops.workbench.torch_attention.default
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def _unsupported(args: Dict[str, Any]) -> Optional[str]:
+    """Why a torch_attention call cannot become cached attention, or None."""
+    if args["attn_mask"] is not None:
+        return "it has an explicit attn_mask (only causal/sliding-window masking can be cached)"
+    if not args["is_causal"]:
+        return "it is not causal (a KV cache serves autoregressive decoding only)"
+    if args["dropout_p"]:
+        return f"dropout_p={args['dropout_p']} (inference only)"
+    return None
+
+
+def _val(node: Any) -> torch.Tensor:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(v, torch.Tensor):
+        raise RuntimeError(f"{node} has no fake value; run shape propagation first (requires_shape_prop)")
+    return v
+
+
+def rewrite_attention(
+    gm: fx.GraphModule, node: fx.Node, layer: int, op: Callable, meta: Dict[str, fx.Node], device: torch.device,
+) -> Tuple[CacheSpec, CacheSpec]:
+    """Replace one ``torch_attention`` node; returns the K and V cache specs it reads."""
+    args = dict(named_args(node))
+    why = _unsupported(args)
+    if why:
+        raise ValueError(f"cannot cache attention node {node.name} (layer {layer}): {why}")
+    bnsd = args["layout"] == "bnsd"
+    q, k, v = args["query"], args["key"], args["value"]
+    qv, kv, vv = _val(q), _val(k), _val(v)
+    hq, d = (qv.shape[1], qv.shape[3]) if bnsd else (qv.shape[2], qv.shape[3])
+    hkv = kv.shape[1] if bnsd else kv.shape[2]
+    dv = vv.shape[3]
+    if not all(isinstance(x, int) for x in (hq, hkv, d, dv)):
+        raise ValueError(f"attention node {node.name}: head counts/dims must be static, got {hq}, {hkv}, {d}, {dv}")
+    scale = args["scale"] if args["scale"] is not None else 1.0 / math.sqrt(d)
+    k_spec = CacheSpec(f"k_cache_{layer}", PAGED, (hkv, d), None, layer)
+    v_spec = CacheSpec(f"v_cache_{layer}", PAGED, (hkv, dv), None, layer)
+    k_cache = cache_input(gm, k_spec, kv.dtype, device)
+    v_cache = cache_input(gm, v_spec, vv.dtype, device)
+
+    g = gm.graph
+    before = set(g.nodes)
+    with g.inserting_before(node):
+        def flat(x: fx.Node, heads: int, dim: int) -> fx.Node:
+            if bnsd:  # [b, h, s, d] -> [b, s, h, d]
+                x = g.call_function(aten.transpose.int, (x, 1, 2))
+            return g.call_function(aten.reshape.default, (x, [1, -1, heads, dim]))
+
+        qf, kf, vf = flat(q, hq, d), flat(k, hkv, d), flat(v, hkv, dv)
+        out = g.call_function(
+            op,
+            (qf, kf, vf, k_cache, v_cache, meta["seq_lens"], meta["input_pos"], meta["page_table"],
+             meta["num_prefill"], float(scale)),
+            {"sliding_window": args["sliding_window"], "logit_cap": args["logit_cap"], "sinks": args["sinks"]},
+        )
+        # Back to q's own [b, s] (or [b, h, s]) shape: sizes read from q itself.
+        b = g.call_function(aten.sym_size.int, (q, 0))
+        s = g.call_function(aten.sym_size.int, (q, 2 if bnsd else 1))
+        res = g.call_function(aten.reshape.default, (out, [b, s, hq, dv]))
+        if bnsd:
+            res = g.call_function(aten.transpose.int, (res, 1, 2))
+    node.replace_all_uses_with(res)
+    # Provenance, fake values, and the attention node's module stack (viz groups by layer).
+    annotate_new_nodes(gm, [n for n in g.nodes if n not in before], [node.name], anchor=node)
+    g.erase_node(node)
+    return k_spec, v_spec
+
+
+@register("insert_cached_attention")
+class InsertCachedAttention(Transform):
+    """Rewrite every canonical attention op into the backend's paged cached attention op."""
+
+    config_class = InsertCachedAttentionConfig
+
+    def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+        if not isinstance(gm, fx.GraphModule):
+            raise TypeError(
+                "insert_cached_attention rewrites exported graphs, and this model is not exported; "
+                "for cached inference on the HF model use the transformers mode "
+                "(detect_hf_attn_layers + transformers_replace_cached_attn)"
+            )
+        nodes = _attention_nodes(gm)
+        if not nodes:
+            return gm, TransformInfo(
+                num_matches=0, skip_reason="no torch_attention nodes (run the pattern_matcher stage first)"
+            )
+        device = ctx.device if ctx is not None else torch.device("cpu")
+        backend, op = resolve_backend(self.config.backend, device)
+        meta = metadata_inputs(gm, device)
+        specs: List[CacheSpec] = []
+        for layer, node in enumerate(nodes):
+            specs.extend(rewrite_attention(gm, node, layer, op, meta, device))
+        gm.graph.lint()
+        gm.recompile()
+        details = {
+            "backend": backend, "layers": len(nodes),
+            "kv_heads": sorted({s.shape[0] for s in specs}), "head_dim": sorted({s.shape[1] for s in specs}),
+            "new_inputs": ["seq_lens", "input_pos", "page_table", "num_prefill"] + [s.name for s in specs],
+        }
+        if ctx is not None:
+            all_specs = add_specs(ctx.shared.get("cache_specs", ()), specs)
+            ctx.shared["cache_specs"] = all_specs
+            ctx.shared["cached_attention_backend"] = backend
+            ctx.shared["probe_fn"] = CachedProbe(all_specs, ctx.dtype)
+        return gm, TransformInfo(num_matches=len(nodes), is_clean=True, has_valid_shapes=True, details=details)
+
+
+__all__ = ["BACKENDS", "AttentionBackend", "resolve_backend", "InsertCachedAttention", "rewrite_attention"]

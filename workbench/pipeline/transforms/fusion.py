@@ -1,0 +1,253 @@
+"""Stage ``post_load_fusion``: canonical ops -> backend ops, one transform per family.
+
+The pattern stage left model-independent ops; here each is swapped for the backend picked in its
+transform's config (table and availability rules: ``fusion_backends.py``; ``auto`` = Triton on
+CUDA, torch on CPU):
+
+* ``fuse_rmsnorm``  ``torch_rmsnorm(x, w, eps)`` -> ``triton_rmsnorm`` | ``flashinfer_rmsnorm``
+  (``torch`` keeps the canonical op, which *is* the torch backend: 0 rewrites);
+* ``fuse_rope``     ``torch_rope_with_explicit_cos_sin(q, k, cos, sin, dim)`` -> the Triton kernel;
+* ``fuse_swiglu``   ``torch_swiglu_mlp(x, Wg, Wu, Wd, bg, bu, bd)`` ->
+                    ``linear(silu_and_mul(linear(x, cat[Wg; Wu], cat[bg; bu])), Wd, bd)``:
+                    one gate/up GEMM over weights concatenated once here (memory accounting as in
+                    ``fuse_gemms``), then the backend's ``*_silu_and_mul``;
+* ``fuse_gemms``    (``fusion_gemm.py``) linears sharing an input -> one GEMM + split (Q/K/V).
+
+Every rewrite keeps the op's contract, so numerics equal the canonical op's (fp32: to rounding).
+A node a backend cannot take (say FlashInfer with a weight dtype unlike the input's) stays
+canonical and is listed in ``details['left']`` with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple
+
+import torch
+import torch.fx as fx
+from pydantic import Field
+
+from ... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ..interface import Transform, TransformConfig, TransformInfo, register
+from . import fusion_causal_conv, fusion_gemm  # noqa: F401  (register their transforms)
+from .fusion_backends import graph_device, resolve_backend
+from .fusion_gemm import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights
+from .patterns import annotate_new_nodes, named_args
+
+wb = torch.ops.workbench
+
+
+def _nodes(gm: fx.GraphModule, target: Callable) -> List[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def _val(node: Any) -> Optional[torch.Tensor]:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def swap_node(gm: fx.GraphModule, node: fx.Node, target: Callable, args: tuple,
+              kwargs: Optional[Dict[str, Any]] = None) -> fx.Node:
+    """Replace ``node`` by a call to ``target`` (new name, provenance, fake value)."""
+    g = gm.graph
+    with g.inserting_before(node):
+        new = g.call_function(target, args, kwargs or {})
+    annotate_new_nodes(gm, [new], [node.name], anchor=node)
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
+    return new
+
+
+def _finish(gm: fx.GraphModule, n: int, details: Dict[str, Any]) -> Tuple[fx.GraphModule, TransformInfo]:
+    if n:
+        gm.graph.lint()
+        gm.recompile()
+    # No rewrite: the incoming shape state stands (False defers to it). Rewrites got fake values.
+    shapes = n > 0 and all("val" in x.meta for x in gm.graph.nodes if x.op in ("call_function", "placeholder"))
+    return gm, TransformInfo(num_matches=n, is_clean=n == 0, has_valid_shapes=shapes, details=details)
+
+
+# ------------------------------------------------------------------------------ RMSNorm
+
+
+class FuseRMSNormConfig(TransformConfig):
+    backend: Literal["auto", "torch", "triton", "flashinfer"] = Field(
+        default="auto",
+        description="RMSNorm backend: auto (triton on CUDA, torch on CPU) | torch (keep the "
+        "canonical op) | triton | flashinfer (GPU only, optional extra).",
+    )
+
+
+def _rmsnorm_refusal(backend: str, node: fx.Node) -> Optional[str]:
+    x, w = _val(node.args[0]), _val(node.args[1])
+    if x is None or w is None:
+        return "no fake value on input/weight (run shape propagation first)"
+    if w.dim() != 1 or w.shape[0] != x.shape[-1]:
+        return f"weight shape {list(w.shape)} is not [hidden]"
+    if backend == "flashinfer" and w.dtype != x.dtype:
+        return f"flashinfer needs weight dtype == input dtype ({w.dtype} vs {x.dtype})"
+    return None
+
+
+@register("fuse_rmsnorm")
+class FuseRMSNorm(Transform):
+    """Swap ``torch_rmsnorm`` for the configured backend's fused RMSNorm op."""
+
+    config_class = FuseRMSNormConfig
+
+    def _apply(self, gm, ctx):
+        nodes = _nodes(gm, wb.torch_rmsnorm.default)
+        if not nodes:
+            return _finish(gm, 0, {"note": "no torch_rmsnorm nodes (run the pattern_matcher stage first)"})
+        backend, why = resolve_backend("rmsnorm", self.config.backend, graph_device(gm, ctx), self.key)
+        details: Dict[str, Any] = {"backend": backend.name, "why": why, "candidates": len(nodes)}
+        if backend.name == "torch":
+            details["note"] = "torch_rmsnorm is the torch backend: nothing to swap"
+            return _finish(gm, 0, details)
+        left, n = {}, 0
+        for node in nodes:
+            refusal = _rmsnorm_refusal(backend.name, node)
+            if refusal:
+                left[node.name] = refusal
+                continue
+            swap_node(gm, node, backend.op, tuple(node.args), dict(node.kwargs))
+            n += 1
+        details["left"] = left
+        return _finish(gm, n, details)
+
+
+# ------------------------------------------------------------------------------ RoPE
+
+
+class FuseRoPEConfig(TransformConfig):
+    backend: Literal["auto", "torch", "triton"] = Field(
+        default="auto",
+        description="RoPE backend for torch_rope_with_explicit_cos_sin: auto (triton on CUDA, "
+        "torch on CPU) | torch (keep the canonical op) | triton.",
+    )
+
+
+def _rope_refusal(args: Dict[str, Any]) -> Optional[str]:
+    q, k, cos, sin = (_val(args[name]) for name in ("q", "k", "cos", "sin"))
+    if any(v is None for v in (q, k, cos, sin)):
+        return "no fake value on q/k/cos/sin (run shape propagation first)"
+    dim = args["unsqueeze_dim"]
+    if dim not in (1, 2):
+        return f"unsqueeze_dim={dim} (the kernel reads bsnd=2 or bnsd=1)"
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.dim() != 3:
+        return f"q/k must be 4-D and cos/sin 3-D, got {q.dim()}, {k.dim()}, {cos.dim()}, {sin.dim()}"
+    d = q.shape[-1]
+    if not isinstance(d, int) or d % 2 or k.shape[-1] != d or cos.shape[-1] != d or sin.shape[-1] != d:
+        return f"head dims q={q.shape[-1]} k={k.shape[-1]} cos={cos.shape[-1]} must be one even static size"
+    return None
+
+
+@register("fuse_rope")
+class FuseRoPE(Transform):
+    """Swap ``torch_rope_with_explicit_cos_sin`` for the configured backend's RoPE op."""
+
+    config_class = FuseRoPEConfig
+
+    def _apply(self, gm, ctx):
+        nodes = _nodes(gm, wb.torch_rope_with_explicit_cos_sin.default)
+        if not nodes:
+            return _finish(gm, 0, {"note": "no torch_rope_with_explicit_cos_sin nodes"})
+        backend, why = resolve_backend("rope", self.config.backend, graph_device(gm, ctx), self.key)
+        details: Dict[str, Any] = {"backend": backend.name, "why": why, "candidates": len(nodes)}
+        if backend.name == "torch":
+            details["note"] = "torch_rope_with_explicit_cos_sin is the torch backend: nothing to swap"
+            return _finish(gm, 0, details)
+        left, layouts, n = {}, {"bsnd": 0, "bnsd": 0}, 0
+        for node in nodes:
+            args = dict(named_args(node))
+            refusal = _rope_refusal(args)
+            if refusal:
+                left[node.name] = refusal
+                continue
+            swap_node(gm, node, backend.op,
+                      (args["q"], args["k"], args["cos"], args["sin"], args["unsqueeze_dim"]))
+            layouts["bsnd" if args["unsqueeze_dim"] == 2 else "bnsd"] += 1
+            n += 1
+        details.update(left=left, layouts=layouts)
+        return _finish(gm, n, details)
+
+
+# ------------------------------------------------------------------------------ SwiGLU
+
+
+class FuseSwiGLUConfig(TransformConfig):
+    backend: Literal["auto", "torch", "triton"] = Field(
+        default="auto",
+        description="SiLU-and-mul backend after the fused gate/up GEMM: auto (triton on CUDA, "
+        "torch on CPU) | torch (torch_silu_and_mul) | triton (triton_silu_and_mul).",
+    )
+
+
+def _swiglu_refusal(gm: fx.GraphModule, args: Dict[str, Any]) -> Optional[str]:
+    g, u = param_of(gm, args["gate_weight"]), param_of(gm, args["up_weight"])
+    if g is None or u is None:
+        return "gate/up weights are not module attributes (nothing to concatenate at load time)"
+    if g.shape != u.shape or g.dtype != u.dtype or g.device != u.device:
+        return f"gate {list(g.shape)} {g.dtype} and up {list(u.shape)} {u.dtype} differ"
+    gb, ub = args["gate_bias"], args["up_bias"]
+    if (gb is None) != (ub is None):
+        return "only one of gate/up has a bias"
+    if gb is not None:
+        b1, b2 = param_of(gm, gb), param_of(gm, ub)
+        if b1 is None or b2 is None or b1.dtype != b2.dtype:
+            return "gate/up biases are not module attributes of one dtype"
+    return None
+
+
+def fuse_swiglu_node(gm: fx.GraphModule, node: fx.Node, silu_mul: Callable) -> Dict[str, Any]:
+    """``torch_swiglu_mlp`` -> gate/up GEMM (concatenated weights) + ``silu_mul`` + down GEMM."""
+    args = dict(named_args(node))
+    g = gm.graph
+    pairs = [(args["gate_weight"], args["up_weight"])]
+    if args["gate_bias"] is not None:
+        pairs.append((args["gate_bias"], args["up_bias"]))
+    fused_nodes, new_bytes = [], 0
+    with g.inserting_before(node):
+        for gate, up in pairs:
+            target, nbytes = concat_weights(gm, [gate, up])
+            new_bytes += nbytes
+            attr = g.get_attr(target)
+            attr.meta["val"] = fake_value(gm, fetch_attr(gm, target))
+            fused_nodes.append(attr)
+        gate_up = g.call_function(LINEAR, (args["input"], *fused_nodes))
+        act = g.call_function(silu_mul, (gate_up,))
+        down = (act, args["down_weight"]) + ((args["down_bias"],) if args["down_bias"] is not None else ())
+        out = g.call_function(LINEAR, down)
+    annotate_new_nodes(gm, [*fused_nodes, gate_up, act, out], [node.name], anchor=node)
+    node.replace_all_uses_with(out)
+    g.erase_node(node)
+    return {"new_bytes": new_bytes, "originals": [n.target for pair in pairs for n in pair]}
+
+
+@register("fuse_swiglu")
+class FuseSwiGLU(Transform):
+    """``torch_swiglu_mlp`` -> fused gate/up GEMM + the configured backend's SiLU-and-mul."""
+
+    config_class = FuseSwiGLUConfig
+
+    def _apply(self, gm, ctx):
+        nodes = _nodes(gm, wb.torch_swiglu_mlp.default)
+        if not nodes:
+            return _finish(gm, 0, {"note": "no torch_swiglu_mlp nodes (run match_swiglu_pattern first)"})
+        backend, why = resolve_backend("silu_mul", self.config.backend, graph_device(gm, ctx), self.key)
+        left, done = {}, []
+        for node in nodes:
+            refusal = _swiglu_refusal(gm, dict(named_args(node)))
+            if refusal:
+                left[node.name] = refusal
+                continue
+            done.append(fuse_swiglu_node(gm, node, backend.op))
+        released = release_weights(gm, [t for d in done for t in d["originals"]])
+        details = {
+            "backend": backend.name, "why": why, "candidates": len(nodes), "left": left,
+            "new_bytes": sum(d["new_bytes"] for d in done), "freed_bytes": released.freed_bytes,
+            "kept_originals": released.kept + released.tied,
+        }
+        return _finish(gm, len(done), details)
+
+
+__all__ = ["FuseRMSNorm", "FuseRoPE", "FuseSwiGLU", "swap_node", "fuse_swiglu_node"]

@@ -1,0 +1,211 @@
+"""``initialize_cache`` and ``resize_kv_cache`` (stage ``cache_init``): allocate the paged KV cache.
+
+Two phases, because how much memory the cache may take is only known once the model has run:
+
+1. ``initialize_cache`` reads the ``CacheSpec``s the insert transforms declared
+   (``ctx.shared['cache_specs']``) and allocates them with a conservative number of pages -- enough
+   for one max-length sequence and one full step of ``max_num_tokens`` -- so a forward can run.
+2. ``resize_kv_cache`` runs one forward on those caches to measure activation memory, then
+   re-allocates the pool at its working size: on a GPU ``free_mem_ratio`` of the memory left once
+   weights and the activation peak are accounted for; on CPU, where "free memory" is meaningless
+   (the OS hands out pages lazily, other processes share the RAM), a configured byte budget.
+   Never more pages than ``max_batch_size`` sequences of ``max_seq_len`` can use.
+
+The cache tensors go into ``ctx.resources`` (the stepper reports their bytes as each snapshot's
+memory delta, hence ``expect_mem_change``); the geometry goes into ``ctx.shared['kv_cache_config']``
+for the runtime. Neither transform changes the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, Optional, Tuple
+
+import psutil
+import torch
+from pydantic import Field, field_validator
+
+from ...models.dtypes import resolve_dtype
+from ...runtime.kv_cache import KVCacheConfig, allocate_caches
+from ...runtime.sequence_info import SequenceInfo
+from ..interface import Transform, TransformConfig, TransformInfo, register
+from .cache_inputs import run_cached
+
+logger = logging.getLogger("workbench.pipeline")
+
+CONFIG_KEY = "kv_cache_config"
+DEFAULT_MAX_NUM_TOKENS = 2048
+DEFAULT_CPU_BUDGET = 256 * 2**20
+CPU_FORWARD_TOKENS = 32
+
+
+class InitializeCacheConfig(TransformConfig):
+    expect_mem_change: bool = Field(
+        default=True, description="Allocating the caches changes memory: this is expected."
+    )
+    page_size: int = Field(default=16, ge=1, description="Tokens per KV-cache page.")
+    dtype: Optional[str] = Field(
+        default=None, description="KV-cache dtype (float32, bfloat16, float16); None: the model's dtype."
+    )
+    max_batch_size: Optional[int] = Field(
+        default=None, ge=1, description="Sequences in flight at once; None: the pipeline's max_batch_size."
+    )
+    max_seq_len: Optional[int] = Field(
+        default=None, ge=1, description="Tokens one sequence may hold (prompt + generated); None: the "
+        "pipeline's max_seq_len.",
+    )
+    max_num_tokens: Optional[int] = Field(
+        default=None, ge=1, description="Flattened tokens per forward step (longer prompts are prefilled "
+        f"in chunks); None: min({DEFAULT_MAX_NUM_TOKENS}, max_batch_size * max_seq_len).",
+    )
+    num_pages: Optional[int] = Field(
+        default=None, ge=1, description="Pages to allocate; None: conservative (one max-length sequence "
+        "and one full step).",
+    )
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            resolve_dtype(v)
+        return v
+
+
+def conservative_pages(cfg: KVCacheConfig) -> int:
+    """Enough for one max-length sequence, and for one step of ``max_num_tokens`` spread over
+    ``max_batch_size`` sequences (each may end in a partly filled page)."""
+    one_step = cfg.pages_for(cfg.max_num_tokens) + cfg.max_batch_size - 1
+    return min(max(cfg.max_pages_per_seq, one_step), cfg.pages_to_fill())
+
+
+def _no_specs(key: str) -> TransformInfo:
+    return TransformInfo(
+        num_matches=0,
+        skip_reason=f"{key}: no cache inputs declared (insert_cached_attention or "
+        "transformers_replace_cached_attn did not run)",
+    )
+
+
+@register("initialize_cache")
+class InitializeCache(Transform):
+    """Allocate every declared cache with conservative capacity."""
+
+    config_class = InitializeCacheConfig
+
+    def _apply(self, mod, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+        specs = ctx.shared.get("cache_specs", ())
+        if not specs:
+            return mod, _no_specs(self.key)
+        c: InitializeCacheConfig = self.config
+        max_b = c.max_batch_size or ctx.max_batch_size
+        max_s = c.max_seq_len or ctx.max_seq_len
+        cfg = KVCacheConfig(
+            page_size=c.page_size, num_pages=1,
+            dtype=resolve_dtype(c.dtype) if c.dtype else ctx.dtype,
+            max_batch_size=max_b, max_seq_len=max_s,
+            max_num_tokens=c.max_num_tokens or min(DEFAULT_MAX_NUM_TOKENS, max_b * max_s),
+            specs=tuple(specs),
+        )
+        cfg = cfg.with_pages(c.num_pages or conservative_pages(cfg))
+        caches = allocate_caches(cfg, ctx.device)
+        ctx.resources = {**ctx.resources, **caches}
+        ctx.shared[CONFIG_KEY] = cfg
+        return mod, TransformInfo(num_matches=0, details={**cfg.summary(), "allocated": len(caches)})
+
+
+class ResizeKVCacheConfig(TransformConfig):
+    expect_mem_change: bool = Field(
+        default=True, description="Re-allocating the caches changes memory: this is expected."
+    )
+    free_mem_ratio: float = Field(
+        default=0.8, gt=0.0, le=1.0,
+        description="On a GPU: fraction of the memory left after weights and the measured activation "
+        "peak that the KV cache may take.",
+    )
+    cpu_budget_bytes: int = Field(
+        default=DEFAULT_CPU_BUDGET, ge=1,
+        description="On CPU: bytes the KV cache may take (CPU has no reliable free-memory figure).",
+    )
+    forward_num_tokens: Optional[int] = Field(
+        default=None, ge=1,
+        description="Tokens of the measurement forward; None: max_num_tokens on a GPU (the activation "
+        f"peak of a full step), {CPU_FORWARD_TOKENS} on CPU (the forward only checks the cached graph runs).",
+    )
+
+
+def measurement_forward(mod: torch.nn.Module, ctx, cfg: KVCacheConfig, num_tokens: int) -> None:
+    """One prefill of ``num_tokens`` random tokens through the cached module on the current caches."""
+    n = max(1, min(num_tokens, cfg.max_num_tokens, cfg.max_seq_len, cfg.token_capacity))
+    info = SequenceInfo.from_config(cfg, ctx.device)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, ctx.vocab_size, (n,), generator=gen).tolist()
+    info.set_batch([ids], [0], [list(range(cfg.pages_for(n)))], num_prefill=1, page_size=cfg.page_size)
+    with torch.no_grad():
+        run_cached(mod, {**info.inputs(), **ctx.resources})
+
+
+def _release(tensors) -> None:
+    """Free the storage of superseded CUDA caches so the new pool can use that memory.
+
+    The ``initialize_cache`` snapshot still references them; its tensors become empty, which is
+    harmless: resuming from there re-runs ``resize_kv_cache``, which never reads the old caches.
+    """
+    for t in tensors:
+        t.untyped_storage().resize_(0)
+
+
+@register("resize_kv_cache")
+class ResizeKVCache(Transform):
+    """Measure activation memory with one forward, then grow the KV cache to its working size."""
+
+    config_class = ResizeKVCacheConfig
+
+    def _apply(self, mod, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+        cfg: Optional[KVCacheConfig] = ctx.shared.get(CONFIG_KEY)
+        if cfg is None:
+            return mod, _no_specs(self.key)
+        c: ResizeKVCacheConfig = self.config
+        cuda = ctx.device.type == "cuda" and torch.cuda.is_available()
+        old_bytes = cfg.num_pages * cfg.bytes_per_page()
+        details: Dict[str, object] = {"old_num_pages": cfg.num_pages}
+        if cuda:
+            tokens = c.forward_num_tokens or cfg.max_num_tokens
+            torch.cuda.synchronize(ctx.device)
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+            base = torch.cuda.memory_allocated(ctx.device)
+            measurement_forward(mod, ctx, cfg, tokens)
+            torch.cuda.synchronize(ctx.device)
+            activation = torch.cuda.max_memory_allocated(ctx.device) - base
+            torch.cuda.empty_cache()
+            free, _total = torch.cuda.mem_get_info(ctx.device)
+            # The old pool is released below, so its bytes count as available.
+            budget = int(c.free_mem_ratio * max(0, free + old_bytes - activation))
+            details.update(activation_bytes=activation, free_bytes=free, budget_bytes=budget)
+        else:
+            tokens = c.forward_num_tokens or CPU_FORWARD_TOKENS
+            rss = psutil.Process().memory_info().rss
+            measurement_forward(mod, ctx, cfg, tokens)
+            details.update(
+                rss_growth_bytes=psutil.Process().memory_info().rss - rss, budget_bytes=c.cpu_budget_bytes
+            )
+            budget = c.cpu_budget_bytes
+        budget -= cfg.per_token_bytes()
+        pages = min(budget // cfg.bytes_per_page(), cfg.pages_to_fill())
+        if pages < cfg.max_pages_per_seq:
+            logger.warning(
+                "[stage=%s, transform=%s] the KV-cache budget holds %d pages (%d tokens), less than one "
+                "max_seq_len=%d sequence; long prompts will be refused", self.config.stage.value, self.key,
+                max(pages, 1), max(pages, 1) * cfg.page_size, cfg.max_seq_len,
+            )
+        new_cfg = cfg.with_pages(max(int(pages), 1))
+        old = [ctx.resources[s.name] for s in cfg.specs if s.name in ctx.resources]
+        ctx.resources = {k: v for k, v in ctx.resources.items() if k not in {s.name for s in cfg.specs}}
+        if cuda:
+            _release(old)
+        ctx.resources.update(allocate_caches(new_cfg, ctx.device))
+        ctx.shared[CONFIG_KEY] = new_cfg
+        details.update(new_cfg.summary(), forward_tokens=tokens)
+        return mod, TransformInfo(num_matches=0, details=details)
+
+
+__all__ = ["InitializeCache", "ResizeKVCache", "conservative_pages", "CONFIG_KEY"]

@@ -1,0 +1,292 @@
+"""``generate``: prompts in, text and tokens/s out, with continuous batching over a runner.
+
+Prompts may be strings (wrapped in the tokenizer's chat template when it has one), chat message
+lists (``[{"role": "user", "content": ...}]``), or token-id lists (models without a tokenizer).
+All prompts are submitted at once; the scheduler runs as many as fit (``max_batch_size``
+sequences, the cache's pages) and starts the rest as others finish.
+
+Bad input never takes the batch down: each prompt is validated on its own and a bad one gets a
+result with ``finish_reason="error"`` and the reason, while the others run exactly as they would
+alone. The rules, per prompt:
+
+* empty prompt, or token ids outside the vocabulary -> error;
+* more prompts than ``max_batch_size`` -> queued, run as slots free up (no error);
+* prompt + ``max_new_tokens`` longer than one sequence may hold (``max_seq_len``, or the whole
+  cache if smaller): ``max_new_tokens`` is reduced to what fits (noted in ``result.notes``,
+  ``finish_reason="length"``); a prompt that leaves no room for even one new token is an error.
+  With ``truncate_prompt=True`` the prompt keeps only its last ``capacity - max_new_tokens``
+  tokens (at least one) instead, so all ``max_new_tokens`` fit (also noted).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, List, Optional, Sequence
+
+import torch
+
+from .sampling import SamplingParams, sample
+from .scheduler import Request, Scheduler
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What the streaming callback receives for every generated token."""
+
+    index: int  # which prompt
+    token_id: int
+    text: str  # newly decoded text ("" without a tokenizer, or mid multi-byte character)
+    finished: bool
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class GenerationResult:
+    index: int
+    prompt_token_ids: List[int]
+    token_ids: List[int]  # generated tokens (a stop token, if hit, is the last one)
+    text: Optional[str]  # decoded generated text without special tokens; None without tokenizer
+    finish_reason: str  # "stop" | "length" | "error"
+    error: Optional[str] = None
+    notes: List[str] = field(default_factory=list)
+
+
+@dataclass
+class GenerationStats:
+    num_prompts: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    mixed_steps: int = 0  # steps with prefill and decode sequences together
+    max_concurrency: int = 0  # most sequences in one step
+    total_s: float = 0.0
+    decode_s: float = 0.0  # time in decode-only steps
+    decode_tokens: int = 0  # tokens produced by decode-only steps
+    time_to_first_token_s: Optional[float] = None  # mean over prompts
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.total_s if self.total_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    def __str__(self) -> str:
+        ttft = f", ttft {self.time_to_first_token_s * 1e3:.0f} ms" if self.time_to_first_token_s else ""
+        return (f"{self.generated_tokens} tokens for {self.num_prompts} prompt(s) in {self.total_s:.2f}s: "
+                f"{self.tokens_per_s:.1f} tok/s overall, {self.decode_tokens_per_s:.1f} tok/s decode "
+                f"({self.steps} steps, {self.mixed_steps} mixed, up to {self.max_concurrency} sequences{ttft})")
+
+
+@dataclass
+class GenerationOutput:
+    results: List[GenerationResult]
+    stats: GenerationStats
+
+    @property
+    def texts(self) -> List[Optional[str]]:
+        return [r.text for r in self.results]
+
+    @property
+    def text(self) -> Optional[str]:
+        return self.results[0].text if self.results else None
+
+    @property
+    def token_ids(self) -> List[List[int]]:
+        return [r.token_ids for r in self.results]
+
+    def __str__(self) -> str:
+        lines = []
+        for r in self.results:
+            body = r.text if r.text is not None else str(r.token_ids)
+            lines.append(f"[{r.index}] ({r.finish_reason}) {body if r.error is None else 'error: ' + r.error}")
+        return "\n".join(lines + [str(self.stats)])
+
+
+# ------------------------------------------------------------------------------ prompts
+
+
+def as_prompt_list(prompts: Any) -> List[Any]:
+    """One prompt (a string, a message list, token ids) or a list of them -> a list of prompts."""
+    if isinstance(prompts, (str, torch.Tensor)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, dict) for p in prompts):
+        return [prompts]  # one conversation
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # one prompt of token ids
+    return prompts
+
+
+def encode_prompt(prompt: Any, tokenizer: Any, chat_template: Optional[bool]) -> List[int]:
+    """Token ids of one prompt; ``chat_template`` None means: use it when the tokenizer has one."""
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.flatten().tolist()
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if isinstance(prompt, str):
+        if chat_template is False or (chat_template is None and not has_template) or not prompt:
+            return list(tokenizer(prompt, add_special_tokens=True)["input_ids"]) if prompt else []
+        prompt = [{"role": "user", "content": prompt}]
+    if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
+        if not has_template:
+            raise ValueError("chat messages given but the tokenizer has no chat template")
+        enc = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(enc["input_ids"])
+    raise ValueError(f"cannot use {type(prompt).__name__} as a prompt (str, chat messages or token ids)")
+
+
+def default_stop_token_ids(tokenizer: Any = None, generation_config: Any = None) -> frozenset:
+    """The model's end-of-sequence ids (tokenizer and generation config), as HF generate uses."""
+    ids = set()
+    for source in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, Iterable):
+            ids.update(int(i) for i in source)
+    return frozenset(ids)
+
+
+def _fit(req: Request, capacity: int, truncate_prompt: bool) -> None:
+    """Apply the length rules of the module docstring (raises ValueError for an error)."""
+    if req.reserve_tokens <= capacity:
+        return
+    if truncate_prompt and len(req.prompt) + req.max_new_tokens > capacity:
+        keep = max(1, capacity - req.max_new_tokens)
+        if keep < len(req.prompt):
+            req.notes.append(f"prompt truncated from {len(req.prompt)} to its last {keep} tokens (cache holds {capacity})")
+            req.prompt = req.prompt[-keep:]
+            req.tokens = list(req.prompt)
+    if len(req.prompt) >= capacity:
+        raise ValueError(
+            f"prompt of {len(req.prompt)} tokens leaves no room for a new token: one sequence holds {capacity} "
+            "tokens (raise max_seq_len / the cache size, or pass truncate_prompt=True)"
+        )
+    if req.reserve_tokens > capacity:
+        new = capacity - len(req.prompt)
+        req.notes.append(f"max_new_tokens reduced from {req.max_new_tokens} to {new} (one sequence holds {capacity} tokens)")
+        req.max_new_tokens = new
+
+
+# ------------------------------------------------------------------------------ the loop
+
+
+def generate(
+    runner: Any,
+    prompts: Any,
+    *,
+    tokenizer: Any = None,
+    vocab_size: Optional[int] = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    stop_token_ids: Optional[Iterable[int]] = None,
+    chat_template: Optional[bool] = None,
+    seed: int = 0,
+    stream: Optional[Callable[[TokenEvent], None]] = None,
+    truncate_prompt: bool = False,
+) -> GenerationOutput:
+    """Generate for every prompt with continuous batching; see the module docstring for input rules.
+
+    ``stop_token_ids`` None: the tokenizer's EOS; ``[]``: never stop early. ``stream`` is called
+    for every generated token as it is produced.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    params = SamplingParams(temperature, top_k, top_p)
+    stops = frozenset(stop_token_ids) if stop_token_ids is not None else default_stop_token_ids(tokenizer)
+    sched: Scheduler = runner.scheduler()
+    capacity = sched.capacity()
+    requests: List[Request] = []
+    for i, p in enumerate(as_prompt_list(prompts)):
+        req = Request(index=i, prompt=[], max_new_tokens=max_new_tokens, sampling=params, stop_ids=stops)
+        requests.append(req)
+        try:
+            req.prompt = encode_prompt(p, tokenizer, chat_template)
+            req.tokens = list(req.prompt)
+            if not req.prompt:
+                raise ValueError("empty prompt: there is no token to continue from")
+            bad = [t for t in req.prompt if t < 0 or (vocab_size is not None and t >= vocab_size)]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab_size})")
+            _fit(req, capacity, truncate_prompt)
+            sched.add(req)
+        except ValueError as e:
+            req.finish_reason, req.error = "error", str(e)
+
+    stats = GenerationStats(num_prompts=len(requests), prompt_tokens=sum(len(r.prompt) for r in requests))
+    gen = torch.Generator().manual_seed(seed)
+    texts = {}
+    t0 = time.perf_counter()
+    while sched.has_work:
+        step = sched.schedule()
+        if not step.items:
+            raise RuntimeError("scheduler made no progress (a waiting request can never fit); this is a bug")
+        ts = time.perf_counter()
+        logits = runner.step(step, sched)  # [B, V]
+        ready = []  # rows whose sequence now needs its next token
+        for row, (req, n) in enumerate(step.items):
+            req.num_cached += n
+            if req.num_cached == len(req.tokens):
+                ready.append((row, req))
+        new_tokens = sample(logits[[r for r, _ in ready]].float(), [q.sampling for _, q in ready], gen) if ready else []
+        now = time.perf_counter()
+        for (_, req), tok in zip(ready, new_tokens):
+            req.tokens.append(tok)
+            if req.first_token_s is None:
+                req.first_token_s = now - t0
+            if tok in req.stop_ids:
+                sched.finish(req, "stop")
+            elif len(req.generated) >= req.max_new_tokens:
+                sched.finish(req, "length")
+            if stream is not None:
+                stream(TokenEvent(req.index, tok, _text_delta(req, tokenizer, texts), req.done, req.finish_reason))
+        stats.steps += 1
+        stats.mixed_steps += int(0 < step.num_prefill < len(step.items))
+        stats.max_concurrency = max(stats.max_concurrency, len(step.items))
+        if step.num_prefill == 0:
+            stats.decode_s += now - ts
+            stats.decode_tokens += len(new_tokens)
+    stats.total_s = time.perf_counter() - t0
+    stats.generated_tokens = sum(len(r.generated) for r in requests)
+    firsts = [r.first_token_s for r in requests if r.first_token_s is not None]
+    stats.time_to_first_token_s = sum(firsts) / len(firsts) if firsts else None
+    results = [
+        GenerationResult(
+            index=r.index, prompt_token_ids=list(r.prompt), token_ids=list(r.generated),
+            text=_decode(tokenizer, r.generated) if r.error is None else None,
+            finish_reason=r.finish_reason or "error", error=r.error, notes=list(r.notes),
+        )
+        for r in requests
+    ]
+    return GenerationOutput(results, stats)
+
+
+def _decode(tokenizer: Any, ids: Sequence[int]) -> Optional[str]:
+    if tokenizer is None:
+        return None
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _text_delta(req: Request, tokenizer: Any, texts: dict) -> str:
+    """Text added by the latest token (decoding the whole tail keeps multi-token characters right)."""
+    if tokenizer is None:
+        return ""
+    full = _decode(tokenizer, req.generated) or ""
+    prev = texts.get(req.index, "")
+    if full.endswith("\ufffd"):
+        return ""  # an incomplete UTF-8 sequence: wait for the next token
+    texts[req.index] = full
+    return full[len(prev):] if full.startswith(prev) else full
+
+
+__all__ = [
+    "generate", "GenerationOutput", "GenerationResult", "GenerationStats", "TokenEvent",
+    "encode_prompt", "as_prompt_list", "default_stop_token_ids",
+]

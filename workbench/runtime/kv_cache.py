@@ -1,0 +1,190 @@
+"""The paged KV cache: what each cache tensor looks like, how big the pool is, who owns which page.
+
+Three small pieces, kept apart because they change at different times:
+
+* ``CacheSpec`` -- one cache tensor a cached graph reads (declared by the transform that adds the
+  graph input, e.g. ``insert_cached_attention``): its name, kind and per-token shape. Immutable.
+* ``KVCacheConfig`` -- the pool's geometry (page size, number of pages, dtype) and the runtime
+  limits it was sized for (max sequences, max tokens per sequence, max tokens per step).
+  ``initialize_cache`` creates one with conservative capacity; ``resize_kv_cache`` replaces it.
+* ``PageAllocator`` -- which pages are free and which sequence holds which; runtime state, created
+  fresh for every ``generate`` call so a notebook re-run never inherits stale ownership.
+
+Cache tensors themselves live in ``PipelineContext.resources`` (the stepper reports their bytes as
+the memory delta of the transform that created them) and are passed to the graph as inputs.
+
+This module depends on torch only: the pipeline's cache transforms and the runtime both use it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+PAGED = "paged"  # [num_pages, page_size, *shape]: K or V of one attention layer
+PER_TOKEN = "token"  # [max_num_tokens, *shape]: a per-step buffer (captured hidden states)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One cache tensor of a cached graph. ``name`` is both the graph input and resource key."""
+
+    name: str
+    kind: str  # PAGED | PER_TOKEN
+    shape: Tuple[int, ...]  # per-token trailing shape, e.g. (num_kv_heads, head_dim)
+    dtype: Optional[torch.dtype] = None  # None: the KV-cache dtype of the config
+    layer: Optional[int] = None  # decoder layer (for display)
+
+    def __post_init__(self):
+        if self.kind not in (PAGED, PER_TOKEN):
+            raise ValueError(f"CacheSpec {self.name}: kind must be {PAGED!r} or {PER_TOKEN!r}, got {self.kind!r}")
+
+    def token_elems(self) -> int:
+        return math.prod(self.shape)
+
+    def tensor_shape(self, cfg: "KVCacheConfig") -> Tuple[int, ...]:
+        if self.kind == PAGED:
+            return (cfg.num_pages, cfg.page_size, *self.shape)
+        return (cfg.max_num_tokens, *self.shape)
+
+    def resolved_dtype(self, cfg: "KVCacheConfig") -> torch.dtype:
+        return self.dtype or cfg.dtype
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Geometry of the paged pool plus the runtime limits it serves."""
+
+    page_size: int
+    num_pages: int
+    dtype: torch.dtype
+    max_batch_size: int  # sequences in flight at once (rows of the page table)
+    max_seq_len: int  # tokens one sequence may hold (prompt + generated)
+    max_num_tokens: int  # flattened tokens per forward step (prefill chunks + decodes)
+    specs: Tuple[CacheSpec, ...] = field(default=())
+
+    def __post_init__(self):
+        for name in ("page_size", "num_pages", "max_batch_size", "max_seq_len", "max_num_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KVCacheConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.page_size)
+
+    @property
+    def token_capacity(self) -> int:
+        """Tokens the whole pool can hold (all sequences together)."""
+        return self.num_pages * self.page_size
+
+    @property
+    def paged_specs(self) -> Tuple[CacheSpec, ...]:
+        return tuple(s for s in self.specs if s.kind == PAGED)
+
+    def bytes_per_page(self) -> int:
+        """Bytes one page costs across every paged cache tensor (all layers, K and V)."""
+        return sum(
+            self.page_size * s.token_elems() * s.resolved_dtype(self).itemsize for s in self.paged_specs
+        )
+
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_page() // self.page_size
+
+    def per_token_bytes(self) -> int:
+        """Bytes of the non-paged per-step buffers (independent of ``num_pages``)."""
+        return sum(
+            self.max_num_tokens * s.token_elems() * s.resolved_dtype(self).itemsize
+            for s in self.specs if s.kind == PER_TOKEN
+        )
+
+    def total_bytes(self) -> int:
+        return self.num_pages * self.bytes_per_page() + self.per_token_bytes()
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def pages_to_fill(self) -> int:
+        """Pages that hold ``max_batch_size`` sequences of ``max_seq_len``: more is never useful."""
+        return self.max_batch_size * self.max_pages_per_seq
+
+    def with_pages(self, num_pages: int) -> "KVCacheConfig":
+        return replace(self, num_pages=num_pages)
+
+    def summary(self) -> Dict[str, object]:
+        return {
+            "page_size": self.page_size, "num_pages": self.num_pages, "dtype": str(self.dtype),
+            "token_capacity": self.token_capacity, "bytes": self.total_bytes(),
+            "bytes_per_token": self.bytes_per_token(), "max_batch_size": self.max_batch_size,
+            "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens,
+            "num_cache_tensors": len(self.specs),
+        }
+
+
+def allocate_caches(cfg: KVCacheConfig, device: torch.device) -> Dict[str, torch.Tensor]:
+    """Zero-filled cache tensors for every spec.
+
+    Zero, not ``empty``: kernels mask unwritten slots out of the softmax, but a masked probability
+    of 0 times a garbage NaN/inf value is still NaN, so pages must hold finite numbers from the start.
+    """
+    return {
+        s.name: torch.zeros(s.tensor_shape(cfg), dtype=s.resolved_dtype(cfg), device=device)
+        for s in cfg.specs
+    }
+
+
+def add_specs(existing: Sequence[CacheSpec], new: Iterable[CacheSpec]) -> Tuple[CacheSpec, ...]:
+    """``existing + new``, refusing two different specs under one name."""
+    out = {s.name: s for s in existing}
+    for s in new:
+        if s.name in out and out[s.name] != s:
+            raise ValueError(f"cache input {s.name!r} declared twice with different shapes: {out[s.name]} vs {s}")
+        out[s.name] = s
+    return tuple(out.values())
+
+
+class CacheFullError(RuntimeError):
+    """Not enough free pages for a request (the scheduler waits instead when others hold pages)."""
+
+
+class PageAllocator:
+    """Free list of page ids; page ownership per sequence id.
+
+    Pages are handed out lowest id first, so a fresh allocator gives a deterministic layout (handy
+    for tests and for reading page tables in a notebook).
+    """
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._free: List[int] = list(range(num_pages - 1, -1, -1))  # pop() from the end: lowest first
+        self._owned: Dict[int, List[int]] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages(self, seq_id: int) -> List[int]:
+        return self._owned.get(seq_id, [])
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, seq_id: int, n: int) -> List[int]:
+        """Give ``seq_id`` ``n`` more pages (appended to the ones it has)."""
+        if n > len(self._free):
+            raise CacheFullError(f"sequence {seq_id} needs {n} pages, {len(self._free)} of {self.num_pages} are free")
+        new = [self._free.pop() for _ in range(n)]
+        self._owned.setdefault(seq_id, []).extend(new)
+        return new
+
+    def free(self, seq_id: int) -> None:
+        self._free.extend(self._owned.pop(seq_id, []))
+        self._free.sort(reverse=True)
+
+
+__all__ = [
+    "PAGED", "PER_TOKEN", "CacheSpec", "KVCacheConfig", "allocate_caches", "add_specs", "PageAllocator",
+    "CacheFullError",
+]

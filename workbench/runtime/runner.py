@@ -1,0 +1,103 @@
+"""Runners: one scheduled ``Step`` in, next-token logits of each sequence out.
+
+``CachedRunner`` drives a cache-enabled module -- the graph after the cache stage, or
+``HFCachedLM`` in transformers mode -- through a ``SequenceInfo``: only the new tokens of each
+sequence are fed, the K/V of earlier tokens come from the paged caches. ``UncachedRunner`` is the
+fallback for a pipeline without a cache stage: every step re-runs each sequence's whole history
+through the plain ``(input_ids, position_ids) -> logits`` contract (quadratic, but always right).
+
+Both run eagerly today; a ``torch.compile`` or CUDA-graph runner slots in here with the same
+``step`` signature (the fixed-address buffers of ``SequenceInfo`` are what a CUDA graph captures).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Mapping
+
+import torch
+
+from .kv_cache import KVCacheConfig, PageAllocator
+from .scheduler import Scheduler, Step
+from .sequence_info import SequenceInfo, is_cached_module, module_input_names
+
+logger = logging.getLogger("workbench.runtime")
+
+
+class CachedRunner:
+    """Runs steps on a cached module with the caches of a ``KVCacheConfig``."""
+
+    def __init__(self, module: torch.nn.Module, caches: Mapping[str, torch.Tensor], cfg: KVCacheConfig,
+                 device: torch.device | str = "cpu"):
+        self.module, self.cfg, self.device = module, cfg, torch.device(device)
+        self.input_names = module_input_names(module)
+        self.seq_info = SequenceInfo.from_config(cfg, self.device)
+        static = set(self.seq_info.inputs())
+        missing = [n for n in self.input_names if n not in static and n not in caches]
+        if missing:
+            raise ValueError(f"no cache tensors for the module inputs {missing}; did initialize_cache run?")
+        released = [n for n in self.input_names if n in caches and caches[n].untyped_storage().nbytes() == 0]
+        if released:
+            raise ValueError(
+                f"cache tensors {released[:3]} were released (by resize_kv_cache on a GPU); re-run resize_kv_cache"
+            )
+        self.caches: Dict[str, torch.Tensor] = {n: caches[n] for n in self.input_names if n in caches}
+
+    def scheduler(self) -> Scheduler:
+        """A fresh scheduler over all pages: nothing from an earlier ``generate`` leaks in."""
+        return Scheduler(self.cfg, PageAllocator(self.cfg.num_pages))
+
+    def forward(self, step: Step, sched: Scheduler) -> torch.Tensor:
+        """Full logits of the step's flattened tokens: [1, T, V]."""
+        tokens = [r.tokens[r.num_cached: r.num_cached + n] for r, n in step.items]
+        self.seq_info.set_batch(
+            tokens, [r.num_cached for r, _ in step.items], [sched.pages(r) for r, _ in step.items],
+            num_prefill=step.num_prefill, page_size=self.cfg.page_size,
+        )
+        values: Dict[str, Any] = {**self.seq_info.inputs(), **self.caches}
+        with torch.no_grad():
+            return self.module(*[values[n] for n in self.input_names])
+
+    def step(self, step: Step, sched: Scheduler) -> torch.Tensor:
+        """Logits of each sequence's last new token: [B, V]."""
+        logits = self.forward(step, sched)
+        return logits[0].index_select(0, self.seq_info.last_token_index)
+
+
+class UncachedRunner:
+    """Re-forwards every sequence's whole history each step (no cache stage in the pipeline)."""
+
+    def __init__(self, module: torch.nn.Module, cfg: KVCacheConfig, device: torch.device | str = "cpu"):
+        self.module, self.cfg, self.device = module, cfg, torch.device(device)
+
+    def scheduler(self) -> Scheduler:
+        return Scheduler(self.cfg, PageAllocator(self.cfg.num_pages))
+
+    def step(self, step: Step, sched: Scheduler) -> torch.Tensor:
+        rows = []
+        with torch.no_grad():
+            for r, n in step.items:
+                ids = torch.tensor(r.tokens[: r.num_cached + n], device=self.device)[None]
+                pos = torch.arange(ids.shape[1], device=self.device)[None]
+                rows.append(self.module(ids, pos)[0, -1])
+        return torch.stack(rows)
+
+
+def runner_for(module: torch.nn.Module, ctx: Any):
+    """The runner for a pipeline's final module and context (``PipelineContext``)."""
+    if is_cached_module(module):
+        cfg = ctx.shared.get("kv_cache_config")
+        if cfg is None:
+            raise ValueError(
+                "the model takes cache inputs but no KV cache was allocated: enable initialize_cache "
+                "(and resize_kv_cache) in the cache_init stage"
+            )
+        return CachedRunner(module, ctx.resources, cfg, ctx.device)
+    logger.warning("no cache stage ran: generating without a KV cache (every step re-runs the whole sequence)")
+    max_b, max_s = ctx.max_batch_size, ctx.max_seq_len
+    cfg = KVCacheConfig(page_size=16, num_pages=max_b * -(-max_s // 16), dtype=ctx.dtype, max_batch_size=max_b,
+                        max_seq_len=max_s, max_num_tokens=max_b * max_s)
+    return UncachedRunner(module, cfg, ctx.device)
+
+
+__all__ = ["CachedRunner", "UncachedRunner", "runner_for"]

@@ -1,0 +1,149 @@
+"""One step of a mixed batch as flattened tokens: the inputs of a cached graph besides the caches.
+
+A step runs B sequences at once: the first ``num_prefill`` contribute a prompt (or a chunk of one),
+the rest one decode token each. Their tokens are laid back to back in one row::
+
+    input_ids, position_ids [1, T]   T = sum(seq_lens) <= max_num_tokens
+    seq_lens [B] int32               new tokens per sequence
+    input_pos [B] int32              tokens already in the cache per sequence
+    page_table [B, max_pages_per_seq] int32   page ids per sequence, in logical order
+    num_prefill                      int; sequences 0..num_prefill-1 are prefill, the rest decode
+
+Because every shape is data (T, B) rather than structure, one graph serves prefill, decode and
+mixed batches. The tensors are views into buffers allocated once at their maximum size, so their
+addresses never change between steps -- the precondition for capturing the graph in a CUDA graph
+(which would additionally pad T and B to a few bucket sizes).
+
+Depends on torch only: the pipeline's cache transforms and the runtime both use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+TOKEN_INPUTS = ("input_ids", "position_ids")
+METADATA_INPUTS = ("seq_lens", "input_pos", "page_table", "num_prefill")
+# node.meta key on placeholders a cache transform added: the name the runtime feeds it by
+# (metadata name or cache resource key). Placeholder names may get suffixes; this key does not.
+INPUT_KEY = "wb_cache_input"
+
+
+class SequenceInfo:
+    """Fixed-address input buffers for a cached graph, refilled every step by ``set_batch``."""
+
+    def __init__(self, max_batch_size: int, max_num_tokens: int, max_pages_per_seq: int,
+                 device: torch.device | str = "cpu"):
+        self.max_batch_size, self.max_num_tokens = max_batch_size, max_num_tokens
+        self.max_pages_per_seq = max_pages_per_seq
+        self.device = torch.device(device)
+        i64, i32 = dict(dtype=torch.int64, device=self.device), dict(dtype=torch.int32, device=self.device)
+        self._input_ids = torch.zeros(1, max_num_tokens, **i64)
+        self._position_ids = torch.zeros(1, max_num_tokens, **i64)
+        self._seq_lens = torch.zeros(max_batch_size, **i32)
+        self._input_pos = torch.zeros(max_batch_size, **i32)
+        self._page_table = torch.zeros(max_batch_size, max_pages_per_seq, **i32)
+        self._last_token = torch.zeros(max_batch_size, **i64)
+        self.num_seqs = self.num_tokens = self.num_prefill = 0
+        self.seq_lens: List[int] = []
+        self.input_pos: List[int] = []
+
+    @classmethod
+    def from_config(cls, cfg, device: torch.device | str = "cpu") -> "SequenceInfo":
+        """Buffers sized for a ``KVCacheConfig``."""
+        return cls(cfg.max_batch_size, cfg.max_num_tokens, cfg.max_pages_per_seq, device)
+
+    @property
+    def num_decode(self) -> int:
+        return self.num_seqs - self.num_prefill
+
+    def set_batch(
+        self,
+        tokens: Sequence[Sequence[int]],
+        input_pos: Sequence[int],
+        pages: Sequence[Sequence[int]],
+        num_prefill: int,
+        page_size: int,
+    ) -> None:
+        """Describe the next step: per sequence its new token ids, tokens already cached and pages.
+
+        Prefill sequences come first (``num_prefill`` of them, any length >= 1), then decode
+        sequences (exactly one token). Raises ``ValueError`` naming the sequence that breaks a limit.
+        """
+        b = len(tokens)
+        if not (len(input_pos) == len(pages) == b):
+            raise ValueError(f"tokens, input_pos and pages describe {b}, {len(input_pos)}, {len(pages)} sequences")
+        if b > self.max_batch_size:
+            raise ValueError(f"{b} sequences in one step, the buffers hold max_batch_size={self.max_batch_size}")
+        if not 0 <= num_prefill <= b:
+            raise ValueError(f"num_prefill={num_prefill} outside 0..{b}")
+        lens = [len(t) for t in tokens]
+        t_total = sum(lens)
+        if t_total > self.max_num_tokens:
+            raise ValueError(f"{t_total} tokens in one step, the buffers hold max_num_tokens={self.max_num_tokens}")
+        flat_ids: List[int] = []
+        flat_pos: List[int] = []
+        rows = torch.zeros(b, self.max_pages_per_seq, dtype=torch.int32)
+        for i, (toks, start, pg) in enumerate(zip(tokens, input_pos, pages)):
+            if lens[i] < 1 or (i >= num_prefill and lens[i] != 1):
+                kind = "prefill" if i < num_prefill else "decode"
+                raise ValueError(f"sequence {i} ({kind}) has {lens[i]} new tokens")
+            need = -(-(start + lens[i]) // page_size)
+            if len(pg) < need or len(pg) > self.max_pages_per_seq:
+                raise ValueError(
+                    f"sequence {i} holds {len(pg)} pages, needs {need} (max {self.max_pages_per_seq})"
+                )
+            flat_ids.extend(toks)
+            flat_pos.extend(range(start, start + lens[i]))
+            rows[i, : len(pg)] = torch.tensor(pg, dtype=torch.int32)
+        # One host tensor per buffer, copied in place: the device addresses never change.
+        self._input_ids[0, :t_total].copy_(torch.tensor(flat_ids, dtype=torch.int64), non_blocking=True)
+        self._position_ids[0, :t_total].copy_(torch.tensor(flat_pos, dtype=torch.int64), non_blocking=True)
+        self._seq_lens[:b].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        self._input_pos[:b].copy_(torch.tensor(list(input_pos), dtype=torch.int32), non_blocking=True)
+        self._page_table[:b].copy_(rows, non_blocking=True)
+        ends = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0) - 1
+        self._last_token[:b].copy_(ends, non_blocking=True)
+        self.num_seqs, self.num_tokens, self.num_prefill = b, t_total, num_prefill
+        self.seq_lens, self.input_pos = lens, list(input_pos)
+
+    def inputs(self) -> Dict[str, Any]:
+        """Graph inputs by name for the current step (views of the fixed buffers)."""
+        b, t = self.num_seqs, self.num_tokens
+        return {
+            "input_ids": self._input_ids[:, :t],
+            "position_ids": self._position_ids[:, :t],
+            "seq_lens": self._seq_lens[:b],
+            "input_pos": self._input_pos[:b],
+            "page_table": self._page_table[:b],
+            "num_prefill": self.num_prefill,
+        }
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """[B] int64: flattened index of each sequence's last new token (whose logits predict next)."""
+        return self._last_token[: self.num_seqs]
+
+
+def module_input_names(module: torch.nn.Module) -> List[str]:
+    """What a cached module takes, in order: token inputs, metadata names and cache resource keys.
+
+    A graph reads them from its placeholders (``meta[INPUT_KEY]`` where a cache transform added
+    one); a wrapper module (transformers mode) declares ``input_names``.
+    """
+    if isinstance(module, torch.fx.GraphModule):
+        return [n.meta.get(INPUT_KEY, n.name) for n in module.graph.nodes if n.op == "placeholder"]
+    names = getattr(module, "input_names", None)
+    if names is not None:
+        return list(names)
+    inner = next((m for m in module.modules() if isinstance(m, torch.fx.GraphModule)), None)
+    return module_input_names(inner) if inner is not None else list(TOKEN_INPUTS)
+
+
+def is_cached_module(module: torch.nn.Module) -> bool:
+    """Whether the module takes the cache metadata inputs (a cache stage has run)."""
+    return "seq_lens" in module_input_names(module)
+
+
+__all__ = ["SequenceInfo", "TOKEN_INPUTS", "METADATA_INPUTS", "INPUT_KEY", "module_input_names", "is_cached_module"]
