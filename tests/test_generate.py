@@ -29,8 +29,8 @@ from workbench.models.tiny import list_tiny_archs
 ARCHS = list_tiny_archs()
 LENS = [1, 3, 6, 9, 14, 22, 31, 47]
 NEW = 32
-HAS_TRITON_OP = importlib.util.find_spec("workbench.ops.attention.triton_cached_attention") is not None
-TRITON_SKIP = "triton_cached_attention not implemented yet"
+
+
 GPU = torch.cuda.is_available()
 
 
@@ -84,7 +84,6 @@ def _triton_archs():
     return ["llama"]
 
 
-@pytest.mark.skipif(not HAS_TRITON_OP, reason=TRITON_SKIP)
 @pytest.mark.skipif(GPU, reason="on a GPU the triton backend runs compiled in test_tiny_arch_triton_gpu")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_tiny_archs_triton_backend_equals_hf():
@@ -102,7 +101,6 @@ def test_tiny_archs_triton_backend_equals_hf():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@pytest.mark.skipif(not HAS_TRITON_OP, reason=TRITON_SKIP)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_tiny_arch_gpu(arch, backend):

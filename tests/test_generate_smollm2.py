@@ -35,8 +35,8 @@ QUESTIONS = [
     "What is 12 times 7? Answer with the number, then explain step by step how you computed it, "
     "and finally check the result with a different method.",
 ]
-HAS_TRITON_OP = importlib.util.find_spec("workbench.ops.attention.triton_cached_attention") is not None
-TRITON_SKIP = "triton_cached_attention not implemented yet"
+
+
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,12 +82,22 @@ def test_eight_prompts_equal_hf_generate(wb):
 
 
 def test_decode_equals_full_reforward(wb):
+    """Per decode step, logits vs HF eager re-running the whole sequence.
+
+    The cache itself is checked with ``linear_weight_layout`` off (same GEMV weights as HF):
+    RMSE ratio <= 1e-5. The default CPU pipeline reads K-major weight copies, whose GEMV sums in a
+    different order than HF's row-major linear (measured 1.1e-5, identical tokens): <= 2e-5.
+    """
     tok = wb.loaded.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                        return_dict=True)["input_ids"] for q in QUESTIONS[1:4]]
     worst, compared, mixed = decode_vs_reforward(wb, prompts, steps=6, join_at=2)
     assert compared == 18 and mixed >= 1
-    assert worst <= 1e-5, worst
+    assert worst <= 2e-5, worst
+    same_weights = Workbench(wb.loaded, numerics=False, overrides={"linear_weight_layout.enabled": False})
+    same_weights.run()
+    worst, compared, _ = decode_vs_reforward(same_weights, prompts, steps=6, join_at=2)
+    assert compared == 18 and worst <= 1e-5, worst
 
 
 def test_answer_stream_and_tokens_per_s(wb):
@@ -126,7 +136,6 @@ def test_cli_generates_the_answer(capsys):
 TRITON_NEW = NEW if torch.cuda.is_available() else 8
 
 
-@pytest.mark.skipif(not HAS_TRITON_OP, reason=TRITON_SKIP)
 @pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("WORKBENCH_TRITON_E2E") != "all",
     reason="minutes under the Triton interpreter on CPU; set WORKBENCH_TRITON_E2E=all to run it",

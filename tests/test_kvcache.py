@@ -95,7 +95,7 @@ def test_kv_cache_bytes_are_the_memory_delta(wb):
     assert init.info.details["num_pages"] == 191  # conservative: 2048/16 + 64 - 1 pages
     assert init.mem_delta == 191 * bytes_per_page == init.mem_after.cache_bytes and init.mem_warning is None
     new_pages = resize.info.details["num_pages"]
-    assert new_pages == 64 * 512 // 16  # the 256 MiB budget is more than 64 full sequences need
+    assert new_pages == 64 * 512 // 16 + 1  # the 256 MiB budget is more than 64 full sequences (+ scratch page) need
     assert resize.mem_delta == (new_pages - 191) * bytes_per_page and resize.mem_warning is None
     assert wb.ctx.cache_bytes() == new_pages * bytes_per_page
     assert "resize_kv_cache" in {s.key for s in wb.snapshots if s.mem_delta}
@@ -112,7 +112,7 @@ def test_resize_follows_the_cpu_budget_and_rewinds(wb):
     finally:
         wb.configure("resize_kv_cache", cpu_budget_bytes=256 * 2**20)
         wb.run()
-    assert wb.ctx.shared["kv_cache_config"].num_pages == 2048
+    assert wb.ctx.shared["kv_cache_config"].num_pages == 2048 + 1  # 64 x 2048 tokens + scratch page
 
 
 def test_bnsd_layout_gets_transposes(tiny_llama):
@@ -202,7 +202,7 @@ def test_kv_cache_config_math():
     specs = (CacheSpec("k", PAGED, (2, 16)), CacheSpec("v", PAGED, (2, 16)), CacheSpec("h", "token", (64,), torch.float16))
     cfg = KVCacheConfig(page_size=16, num_pages=10, dtype=torch.float32, max_batch_size=4, max_seq_len=100,
                         max_num_tokens=32, specs=specs)
-    assert cfg.max_pages_per_seq == 7 and cfg.pages_to_fill() == 28 and cfg.token_capacity == 160
+    assert cfg.max_pages_per_seq == 7 and cfg.pages_to_fill() == 28 + 1 and cfg.token_capacity == 160
     assert cfg.bytes_per_page() == 2 * 16 * 2 * 16 * 4 and cfg.per_token_bytes() == 32 * 64 * 2
     assert cfg.total_bytes() == 10 * cfg.bytes_per_page() + cfg.per_token_bytes()
     with pytest.raises(ValueError, match="declared twice"):

@@ -36,7 +36,10 @@ RMSNORM = "match_rmsnorm_pattern"
 
 @pytest.fixture(scope="module")
 def wb(tmp_path_factory):
-    bench = Workbench("tiny:llama", debug_visualize_dir=str(tmp_path_factory.mktemp("renders")))
+    # linear_weight_layout off: on CPU it rewrites every linear of tiny:llama, and these tests follow
+    # one export-created linear from the first snapshot to the last.
+    bench = Workbench("tiny:llama", debug_visualize_dir=str(tmp_path_factory.mktemp("renders")),
+                      overrides={"linear_weight_layout.enabled": False})
     bench.run()
     return bench
 
@@ -60,8 +63,9 @@ def svg_texts(g) -> str:
 def exported_linear(gm, suffix: str = "self_attn.o_proj"):
     """A linear node that export_to_gm created and no later transform replaced.
 
-    o_proj survives the whole default pipeline (fuse_gemms replaces q/k/v and gate/up with fused
-    nodes of its own), so its identity is stable from the first snapshot to the last.
+    With ``linear_weight_layout`` off (see the ``wb`` fixture) o_proj survives the whole pipeline
+    (fuse_gemms replaces q/k/v and gate/up with fused nodes of its own), so its identity is stable
+    from the first snapshot to the last.
     """
     return next(n for n in gm.graph.nodes if op_name(n) == "aten.linear.default"
                 and created_by(n) == "export_to_gm" and module_path(n).endswith(suffix))

@@ -107,8 +107,9 @@ class KVCacheConfig:
         return -(-num_tokens // self.page_size)
 
     def pages_to_fill(self) -> int:
-        """Pages that hold ``max_batch_size`` sequences of ``max_seq_len``: more is never useful."""
-        return self.max_batch_size * self.max_pages_per_seq
+        """Pages that hold ``max_batch_size`` sequences of ``max_seq_len``, plus the one scratch page
+        compiled runners keep for warm-up and CUDA-graph padding rows: more is never useful."""
+        return self.max_batch_size * self.max_pages_per_seq + 1
 
     def with_pages(self, num_pages: int) -> "KVCacheConfig":
         return replace(self, num_pages=num_pages)

@@ -84,7 +84,16 @@ class UncachedRunner:
 
 
 def runner_for(module: torch.nn.Module, ctx: Any):
-    """The runner for a pipeline's final module and context (``PipelineContext``)."""
+    """The runner for a pipeline's final module and context (``PipelineContext``).
+
+    ``compile_model`` leaves its runner (torch.compile, CUDA graphs) in ``ctx.shared['runner']``;
+    it is used when it was built for this very module, otherwise the plain runner is built here.
+    """
+    built = ctx.shared.get("runner")
+    if built is not None:
+        if built.module is module:
+            return built
+        logger.warning("the compiled runner was built for another module: running %s eagerly", type(module).__name__)
     if is_cached_module(module):
         cfg = ctx.shared.get("kv_cache_config")
         if cfg is None:

@@ -38,12 +38,10 @@ def attention_backend_reason(backend: str, device: torch.device) -> Reason:
 
 
 def compile_backend_reason(backend: str, device: torch.device) -> Reason:
-    """Why a ``compile_model`` backend cannot run here (None if it can)."""
-    if backend in ("torch-simple", "torch-compile"):
-        return None
-    if backend in ("torch-cudagraph", "torch-opt"):  # both capture CUDA graphs
-        return None if torch.cuda.is_available() else NO_CUDA
-    return f"unknown backend {backend!r}"
+    """Why a ``compile_model`` backend cannot run here (None if it can): the transform's own answer."""
+    from ..pipeline.transforms.compile_model import backend_unavailable_reason
+
+    return backend_unavailable_reason(backend, device)
 
 
 @dataclass(frozen=True)

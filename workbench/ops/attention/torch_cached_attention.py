@@ -23,7 +23,9 @@ head h reads KV head ``h // (Hq // Hkv)``; K/V are never repeated in memory).
 
 A prefill that starts at position 0 without window, cap or sinks runs SDPA on its own k/v
 (exactly what the uncached ``torch_attention`` computes, so the numerics probe reads 0.0 through
-the cached graph); everything else runs explicit fp32 softmax attention over the gathered pages.
+the cached graph), and so do decode rows under the same conditions (one SDPA call over the gathered
+pages: few ops, which is what a CPU decode step is made of); everything else runs explicit fp32
+softmax attention over the gathered pages.
 
 The reference reads only cache slots that were written (positions ``< input_pos + seq_lens``), so
 it never depends on what unwritten pages contain.
@@ -136,7 +138,60 @@ def _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefi
     return lens, past
 
 
-@torch.library.custom_op("workbench::torch_cached_attention", mutates_args=("k_cache", "v_cache"))
+def _page_run(ids: torch.Tensor):
+    """``slice(first, last + 1)`` when ``ids`` is one row of consecutive page ids, else None."""
+    if ids.shape[0] != 1:
+        return None
+    row = ids[0].tolist()
+    return slice(row[0], row[0] + len(row)) if row == list(range(row[0], row[0] + len(row))) else None
+
+
+def _decode_sdpa(qd, k_cache, v_cache, input_pos, page_table, first: int, b: int, past: List[int],
+                 scale: float) -> torch.Tensor:
+    """Decode sequences ``first..b-1`` (one token each, queries ``qd [Bd, Hq, D]``) without
+    window/cap/sinks: one SDPA call.
+
+    The few ops matter: a CPU decode step runs this once per layer, and the general path's ~40
+    small ops cost more than the attention itself. Keys are gathered up to the longest sequence;
+    shorter ones mask the rest (and zero its values: stale slots may hold anything).
+    Returns [Bd, Hq, Dv] in q's dtype.
+    """
+    longest = max(past) + 1
+    n_pages = -(-longest // k_cache.shape[1])
+    ids = page_table[first:b, :n_pages]
+    run = _page_run(ids)
+    if run is not None:  # one sequence on consecutive pages (the usual case): a view, no copy
+        kc, vc = (c[run].flatten(0, 1)[:longest][None].transpose(1, 2) for c in (k_cache, v_cache))
+    else:
+        kc = gather_pages(k_cache, ids, longest).transpose(1, 2)  # [Bd, Hkv, L, D]
+        vc = gather_pages(v_cache, ids, longest).transpose(1, 2)
+    qd = qd.unsqueeze(2)  # [Bd, Hq, 1, D]
+    mask = None
+    if min(past) != max(past):
+        valid = torch.arange(longest, device=qd.device)[None, :] <= input_pos[first:b].long()[:, None]  # [Bd, L]
+        vc = vc.masked_fill(~valid[:, None, :, None], 0)
+        mask = valid[:, None, None, :]
+    o = F.scaled_dot_product_attention(qd, kc.to(qd.dtype), vc.to(qd.dtype), attn_mask=mask, scale=scale,
+                                       enable_gqa=True)
+    return o[:, :, 0]
+
+
+def _decode_only(q, k, v, k_cache, v_cache, input_pos, page_table, past: List[int], scale: float) -> torch.Tensor:
+    """A decode-only step without window/cap/sinks -- the CPU decode hot path, so as few ops as
+    possible: one sequence writes its K/V slot by host indices (no index tensors), then one SDPA.
+    Returns [1, B, Hq, Dv]."""
+    page_size, b = k_cache.shape[1], len(past)
+    if b == 1:
+        pos = past[0]
+        page = int(page_table[0, pos // page_size])
+        k_cache[page, pos % page_size] = k[0, 0]
+        v_cache[page, pos % page_size] = v[0, 0]
+    else:
+        write_kv(k[0], v[0], k_cache, v_cache, torch.arange(b, device=q.device), input_pos.long(), page_table)
+    o = _decode_sdpa(q[0], k_cache, v_cache, input_pos, page_table, 0, b, past, scale)  # [B, Hq, Dv]
+    return o.contiguous().unsqueeze(0)
+
+
 def torch_cached_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -154,6 +209,9 @@ def torch_cached_attention(
 ) -> torch.Tensor:
     """Write the step's k/v into the paged cache, then attend; see the module docstring."""
     lens, past = _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill)
+    plain = sliding_window is None and logit_cap is None and sinks is None and k_cache.dtype == k.dtype
+    if num_prefill == 0 and plain:
+        return _decode_only(q, k, v, k_cache, v_cache, input_pos, page_table, past, scale)
     if num_prefill == 0:  # decode only: token i is sequence i, at its input_pos
         seq_idx, pos = torch.arange(len(lens), device=q.device), input_pos.long()
     else:
@@ -166,7 +224,6 @@ def torch_cached_attention(
         starts.append(starts[-1] + n)
     # A fresh prefill's keys are exactly its new k/v: plain causal attention on them is SDPA,
     # which is faster and bit-identical to the uncached torch_attention.
-    plain = sliding_window is None and logit_cap is None and sinks is None and k_cache.dtype == k.dtype
     # Prefill (and chunked prefill): one sequence at a time, its keys gathered from its pages.
     for i in range(num_prefill):
         a, b, total = starts[i], starts[i + 1], past[i] + lens[i]
@@ -181,7 +238,11 @@ def torch_cached_attention(
         keep = _keep(q_pos, torch.arange(total, device=q.device), sliding_window)[None]
         out[0, a:b] = _attend(q[:, a:b], kc, vc, keep, scale, logit_cap, sinks)[0].to(out.dtype)
     # Decode: all sequences together, keys padded to the longest and masked.
-    if num_prefill < len(lens):
+    if num_prefill < len(lens) and plain:
+        a = starts[num_prefill]
+        out[0, a:] = _decode_sdpa(q[0, a:], k_cache, v_cache, input_pos, page_table, num_prefill, len(lens),
+                                  past[num_prefill:], scale)
+    elif num_prefill < len(lens):
         a = starts[num_prefill]
         totals = input_pos[num_prefill:].long() + 1  # [Bd]
         longest = int(max(past[num_prefill:])) + 1
@@ -198,7 +259,21 @@ def torch_cached_attention(
     return out
 
 
-@torch_cached_attention.register_fake
+# Registered through ``torch.library.Library`` rather than ``torch.library.custom_op``: for an op
+# that mutates its inputs, custom_op adds a Python ADInplaceOrView kernel whose per-call argument
+# handling (``fill_defaults`` walking the schema) costs ~50-80 us -- more than the attention itself
+# in a CPU decode step, 30 times per token. The C++ fallback does the same version-counter bump.
+SCHEMA = (
+    "torch_cached_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "Tensor seq_lens, Tensor input_pos, Tensor page_table, SymInt num_prefill, float scale, "
+    "SymInt? sliding_window=None, float? logit_cap=None, Tensor? sinks=None) -> Tensor"
+)
+_LIB = torch.library.Library("workbench", "FRAGMENT")  # kept alive: dropping it unregisters the op
+_LIB.define(SCHEMA)
+_LIB.impl("torch_cached_attention", torch_cached_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("workbench::torch_cached_attention", lib=_LIB)
 def _torch_cached_attention_fake(
     q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, scale,
     sliding_window=None, logit_cap=None, sinks=None,

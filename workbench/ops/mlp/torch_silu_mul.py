@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 
-@torch.library.custom_op("workbench::torch_silu_and_mul", mutates_args=())
-def torch_silu_and_mul(input: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_reference(input: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` with ``gate, up = input.chunk(2, -1)``.
 
     input [..., 2*I] (gate columns first, then up; in its own dtype) -> [..., I]. Identical to the
@@ -20,6 +19,12 @@ def torch_silu_and_mul(input: torch.Tensor) -> torch.Tensor:
     """
     gate, up = input.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+@torch.library.custom_op("workbench::torch_silu_and_mul", mutates_args=())
+def torch_silu_and_mul(input: torch.Tensor) -> torch.Tensor:
+    """The canonical gated activation: ``silu_and_mul_reference``."""
+    return silu_and_mul_reference(input)
 
 
 @torch_silu_and_mul.register_fake

@@ -5,17 +5,23 @@ from __future__ import annotations
 import torch
 
 
-@torch.library.custom_op("workbench::torch_rmsnorm", mutates_args=())
-def torch_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm_reference(input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x**2, -1) + eps))`` with the statistics in fp32.
 
     input [..., h], weight [h] -> [..., h]. Like HF's LlamaRMSNorm the normalised value is cast
     back to the input dtype *before* the weight multiply, so the result has the promoted dtype
-    of (input, weight) -- identical to the pattern it replaces.
+    of (input, weight) -- identical to the pattern it replaces. A plain function so that
+    ``torch.compile`` can trace through it (``workbench.ops.inline``).
     """
     x = input.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(input.dtype)
+
+
+@torch.library.custom_op("workbench::torch_rmsnorm", mutates_args=())
+def torch_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The canonical RMSNorm op: ``rmsnorm_reference``."""
+    return rmsnorm_reference(input, weight, eps)
 
 
 @torch_rmsnorm.register_fake

@@ -31,8 +31,7 @@ def _like(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x.new_empty(x.shape, dtype=dtype)
 
 
-@torch.library.custom_op("workbench::torch_rope_with_explicit_cos_sin", mutates_args=())
-def torch_rope_with_explicit_cos_sin(
+def rope_explicit_reference(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """HF ``apply_rotary_pos_emb``: ``x * cos + rotate_half(x) * sin``.
@@ -42,6 +41,14 @@ def torch_rope_with_explicit_cos_sin(
     """
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return _rotated(q, cos, sin), _rotated(k, cos, sin)
+
+
+@torch.library.custom_op("workbench::torch_rope_with_explicit_cos_sin", mutates_args=())
+def torch_rope_with_explicit_cos_sin(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The canonical RoPE op for explicit cos/sin: ``rope_explicit_reference``."""
+    return rope_explicit_reference(q, k, cos, sin, unsqueeze_dim)
 
 
 @torch_rope_with_explicit_cos_sin.register_fake

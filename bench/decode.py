@@ -1,0 +1,214 @@
+"""Decode tokens/s: HF eager, HF static cache + torch.compile, llama.cpp and the workbench backends.
+
+    .venv/bin/python bench/decode.py                       # smollm2 fp32 on CPU, batch 1 8 32
+    .venv/bin/python bench/decode.py --batch-sizes 1 --no-hf-compile
+    python bench/decode.py --device cuda --dtype bfloat16 --model shape:smollm2   # GPU, random weights
+    python bench/decode.py --device cuda --dtype bfloat16 --model shape:llama3-8b --batch-sizes 1
+
+Every row runs in this one process on the same weights: B prompts of ``--prompt-len`` random tokens,
+``--new-tokens`` greedy tokens each (no stop token). Decode tokens/s counts only decode steps:
+for HF ``B * (new - 1) / (t(new) - t(1))`` (a generate of one token is the prefill), for the
+workbench the runtime's decode-only steps. Achieved bandwidth = weight bytes read per decode step
+(every parameter except an untied input embedding, of which a step reads B rows) x steps/s, shown
+as a fraction of the device's copy bandwidth (``2 x bytes / t`` of a large tensor copy) and of its
+GEMV bandwidth (matrix bytes / t of a large ``torch.mv``), both measured here first.
+
+``shape:<name>`` models are random weights of a real model's config (no download, no GGUF): the
+GPU benchmarks use them. llama.cpp rows need ``llama-cpp-python`` and a GGUF file (``smollm2``
+only; CPU only); otherwise the row says why it is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_peers import hf_decode_rate, llama_cpp_decode_rate, SHAPES  # noqa: E402
+
+from workbench import Workbench, load_model  # noqa: E402
+
+
+@dataclass
+class Row:
+    name: str
+    batch: int
+    tok_s: Optional[float]
+    note: str = ""
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_time(fn: Callable[[], None], device: torch.device, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 512 * 2**20) -> float:
+    """Bytes/s of a large tensor copy (read + write)."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    t = best_time(lambda: dst.copy_(src), device)
+    return 2 * nbytes / t
+
+
+def gemv_bandwidth(device: torch.device, dtype: torch.dtype, nbytes: int = 512 * 2**20, cols: int = 4096) -> float:
+    """Matrix bytes/s of ``torch.mv`` on a large matrix: the ceiling of a batch-1 decode."""
+    rows = nbytes // (cols * torch.tensor([], dtype=dtype).element_size())
+    w = torch.randn(rows, cols, device=device, dtype=dtype)
+    x = torch.randn(cols, device=device, dtype=dtype)
+    t = best_time(lambda: torch.mv(w, x), device)
+    return w.numel() * w.element_size() / t
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Parameter bytes a decode step reads: all but an untied input embedding (B rows of it)."""
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight.data_ptr() == emb.data_ptr()
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() in seen or (p is emb and not tied):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def workbench_rates(loaded, device: torch.device, batches: List[int], prompts: Dict[int, List[List[int]]],
+                    new: int, backends: List[str]) -> List[Row]:
+    """One pipeline; the compile backend is switched by configure (only the compile stage re-runs)."""
+    max_b = max(batches)
+    max_len = len(prompts[max_b][0]) + new
+    overrides = {
+        "initialize_cache.max_batch_size": max_b,
+        "initialize_cache.max_seq_len": max_len,
+        "resize_kv_cache.cpu_budget_bytes": 4 * 2**30,
+    }
+    if device.type == "cuda":
+        overrides["insert_cached_attention.backend"] = "triton"
+    wb = Workbench(loaded, device=device, numerics=False, overrides=overrides)
+    rows = []
+    for backend in backends:
+        try:
+            wb.configure("compile_model", backend=backend)
+            t0 = time.perf_counter()
+            wb.run()
+            setup = time.perf_counter() - t0
+            for b in batches:
+                wb.generate(prompts[b][:1], max_new_tokens=4, stop_token_ids=[])  # warm-up
+                out = wb.generate(prompts[b], max_new_tokens=new, stop_token_ids=[])
+                rows.append(Row(f"workbench {backend}", b, out.stats.decode_tokens_per_s,
+                                f"setup {setup:.0f}s" if b == batches[0] else ""))
+        except Exception as e:  # noqa: BLE001 - a failing backend is a row, not the end of the run
+            rows.append(Row(f"workbench {backend}", 0, None, f"failed: {type(e).__name__}: {str(e)[:200]}"))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", help="smollm2, tiny:<arch> or shape:<name> (random "
+                    f"weights of a real config: {', '.join(SHAPES)})")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--backends", nargs="+", default=None,
+                    help="workbench compile backends (default: every one this device runs)")
+    ap.add_argument("--no-hf-compile", action="store_true", help="skip HF static cache + torch.compile")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: CUDA is not available on this machine")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    spec = args.model
+    if spec.startswith("shape:"):
+        name = spec.split(":", 1)[1]
+        if name not in SHAPES:
+            sys.exit(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+        loaded = load_model(f"tiny:{name}", dtype=dtype, device=device, tiny_registry=SHAPES)
+    else:
+        loaded = load_model(spec, dtype=dtype, device=device)
+    model = loaded.model.eval()
+    backends = args.backends or (["torch-simple", "torch-compile", "torch-cudagraph", "torch-opt"]
+                                 if device.type == "cuda" else ["torch-simple", "torch-compile"])
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = int(loaded.config.vocab_size)
+    prompts = {b: torch.randint(100, vocab, (b, args.prompt_len), generator=gen).tolist() for b in args.batch_sizes}
+
+    copy_bw, gemv_bw = copy_bandwidth(device), gemv_bandwidth(device, dtype)
+    step_bytes = weight_bytes_per_step(model)
+    print(f"device {device} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+          f"{', ' + torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}), "
+          f"torch {torch.__version__}, dtype {dtype}, model {spec} ({loaded.source})")
+    print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s, GEMV bandwidth {gemv_bw / 1e9:.1f} GB/s, "
+          f"weights read per decode step {step_bytes / 2**20:.0f} MiB")
+
+    rows: List[Row] = []
+    for b in args.batch_sizes:
+        rows.append(Row("HF generate eager", b, hf_decode_rate(model, prompts[b], args.new_tokens, device)))
+    if args.no_hf_compile:
+        rows.append(Row("HF static cache + torch.compile", 0, None, "skipped (--no-hf-compile)"))
+    else:
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        for b in args.batch_sizes:
+            try:
+                rate = hf_decode_rate(model, prompts[b], args.new_tokens, device, compile_mode=mode)
+                rows.append(Row(f"HF static cache + torch.compile({mode})", b, rate))
+            except Exception as e:  # noqa: BLE001
+                rows.append(Row(f"HF static cache + torch.compile({mode})", b, None, f"failed: {str(e)[:200]}"))
+        torch._dynamo.reset()
+    gc.collect()
+    for b in args.batch_sizes:
+        rate, why = llama_cpp_decode_rate(spec, loaded, prompts[b], args.new_tokens, device)
+        rows.append(Row("llama.cpp (llama-cpp-python)", b, rate, why))
+    rows += workbench_rates(loaded, device, args.batch_sizes, prompts, args.new_tokens, backends)
+    print_table(rows, step_bytes, copy_bw, gemv_bw)
+    print("command: " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]))
+
+
+def print_table(rows: List[Row], step_bytes: int, copy_bw: float, gemv_bw: float) -> None:
+    eager = {r.batch: r.tok_s for r in rows if r.name == "HF generate eager" and r.tok_s}
+    peers = {}
+    for r in rows:
+        if r.tok_s and not r.name.startswith("workbench"):
+            peers[r.batch] = max(peers.get(r.batch, 0.0), r.tok_s)
+    print(f"\n{'':38s} {'batch':>5s} {'tok/s':>9s} {'x HF eager':>10s} {'x best peer':>11s} "
+          f"{'copy BW':>8s} {'GEMV BW':>8s}  note")
+    for r in rows:
+        if r.tok_s is None:
+            print(f"{r.name:38s} {r.batch or '':>5} {'-':>9s} {'':10s} {'':11s} {'':8s} {'':8s}  {r.note}")
+            continue
+        achieved = step_bytes * r.tok_s / r.batch
+        ratio = r.tok_s / eager[r.batch] if r.batch in eager else float("nan")
+        peer = r.tok_s / peers[r.batch] if r.batch in peers else float("nan")
+        print(f"{r.name:38s} {r.batch:5d} {r.tok_s:9.1f} {ratio:10.2f} {peer:11.2f} {achieved / copy_bw:8.0%} "
+              f"{achieved / gemv_bw:8.0%}  {r.note}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""linear_weight_layout: K-major weight copies for the CPU GEMV, chosen per linear by shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench import Workbench
+from workbench.models.export_contract import make_batch
+
+KEY = "linear_weight_layout"
+
+
+def run_to_layout(loaded, layout):
+    wb = Workbench(loaded, overrides={f"{KEY}.layout": layout})
+    wb.run_to(KEY)
+    return wb
+
+
+def ops(snap, name):
+    return snap.op_histogram.get(name, 0)
+
+
+@pytest.mark.parametrize("layout, expected", [("auto", 7), ("kn", 9), ("nk", 0)])
+def test_rewrites_by_shape_and_keeps_logits(tiny_llama, layout, expected):
+    # tiny:llama after fuse_gemms/fuse_swiglu, per layer: qkv 128x64, o 64x64, gate_up 256x64,
+    # down 64x128 (N < K: stays row-major under auto), 2 layers, plus the 512x64 LM head.
+    wb = run_to_layout(tiny_llama, layout)
+    snap = wb.snapshot(KEY)
+    assert snap.info.num_matches == expected
+    assert ops(snap, "aten.matmul.default") == expected
+    assert ops(snap, "aten.linear.default") == 9 - expected
+    assert snap.numerics.rmse_ratio < 1e-6  # same products, another summation order at most
+    batch = make_batch(tiny_llama.config.vocab_size, 2, 12, seed=3)
+    with torch.no_grad():
+        ref = tiny_llama.model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+        got = snap.module(batch.input_ids, batch.position_ids)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_memory_delta_is_new_minus_freed_and_tied_head_costs_a_copy(tiny_llama):
+    wb = run_to_layout(tiny_llama, "auto")
+    snap = wb.snapshot(KEY)
+    d = snap.info.details
+    # the tied LM head keeps its table (embedding lookup): one extra 512 x 64 fp32 copy
+    assert d["new_bytes"] - d["freed_bytes"] == 512 * 64 * 4
+    assert "model.lm_head.weight" in d["kept_originals"]
+    assert snap.mem_delta == d["new_bytes"] - d["freed_bytes"] and snap.mem_warning is None
+    w = snap.module.get_parameter("model.lm_head.weight_kn")
+    assert w.shape == (64, 512) and w.is_contiguous()
+    assert torch.equal(w, tiny_llama.model.lm_head.weight.t())
+
+
+def test_auto_leaves_cuda_graphs_alone(tiny_llama):
+    from workbench.pipeline.transforms.linear_layout import LinearWeightLayout, LinearWeightLayoutConfig
+
+    wb = run_to_layout(tiny_llama, "auto")
+    t = LinearWeightLayout(LinearWeightLayoutConfig(stage="post_load_fusion"))
+    ctx = type("Ctx", (), {"device": torch.device("cuda")})()
+    gm = wb.snapshot("fuse_rope").module
+    _, info = t._apply(gm, ctx)
+    assert info.num_matches == 0 and info.details["layout"].startswith("nk")

@@ -1,0 +1,105 @@
+"""``linear_weight_layout`` (stage ``post_load_fusion``): store linear weights the way the CPU GEMV
+reads them fastest.
+
+A decode step is a chain of GEMVs (``x [1, K] @ W.T``, ``W [N, K]``). On this project's CPU
+machines MKL streams a K-major copy ``W.T [K, N]`` much faster than the row-major weight
+``aten.linear`` reads when the output is at least as wide as the input, and slower when it is
+narrower (2-core x86 box, fp32, GB/s row-major -> K-major, SmolLM2 shapes N x K: 960 x 576
+11.3 -> 16.7, 3072 x 576 11.3 -> 20.2, 49152 x 576 11.5 -> 25.1, but 576 x 1536 15.9 -> 12.1).
+So ``layout: auto`` on CPU rewrites each linear with ``N >= K``::
+
+    matmul(x, W_kn) (+ b)        W_kn = W.t().contiguous()   [K, N], transposed ONCE, here
+
+The transposed weight is a new parameter beside the original (``<name>_kn``); the original is
+dropped when nothing else reads it, so memory moves by ``new_bytes - freed_bytes`` (a tied LM
+head keeps its embedding table, so it costs one extra copy: the price of the faster head).
+On CUDA cuBLAS reads either layout at full speed, so ``layout: auto`` leaves the graph alone there.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Literal, Tuple
+
+import torch
+import torch.fx as fx
+from pydantic import Field
+
+from ..interface import Transform, TransformConfig, TransformInfo, register
+from .fusion_gemm import LINEAR, fake_value, fetch_attr, param_of, release_weights
+from .patterns import annotate_new_nodes
+
+aten = torch.ops.aten
+
+
+class LinearWeightLayoutConfig(TransformConfig):
+    layout: Literal["auto", "nk", "kn"] = Field(
+        default="auto", description="Weight layout of linears: 'nk' (as loaded, [out, in]), 'kn' "
+        "(transposed copy [in, out], read by matmul), 'auto' (on CPU kn for linears whose output is at "
+        "least as wide as their input, nk for the rest; nk everywhere on other devices).",
+    )
+    expect_mem_change: bool = Field(
+        default=True, description="Transposed copies replace (or, when tied, add to) the weights.",
+    )
+
+
+def transposed_weight(gm: fx.GraphModule, target: str) -> Tuple[str, int]:
+    """Register ``<target>_kn = W.t().contiguous()`` beside ``target``; returns (target, bytes)."""
+    owner_path, _, name = target.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    w = fetch_attr(gm, target)
+    new_name, i = f"{name}_kn", 1
+    while hasattr(owner, new_name):
+        new_name, i = f"{name}_kn{i}", i + 1
+    with torch.no_grad():
+        kn = w.detach().t().contiguous()
+    owner.register_parameter(new_name, torch.nn.Parameter(kn, requires_grad=False))
+    return (f"{owner_path}.{new_name}" if owner_path else new_name), kn.numel() * kn.element_size()
+
+
+@register("linear_weight_layout")
+class LinearWeightLayout(Transform):
+    """``linear(x, W, b)`` -> ``matmul(x, W.T contiguous) + b`` on CPU (see the module docstring)."""
+
+    config_class = LinearWeightLayoutConfig
+
+    def _apply(self, gm, ctx) -> Tuple[fx.GraphModule, TransformInfo]:
+        device = torch.device(getattr(ctx, "device", None) or "cpu")
+        layout = self.config.layout
+        if layout == "auto" and device.type != "cpu":
+            layout = "nk"
+        if layout == "nk":
+            return gm, TransformInfo(num_matches=0, details={"layout": "nk (weights left as loaded)"})
+        g = gm.graph
+        done: Dict[str, str] = {}  # original weight target -> transposed target (shared weights once)
+        new_bytes, rewritten = 0, 0
+        for node in [n for n in g.nodes if n.op == "call_function" and n.target is LINEAR]:
+            w_node = node.args[1]
+            w = param_of(gm, w_node)
+            if w is None or w.dim() != 2 or (layout == "auto" and w.shape[0] < w.shape[1]):
+                continue
+            if w_node.target not in done:
+                done[w_node.target], nbytes = transposed_weight(gm, w_node.target)
+                new_bytes += nbytes
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            before = set(g.nodes)
+            with g.inserting_before(node):
+                w_kn = g.get_attr(done[w_node.target])
+                w_kn.meta["val"] = fake_value(gm, fetch_attr(gm, done[w_node.target]))
+                out = g.call_function(aten.matmul.default, (node.args[0], w_kn))
+                if bias is not None:
+                    out = g.call_function(aten.add.Tensor, (out, bias))
+            annotate_new_nodes(gm, [n for n in g.nodes if n not in before], [node.name], anchor=node)
+            node.replace_all_uses_with(out)
+            g.erase_node(node)
+            rewritten += 1
+        released = release_weights(gm, list(done))
+        if rewritten:
+            g.lint()
+            gm.recompile()
+        details = {"layout": layout, "weights": len(done), "new_bytes": new_bytes,
+                   "freed_bytes": released.freed_bytes, "kept_originals": released.kept + released.tied}
+        return gm, TransformInfo(num_matches=rewritten, is_clean=not rewritten, has_valid_shapes=not rewritten,
+                                 details=details)
+
+
+__all__ = ["LinearWeightLayout", "LinearWeightLayoutConfig", "transposed_weight"]

@@ -1,0 +1,154 @@
+"""Runners over a compiled forward: ``torch.compile``, CUDA graphs per decode batch size, piecewise.
+
+``compile_model`` builds one of these (capturing CUDA graphs happens there, so its cost shows in
+the compile snapshot) and hands it to ``generate`` through ``ctx.shared``. All of them keep
+``CachedRunner``'s contract (a scheduled ``Step`` in, next-token logits out) and differ only in
+how one forward runs:
+
+* ``CompiledRunner`` -- any callable with the module's signature (``torch.compile(module)``).
+* ``CudaGraphRunner`` -- decode-only steps of B sequences replay a graph captured for the smallest
+  captured batch size >= B; the missing rows are padding sequences that write their one K/V slot
+  into a *scratch page* no real sequence ever owns (the last page of the pool, withheld from the
+  scheduler). Prefill/mixed steps and batches above the largest size run the inner forward
+  eagerly.
+
+A CUDA graph replays fixed kernels on fixed addresses: every input is a view of a buffer of
+``SequenceInfo`` (allocated once at its maximum size) or a cache tensor, and the logits come back
+in the graph's own output buffer, read before the next replay.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+import torch
+
+from .kv_cache import KVCacheConfig, PageAllocator
+from .runner import CachedRunner
+from .scheduler import Scheduler, Step
+
+logger = logging.getLogger("workbench.runtime")
+
+DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def default_batch_sizes(max_batch_size: int) -> List[int]:
+    """The captured decode batch sizes when none are configured: small ones densely (most decode
+    steps run few sequences), then coarser steps, always including ``max_batch_size`` itself."""
+    sizes = [b for b in DEFAULT_CUDA_GRAPH_BATCH_SIZES if b < max_batch_size]
+    return sorted(set(sizes + [max_batch_size]))
+
+
+class CompiledRunner(CachedRunner):
+    """A ``CachedRunner`` whose forward is ``fn`` (e.g. ``torch.compile(module, dynamic=True)``)
+    instead of the module; one page of the pool is kept as scratch for warm-up and padding."""
+
+    backend = "compiled"
+
+    def __init__(self, module: torch.nn.Module, caches: Mapping[str, torch.Tensor], cfg: KVCacheConfig,
+                 device: torch.device | str, fn: Optional[Callable[..., Any]] = None):
+        if cfg.num_pages < 2:
+            raise ValueError("a compiled runner keeps one KV page as scratch: the cache needs >= 2 pages")
+        super().__init__(module, caches, cfg, device)
+        self.fn = fn if fn is not None else module
+        self.scratch_page = cfg.num_pages - 1
+
+    def scheduler(self) -> Scheduler:
+        """Sequences get every page but the scratch one (capacity checks see the same pool)."""
+        pool = self.cfg.with_pages(self.cfg.num_pages - 1)
+        return Scheduler(pool, PageAllocator(pool.num_pages))
+
+    def _inputs(self) -> List[Any]:
+        values: Dict[str, Any] = {**self.seq_info.inputs(), **self.caches}
+        return [values[n] for n in self.input_names]
+
+    def set_step(self, step: Step, sched: Scheduler) -> None:
+        tokens = [r.tokens[r.num_cached: r.num_cached + n] for r, n in step.items]
+        self.seq_info.set_batch(
+            tokens, [r.num_cached for r, _ in step.items], [sched.pages(r) for r, _ in step.items],
+            num_prefill=step.num_prefill, page_size=self.cfg.page_size,
+        )
+
+    def forward(self, step: Step, sched: Scheduler) -> torch.Tensor:
+        self.set_step(step, sched)
+        with torch.no_grad():
+            return self.fn(*self._inputs())
+
+    def set_scratch_decode(self, batch_size: int, token_id: int = 0) -> None:
+        """``batch_size`` decode sequences at position 0, all on the scratch page (warm-up, checks)."""
+        self.seq_info.set_batch([[token_id]] * batch_size, [0] * batch_size, [[self.scratch_page]] * batch_size,
+                                num_prefill=0, page_size=self.cfg.page_size)
+
+    def scratch_decode_logits(self, batch_size: int, fn: Optional[Callable[..., Any]] = None) -> torch.Tensor:
+        """Logits [B, V] of a scratch decode step through ``fn`` (default: this runner's forward)."""
+        self.set_scratch_decode(batch_size)
+        with torch.no_grad():
+            out = (fn or self.fn)(*self._inputs())
+        return out[0, :batch_size].float().clone()
+
+
+class CudaGraphRunner(CompiledRunner):
+    """Replays one CUDA graph per captured decode batch size; everything else runs ``fn`` eagerly."""
+
+    backend = "cudagraph"
+
+    def __init__(self, module: torch.nn.Module, caches: Mapping[str, torch.Tensor], cfg: KVCacheConfig,
+                 device: torch.device | str, batch_sizes: Sequence[int], fn: Optional[Callable[..., Any]] = None):
+        super().__init__(module, caches, cfg, device, fn)
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            raise RuntimeError(f"CUDA graphs need a CUDA device; this runner is on {self.device}")
+        sizes = sorted({int(b) for b in batch_sizes})
+        too_big = [b for b in sizes if b > cfg.max_batch_size]
+        if too_big:
+            raise ValueError(f"cuda_graph_batch_sizes {too_big} exceed the KV cache's max_batch_size="
+                             f"{cfg.max_batch_size}; lower them or raise initialize_cache.max_batch_size")
+        self.batch_sizes = sizes
+        self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: Dict[int, torch.Tensor] = {}
+        self.replays = self.eager_steps = 0
+        self._capture_all()
+
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=self.device)
+        for b in sorted(self.batch_sizes, reverse=True):  # largest first: smaller ones reuse its pool
+            self.set_scratch_decode(b)
+            inputs = self._inputs()
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream), torch.no_grad():
+                for _ in range(2):  # warm-up off the capture (lazy init, autotuning, compilation)
+                    self.fn(*inputs)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+                out = self.fn(*inputs)
+            self.graphs[b], self.outputs[b] = graph, out
+        torch.cuda.synchronize(self.device)
+
+    def bucket(self, num_seqs: int) -> Optional[int]:
+        """The smallest captured batch size that holds ``num_seqs`` decode sequences (None: none)."""
+        return next((b for b in self.batch_sizes if b >= num_seqs), None)
+
+    def forward(self, step: Step, sched: Scheduler) -> torch.Tensor:
+        b = len(step.items)
+        padded = self.bucket(b) if step.num_prefill == 0 else None
+        if padded is None:
+            self.eager_steps += 1
+            self.set_step(step, sched)
+            with torch.no_grad():
+                return self.fn(*self._inputs())
+        tokens = [r.tokens[r.num_cached: r.num_cached + 1] for r, _ in step.items] + [[0]] * (padded - b)
+        pos = [r.num_cached for r, _ in step.items] + [0] * (padded - b)
+        pages = [sched.pages(r) for r, _ in step.items] + [[self.scratch_page]] * (padded - b)
+        self.seq_info.set_batch(tokens, pos, pages, num_prefill=0, page_size=self.cfg.page_size)
+        self.graphs[padded].replay()
+        self.replays += 1
+        return self.outputs[padded][:, :padded]
+
+    def step(self, step: Step, sched: Scheduler) -> torch.Tensor:
+        logits = self.forward(step, sched)
+        return logits[0].index_select(0, self.seq_info.last_token_index)[: len(step.items)]
+
+
+__all__ = ["CompiledRunner", "CudaGraphRunner", "default_batch_sizes", "DEFAULT_CUDA_GRAPH_BATCH_SIZES"]
