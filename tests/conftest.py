@@ -21,3 +21,13 @@ def tiny_llama():
     from workbench.models import load_model
 
     return load_model("tiny:llama")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests: the CI machine has 2 shared cores, and with the other
+    one busy OpenMP's spin-waiting makes the small ops of decode steps 10-30x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -19,12 +19,8 @@ VOCAB = 512
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """2 shared cores: with the other one busy, OpenMP's spin-waiting makes small ops 10-30x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every test here runs with one torch thread (see conftest.one_thread)."""
 
 
 @pytest.fixture(scope="module")
