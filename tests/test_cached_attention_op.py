@@ -36,7 +36,7 @@ def _reference(q, k, v, i, **kw):
     return wb.torch_attention(q[i][None], k[i][None], v[i][None], is_causal=True, layout="bsnd", **kw)[0]
 
 
-def run_schedule(op, lens, chunks, kw, page_size=4, num_pages=64, dtype=torch.float32, seed=0):
+def run_schedule(op, lens, chunks, kw, page_size=4, num_pages=64, dtype=torch.float32, seed=0, scattered=True):
     """Feed sequences in steps; ``chunks[step][i]`` = new tokens of sequence i (0: not in this step).
 
     Returns the max abs error of every token against the whole-sequence reference.
@@ -45,7 +45,8 @@ def run_schedule(op, lens, chunks, kw, page_size=4, num_pages=64, dtype=torch.fl
     hkv, d = k[0].shape[1:]
     k_cache = torch.zeros(num_pages, page_size, hkv, d, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
-    perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed + 1)).int()
+    perm = (torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed + 1)).int() if scattered
+            else torch.arange(num_pages, dtype=torch.int32))  # sequential: decode reads strided cache views
     per_seq = -(-max(lens) // page_size)
     page_table = perm[: len(lens) * per_seq].view(len(lens), per_seq)  # scattered, non-contiguous pages
     done = [0] * len(lens)
@@ -92,6 +93,22 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_torch_cached_attention_matches_uncached(variant):
     assert run_schedule(wb.torch_cached_attention, LENS, SCHEDULE, VARIANTS[variant]) < 1e-5
+
+
+def test_decode_on_sequential_pages_reads_cache_views():
+    """Pages handed out in order (a fresh allocator): decode rows are evenly spaced runs of pages,
+    read through a strided view of the cache instead of a gather -- same results."""
+    from workbench.ops.attention.torch_cached_attention import _page_grid
+
+    assert _page_grid(torch.tensor([[4, 5, 6], [7, 8, 9]])) == (4, 3)
+    assert _page_grid(torch.tensor([[4, 5], [8, 9], [12, 13]])) == (4, 4)
+    assert _page_grid(torch.tensor([[4, 5], [8, 9], [13, 14]])) is None  # uneven spacing
+    assert _page_grid(torch.tensor([[4, 6]])) is None  # not consecutive
+    assert _page_grid(torch.tensor([[4, 5], [5, 6]])) is None  # overlapping rows
+    assert run_schedule(wb.torch_cached_attention, LENS, SCHEDULE, {}, scattered=False) < 1e-5
+    equal = [9, 9, 9]  # 4 + 2 prefill chunks, then 3 decode steps of equal lengths (no mask)
+    assert run_schedule(wb.torch_cached_attention, equal, [[4, 4, 4], [2, 2, 2]] + [[1, 1, 1]] * 3,
+                        {}, scattered=False) < 1e-5
 
 
 def test_torch_cached_attention_bf16_and_page_size_one():

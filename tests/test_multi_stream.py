@@ -236,8 +236,11 @@ def test_gemm_single_linear_is_left_alone():
 
 
 def test_gemm_on_tiny_llama_qkv():
-    """Unfused q/k/v (fuse_gemms off): q (the largest) on the aux stream, per layer."""
-    w = Workbench("tiny:llama")
+    """Unfused q/k/v (fuse_gemms off): q (the largest) on the aux stream, per layer.
+
+    linear_weight_layout is a CPU-only rewrite (K-major matmuls; on CUDA, where this transform
+    runs for real, linears stay linears): off here, so the CPU run sees the CUDA graph's linears."""
+    w = Workbench("tiny:llama", overrides={"linear_weight_layout.enabled": False})
     w.enable("fuse_gemms", False)
     w.configure("multi_stream_gemm", require_cuda=False)
     w.run_to("multi_stream_gemm")

@@ -138,18 +138,34 @@ def _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefi
     return lens, past
 
 
-def _page_run(ids: torch.Tensor):
-    """``slice(first, last + 1)`` when ``ids`` is one row of consecutive page ids, else None."""
-    if ids.shape[0] != 1:
+def _page_grid(ids: torch.Tensor):
+    """``(first page, page stride between rows)`` when every row of ``ids [B, n]`` is a run of
+    consecutive pages and row i starts ``i * stride`` after row 0 (what a fresh allocator hands a
+    batch of equal requests), else None. Such a page table is a strided *view* of the cache."""
+    rows = ids.tolist()
+    n, base = len(rows[0]), rows[0][0]
+    stride = rows[1][0] - base if len(rows) > 1 else n
+    if stride < n:
         return None
-    row = ids[0].tolist()
-    return slice(row[0], row[0] + len(row)) if row == list(range(row[0], row[0] + len(row))) else None
+    for i, row in enumerate(rows):
+        if row != list(range(base + i * stride, base + i * stride + n)):
+            return None
+    return base, stride
+
+
+def _paged_view(cache: torch.Tensor, grid, b: int, n_pages: int, length: int) -> torch.Tensor:
+    """[B, length, Hkv, D] view of ``cache`` for a page grid (see ``_page_grid``); no copy."""
+    base, stride = grid
+    page = cache.stride(0)
+    shape = (b, n_pages * cache.shape[1], *cache.shape[2:])
+    strides = (stride * page, *cache.stride()[1:])
+    return cache.as_strided(shape, strides, cache.storage_offset() + base * page)[:, :length]
 
 
 def _decode_sdpa(qd, k_cache, v_cache, input_pos, page_table, first: int, b: int, past: List[int],
                  scale: float) -> torch.Tensor:
     """Decode sequences ``first..b-1`` (one token each, queries ``qd [Bd, Hq, D]``) without
-    window/cap/sinks: one SDPA call.
+    window/cap/sinks: one SDPA call, over a strided view of the cache when the page table allows.
 
     The few ops matter: a CPU decode step runs this once per layer, and the general path's ~40
     small ops cost more than the attention itself. Keys are gathered up to the longest sequence;
@@ -159,9 +175,9 @@ def _decode_sdpa(qd, k_cache, v_cache, input_pos, page_table, first: int, b: int
     longest = max(past) + 1
     n_pages = -(-longest // k_cache.shape[1])
     ids = page_table[first:b, :n_pages]
-    run = _page_run(ids)
-    if run is not None:  # one sequence on consecutive pages (the usual case): a view, no copy
-        kc, vc = (c[run].flatten(0, 1)[:longest][None].transpose(1, 2) for c in (k_cache, v_cache))
+    grid = _page_grid(ids) if k_cache.is_contiguous() and v_cache.is_contiguous() else None
+    if grid is not None:  # consecutive pages per sequence, evenly spaced (the usual case): a view
+        kc, vc = (_paged_view(c, grid, b - first, n_pages, longest).transpose(1, 2) for c in (k_cache, v_cache))
     else:
         kc = gather_pages(k_cache, ids, longest).transpose(1, 2)  # [Bd, Hkv, L, D]
         vc = gather_pages(v_cache, ids, longest).transpose(1, 2)
