@@ -51,29 +51,14 @@ class CompiledRunner(CachedRunner):
         if cfg.num_pages < 2:
             raise ValueError("a compiled runner keeps one KV page as scratch: the cache needs >= 2 pages")
         super().__init__(module, caches, cfg, device)
-        self.fn = fn if fn is not None else module
+        if fn is not None:
+            self.fn = fn
         self.scratch_page = cfg.num_pages - 1
 
     def scheduler(self) -> Scheduler:
         """Sequences get every page but the scratch one (capacity checks see the same pool)."""
         pool = self.cfg.with_pages(self.cfg.num_pages - 1)
         return Scheduler(pool, PageAllocator(pool.num_pages))
-
-    def _inputs(self) -> List[Any]:
-        values: Dict[str, Any] = {**self.seq_info.inputs(), **self.caches}
-        return [values[n] for n in self.input_names]
-
-    def set_step(self, step: Step, sched: Scheduler) -> None:
-        tokens = [r.tokens[r.num_cached: r.num_cached + n] for r, n in step.items]
-        self.seq_info.set_batch(
-            tokens, [r.num_cached for r, _ in step.items], [sched.pages(r) for r, _ in step.items],
-            num_prefill=step.num_prefill, page_size=self.cfg.page_size,
-        )
-
-    def forward(self, step: Step, sched: Scheduler) -> torch.Tensor:
-        self.set_step(step, sched)
-        with torch.no_grad():
-            return self.fn(*self._inputs())
 
     def set_scratch_decode(self, batch_size: int, token_id: int = 0) -> None:
         """``batch_size`` decode sequences at position 0, all on the scratch page (warm-up, checks)."""
@@ -145,10 +130,6 @@ class CudaGraphRunner(CompiledRunner):
         self.graphs[padded].replay()
         self.replays += 1
         return self.outputs[padded][:, :padded]
-
-    def step(self, step: Step, sched: Scheduler) -> torch.Tensor:
-        logits = self.forward(step, sched)
-        return logits[0].index_select(0, self.seq_info.last_token_index)[: len(step.items)]
 
 
 __all__ = ["CompiledRunner", "CudaGraphRunner", "default_batch_sizes", "DEFAULT_CUDA_GRAPH_BATCH_SIZES"]

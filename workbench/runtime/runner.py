@@ -13,7 +13,7 @@ Both run eagerly today; a ``torch.compile`` or CUDA-graph runner slots in here w
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, List, Mapping
 
 import torch
 
@@ -42,26 +42,36 @@ class CachedRunner:
                 f"cache tensors {released[:3]} were released (by resize_kv_cache on a GPU); re-run resize_kv_cache"
             )
         self.caches: Dict[str, torch.Tensor] = {n: caches[n] for n in self.input_names if n in caches}
+        self.fn = module  # what runs a forward; compiled runners swap in a compiled callable
 
     def scheduler(self) -> Scheduler:
         """A fresh scheduler over all pages: nothing from an earlier ``generate`` leaks in."""
         return Scheduler(self.cfg, PageAllocator(self.cfg.num_pages))
 
-    def forward(self, step: Step, sched: Scheduler) -> torch.Tensor:
-        """Full logits of the step's flattened tokens: [1, T, V]."""
+    def set_step(self, step: Step, sched: Scheduler) -> None:
+        """Fill the fixed-address ``SequenceInfo`` buffers with the step's new tokens and pages."""
         tokens = [r.tokens[r.num_cached: r.num_cached + n] for r, n in step.items]
         self.seq_info.set_batch(
             tokens, [r.num_cached for r, _ in step.items], [sched.pages(r) for r, _ in step.items],
             num_prefill=step.num_prefill, page_size=self.cfg.page_size,
         )
+
+    def _inputs(self) -> List[Any]:
+        """The module's positional inputs for the current step: metadata views, then caches."""
         values: Dict[str, Any] = {**self.seq_info.inputs(), **self.caches}
+        return [values[n] for n in self.input_names]
+
+    def forward(self, step: Step, sched: Scheduler) -> torch.Tensor:
+        """Full logits of the step's flattened tokens: [1, T, V]."""
+        self.set_step(step, sched)
         with torch.no_grad():
-            return self.module(*[values[n] for n in self.input_names])
+            return self.fn(*self._inputs())
 
     def step(self, step: Step, sched: Scheduler) -> torch.Tensor:
         """Logits of each sequence's last new token: [B, V]."""
         logits = self.forward(step, sched)
-        return logits[0].index_select(0, self.seq_info.last_token_index)
+        # [: B]: a CUDA-graph runner pads the batch with scratch rows that nobody reads
+        return logits[0].index_select(0, self.seq_info.last_token_index)[: len(step.items)]
 
 
 class UncachedRunner:

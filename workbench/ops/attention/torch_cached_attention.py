@@ -187,7 +187,7 @@ def _decode_sdpa(qd, k_cache, v_cache, input_pos, page_table, first: int, b: int
         valid = torch.arange(longest, device=qd.device)[None, :] <= input_pos[first:b].long()[:, None]  # [Bd, L]
         vc = vc.masked_fill(~valid[:, None, :, None], 0)
         mask = valid[:, None, None, :]
-    o = F.scaled_dot_product_attention(qd, kc.to(qd.dtype), vc.to(qd.dtype), attn_mask=mask, scale=scale,
+    o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale,
                                        enable_gqa=True)
     return o[:, :, 0]
 

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from ...runtime.kv_cache import PAGED, CacheSpec, add_specs
 from ...runtime.sequence_info import METADATA_INPUTS, TOKEN_INPUTS
 from ..interface import Transform, TransformConfig, TransformInfo, register
 from .cache_inputs import CachedProbe
-from .cached_attention import BACKENDS, DEFAULT_BACKEND, resolve_backend
+from .cached_attention import DEFAULT_BACKEND, InsertCachedAttentionConfig, resolve_backend
 
 CACHED_IMPL = "workbench_cached"
 DETECT_IMPL = "workbench_detect"
@@ -192,18 +192,8 @@ class DetectHFAttnLayers(Transform):
         )
 
 
-class TransformersReplaceCachedAttnConfig(TransformConfig):
-    backend: Optional[str] = Field(
-        default=None,
-        description=f"The attention backend to use: {' | '.join(BACKENDS)} (None: {DEFAULT_BACKEND}).",
-    )
-
-    @field_validator("backend")
-    @classmethod
-    def _known(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and v not in BACKENDS:
-            raise ValueError(f"unknown attention backend {v!r}; known: {', '.join(BACKENDS)}")
-        return v
+class TransformersReplaceCachedAttnConfig(InsertCachedAttentionConfig):
+    """The same ``backend`` choice as ``insert_cached_attention`` (one field, one validator)."""
 
 
 @register("transformers_replace_cached_attn")
