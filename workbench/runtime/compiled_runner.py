@@ -10,7 +10,8 @@ how one forward runs:
   captured batch size >= B; the missing rows are padding sequences that write their one K/V slot
   into a *scratch page* no real sequence ever owns (the last page of the pool, withheld from the
   scheduler). Prefill/mixed steps and batches above the largest size run the inner forward
-  eagerly.
+  eagerly -- or, with ``piecewise`` (``PiecewiseGraphs``, dual mode), replay graphs captured per
+  token bucket between eager attention calls.
 
 A CUDA graph replays fixed kernels on fixed addresses: every input is a view of a buffer of
 ``SequenceInfo`` (allocated once at its maximum size) or a cache tensor, and the logits come back
@@ -25,6 +26,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from .kv_cache import KVCacheConfig, PageAllocator
+from .piecewise import PiecewiseGraphs
 from .runner import CachedRunner
 from .scheduler import Scheduler, Step
 
@@ -47,13 +49,47 @@ class CompiledRunner(CachedRunner):
     backend = "compiled"
 
     def __init__(self, module: torch.nn.Module, caches: Mapping[str, torch.Tensor], cfg: KVCacheConfig,
-                 device: torch.device | str, fn: Optional[Callable[..., Any]] = None):
+                 device: torch.device | str, fn: Optional[Callable[..., Any]] = None,
+                 piecewise: Optional[PiecewiseGraphs] = None):
         if cfg.num_pages < 2:
             raise ValueError("a compiled runner keeps one KV page as scratch: the cache needs >= 2 pages")
         super().__init__(module, caches, cfg, device)
         if fn is not None:
             self.fn = fn
         self.scratch_page = cfg.num_pages - 1
+        self.piecewise = piecewise
+
+    def forward(self, step: Step, sched: Scheduler) -> torch.Tensor:
+        """Steps that fit a piecewise token bucket run piecewise, the rest through ``fn``."""
+        bucket = self.piecewise.bucket(step.num_tokens) if self.piecewise is not None else None
+        if bucket is None:
+            return super().forward(step, sched)
+        self.set_step(step, sched)
+        return self.piecewise(self.padded_inputs(bucket), step.num_tokens)
+
+    def padded_inputs(self, num_tokens: int) -> List[Any]:
+        """The module's inputs with the token inputs widened to ``num_tokens`` (the rows past the
+        step's tokens are zeroed: token id 0 at position 0, valid for any embedding and RoPE)."""
+        info = self.seq_info
+        info._input_ids[0, info.num_tokens: num_tokens].zero_()
+        info._position_ids[0, info.num_tokens: num_tokens].zero_()
+        values: Dict[str, Any] = {**info.inputs(), **self.caches, "input_ids": info._input_ids[:, :num_tokens],
+                                  "position_ids": info._position_ids[:, :num_tokens]}
+        return [values[n] for n in self.input_names]
+
+    def scratch_prefill_logits(self, num_tokens: int, fn: Optional[Callable[..., Any]] = None) -> torch.Tensor:
+        """Logits [T, V] of a one-sequence prefill of ``num_tokens`` tokens (ids 1..T) on the scratch
+        page through the piecewise graphs (default) or ``fn``; ``num_tokens <= page_size``."""
+        if num_tokens > self.cfg.page_size:
+            raise ValueError(f"a scratch prefill fits one page ({self.cfg.page_size} tokens), not {num_tokens}")
+        self.seq_info.set_batch([list(range(1, num_tokens + 1))], [0], [[self.scratch_page]], num_prefill=1,
+                                page_size=self.cfg.page_size)
+        with torch.no_grad():
+            if fn is not None:
+                out = fn(*self._inputs())
+            else:
+                out = self.piecewise(self.padded_inputs(self.piecewise.bucket(num_tokens)), num_tokens)
+        return out[0, :num_tokens].float().clone()
 
     def scheduler(self) -> Scheduler:
         """Sequences get every page but the scratch one (capacity checks see the same pool)."""
@@ -79,8 +115,9 @@ class CudaGraphRunner(CompiledRunner):
     backend = "cudagraph"
 
     def __init__(self, module: torch.nn.Module, caches: Mapping[str, torch.Tensor], cfg: KVCacheConfig,
-                 device: torch.device | str, batch_sizes: Sequence[int], fn: Optional[Callable[..., Any]] = None):
-        super().__init__(module, caches, cfg, device, fn)
+                 device: torch.device | str, batch_sizes: Sequence[int], fn: Optional[Callable[..., Any]] = None,
+                 piecewise: Optional[PiecewiseGraphs] = None):
+        super().__init__(module, caches, cfg, device, fn, piecewise)
         if self.device.type != "cuda" or not torch.cuda.is_available():
             raise RuntimeError(f"CUDA graphs need a CUDA device; this runner is on {self.device}")
         sizes = sorted({int(b) for b in batch_sizes})
@@ -93,6 +130,8 @@ class CudaGraphRunner(CompiledRunner):
         self.outputs: Dict[int, torch.Tensor] = {}
         self.replays = self.eager_steps = 0
         self._capture_all()
+        if piecewise is not None:
+            piecewise.capture(self.padded_inputs)
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -119,10 +158,9 @@ class CudaGraphRunner(CompiledRunner):
         b = len(step.items)
         padded = self.bucket(b) if step.num_prefill == 0 else None
         if padded is None:
-            self.eager_steps += 1
-            self.set_step(step, sched)
-            with torch.no_grad():
-                return self.fn(*self._inputs())
+            if self.piecewise is None or self.piecewise.bucket(step.num_tokens) is None:
+                self.eager_steps += 1
+            return super().forward(step, sched)
         tokens = [r.tokens[r.num_cached: r.num_cached + 1] for r, _ in step.items] + [[0]] * (padded - b)
         pos = [r.num_cached for r, _ in step.items] + [0] * (padded - b)
         pages = [sched.pages(r) for r, _ in step.items] + [[self.scratch_page]] * (padded - b)

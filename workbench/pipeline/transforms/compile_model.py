@@ -9,10 +9,11 @@ in this transform's snapshot time and memory delta:
 ``torch-simple``   the graph module as is
 ``torch-compile``  ``torch.compile(graph, dynamic=True)``: one compilation serves every batch shape
 ``torch-cudagraph`` CUDA graphs captured per decode batch size (``cuda_graph_batch_sizes``); a
-                   decode batch is padded up to the nearest captured size, prefill/mixed steps and
-                   larger batches run eagerly (``piecewise_enabled`` is validated but not implemented
-                   yet: it raises instead of silently running eagerly)
-``torch-opt``      ``torch.compile`` and then CUDA graphs of the compiled forward
+                   decode batch is padded up to the nearest captured size; prefill/mixed steps and
+                   larger batches run eagerly, or with ``piecewise_enabled`` replay graphs captured
+                   per token bucket (``piecewise_num_tokens``) between eager attention calls
+``torch-opt``      ``torch.compile`` and then CUDA graphs of the compiled forward (and of the
+                   compiled pieces, with ``piecewise_enabled``)
 =================  ===============================================================================
 
 For ``torch.compile`` the graph is copied and its torch-backend canonical ops (RMSNorm, RoPE,
@@ -21,7 +22,8 @@ surrounding element-wise work; cached attention stays an opaque op. The CUDA bac
 host inside the graph (``triton`` or ``flashinfer``; the ``torch`` reference reads sequence lengths
 on the host): both are checked up front with an error that says what to change. After building
 the runner, a decode step on the scratch page is run through it and through the plain graph; the
-largest logit difference is reported in the snapshot details (``check_max_abs_diff``).
+largest logit difference is reported in the snapshot details (``check_max_abs_diff``), and with
+piecewise graphs the same for a padded one-page prefill (``piecewise_check_max_abs_diff``).
 """
 
 from __future__ import annotations
@@ -135,9 +137,10 @@ class CompileModel(Transform):
             raise ValueError(f"num_batched_inputs={c.num_batched_inputs}, but the graph has {batched} batched "
                              f"inputs (tokens, positions and step metadata); leave it unset to infer it")
         details["num_batched_inputs"] = batched
-        fn = gm
+        fn = inlined_gm = gm
         if c.backend in ("torch-compile", "torch-opt"):
-            fn, inlined = compilable_copy(gm)
+            inlined_gm, inlined = inlined_copy(gm)
+            fn = torch.compile(inlined_gm, dynamic=True)
             details["inlined_ops"] = inlined
         if c.backend == "torch-compile":
             runner = CompiledRunner(gm, ctx.resources, cfg, ctx.device, fn)
@@ -148,12 +151,14 @@ class CompileModel(Transform):
                                    "lengths on the host. Set insert_cached_attention.backend to 'triton' (or "
                                    "'flashinfer') for CUDA graphs")
             sizes = c.cuda_graph_batch_sizes or default_batch_sizes(cfg.max_batch_size)
-            if c.piecewise_enabled:
-                raise NotImplementedError(
-                    "piecewise CUDA graphs (piecewise_enabled) are not implemented in this version: prefill and "
-                    "mixed steps run the graph eagerly between decode replays. Set piecewise_enabled: false")
-            runner = CudaGraphRunner(gm, ctx.resources, cfg, ctx.device, sizes, fn)
+            pieces = _piecewise(c, inlined_gm, cfg, details) if c.piecewise_enabled else None
+            runner = CudaGraphRunner(gm, ctx.resources, cfg, ctx.device, sizes, fn, piecewise=pieces)
             details["cuda_graph_batch_sizes"] = sizes
+            if pieces is not None:
+                n = max(1, min(cfg.page_size, pieces.buckets[0] - 1))  # < the bucket: padding is checked
+                got = runner.scratch_prefill_logits(n)
+                details["piecewise_check_max_abs_diff"] = float((got - runner.scratch_prefill_logits(n, fn=gm))
+                                                                .abs().max())
         check_b = min(cfg.max_batch_size, 2)
         got = runner.scratch_decode_logits(check_b) if c.backend == "torch-compile" else _replayed(runner, check_b)
         ref = runner.scratch_decode_logits(check_b, fn=gm)
@@ -162,15 +167,29 @@ class CompileModel(Transform):
         return gm, TransformInfo(num_matches=0, details=details)
 
 
-def compilable_copy(gm: torch.fx.GraphModule):
-    """``torch.compile`` of a copy of ``gm`` whose canonical torch ops are inlined (Inductor fuses
-    them with their neighbours); parameters and buffers stay shared with ``gm``."""
+def inlined_copy(gm: torch.fx.GraphModule):
+    """A copy of ``gm`` whose canonical torch ops are inlined, for ``torch.compile`` (Inductor fuses
+    them with their neighbours), and the count of inlined calls per op; parameters and buffers stay
+    shared with ``gm``."""
     from ...ops.inline import inline_canonical_ops
     from ..graph_utils import copy_module
 
     copy = copy_module(gm)
-    inlined = inline_canonical_ops(copy)
-    return torch.compile(copy, dynamic=True), inlined
+    return copy, inline_canonical_ops(copy)
+
+
+def _piecewise(c: CompileModelConfig, gm: torch.fx.GraphModule, cfg, details):
+    """The piecewise graphs of ``gm`` for prefill/mixed steps, buckets checked against the cache."""
+    from ...runtime.piecewise import PiecewiseGraphs, default_token_buckets
+
+    buckets = c.piecewise_num_tokens or default_token_buckets(cfg.max_num_tokens)
+    if buckets[-1] > cfg.max_num_tokens:
+        raise ValueError(f"piecewise_num_tokens {[b for b in buckets if b > cfg.max_num_tokens]} exceed the KV "
+                         f"cache's max_num_tokens={cfg.max_num_tokens}; lower them or raise "
+                         "initialize_cache.max_num_tokens")
+    pieces = PiecewiseGraphs(gm, buckets, use_cuda_graphs=True, compile_pieces=c.backend == "torch-opt")
+    details.update(piecewise_num_tokens=pieces.buckets, piecewise_captured_pieces=pieces.num_captured_pieces)
+    return pieces
 
 
 def _replayed(runner, batch_size: int) -> torch.Tensor:
