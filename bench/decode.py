@@ -11,11 +11,14 @@ for HF ``B * (new - 1) / (t(new) - t(1))`` (a generate of one token is the prefi
 workbench the runtime's decode-only steps. Achieved bandwidth = weight bytes read per decode step
 (every parameter except an untied input embedding, of which a step reads B rows) x steps/s, shown
 as a fraction of the device's copy bandwidth (``2 x bytes / t`` of a large tensor copy) and of its
-GEMV bandwidth (matrix bytes / t of a large ``torch.mv``), both measured here first.
+GEMV bandwidth (matrix bytes / t of a large ``torch.mv``), both measured here first; llama.cpp rows
+use the bytes of their GGUF file's tensors. "x best peer" compares with the fastest peer at the
+benchmark's dtype (llama.cpp on the packaged 4-bit GGUF is shown but not counted).
 
 ``shape:<name>`` models are random weights of a real model's config (no download, no GGUF): the
-GPU benchmarks use them. llama.cpp rows need ``llama-cpp-python`` and a GGUF file (``smollm2``
-only; CPU only); otherwise the row says why it is skipped.
+GPU benchmarks use them. llama.cpp rows need ``llama-cpp-python`` (extra ``llamacpp``) and a GGUF file
+(``smollm2`` only; CPU only; batch 1): the packaged Q4_1 file, and an F32 copy of it written once
+(the same weights the workbench's fp32 model holds); otherwise the row says why it is skipped.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_peers import hf_decode_rate, llama_cpp_decode_rate, SHAPES  # noqa: E402
+from decode_peers import (float32_gguf, gguf_tensor_bytes, hf_decode_rate, llama_cpp_decode_rate,  # noqa: E402
+                          llama_cpp_unavailable, SHAPES)
 
 from workbench import Workbench, load_model  # noqa: E402
+from workbench.models import resolve_spec  # noqa: E402
 
 
 @dataclass
@@ -43,6 +48,8 @@ class Row:
     batch: int
     tok_s: Optional[float]
     note: str = ""
+    step_bytes: Optional[int] = None  # weight bytes a decode step reads, when not the model's
+    peer_dtype: bool = True  # runs the benchmark's dtype: counts as a peer for "x best peer"
 
 
 def sync(device: torch.device) -> None:
@@ -185,18 +192,37 @@ def main() -> None:
         torch._dynamo.reset()
     gc.collect()
     for b in args.batch_sizes:
-        rate, why = llama_cpp_decode_rate(spec, loaded, prompts[b], args.new_tokens, device)
-        rows.append(Row("llama.cpp (llama-cpp-python)", b, rate, why))
+        rows += llama_cpp_rows(spec, dtype, prompts[b], args.new_tokens, device)
     rows += workbench_rates(loaded, device, args.batch_sizes, prompts, args.new_tokens, backends)
     print_table(rows, step_bytes, copy_bw, gemv_bw)
     print("command: " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]))
+
+
+def llama_cpp_rows(spec: str, dtype: torch.dtype, prompts: List[List[int]], new: int,
+                   device: torch.device) -> List[Row]:
+    """llama.cpp on the packaged GGUF (its own 4-bit dtype: shown, not a like-for-like peer) and on
+    an F32 copy of it (the same weights as the workbench's fp32 model)."""
+    b, name = len(prompts), "llama.cpp (llama-cpp-python)"
+    why = llama_cpp_unavailable(spec, prompts, device)
+    if why is not None:
+        return [Row(name, b, None, why)]
+    rows, src = [], resolve_spec(spec).path
+    if dtype == torch.float32:
+        f32 = float32_gguf(src)
+        rows.append(Row(f"{name} F32", b, llama_cpp_decode_rate(f32, prompts, new),
+                        f"{f32.name}: the same fp32 weights", gguf_tensor_bytes(f32)))
+    else:
+        rows.append(Row(f"{name} F32", b, None, f"skipped: the benchmark runs {dtype}, the F32 copy is fp32"))
+    rows.append(Row(f"{name} packaged", b, llama_cpp_decode_rate(src, prompts, new),
+                    f"{src.name}: 4-bit, not counted as a peer", gguf_tensor_bytes(src), peer_dtype=False))
+    return rows
 
 
 def print_table(rows: List[Row], step_bytes: int, copy_bw: float, gemv_bw: float) -> None:
     eager = {r.batch: r.tok_s for r in rows if r.name == "HF generate eager" and r.tok_s}
     peers = {}
     for r in rows:
-        if r.tok_s and not r.name.startswith("workbench"):
+        if r.tok_s and r.peer_dtype and not r.name.startswith("workbench"):
             peers[r.batch] = max(peers.get(r.batch, 0.0), r.tok_s)
     print(f"\n{'':38s} {'batch':>5s} {'tok/s':>9s} {'x HF eager':>10s} {'x best peer':>11s} "
           f"{'copy BW':>8s} {'GEMV BW':>8s}  note")
@@ -204,7 +230,7 @@ def print_table(rows: List[Row], step_bytes: int, copy_bw: float, gemv_bw: float
         if r.tok_s is None:
             print(f"{r.name:38s} {r.batch or '':>5} {'-':>9s} {'':10s} {'':11s} {'':8s} {'':8s}  {r.note}")
             continue
-        achieved = step_bytes * r.tok_s / r.batch
+        achieved = (r.step_bytes or step_bytes) * r.tok_s / r.batch
         ratio = r.tok_s / eager[r.batch] if r.batch in eager else float("nan")
         peer = r.tok_s / peers[r.batch] if r.batch in peers else float("nan")
         print(f"{r.name:38s} {r.batch:5d} {r.tok_s:9.1f} {ratio:10.2f} {peer:11.2f} {achieved / copy_bw:8.0%} "

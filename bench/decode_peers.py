@@ -4,8 +4,10 @@ llama.cpp, and the random-weight model shapes used where the real weights cannot
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 import time
-from typing import List, Optional, Tuple
+from pathlib import Path
+from typing import List, Optional
 
 import torch
 from transformers import LlamaConfig
@@ -69,23 +71,25 @@ def hf_decode_rate(model, prompts: List[List[int]], new: int, device: torch.devi
     return ids.shape[0] * (new - 1) / best
 
 
-def llama_cpp_decode_rate(spec: str, loaded, prompts: List[List[int]], new: int,
-                          device: torch.device) -> Tuple[Optional[float], str]:
-    """Decode tokens/s of llama.cpp on the same GGUF file, or (None, why it was skipped)."""
+def llama_cpp_unavailable(spec: str, prompts: List[List[int]], device: torch.device) -> Optional[str]:
+    """Why the llama.cpp rows cannot run here (None: they can)."""
     if importlib.util.find_spec("llama_cpp") is None:
-        return None, "skipped: llama-cpp-python is not installed (optional: pip install llama-cpp-python)"
+        return "skipped: llama-cpp-python is not installed (optional: pip install -e '.[llamacpp]')"
     if device.type != "cpu":
-        return None, "skipped: the llama.cpp row is CPU only"
+        return "skipped: the llama.cpp row is CPU only"
     if spec != "smollm2":
-        return None, "skipped: needs the model's GGUF file (only smollm2 ships one)"
+        return "skipped: needs the model's GGUF file (only smollm2 ships one)"
     if len(prompts) != 1:
-        return None, "skipped: llama-cpp-python's Llama API decodes one sequence at a time"
+        return "skipped: llama-cpp-python's Llama API decodes one sequence at a time"
+    return None
+
+
+def llama_cpp_decode_rate(path: Path, prompts: List[List[int]], new: int) -> float:
+    """Decode tokens/s of llama.cpp on a GGUF file: greedy, ``new`` tokens after the prompt, tokens
+    2..new over the time between the first and the last (best of 3)."""
     from llama_cpp import Llama
 
-    from workbench.models import resolve_spec
-
-    path = str(resolve_spec("smollm2").path)
-    llm = Llama(model_path=path, n_ctx=len(prompts[0]) + new + 8, n_threads=torch.get_num_threads(),
+    llm = Llama(model_path=str(path), n_ctx=len(prompts[0]) + new + 8, n_threads=torch.get_num_threads(),
                 verbose=False)
     best = float("inf")
     for _ in range(3):
@@ -96,4 +100,46 @@ def llama_cpp_decode_rate(spec: str, loaded, prompts: List[List[int]], new: int,
             if i + 1 == new:
                 break
         best = min(best, stamps[-1] - stamps[0])
-    return (new - 1) / best, f"GGUF {path.rsplit('/', 1)[-1]} (its own dtype, not fp32)"
+    return (new - 1) / best
+
+
+def gguf_tensor_bytes(path: Path) -> int:
+    """Bytes of all tensors in a GGUF file (what llama.cpp reads per decode step, embedding tied)."""
+    from gguf import GGUFReader
+
+    return int(sum(t.n_bytes for t in GGUFReader(str(path)).tensors))
+
+
+def float32_gguf(src: Path) -> Path:
+    """An F32 copy of the GGUF file ``src`` (metadata as is, every tensor dequantized): the same
+    weights the workbench's fp32 model holds, so llama.cpp can be compared dtype for dtype.
+    Written once next to the model loader's converted copy (``$WORKBENCH_CACHE_DIR``)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+    from gguf.quants import dequantize
+
+    from workbench.models.factory import converted_cache_dir
+
+    cache = converted_cache_dir(src)
+    dst = (cache.parent if cache else Path(tempfile.gettempdir())) / f"{src.stem}.F32.gguf"
+    if dst.exists():
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    reader = GGUFReader(str(src))
+    tmp = dst.with_suffix(".partial")
+    writer = GGUFWriter(str(tmp), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type"):
+            continue  # the writer adds the GGUF.* header fields and the architecture itself
+        sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    writer.add_file_type(LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        data = t.data if t.tensor_type == GGMLQuantizationType.F32 else dequantize(t.data, t.tensor_type)
+        writer.add_tensor(t.name, np.ascontiguousarray(data, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(dst)  # a killed run leaves no half-written file under the final name
+    return dst

@@ -139,6 +139,24 @@ def test_stale_nan_in_unwritten_slots_does_not_leak():
     torch.testing.assert_close(out[0], _reference(q, k, v, 0, scale=0.3)[4:])
 
 
+def test_stale_nan_does_not_leak_into_a_decode_batch_of_different_lengths():
+    """The batched decode path reads every sequence up to the longest one under a mask: stale
+    keys or values past a shorter sequence's end must not turn its output into NaN."""
+    q, k, v = _seqs([6, 3])
+    k_cache = torch.full((4, 4, 2, 8), float("nan"))
+    v_cache = torch.full((4, 4, 2, 8), float("nan"))
+    pt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    for i, n in enumerate((5, 2)):  # prefill all but the last token of each sequence
+        wb.torch_cached_attention(q[i][None, :n], k[i][None, :n], v[i][None, :n], k_cache, v_cache, i32(n),
+                                  i32(0), pt[i: i + 1], 1, 0.3)
+    last = [torch.stack([x[0][5], x[1][2]])[None] for x in (q, k, v)]  # [1, 2, H, D]: one token each
+    out = wb.torch_cached_attention(*last, k_cache, v_cache, i32(1, 1), i32(5, 2), pt, 0, 0.3)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[0, 0], _reference(q, k, v, 0, scale=0.3)[5])
+    torch.testing.assert_close(out[0, 1], _reference(q, k, v, 1, scale=0.3)[2])
+
+
 def test_bad_metadata_is_a_clear_error():
     q, k, v = _seqs([4])
     kc = torch.zeros(4, 4, 2, 8)

@@ -50,7 +50,7 @@ def test_attention_becomes_cached_attention(wb):
     snap = wb.snapshot("insert_cached_attention")
     assert before[ATTN] == 2 and ATTN not in snap.op_histogram and snap.op_histogram[CACHED] == 2
     assert snap.info.num_matches == 2 and snap.info.details["backend"] == "torch"
-    gm = wb.module
+    gm = snap.module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert [n.meta.get(INPUT_KEY, n.name) for n in placeholders] == EXPECTED_INPUTS
     assert all(n.meta.get("val") is not None for n in placeholders)

@@ -79,7 +79,8 @@ class CompiledRunner(CachedRunner):
 
     def scratch_prefill_logits(self, num_tokens: int, fn: Optional[Callable[..., Any]] = None) -> torch.Tensor:
         """Logits [T, V] of a one-sequence prefill of ``num_tokens`` tokens (ids 1..T) on the scratch
-        page through the piecewise graphs (default) or ``fn``; ``num_tokens <= page_size``."""
+        page through the piecewise graphs (default) or ``fn``; ``num_tokens <= page_size``. A graph
+        that gathers before the LM head returns the last token's row only: [1, V]."""
         if num_tokens > self.cfg.page_size:
             raise ValueError(f"a scratch prefill fits one page ({self.cfg.page_size} tokens), not {num_tokens}")
         self.seq_info.set_batch([list(range(1, num_tokens + 1))], [0], [[self.scratch_page]], num_prefill=1,

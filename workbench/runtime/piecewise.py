@@ -9,7 +9,9 @@ the flattened tokens and depends only on T. So the graph is cut at its cached-at
     piece_0  (embed, norm, qkv)   -> attention_0 (eager) -> piece_1 (o_proj, mlp, norm, qkv) -> ...
     captured per token bucket        real tokens only        captured per token bucket
 
-and for a step of T tokens the smallest bucket ``T_b >= T`` is used: token inputs are padded to
+(a graph that gathers each sequence's last token before the LM head -- ``gather_logits_before_lm_head``
+-- runs that gather and everything after it eagerly too: its shapes follow B, not T), and for a
+step of T tokens the smallest bucket ``T_b >= T`` is used: token inputs are padded to
 ``T_b`` (padding ids and positions are 0), the captured pieces replay on ``[1, T_b, ...]``, and each
 attention runs eagerly on the first T rows and writes its output into a fixed per-bucket buffer
 ``[1, T_b, Hq, Dv]`` that the next piece was captured reading. Padding rows never reach the KV
@@ -34,6 +36,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
+
+from .sequence_info import INPUT_KEY, LAST_TOKEN_INPUT
 
 logger = logging.getLogger("workbench.runtime")
 
@@ -161,13 +165,13 @@ class PiecewiseGraphs:
         self.buckets = sorted({int(b) for b in buckets})
         self.use_cuda_graphs = use_cuda_graphs
         self.state = PieceState()
-        self.split, self.num_attention = _split_at_eager_ops(module)
+        self.split, self.num_attention, tail = _split_at_eager_ops(module)
         if self.num_attention == 0:
             raise ValueError("no cached attention in the graph: nothing to split at (run the cache stage first)")
         self.num_captured_pieces = 0
         for name, sub in list(self.split.named_children()):
-            if not name.startswith("submod_"):
-                continue
+            if not name.startswith("submod_") or name == f"submod_{tail}":
+                continue  # the gathered LM head (if any) runs as it is
             eager_node = next((n for n in sub.graph.nodes if is_eager_op(n)), None)
             if eager_node is not None:
                 phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
@@ -211,16 +215,27 @@ class PiecewiseGraphs:
             return self.split(*inputs)
 
 
-def _split_at_eager_ops(gm: fx.GraphModule) -> Tuple[fx.GraphModule, int]:
-    """``split_module`` with each eager op in a partition of its own and the row-wise nodes
-    between them in one partition each; placeholders keep their order (the runner feeds them
-    positionally). Parameters stay shared with ``gm``."""
+def _is_last_token_gather(node: fx.Node) -> bool:
+    index = node.args[2] if node.op == "call_function" and len(node.args) > 2 else None
+    return (node.target is torch.ops.aten.index_select.default and isinstance(index, fx.Node)
+            and index.op == "placeholder" and index.meta.get(INPUT_KEY, index.name) == LAST_TOKEN_INPUT)
+
+
+def _split_at_eager_ops(gm: fx.GraphModule) -> Tuple[fx.GraphModule, int, Optional[int]]:
+    """``split_module`` with each eager op in a partition of its own, the row-wise nodes between
+    them in one partition each, and a last-token gather with everything after it in a final eager
+    partition (its id is returned, None without a gather); placeholders keep their order (the
+    runner feeds them positionally). Parameters stay shared with ``gm``."""
     partition: Dict[fx.Node, int] = {}
-    current, num_eager = 0, 0
+    current, num_eager, tail = 0, 0, None
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        if is_eager_op(node):
+        if tail is None and _is_last_token_gather(node):
+            tail = current + 1
+        if tail is not None:
+            partition[node] = tail
+        elif is_eager_op(node):
             num_eager += 1
             partition[node] = current + 1
             current += 2
@@ -234,7 +249,7 @@ def _split_at_eager_ops(gm: fx.GraphModule) -> Tuple[fx.GraphModule, int]:
     after = [n.name for n in split.graph.nodes if n.op == "placeholder"]
     if before != after:  # would feed inputs to the wrong placeholders
         raise RuntimeError(f"splitting reordered the graph inputs: {before} -> {after}")
-    return split, num_eager
+    return split, num_eager, tail
 
 
 __all__ = ["PiecewiseGraphs", "CapturedPiece", "PaddedAttention", "default_token_buckets", "EAGER_OP_NAMES"]

@@ -19,7 +19,7 @@ import torch
 
 from .kv_cache import KVCacheConfig, PageAllocator
 from .scheduler import Scheduler, Step
-from .sequence_info import SequenceInfo, is_cached_module, module_input_names
+from .sequence_info import LAST_TOKEN_INPUT, SequenceInfo, is_cached_module, module_input_names
 
 logger = logging.getLogger("workbench.runtime")
 
@@ -43,6 +43,8 @@ class CachedRunner:
             )
         self.caches: Dict[str, torch.Tensor] = {n: caches[n] for n in self.input_names if n in caches}
         self.fn = module  # what runs a forward; compiled runners swap in a compiled callable
+        # gather_logits_before_lm_head: the module returns one row per sequence, not per token
+        self.gathers_last_tokens = LAST_TOKEN_INPUT in self.input_names
 
     def scheduler(self) -> Scheduler:
         """A fresh scheduler over all pages: nothing from an earlier ``generate`` leaks in."""
@@ -62,7 +64,8 @@ class CachedRunner:
         return [values[n] for n in self.input_names]
 
     def forward(self, step: Step, sched: Scheduler) -> torch.Tensor:
-        """Full logits of the step's flattened tokens: [1, T, V]."""
+        """Logits of the step's flattened tokens [1, T, V], or of each sequence's last token
+        [1, B, V] for a module that gathers before the LM head."""
         self.set_step(step, sched)
         with torch.no_grad():
             return self.fn(*self._inputs())
@@ -71,6 +74,8 @@ class CachedRunner:
         """Logits of each sequence's last new token: [B, V]."""
         logits = self.forward(step, sched)
         # [: B]: a CUDA-graph runner pads the batch with scratch rows that nobody reads
+        if self.gathers_last_tokens:
+            return logits[0, : len(step.items)]
         return logits[0].index_select(0, self.seq_info.last_token_index)[: len(step.items)]
 
 

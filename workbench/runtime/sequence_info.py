@@ -8,6 +8,8 @@ the rest one decode token each. Their tokens are laid back to back in one row::
     input_pos [B] int32              tokens already in the cache per sequence
     page_table [B, max_pages_per_seq] int32   page ids per sequence, in logical order
     num_prefill                      int; sequences 0..num_prefill-1 are prefill, the rest decode
+    last_token_index [B] int64       flattened index of each sequence's last new token (read by
+                                     graphs that gather before the LM head)
 
 Because every shape is data (T, B) rather than structure, one graph serves prefill, decode and
 mixed batches. The tensors are views into buffers allocated once at their maximum size, so their
@@ -25,6 +27,7 @@ import torch
 
 TOKEN_INPUTS = ("input_ids", "position_ids")
 METADATA_INPUTS = ("seq_lens", "input_pos", "page_table", "num_prefill")
+LAST_TOKEN_INPUT = "last_token_index"  # an input only of graphs that gather_logits_before_lm_head
 # node.meta key on placeholders a cache transform added: the name the runtime feeds it by
 # (metadata name or cache resource key). Placeholder names may get suffixes; this key does not.
 INPUT_KEY = "wb_cache_input"
@@ -118,6 +121,7 @@ class SequenceInfo:
             "input_pos": self._input_pos[:b],
             "page_table": self._page_table[:b],
             "num_prefill": self.num_prefill,
+            LAST_TOKEN_INPUT: self._last_token[:b],
         }
 
     @property
@@ -146,4 +150,4 @@ def is_cached_module(module: torch.nn.Module) -> bool:
     return "seq_lens" in module_input_names(module)
 
 
-__all__ = ["SequenceInfo", "TOKEN_INPUTS", "METADATA_INPUTS", "INPUT_KEY", "module_input_names", "is_cached_module"]
+__all__ = ["SequenceInfo", "TOKEN_INPUTS", "METADATA_INPUTS", "LAST_TOKEN_INPUT", "INPUT_KEY", "module_input_names", "is_cached_module"]

@@ -168,8 +168,12 @@ def _decode_sdpa(qd, k_cache, v_cache, input_pos, page_table, first: int, b: int
     window/cap/sinks: one SDPA call, over a strided view of the cache when the page table allows.
 
     The few ops matter: a CPU decode step runs this once per layer, and the general path's ~40
-    small ops cost more than the attention itself. Keys are gathered up to the longest sequence;
-    shorter ones mask the rest (and zero its values: stale slots may hold anything).
+    small ops cost more than the attention itself. Keys are read up to the longest sequence;
+    shorter ones mask the rest. A masked slot still enters the kernel's arithmetic (a NaN key
+    makes its score NaN, a NaN value times probability 0 is NaN), so stale slots must be finite:
+    they are checked on the tail that some sequence masks (usually a few slots) and, only if
+    something there is not finite, zeroed in copies of the keys and values -- copying the whole
+    view every step cost as much as the attention itself at batch 32.
     Returns [Bd, Hq, Dv] in q's dtype.
     """
     longest = max(past) + 1
@@ -185,8 +189,11 @@ def _decode_sdpa(qd, k_cache, v_cache, input_pos, page_table, first: int, b: int
     mask = None
     if min(past) != max(past):
         valid = torch.arange(longest, device=qd.device)[None, :] <= input_pos[first:b].long()[:, None]  # [Bd, L]
-        vc = vc.masked_fill(~valid[:, None, :, None], 0)
         mask = valid[:, None, None, :]
+        tail = min(past) + 1  # slots below it are valid for every sequence
+        if not bool(torch.isfinite(kc[:, :, tail:]).all() & torch.isfinite(vc[:, :, tail:]).all()):
+            stale = ~valid[:, None, :, None]
+            kc, vc = kc.masked_fill(stale, 0), vc.masked_fill(stale, 0)
     o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale,
                                        enable_gqa=True)
     return o[:, :, 0]

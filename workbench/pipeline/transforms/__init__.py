@@ -2,7 +2,7 @@
 
 from . import cleanup, export  # noqa: F401
 from . import attention, hidden_states, layout, moe, norms, rope, swiglu  # noqa: F401
-from . import cached_attention, cached_residual_add, hf_cached_attention, kvcache  # noqa: F401
+from . import cached_attention, cached_residual_add, gather_logits, hf_cached_attention, kvcache  # noqa: F401
 from . import fusion, multi_stream  # noqa: F401  (post_load_fusion backends; compile-stage streams)
 from . import linear_layout  # noqa: F401  (CPU GEMV weight layout)
 from . import compile_model  # noqa: F401  (compile stage: the runner generate uses)

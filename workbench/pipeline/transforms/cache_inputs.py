@@ -27,7 +27,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic
 from torch.utils import _pytree as pytree
 
 from ...runtime.kv_cache import CacheSpec, KVCacheConfig, allocate_caches
-from ...runtime.sequence_info import INPUT_KEY, METADATA_INPUTS, SequenceInfo, module_input_names
+from ...runtime.sequence_info import INPUT_KEY, LAST_TOKEN_INPUT, METADATA_INPUTS, SequenceInfo, module_input_names
 
 _SYMBOLS_KEY = "wb_cache_symbols"  # gm.meta: symbolic sizes shared by all cache inputs
 
@@ -113,6 +113,11 @@ def metadata_inputs(gm: fx.GraphModule, device: torch.device) -> Dict[str, fx.No
     return out
 
 
+def per_sequence_input(gm: fx.GraphModule, key: str, dtype: torch.dtype, device: torch.device) -> fx.Node:
+    """A new [num_seqs] input (one value per sequence of the step), e.g. ``last_token_index``."""
+    return add_graph_input(gm, key, _fake(gm, (_symbol(gm, "num_seqs", 3),), dtype, device))
+
+
 def cache_input(gm: fx.GraphModule, spec: CacheSpec, dtype: torch.dtype, device: torch.device) -> fx.Node:
     """A cache placeholder: [num_pages, page_size, *shape] (paged) or [max_num_tokens, *shape]."""
     if spec.kind == "paged":
@@ -156,13 +161,16 @@ class CachedProbe:
         info.set_batch(ids.tolist(), [0] * b, pages, num_prefill=b, page_size=self.page_size)
         values = {**info.inputs(), **allocate_caches(cfg, ids.device)}
         values.update(input_ids=ids, position_ids=pos)  # [b, s]: logits come back as [b, s, V]
-        return run_cached(module, values)
+        # a graph that gathers before the LM head gets every token's index: all b*s rows come back
+        values[LAST_TOKEN_INPUT] = torch.arange(b * s, device=ids.device)
+        out = run_cached(module, values)
+        return out.reshape(b, s, -1) if LAST_TOKEN_INPUT in module_input_names(module) else out
 
     def __repr__(self) -> str:
         return f"CachedProbe({len(self.specs)} cache inputs, scratch pages of {self.page_size})"
 
 
 __all__ = [
-    "graph_fake_mode", "find_input", "add_graph_input", "metadata_inputs", "cache_input",
+    "graph_fake_mode", "find_input", "add_graph_input", "metadata_inputs", "per_sequence_input", "cache_input",
     "run_cached", "CachedProbe",
 ]
