@@ -78,11 +78,15 @@ def copy_bandwidth(device: torch.device, nbytes: int = 512 * 2**20) -> float:
 
 
 def gemv_bandwidth(device: torch.device, dtype: torch.dtype, nbytes: int = 512 * 2**20, cols: int = 4096) -> float:
-    """Matrix bytes/s of ``torch.mv`` on a large matrix: the ceiling of a batch-1 decode."""
+    """Matrix bytes/s of the fastest matrix-vector product on a large row-major matrix: the ceiling
+    of a batch-1 decode. Two spellings are timed -- ``torch.mv`` and ``W @ [x, x].T`` (the
+    two-column GEMM that ``cpu_linear_wxt`` uses, which MKL streams faster than its GEMV) -- and
+    the faster one counts, so the workbench is not measured against a ceiling it beats."""
     rows = nbytes // (cols * torch.tensor([], dtype=dtype).element_size())
     w = torch.randn(rows, cols, device=device, dtype=dtype)
     x = torch.randn(cols, device=device, dtype=dtype)
-    t = best_time(lambda: torch.mv(w, x), device)
+    x2 = torch.stack([x, x], 1)  # [cols, 2]
+    t = min(best_time(lambda: torch.mv(w, x), device), best_time(lambda: torch.mm(w, x2), device))
     return w.numel() * w.element_size() / t
 
 

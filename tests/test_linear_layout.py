@@ -1,4 +1,5 @@
-"""linear_weight_layout: K-major weight copies for the CPU GEMV, chosen per linear by shape."""
+"""linear_weight_layout: how CPU linears read their weights -- (W @ x.T).T on the weights as loaded
+(``wxt``, the CPU default) or K-major copies (``kn``), checked against HF on the same weights."""
 
 from __future__ import annotations
 
@@ -21,14 +22,18 @@ def ops(snap, name):
     return snap.op_histogram.get(name, 0)
 
 
-@pytest.mark.parametrize("layout, expected", [("auto", 7), ("kn", 9), ("nk", 0)])
-def test_rewrites_by_shape_and_keeps_logits(tiny_llama, layout, expected):
+WXT = "workbench.cpu_linear_wxt.default"
+
+
+@pytest.mark.parametrize("layout, expected, op", [("auto", 9, WXT), ("wxt", 9, WXT), ("kn", 9, "aten.matmul.default"),
+                                                  ("nk", 0, "aten.matmul.default")])
+def test_rewrites_every_linear_and_keeps_logits(tiny_llama, layout, expected, op):
     # tiny:llama after fuse_gemms/fuse_swiglu, per layer: qkv 128x64, o 64x64, gate_up 256x64,
-    # down 64x128 (N < K: stays row-major under auto), 2 layers, plus the 512x64 LM head.
+    # down 64x128, 2 layers, plus the 512x64 LM head: 9 linears.
     wb = run_to_layout(tiny_llama, layout)
     snap = wb.snapshot(KEY)
     assert snap.info.num_matches == expected
-    assert ops(snap, "aten.matmul.default") == expected
+    assert ops(snap, op) == expected
     assert ops(snap, "aten.linear.default") == 9 - expected
     assert snap.numerics.rmse_ratio < 1e-6  # same products, another summation order at most
     batch = make_batch(tiny_llama.config.vocab_size, 2, 12, seed=3)
@@ -38,8 +43,26 @@ def test_rewrites_by_shape_and_keeps_logits(tiny_llama, layout, expected):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_memory_delta_is_new_minus_freed_and_tied_head_costs_a_copy(tiny_llama):
-    wb = run_to_layout(tiny_llama, "auto")
+@pytest.mark.parametrize("rows", [1, 2, 8, 64, 65])
+def test_wxt_op_equals_linear_at_every_batch_size(rows):
+    from workbench.ops.mlp.cpu_linear_wxt import linear_wxt
+
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(1, rows, 96, generator=g), torch.randn(160, 96, generator=g), torch.randn(160, generator=g)
+    for bias in (None, b):
+        out = torch.ops.workbench.cpu_linear_wxt(x, w, bias)
+        assert out.shape == (1, rows, 160) and out.is_contiguous()
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+        assert torch.equal(out, linear_wxt(x, w, bias))
+
+
+def test_wxt_copies_nothing(tiny_llama):
+    snap = run_to_layout(tiny_llama, "wxt").snapshot(KEY)
+    assert snap.info.details["new_bytes"] == 0 and snap.mem_delta == 0 and snap.mem_warning is None
+
+
+def test_kn_memory_delta_is_new_minus_freed_and_tied_head_costs_a_copy(tiny_llama):
+    wb = run_to_layout(tiny_llama, "kn")
     snap = wb.snapshot(KEY)
     d = snap.info.details
     # the tied LM head keeps its table (embedding lookup): one extra 512 x 64 fp32 copy

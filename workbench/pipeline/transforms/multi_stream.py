@@ -309,7 +309,9 @@ def _branch_input(branch: Sequence[fx.Node]) -> Optional[fx.Node]:
 # ------------------------------------------------------------------------------ MoE
 
 MOE_OPS = ("torch_moe", "torch_moe_fused", "torch_moe_dense_mlp")
-GEMM_OPS = ("linear", "mm", "matmul", "bmm", "torch_linear_simple", "torch_swiglu_mlp")
+# linear spellings with (input, weight [N, K], bias): aten's, ours, and the CPU decode GEMM
+LINEAR_OPS = ("linear", "torch_linear_simple", "cpu_linear_wxt")
+GEMM_OPS = (*LINEAR_OPS, "mm", "matmul", "bmm", "torch_swiglu_mlp")
 PASS_OPS = {aten.view.default, aten.reshape.default, aten.to.dtype, aten._to_copy.default,
             aten.contiguous.default, aten.clone.default, aten.alias.default}
 
@@ -363,7 +365,7 @@ class MultiStreamGemm(MultiStreamTransform):
     def sites(self, gm):
         by_input: Dict[fx.Node, List[Tuple[int, fx.Node]]] = {}
         for n in gm.graph.nodes:
-            if _op_is(n, ("linear", "torch_linear_simple")) and len(n.args) >= 2:
+            if _op_is(n, LINEAR_OPS) and len(n.args) >= 2:
                 w = param_of(gm, n.args[1])
                 if w is not None and isinstance(n.args[0], fx.Node):
                     by_input.setdefault(n.args[0], []).append((w.numel(), n))
@@ -389,12 +391,12 @@ def _low_rank_kv(norm: fx.Node) -> Optional[Tuple[fx.Node, List[fx.Node]]]:
     while isinstance(cur, fx.Node) and cur.target in VIEW_OPS:
         path.append(cur)
         cur = cur.args[0]
-    if not isinstance(cur, fx.Node) or not _op_is(cur, ("linear",)):
+    if not isinstance(cur, fx.Node) or not _op_is(cur, LINEAR_OPS):
         return None
     nxt = norm
     while len(nxt.users) == 1 and next(iter(nxt.users)).target in VIEW_OPS:
         nxt = next(iter(nxt.users))
-    if not any(_op_is(u, ("linear",)) and u.args[0] is nxt for u in nxt.users):
+    if not any(_op_is(u, LINEAR_OPS) and u.args[0] is nxt for u in nxt.users):
         return None
     return cur, list(reversed(path))
 
@@ -434,7 +436,7 @@ class MultiStreamMLAAttn(MultiStreamTransform):
                 continue
             kv_a, path = sig
             x = kv_a.args[0]
-            others = [u for u in x.users if u is not kv_a and _op_is(u, ("linear",))]
+            others = [u for u in x.users if u is not kv_a and _op_is(u, LINEAR_OPS)]
             if others and any(p.target in SPLITS for p in path):  # pattern 0: splits off k_pe
                 found.append((f"{kv_a.name}:p0", forward_branch([kv_a], x), x, []))
             elif not others and path and path[0].target in SPLITS and len(kv_a.users) == 1:
