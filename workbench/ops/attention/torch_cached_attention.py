@@ -38,6 +38,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..library import define_op
+
 
 def token_layout(seq_lens: torch.Tensor, input_pos: torch.Tensor):
     """Per flattened token: (sequence index [T], logical position [T]), both int64."""
@@ -282,23 +284,21 @@ def torch_cached_attention(
     return out
 
 
-# Registered through ``torch.library.Library`` rather than ``torch.library.custom_op``: for an op
-# that mutates its inputs, custom_op adds a Python ADInplaceOrView kernel whose per-call argument
-# handling (``fill_defaults`` walking the schema) costs ~50-80 us -- more than the attention itself
-# in a CPU decode step, 30 times per token. The C++ fallback does the same version-counter bump.
-SCHEMA = (
-    "torch_cached_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-    "Tensor seq_lens, Tensor input_pos, Tensor page_table, SymInt num_prefill, float scale, "
-    "SymInt? sliding_window=None, float? logit_cap=None, Tensor? sinks=None) -> Tensor"
-)
-_LIB = torch.library.Library("workbench", "FRAGMENT")  # kept alive: dropping it unregisters the op
-_LIB.define(SCHEMA)
-_LIB.impl("torch_cached_attention", torch_cached_attention, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("workbench::torch_cached_attention", lib=_LIB)
+# Registered through ``define_op`` (a ``torch.library.Library`` kernel) rather than ``custom_op``:
+# for an op that mutates its inputs, custom_op adds a Python ADInplaceOrView kernel whose per-call
+# argument handling (``fill_defaults`` walking the schema) costs ~50-80 us -- more than the
+# attention itself in a CPU decode step, 30 times per token. The C++ fallback does the same
+# version-counter bump.
 def _torch_cached_attention_fake(
     q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, scale,
     sliding_window=None, logit_cap=None, sinks=None,
 ):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+SCHEMA = (
+    "torch_cached_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "Tensor seq_lens, Tensor input_pos, Tensor page_table, SymInt num_prefill, float scale, "
+    "SymInt? sliding_window=None, float? logit_cap=None, Tensor? sinks=None) -> Tensor"
+)
+define_op(SCHEMA, torch_cached_attention, _torch_cached_attention_fake)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..library import define_op
+
 
 def silu_and_mul_reference(input: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` with ``gate, up = input.chunk(2, -1)``.
@@ -21,12 +23,10 @@ def silu_and_mul_reference(input: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@torch.library.custom_op("workbench::torch_silu_and_mul", mutates_args=())
-def torch_silu_and_mul(input: torch.Tensor) -> torch.Tensor:
-    """The canonical gated activation: ``silu_and_mul_reference``."""
-    return silu_and_mul_reference(input)
-
-
-@torch_silu_and_mul.register_fake
 def _torch_silu_and_mul_fake(input):
     return input.new_empty(*input.shape[:-1], input.shape[-1] // 2)
+
+
+# The canonical gated activation: ``silu_and_mul_reference`` (decode hot path: see ops/library.py).
+torch_silu_and_mul = define_op("torch_silu_and_mul(Tensor input) -> Tensor", silu_and_mul_reference,
+                               _torch_silu_and_mul_fake)

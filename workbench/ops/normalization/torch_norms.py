@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..library import define_op
+
 
 def rmsnorm_reference(input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x**2, -1) + eps))`` with the statistics in fp32.
@@ -18,15 +20,13 @@ def rmsnorm_reference(input: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     return weight * x.to(input.dtype)
 
 
-@torch.library.custom_op("workbench::torch_rmsnorm", mutates_args=())
-def torch_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The canonical RMSNorm op: ``rmsnorm_reference``."""
-    return rmsnorm_reference(input, weight, eps)
-
-
-@torch_rmsnorm.register_fake
 def _torch_rmsnorm_fake(input, weight, eps):
     return input.new_empty(input.shape, dtype=torch.promote_types(input.dtype, weight.dtype))
+
+
+# The canonical RMSNorm op: ``rmsnorm_reference`` (on the decode hot path: see ops/library.py).
+torch_rmsnorm = define_op("torch_rmsnorm(Tensor input, Tensor weight, float eps) -> Tensor",
+                          rmsnorm_reference, _torch_rmsnorm_fake)
 
 
 @torch.library.custom_op("workbench::torch_l2norm", mutates_args=())

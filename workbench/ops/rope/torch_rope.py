@@ -13,6 +13,8 @@ from typing import Tuple
 
 import torch
 
+from ..library import define_op
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``[x1, x2] -> [-x2, x1]`` over the last dim (the "NeoX" / HF Llama convention)."""
@@ -43,17 +45,15 @@ def rope_explicit_reference(
     return _rotated(q, cos, sin), _rotated(k, cos, sin)
 
 
-@torch.library.custom_op("workbench::torch_rope_with_explicit_cos_sin", mutates_args=())
-def torch_rope_with_explicit_cos_sin(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The canonical RoPE op for explicit cos/sin: ``rope_explicit_reference``."""
-    return rope_explicit_reference(q, k, cos, sin, unsqueeze_dim)
-
-
-@torch_rope_with_explicit_cos_sin.register_fake
 def _explicit_fake(q, k, cos, sin, unsqueeze_dim=1):
     return _like(q, cos, sin), _like(k, cos, sin)
+
+
+# The canonical RoPE op for explicit cos/sin: ``rope_explicit_reference`` (decode hot path: see
+# ops/library.py).
+torch_rope_with_explicit_cos_sin = define_op(
+    "torch_rope_with_explicit_cos_sin(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) "
+    "-> (Tensor, Tensor)", rope_explicit_reference, _explicit_fake)
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,39 @@
+"""``define_op``: register a ``workbench::`` op whose Python body runs with little dispatch cost.
+
+``torch.library.custom_op`` wraps its function in Python-side dispatch (argument handling,
+autograd and inplace/view kernels): ~16 us per call for ``torch_rmsnorm`` on a [1, 1, 576] input
+(34.6 us through ``custom_op`` vs 18.6 us through a ``Library`` registration, 15.7 us calling the
+function directly; one thread, this project's CPU machine). A SmolLM2 decode step calls the
+canonical RMSNorm, RoPE and SiLU*mul ops 121 times and the cached attention 30 times, so the ops on
+that path register here instead: the schema is declared once, the body is the
+``CompositeExplicitAutograd`` kernel (the C++ fallbacks do autograd and version counters), and
+the fake implementation serves export, shape propagation and ``torch.compile``.
+
+The returned value is the op packet (``torch.ops.workbench.<name>``): calling it dispatches, so
+graphs traced through it keep the op as one node.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+# One fragment for every op defined here; kept alive for the process (dropping it unregisters them).
+_LIB = torch.library.Library("workbench", "FRAGMENT")
+
+
+def define_op(schema: str, impl: Callable, fake: Callable):
+    """Define ``workbench::<schema>``, run by ``impl``, with fake (meta) implementation ``fake``.
+
+    ``schema``: the op's signature, e.g. ``"torch_rmsnorm(Tensor input, Tensor weight, float eps) -> Tensor"``
+    (mutated inputs marked ``Tensor(a!)``). Returns ``torch.ops.workbench.<name>``.
+    """
+    name = schema.split("(", 1)[0].strip()
+    _LIB.define(schema)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"workbench::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.workbench, name)
+
+
+__all__ = ["define_op"]
