@@ -14,6 +14,7 @@ from typing import Callable, Dict
 import torch
 import torch.fx as fx
 
+from .mlp.cpu_linear_wxt import linear_wxt
 from .mlp.torch_silu_mul import silu_and_mul_reference
 from .normalization.torch_norms import rmsnorm_reference
 from .rope.torch_rope import rope_explicit_reference
@@ -26,6 +27,7 @@ def inline_table() -> Dict[object, Callable]:
         ops.torch_rmsnorm.default: rmsnorm_reference,
         ops.torch_silu_and_mul.default: silu_and_mul_reference,
         ops.torch_rope_with_explicit_cos_sin.default: rope_explicit_reference,
+        ops.cpu_linear_wxt.default: linear_wxt,
     }
 
 

@@ -17,8 +17,8 @@ in this transform's snapshot time and memory delta:
 =================  ===============================================================================
 
 For ``torch.compile`` the graph is copied and its torch-backend canonical ops (RMSNorm, RoPE,
-SiLU*mul) are inlined as plain functions in the copy, so Inductor can fuse them with the
-surrounding element-wise work; cached attention stays an opaque op. The CUDA backends need a CUDA device and an attention backend that never synchronises with the
+SiLU*mul, the CPU linear ``cpu_linear_wxt``) are inlined as plain functions in the copy, so Inductor
+can fuse them with the surrounding element-wise work; cached attention stays an opaque op. The CUDA backends need a CUDA device and an attention backend that never synchronises with the
 host inside the graph (``triton`` or ``flashinfer``; the ``torch`` reference reads sequence lengths
 on the host): both are checked up front with an error that says what to change. After building
 the runner, a decode step on the scratch page is run through it and through the plain graph; the
@@ -160,6 +160,10 @@ class CompileModel(Transform):
                 details["piecewise_check_max_abs_diff"] = float((got - runner.scratch_prefill_logits(n, fn=gm))
                                                                 .abs().max())
         check_b = min(cfg.max_batch_size, 2)
+        if c.backend == "torch-compile":
+            # compile the single-sequence decode here (a guard of cpu_linear_wxt's one-row path gives it
+            # its own graph), not in the user's first generate
+            runner.scratch_decode_logits(1)
         got = runner.scratch_decode_logits(check_b) if c.backend == "torch-compile" else _replayed(runner, check_b)
         ref = runner.scratch_decode_logits(check_b, fn=gm)
         details["check_max_abs_diff"] = float((got - ref).abs().max())
