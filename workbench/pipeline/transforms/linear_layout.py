@@ -1,25 +1,23 @@
-"""``linear_weight_layout`` (stage ``post_load_fusion``): store linear weights the way the CPU GEMV
-reads them fastest.
+"""``linear_weight_layout`` (stage ``post_load_fusion``): how CPU linears read their weights.
 
-A decode step is a chain of GEMVs (``x [1, K] @ W.T``, ``W [N, K]``). On this project's CPU
-machines MKL streams a K-major copy ``W.T [K, N]`` much faster than the row-major weight
-``aten.linear`` reads when the output is at least as wide as the input, and slower when it is
-narrower (2-core x86 box, fp32, GB/s row-major -> K-major, SmolLM2 shapes N x K: 960 x 576
-11.3 -> 16.7, 3072 x 576 11.3 -> 20.2, 49152 x 576 11.5 -> 25.1, but 576 x 1536 15.9 -> 12.1).
-So ``layout: auto`` on CPU rewrites each linear with ``N >= K``::
+A decode step is a chain of small-M GEMMs (``x [M, K] @ W.T``, ``W [N, K]``, M = sequences in the
+step). ``aten.linear`` hands MKL that product as is, and MKL streams the row-major weight slowly
+for small M. Two rewrites, chosen by ``layout``:
 
-    matmul(x, W_kn) (+ b)        W_kn = W.t().contiguous()   [K, N], transposed ONCE, here
+* ``wxt`` (what ``auto`` picks on CPU for fp32 weights): ``cpu_linear_wxt(x, W, b)`` computes
+  ``(W @ x.T).T`` on the weights as loaded -- the orientation in which MKL streams a row-major
+  weight fastest at every decode batch size (one row padded to two; ``workbench/ops/mlp/
+  cpu_linear_wxt.py`` has the measurements). Nothing is copied. SmolLM2 decode on this project's
+  2-core machine, ``torch-compile``: 26.2 -> 35.6 tok/s at batch 1, 92 -> 134 at batch 8 against ``kn``.
+* ``kn``: ``matmul(x, W_kn) (+ b)`` with ``W_kn = W.t().contiguous() [K, N]`` transposed once, here,
+  for linears with ``N >= K`` (MKL's GEMV reads a K-major copy faster than the row-major weight when
+  the output is at least as wide as the input: GB/s row-major -> K-major, SmolLM2 shapes N x K:
+  960 x 576 11.3 -> 16.7, 3072 x 576 11.3 -> 20.2, 49152 x 576 11.5 -> 25.1, but 576 x 1536
+  15.9 -> 12.1). The transposed weight is a new parameter beside the original (``<name>_kn``); the
+  original is dropped when nothing else reads it, so memory moves by ``new_bytes - freed_bytes``
+  (a tied LM head keeps its embedding table: one extra copy).
 
-The transposed weight is a new parameter beside the original (``<name>_kn``); the original is
-dropped when nothing else reads it, so memory moves by ``new_bytes - freed_bytes`` (a tied LM
-head keeps its embedding table, so it costs one extra copy: the price of the faster head).
 On CUDA cuBLAS reads either layout at full speed, so ``layout: auto`` leaves the graph alone there.
-
-``layout: wxt`` (the CPU default under ``auto``, fp32 weights) went further: it keeps the weights
-as loaded and computes each linear as ``(W @ x.T).T`` (``workbench.cpu_linear_wxt``), the
-orientation in which MKL streams a row-major weight fastest at every decode batch size -- faster
-than the K-major copies, and without them (SmolLM2 decode, this machine, ``torch-compile``:
-26.2 -> 35.6 tok/s at batch 1, 92 -> 134 at batch 8). See ``workbench/ops/mlp/cpu_linear_wxt.py``.
 """
 
 from __future__ import annotations
