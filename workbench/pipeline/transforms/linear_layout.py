@@ -10,10 +10,10 @@ for small M. Two rewrites, chosen by ``layout``:
   cpu_linear_wxt.py`` has the measurements). Nothing is copied. SmolLM2 decode on this project's
   2-core machine, ``torch-compile``: 26.2 -> 35.6 tok/s at batch 1, 92 -> 134 at batch 8 against ``kn``.
 * ``kn``: ``matmul(x, W_kn) (+ b)`` with ``W_kn = W.t().contiguous() [K, N]`` transposed once, here,
-  for linears with ``N >= K`` (MKL's GEMV reads a K-major copy faster than the row-major weight when
-  the output is at least as wide as the input: GB/s row-major -> K-major, SmolLM2 shapes N x K:
+  for every linear (MKL's GEMV reads a K-major copy faster than the row-major weight when the
+  output is at least as wide as the input: GB/s row-major -> K-major, SmolLM2 shapes N x K:
   960 x 576 11.3 -> 16.7, 3072 x 576 11.3 -> 20.2, 49152 x 576 11.5 -> 25.1, but 576 x 1536
-  15.9 -> 12.1). The transposed weight is a new parameter beside the original (``<name>_kn``); the
+  15.9 -> 12.1; it was the CPU default before ``wxt``). The transposed weight is a new parameter beside the original (``<name>_kn``); the
   original is dropped when nothing else reads it, so memory moves by ``new_bytes - freed_bytes``
   (a tied LM head keeps its embedding table: one extra copy).
 
@@ -38,10 +38,9 @@ aten = torch.ops.aten
 class LinearWeightLayoutConfig(TransformConfig):
     layout: Literal["auto", "nk", "kn", "wxt"] = Field(
         default="auto", description="How linears read their weights: 'nk' (aten.linear on the weight as "
-        "loaded, [out, in]), 'kn' (matmul on a transposed copy [in, out], for linears whose output is at "
-        "least as wide as their input), 'wxt' (the weight as loaded, computed as (W @ x.T).T by "
-        "workbench.cpu_linear_wxt: MKL's fastest orientation for decode batches), 'auto' (wxt on CPU, nk on "
-        "other devices).",
+        "loaded, [out, in]), 'kn' (matmul on a transposed copy [in, out]), 'wxt' (the weight as loaded, "
+        "computed as (W @ x.T).T by workbench.cpu_linear_wxt: MKL's fastest orientation for decode "
+        "batches), 'auto' (wxt on CPU for fp32 weights, nk otherwise).",
     )
     expect_mem_change: bool = Field(
         default=True, description="Transposed copies replace (or, when tied, add to) the weights.",
@@ -84,7 +83,7 @@ class LinearWeightLayout(Transform):
         for node in [n for n in g.nodes if n.op == "call_function" and n.target is LINEAR]:
             w_node = node.args[1]
             w = param_of(gm, w_node)
-            if w is None or w.dim() != 2 or (layout == "auto" and w.shape[0] < w.shape[1]):
+            if w is None or w.dim() != 2:
                 continue
             if w_node.target not in done:
                 done[w_node.target], nbytes = transposed_weight(gm, w_node.target)
