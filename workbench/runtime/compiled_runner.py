@@ -73,9 +73,7 @@ class CompiledRunner(CachedRunner):
         info = self.seq_info
         info._input_ids[0, info.num_tokens: num_tokens].zero_()
         info._position_ids[0, info.num_tokens: num_tokens].zero_()
-        values: Dict[str, Any] = {**info.inputs(), **self.caches, "input_ids": info._input_ids[:, :num_tokens],
-                                  "position_ids": info._position_ids[:, :num_tokens]}
-        return [values[n] for n in self.input_names]
+        return self._inputs(input_ids=info._input_ids[:, :num_tokens], position_ids=info._position_ids[:, :num_tokens])
 
     def scratch_prefill_logits(self, num_tokens: int, fn: Optional[Callable[..., Any]] = None) -> torch.Tensor:
         """Logits [T, V] of a one-sequence prefill of ``num_tokens`` tokens (ids 1..T) on the scratch

@@ -58,9 +58,10 @@ class CachedRunner:
             num_prefill=step.num_prefill, page_size=self.cfg.page_size,
         )
 
-    def _inputs(self) -> List[Any]:
-        """The module's positional inputs for the current step: metadata views, then caches."""
-        values: Dict[str, Any] = {**self.seq_info.inputs(), **self.caches}
+    def _inputs(self, **overrides: Any) -> List[Any]:
+        """The module's positional inputs for the current step: metadata views, then caches
+        (``overrides``: other values for some of them by name)."""
+        values: Dict[str, Any] = {**self.seq_info.inputs(), **self.caches, **overrides}
         return [values[n] for n in self.input_names]
 
     def forward(self, step: Step, sched: Scheduler) -> torch.Tensor:

@@ -161,10 +161,11 @@ class CachedProbe:
         info.set_batch(ids.tolist(), [0] * b, pages, num_prefill=b, page_size=self.page_size)
         values = {**info.inputs(), **allocate_caches(cfg, ids.device)}
         values.update(input_ids=ids, position_ids=pos)  # [b, s]: logits come back as [b, s, V]
+        if LAST_TOKEN_INPUT not in module_input_names(module):
+            return run_cached(module, values)
         # a graph that gathers before the LM head gets every token's index: all b*s rows come back
         values[LAST_TOKEN_INPUT] = torch.arange(b * s, device=ids.device)
-        out = run_cached(module, values)
-        return out.reshape(b, s, -1) if LAST_TOKEN_INPUT in module_input_names(module) else out
+        return run_cached(module, values).reshape(b, s, -1)
 
     def __repr__(self) -> str:
         return f"CachedProbe({len(self.specs)} cache inputs, scratch pages of {self.page_size})"

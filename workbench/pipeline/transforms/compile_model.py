@@ -160,7 +160,7 @@ class CompileModel(Transform):
                 details["piecewise_check_max_abs_diff"] = float((got - runner.scratch_prefill_logits(n, fn=gm))
                                                                 .abs().max())
         check_b = min(cfg.max_batch_size, 2)
-        if c.backend == "torch-compile":
+        if c.backend == "torch-compile" and check_b != 1:
             # compile the single-sequence decode here (a guard of cpu_linear_wxt's one-row path gives it
             # its own graph), not in the user's first generate
             runner.scratch_decode_logits(1)

@@ -160,7 +160,8 @@ def release_weights(gm: fx.GraphModule, targets: Sequence[str]) -> Released:
 # ------------------------------------------------------------------------------ the rewrite
 
 
-def _bias_node(node: fx.Node) -> Any:
+def linear_bias(node: fx.Node) -> Any:
+    """The bias argument of an ``aten.linear`` node (None when it has none)."""
     return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
 
 
@@ -169,7 +170,7 @@ def _fusable_key(gm: fx.GraphModule, node: fx.Node) -> Optional[tuple]:
     w = param_of(gm, node.args[1])
     if w is None or w.dim() != 2:
         return None
-    bias = _bias_node(node)
+    bias = linear_bias(node)
     if bias is not None:
         b = param_of(gm, bias)
         if b is None or b.dim() != 1 or b.dtype != w.dtype:
@@ -239,7 +240,7 @@ def fuse_linear_group(gm: fx.GraphModule, group: Sequence[fx.Node]) -> Dict[str,
     g = gm.graph
     x, first = group[0].args[0], group[0]
     w_nodes = [n.args[1] for n in group]
-    b_nodes = [_bias_node(n) for n in group]
+    b_nodes = [linear_bias(n) for n in group]
     has_bias = b_nodes[0] is not None
     sizes = [int(param_of(gm, w).shape[0]) for w in w_nodes]
     w_target, new_bytes = concat_weights(gm, w_nodes)

@@ -4,7 +4,8 @@ sample a next token.
 A cached graph runs a whole step of flattened tokens, but generation reads one row of logits per
 sequence: the last new token's. Without this transform the LM head runs on every token, which for
 a prefill is most of the step's logits work and memory -- 2,048 tokens x 49,152 vocab x fp32 is
-403 MB for SmolLM2 (4 GB at Llama-3's 128k vocab in bf16 over 8,192 tokens), all thrown away but B rows.
+403 MB for SmolLM2 (2.1 GB at Llama-3's 128,256 vocab in bf16 over 8,192 tokens), all thrown away
+but B rows.
 With it the hidden states are gathered first::
 
     hidden [.., T, H] -> reshape [1, T, H] -> index_select(dim 1, last_token_index [B]) -> lm_head -> [1, B, V]
@@ -25,6 +26,7 @@ import torch.fx as fx
 from ...runtime.sequence_info import LAST_TOKEN_INPUT
 from ..interface import Transform, TransformInfo, register
 from .cache_inputs import find_input, per_sequence_input
+from .fusion_gemm import param_of
 
 aten = torch.ops.aten
 
@@ -37,29 +39,13 @@ def _output_tensor(gm: fx.GraphModule) -> Optional[fx.Node]:
     return first if isinstance(first, fx.Node) else None
 
 
-def _is_weight(node, gm: fx.GraphModule) -> bool:
-    if not (isinstance(node, fx.Node) and node.op == "get_attr"):
-        return False
-    value = _getattr_path(gm, node.target)
-    return isinstance(value, torch.Tensor) and value.dim() == 2
-
-
-def _getattr_path(gm: fx.GraphModule, path: str):
-    obj = gm
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
-
-
 def find_lm_head(gm: fx.GraphModule) -> Optional[fx.Node]:
     """The projection that produces the logits: walk back from the output through row-wise ops
     of one tensor input (casts, scaling, soft-capping) to the first node that multiplies by a 2-D
     weight. None if the output is not produced that way."""
     node = _output_tensor(gm)
     while isinstance(node, fx.Node) and node.op == "call_function":
-        if any(_is_weight(a, gm) for a in node.args[1:]):
+        if any(w is not None and w.dim() == 2 for w in (param_of(gm, a) for a in node.args[1:])):
             return node
         tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
         if len(tensor_args) != 1 or node.kwargs and any(isinstance(v, fx.Node) for v in node.kwargs.values()):

@@ -22,14 +22,14 @@ On CUDA cuBLAS reads either layout at full speed, so ``layout: auto`` leaves the
 
 from __future__ import annotations
 
-from typing import Dict, Literal, Tuple
+from typing import Any, Callable, Dict, Literal, Tuple
 
 import torch
 import torch.fx as fx
 from pydantic import Field
 
 from ..interface import Transform, TransformConfig, TransformInfo, register
-from .fusion_gemm import LINEAR, fake_value, fetch_attr, param_of, release_weights
+from .fusion_gemm import LINEAR, fake_value, fetch_attr, linear_bias, param_of, release_weights
 from .patterns import annotate_new_nodes
 
 aten = torch.ops.aten
@@ -63,7 +63,8 @@ def transposed_weight(gm: fx.GraphModule, target: str) -> Tuple[str, int]:
 
 @register("linear_weight_layout")
 class LinearWeightLayout(Transform):
-    """``linear(x, W, b)`` -> ``matmul(x, W.T contiguous) + b`` on CPU (see the module docstring)."""
+    """``linear(x, W, b)`` -> ``cpu_linear_wxt(x, W, b)`` (``wxt``) or ``matmul(x, W.T contiguous) + b``
+    (``kn``); see the module docstring."""
 
     config_class = LinearWeightLayoutConfig
 
@@ -77,37 +78,48 @@ class LinearWeightLayout(Transform):
             return gm, TransformInfo(num_matches=0, details={"layout": "nk (weights left as loaded)"})
         if layout == "wxt":
             return _to_wxt(gm, fp32_only=auto)
-        g = gm.graph
         done: Dict[str, str] = {}  # original weight target -> transposed target (shared weights once)
-        new_bytes, rewritten = 0, 0
-        for node in [n for n in g.nodes if n.op == "call_function" and n.target is LINEAR]:
-            w_node = node.args[1]
-            w = param_of(gm, w_node)
-            if w is None or w.dim() != 2:
-                continue
-            if w_node.target not in done:
-                done[w_node.target], nbytes = transposed_weight(gm, w_node.target)
+        new_bytes = 0
+
+        def matmul_kn(g: fx.Graph, node: fx.Node, bias: Any) -> fx.Node:
+            nonlocal new_bytes
+            target = node.args[1].target
+            if target not in done:
+                done[target], nbytes = transposed_weight(gm, target)
                 new_bytes += nbytes
-            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            before = set(g.nodes)
-            with g.inserting_before(node):
-                w_kn = g.get_attr(done[w_node.target])
-                w_kn.meta["val"] = fake_value(gm, fetch_attr(gm, done[w_node.target]))
-                out = g.call_function(aten.matmul.default, (node.args[0], w_kn))
-                if bias is not None:
-                    out = g.call_function(aten.add.Tensor, (out, bias))
-            annotate_new_nodes(gm, [n for n in g.nodes if n not in before], [node.name], anchor=node)
-            node.replace_all_uses_with(out)
-            g.erase_node(node)
-            rewritten += 1
+            w_kn = g.get_attr(done[target])
+            w_kn.meta["val"] = fake_value(gm, fetch_attr(gm, done[target]))
+            out = g.call_function(aten.matmul.default, (node.args[0], w_kn))
+            return g.call_function(aten.add.Tensor, (out, bias)) if bias is not None else out
+
+        rewritten = _rewrite_linears(gm, matmul_kn)
         released = release_weights(gm, list(done))
-        if rewritten:
-            g.lint()
-            gm.recompile()
         details = {"layout": layout, "weights": len(done), "new_bytes": new_bytes,
                    "freed_bytes": released.freed_bytes, "kept_originals": released.kept + released.tied}
         return gm, TransformInfo(num_matches=rewritten, is_clean=not rewritten, has_valid_shapes=not rewritten,
                                  details=details)
+
+
+def _rewrite_linears(gm: fx.GraphModule, build: Callable[[fx.Graph, fx.Node, Any], fx.Node],
+                     fp32_only: bool = False) -> int:
+    """Replace every ``aten.linear`` with a 2-D parameter weight by what ``build(graph, node, bias)``
+    inserts before it (``fp32_only``: fp32 weights only); returns how many were replaced."""
+    g, rewritten = gm.graph, 0
+    for node in [n for n in g.nodes if n.op == "call_function" and n.target is LINEAR]:
+        w = param_of(gm, node.args[1])
+        if w is None or w.dim() != 2 or (fp32_only and w.dtype != torch.float32):
+            continue
+        before = set(g.nodes)
+        with g.inserting_before(node):
+            out = build(g, node, linear_bias(node))
+        annotate_new_nodes(gm, [n for n in g.nodes if n not in before], [node.name], anchor=node)
+        node.replace_all_uses_with(out)
+        g.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        g.lint()
+        gm.recompile()
+    return rewritten
 
 
 def _to_wxt(gm: fx.GraphModule, fp32_only: bool) -> Tuple[fx.GraphModule, TransformInfo]:
@@ -115,22 +127,14 @@ def _to_wxt(gm: fx.GraphModule, fp32_only: bool) -> Tuple[fx.GraphModule, Transf
     ``fp32_only`` (``auto``): the speed-up was measured on MKL's fp32 GEMM; other dtypes stay."""
     import workbench.ops.mlp.cpu_linear_wxt  # noqa: F401  (registers the op)
 
-    op, g, rewritten = torch.ops.workbench.cpu_linear_wxt.default, gm.graph, 0
-    for node in [n for n in g.nodes if n.op == "call_function" and n.target is LINEAR]:
-        w = param_of(gm, node.args[1])
-        if w is None or w.dim() != 2 or (fp32_only and w.dtype != torch.float32):
-            continue
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        with g.inserting_before(node):
-            new = g.call_function(op, (node.args[0], node.args[1], bias))
+    op = torch.ops.workbench.cpu_linear_wxt.default
+
+    def wxt(g: fx.Graph, node: fx.Node, bias: Any) -> fx.Node:
+        new = g.call_function(op, (node.args[0], node.args[1], bias))
         new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")})
-        annotate_new_nodes(gm, [new], [node.name], anchor=node)
-        node.replace_all_uses_with(new)
-        g.erase_node(node)
-        rewritten += 1
-    if rewritten:
-        g.lint()
-        gm.recompile()
+        return new
+
+    rewritten = _rewrite_linears(gm, wxt, fp32_only)
     return gm, TransformInfo(num_matches=rewritten, is_clean=not rewritten,
                              details={"layout": "wxt", "new_bytes": 0, "freed_bytes": 0})
 
