@@ -3,14 +3,14 @@
 ``aten.linear`` on a CPU hands MKL ``x [M, K] @ W.T`` with ``W [N, K]`` row-major. For the small
 M of decode steps MKL's sgemm streams ``W`` much faster when asked for the transposed product
 ``W @ x.T -> [N, M]`` (a tall-skinny GEMM that reads each weight row once), except at M = 1, where
-it drops into a slow GEMV path; so a single row is padded to two. Measured on the project's 2-core
-x86 machine, fp32, cold weights (all of SmolLM2's linear shapes cycled over 30 layers + the
-49,152 x 576 LM head, ms per pass; ``bench``-style best of 5)::
+it drops into a slow GEMV path; so a single row is padded to two. ``bench/linear_orientation.py``
+(the project's 2-core x86 machine, fp32, cold weights: all of SmolLM2's linear shapes over 30
+layers + the 49,152 x 576 LM head, ms per pass, best of 5, this op including its copy-back)::
 
     M          aten.linear (W [N,K])   x @ W_kn (K-major copy)   this op (W as loaded)
-    1          44.4                    30.5                      24.0
-    8          59.2                    67.2                      40.9
-    32         92.9                   101.3                      75.8
+    1          45.1                    30.1                      18.1
+    8          55.5                    64.6                      43.1
+    32         89.4                    97.4                      87.5
 
 so it also needs no transposed weight copy (``linear_weight_layout: kn`` costs one for a tied LM
 head). The ``[N, M]`` product is copied back to a contiguous ``[..., N]`` (cheap next to the GEMM,
