@@ -15,12 +15,11 @@ def export_and_compare(loaded, shapes=((2, 16), SECOND_SHAPE)):
     wb = Workbench(loaded, numerics=False)
     snap = wb.step()
     assert snap.key == "export_to_gm"
-    gm = wb.module
     eager = CausalLMLogits(loaded.model)
     for b, s in shapes:
         batch = make_batch(loaded.config.vocab_size, b, s, seed=b * 100 + s)
-        with torch.no_grad():
-            ref, out = eager(*batch.args), gm(*batch.args)
+        with torch.no_grad():  # the graph is meta-traced: forward() binds the weights by name
+            ref, out = eager(*batch.args), wb.forward(*batch.args)
         assert out.shape == (b, s, loaded.config.vocab_size)
         assert (out - ref).abs().max().item() <= 1e-5
     return wb, snap
@@ -42,6 +41,9 @@ def test_export_smollm2_matches_eager(smollm2):
     hist = snap.op_histogram
     assert hist["aten.scaled_dot_product_attention.default"] == 30
     assert hist["aten.linear.default"] == 211
+    assert snap.info.details["trace_device"] == "meta"
+    on_cpu = Workbench(smollm2, numerics=False, overrides=["export_to_gm.trace_device=model"]).step()
+    assert on_cpu.op_histogram == hist and snap.info.details["normalized"]["contiguous_before_reshape"] == 30
     # The post-export cleanups keep the logits bit-identical.
     wb.numerics_enabled = True
     wb.run_to("cleanup_input_constraints")
@@ -57,7 +59,7 @@ def test_packed_sequence_patch_removes_position_dependent_mask(tiny_llama):
     assert "aten.cumsum.default" in h_off and "aten.cumsum.default" not in h_on
     assert on.snapshots[0].num_nodes < off.snapshots[0].num_nodes
     batch = make_batch(512, 2, 6, seed=3)
-    torch.testing.assert_close(on.module(*batch.args), off.module(*batch.args), rtol=0, atol=1e-5)
+    torch.testing.assert_close(on.forward(*batch.args), off.forward(*batch.args), rtol=0, atol=1e-5)
 
 
 def test_export_patches_are_listed_and_switchable():
@@ -74,5 +76,45 @@ def test_exported_graph_has_dynamic_dims(tiny_llama):
         batch = make_batch(512, b, s, seed=s)
         with torch.no_grad():
             torch.testing.assert_close(
-                wb.module(*batch.args), CausalLMLogits(tiny_llama.model)(*batch.args), rtol=0, atol=1e-5
+                wb.forward(*batch.args), CausalLMLogits(tiny_llama.model)(*batch.args), rtol=0, atol=1e-5
             )
+
+
+# ------------------------------------------------------------------------------ device-neutral trace
+
+
+@pytest.mark.parametrize("arch", list_tiny_archs())
+def test_meta_trace_has_the_same_ops_as_the_trace_on_the_weights_device(arch):
+    """export_to_gm traces a weightless meta twin by default; the graph must not depend on that:
+    the same op histogram as tracing the model where its weights are (CPU here)."""
+    loaded = load_model(f"tiny:{arch}")
+    on_meta = Workbench(loaded, numerics=False)
+    snap = on_meta.step()
+    on_cpu = Workbench(loaded, numerics=False, overrides=["export_to_gm.trace_device=model"])
+    ref = on_cpu.step()
+    assert snap.info.details["trace_device"] == "meta" and ref.info.details["trace_device"] == "cpu"
+    assert snap.op_histogram == ref.op_histogram
+    # the meta graph holds no weights (0 bytes) and its factories name device=meta until loaded
+    assert all(t.is_meta for t in on_meta.module.parameters())
+    assert snap.mem_after.param_bytes == 0 and ref.mem_after.param_bytes > 0
+
+
+def test_exported_graph_runs_at_every_batch_and_sequence_size(tiny_llama):
+    """Export reports ranges from 2 (its 0/1 specialisation); the graph must still take batch 1,
+    sequence 1 and odd sizes up to 512, before load_weights (weights bound on the fly) and after."""
+    wb = Workbench(tiny_llama, numerics=False, max_batch_size=8, max_seq_len=512)
+    snap = wb.step()
+    assert set(snap.info.details["export_ranges"]) == {"batch", "seq"}
+    eager = CausalLMLogits(tiny_llama.model)
+    wb.run_to("load_weights")
+    seqs = (1, 2, 3, 7, 16, 33, 128, 255, 511, 512)
+    for b in range(1, 9):
+        for s in seqs if b in (1, 2, 5, 8) else (1, 17, 512):
+            batch = make_batch(512, b, s, seed=b * 1000 + s)
+            with torch.no_grad():
+                ref = eager(*batch.args)
+            torch.testing.assert_close(wb.forward(*batch.args), ref, rtol=0, atol=1e-5)
+    # the graph before load_weights (meta tensors) runs too, with the weights bound by name
+    batch = make_batch(512, 1, 1, seed=5)
+    pre = wb.forward(*batch.args, at="export_to_gm")
+    torch.testing.assert_close(pre, eager(*batch.args), rtol=0, atol=1e-5)

@@ -103,7 +103,9 @@ def test_step_run_to_and_snapshot_contents(wb):
     assert snap.num_nodes == len(snap.module.graph.nodes)
     assert snap.op_histogram["aten.linear.default"] == 2 * 7 + 1  # q,k,v,o,gate,up,down + lm_head
     assert snap.times.apply > 0 and snap.times.total >= snap.times.apply
-    assert snap.mem_before.param_bytes == snap.mem_after.param_bytes > 0
+    # traced on meta: the graph holds no bytes until load_weights binds the model's tensors
+    assert snap.mem_before.param_bytes == snap.mem_after.param_bytes == 0
+    assert snap.info.details["trace_device"] == "meta"
     assert snap.mem_after.rss_bytes > 0 and snap.mem_warning is None
     assert snap.numerics.max_abs == 0.0 and snap.numerics.top1_agreement == 1.0
     assert all(n.meta["wb_created_by"] == "export_to_gm" for n in snap.module.graph.nodes)
@@ -114,6 +116,11 @@ def test_step_run_to_and_snapshot_contents(wb):
     assert wb.done and len(wb.snapshots) == len(wb.entries)
     table = wb.table()
     assert list(table["transform"]) == wb.keys
+    load = wb.snapshot("load_weights")
+    model_bytes = wb.loaded.parameter_bytes
+    assert load.stage == Stages.WEIGHT_LOAD and load.mem_delta == model_bytes and load.mem_warning is None
+    assert load.info.details["bytes"] == model_bytes and load.info.details["bytes_copied"] == 0  # CPU: shared
+    assert load.info.details["device"] == "cpu" and load.info.details["device_args_retargeted"] > 0
     with pytest.raises(StopIteration):
         wb.step()
 
@@ -123,9 +130,13 @@ def test_snapshot_graph_shares_parameter_storage(wb, tiny_llama):
     # The embedding table is read by the embedding lookup in every snapshot (the fusion transforms
     # replace the linears' weights with fused / transposed copies).
     o = tiny_llama.model.lm_head.weight  # tied: export keeps one name for both
+    loaded_from = wb.index("load_weights")
     for snap in wb.snapshots:
         p = snap.module.get_parameter("model.lm_head.weight")
-        assert p.data_ptr() == o.data_ptr()
+        if snap.index < loaded_from:
+            assert p.is_meta  # traced on meta: no storage before load_weights
+        else:
+            assert p.data_ptr() == o.data_ptr()
     # Snapshots are independent graphs: the live graph is not any snapshot's graph object.
     assert all(s.module.graph is not wb.module.graph for s in wb.snapshots)
 
@@ -321,3 +332,18 @@ def test_snapshot_copies_keep_buffers_registered(wb):
         bufs = {n: b.data_ptr() for n, b in copy.named_buffers()}
         # the graph's buffers (unused ones like original_inv_freq are not carried), same storage
         assert "model.model.rotary_emb.inv_freq" in bufs and bufs.items() <= live.items()
+
+
+def test_memory_warning_rules_on_a_gpu_are_checkable_on_cpu():
+    """The CUDA branch of the memory check, fed hand-made stats: tracked bytes must not move,
+    untracked allocator growth above 1 MiB is flagged, untracked shrinkage (freed temporaries) not."""
+    from workbench.pipeline.memory import MemoryStats, unexpected_change
+
+    def stats(params=0, cache=0, cuda=0):
+        return MemoryStats(params, 0, cache, rss_bytes=0, cuda_allocated=cuda, cuda_reserved=cuda, cuda_free=0)
+
+    assert unexpected_change(stats(cuda=100 << 20), stats(cuda=(100 << 20) - (8 << 20))) is None
+    assert unexpected_change(stats(cuda=0), stats(cuda=512 << 10)) is None  # allocator noise
+    grew = unexpected_change(stats(cuda=0), stats(cuda=64 << 20))
+    assert grew is not None and "+64.0 MiB" in grew and "outside parameters" in grew
+    assert "parameter+buffer+cache" in unexpected_change(stats(params=0, cuda=0), stats(params=4096, cuda=4096))

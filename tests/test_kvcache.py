@@ -123,15 +123,31 @@ def test_bnsd_layout_gets_transposes(tiny_llama):
 def test_backend_choice_errors():
     with pytest.raises(ConfigError, match="unknown attention backend"):
         Workbench("tiny:llama", overrides={"insert_cached_attention.backend": "cudnn"})
-    from workbench.ops.attention.flashinfer_cached_attention import is_available
-
-    if is_available()[0]:
-        pytest.skip("flashinfer is available here")
+    # The pipeline device is CPU: flashinfer is refused whether or not it is installed and a GPU
+    # is visible, so this holds on every machine.
     bench = Workbench("tiny:llama", numerics=False, overrides={"insert_cached_attention.backend": "flashinfer"})
     with pytest.raises(TransformError, match="flashinfer") as e:
         bench.run()
     assert "pip install flashinfer-python" in str(e.value) or "CUDA" in str(e.value)
     assert bench.status("insert_cached_attention") == "failed"
+
+
+def test_flashinfer_refuses_shapes_it_has_no_kernels_for():
+    from workbench.pipeline.transforms.cached_attention import BACKENDS, _check_shapes
+
+    fi = BACKENDS["flashinfer"]
+    assert "head_dim 16" in fi.unsupported(16, 16, torch.bfloat16, False)
+    assert "float32" in fi.unsupported(64, 64, torch.float32, False)
+    assert "sinks" in fi.unsupported(128, 128, torch.float16, True)
+    assert fi.unsupported(64, 64, torch.bfloat16, False) is None
+    assert BACKENDS["triton"].unsupported(16, 16, torch.float32, False) is None  # pads any head dim
+    # On a graph: tiny:llama (head_dim 16) is refused for every layer, naming what to use instead.
+    bench = Workbench("tiny:llama", numerics=False)
+    bench.run_to("linear_weight_layout")
+    gm = bench.snapshot("linear_weight_layout").module
+    nodes = [n for n in gm.graph.nodes if n.target is torch.ops.workbench.torch_attention.default]
+    with pytest.raises(ValueError, match=r"does not support this model: head_dim 16 .*layers \[0, 1\].*'torch' or 'triton'"):
+        _check_shapes(fi, nodes)
 
 
 def test_uncacheable_attention_is_refused():

@@ -47,5 +47,5 @@ def test_smollm2_other_shape_matches_eager(smollm2_stage):
     batch = make_batch(smollm2.ctx.vocab_size, 1, 23, seed=3)
     with torch.no_grad():
         ref = smollm2.loaded.model(input_ids=batch.args[0], position_ids=batch.args[1]).logits
-        out = smollm2.module(*batch.args)
+        out = smollm2.forward(*batch.args)
     assert ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()) <= 1e-5

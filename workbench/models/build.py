@@ -34,6 +34,8 @@ for tiny configs, and still no tensor is allocated twice in the same dtype).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -110,6 +112,30 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modu
     return model
 
 
+@torch.no_grad()
+def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers live on ``meta``: same classes, names,
+    config and ties, no storage.
+
+    This is what ``export_to_gm`` traces, so the graph never depends on where the weights are
+    (nor costs a copy of them): ``copy.deepcopy`` with a memo that maps every parameter and buffer
+    to its meta counterpart copies the module tree and its Python state but no tensor data. Two
+    names that held one tensor (tied embeddings) get one meta tensor, so the tie survives. Tensors
+    held as plain attributes (not registered) are small by nature and deep-copied as they are.
+    """
+    memo: dict = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for t in table.values():
+                if t is None or id(t) in memo:
+                    continue
+                twin = t.detach().to("meta")
+                if isinstance(t, torch.nn.Parameter):
+                    twin = torch.nn.Parameter(twin, requires_grad=False)
+                memo[id(t)] = twin
+    return copy.deepcopy(model, memo)
+
+
 def build_random_model(config, dtype: torch.dtype, device: torch.device | str, seed: int) -> torch.nn.Module:
     """Meta-build ``config``, materialise on ``device`` with ``seed``, cast to ``dtype``."""
     device = torch.device(device)
@@ -119,4 +145,4 @@ def build_random_model(config, dtype: torch.dtype, device: torch.device | str, s
     return model
 
 
-__all__ = ["build_on_meta", "to_empty_keep_ties", "materialise", "cast_parameters", "build_random_model"]
+__all__ = ["build_on_meta", "meta_twin", "to_empty_keep_ties", "materialise", "cast_parameters", "build_random_model"]

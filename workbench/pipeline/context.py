@@ -8,7 +8,7 @@ each snapshot and restores it on rewind.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 
@@ -24,6 +24,9 @@ class PipelineContext:
     shared: Dict[str, Any] = field(default_factory=dict)
     # Cache tensors (KV pages, SSM state...) by name; their bytes are reported in snapshots.
     resources: Dict[str, torch.Tensor] = field(default_factory=dict)
+    # The eager model's tensors by graph attribute name (pipeline.weights.WeightSource): what
+    # load_weights binds the meta-traced graph to.
+    weights: Optional[Mapping[str, torch.Tensor]] = None
 
     @property
     def config(self) -> Any:

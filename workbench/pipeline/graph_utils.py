@@ -7,11 +7,13 @@ graph's own fake mode, cheap graph copies that share parameter storage, and op h
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -46,6 +48,20 @@ def placeholder_values(gm: fx.GraphModule) -> List[Any]:
     return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
 
 
+@contextlib.contextmanager
+def symbolic_fake_mode(mode) -> Iterator[None]:
+    """Enter a graph's fake mode so that ops on its symbolic-shaped values work on every torch.
+
+    The Python dispatcher routes composite ops (``aten.linear`` -> matmul ...) through their
+    SymInt-aware decompositions, as export itself does. Without it torch 2.11 runs the C++
+    composites, which call ``numel()`` on symbolic sizes ("Cannot call numel() on tensor with
+    symbolic sizes/strides"); torch 2.13 takes the symbolic path either way. Every place that
+    evaluates graph ops on fake values goes through here.
+    """
+    with mode, enable_python_dispatcher():
+        yield
+
+
 def run_shape_prop(gm: fx.GraphModule) -> None:
     """Re-derive ``node.meta['val']`` for every node with the graph's own fake mode.
 
@@ -61,7 +77,7 @@ def run_shape_prop(gm: fx.GraphModule) -> None:
     fake_mode = detect_fake_mode(inputs)
     if fake_mode is None:
         raise RuntimeError("no fake mode found on the graph inputs; cannot propagate shapes")
-    with fake_mode:
+    with symbolic_fake_mode(fake_mode):
         fake_mode.allow_non_fake_inputs = True
         FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
 

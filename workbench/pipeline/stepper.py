@@ -20,9 +20,10 @@ from .config import ConfigError, PipelineEntry, resolve_pipeline
 from .graph_copy import GraphCopy
 from .graph_utils import graph_modules, num_nodes, op_histogram
 from .interface import TRANSFORMS, GraphState, Stages, TransformError, TransformRegistry
-from .memory import measure, unexpected_change
+from .memory import EXPECTED_MEM_CHANGE, measure, unexpected_change
 from .numerics import Numerics, compare_logits, exceeds
 from .snapshot import PROVENANCE_KEY, Snapshot
+from .weights import WeightSource, run_unloaded, unloaded_targets
 
 logger = logging.getLogger("workbench.pipeline")
 
@@ -76,6 +77,8 @@ class PipelineStepper:
         self.probe: ProbeBatch = make_batch(self.ctx.vocab_size, *probe_shape, seed=1234, device=device)
         self.on_snapshot: List[SnapshotHook] = list(on_snapshot)
         self._eager = CausalLMLogits(loaded.model).eval()
+        # What load_weights binds the meta-traced graph to: the eager model's own tensors by name.
+        self.ctx.weights = WeightSource(self._eager)
         self._reference: Optional[torch.Tensor] = None
         self.snapshots: List[Snapshot] = []
         self.last_error: Optional[TransformError] = None
@@ -126,9 +129,27 @@ class PipelineStepper:
 
     def reference_logits(self) -> torch.Tensor:
         if self._reference is None:
+            where = _device_of(self._eager)
             with torch.no_grad():
-                self._reference = self._eager(*self.probe.args)
+                ref = self._eager(*(a.to(where) for a in self.probe.args))
+            self._reference = ref.to(self.ctx.device)
         return self._reference
+
+    def forward(self, *args: Any, at: Optional[str] = None) -> Any:
+        """Run the live graph (or the snapshot ``at``) on ``args``: ``(input_ids, position_ids)``
+        before the cache stage.
+
+        Graphs from before ``load_weights`` hold meta tensors; they run here with the eager model's
+        weights bound by name (``pipeline.weights.run_unloaded``), without changing the graph.
+        """
+        mod = self.snapshot(at).module if at is not None else self._live
+        return self._call(mod, args)
+
+    def _call(self, mod: torch.nn.Module, args: Sequence[Any]) -> Any:
+        with torch.no_grad():
+            if unloaded_targets(mod):
+                return run_unloaded(mod, self.ctx.weights, args, self.ctx.device)
+            return mod(*args)
 
     # ------------------------------------------------------------------ editing
     def enable(self, key: str, enabled: bool = True) -> None:
@@ -201,7 +222,10 @@ class PipelineStepper:
         entry = self.entries[i]
         transform = self.registry.get(entry.key)(entry.config)
         prev_names = self.snapshots[-1].node_names if self.snapshots else frozenset()
-        mem_before = measure(self._live, self.ctx.cache_bytes(), self.ctx.device)
+        # Before the first transform there is no graph yet: it starts from zero bytes (the eager
+        # model's tensors are the reference's, not the pipeline's).
+        live = self._live if self._live is not self._eager else torch.nn.Module()
+        mem_before = measure(live, self.ctx.cache_bytes(), self.ctx.device)
         state = GraphState(self._state.is_clean, self._state.has_valid_shapes)
         try:
             mod, info, times = transform(self._live, self.ctx, state)
@@ -233,7 +257,8 @@ class PipelineStepper:
         removed = sorted(prev_names - names) if prev_names else []
         mem_after = measure(mod, self.ctx.cache_bytes(), self.ctx.device)
         warning = None
-        if not entry.config.expect_mem_change and not info.skipped:
+        declared = entry.config.expect_mem_change or info.details.get(EXPECTED_MEM_CHANGE)
+        if not declared and not info.skipped:
             warning = unexpected_change(mem_before, mem_after)
             if warning:
                 logger.warning("[stage=%s, transform=%s] unexpected memory change: %s",
@@ -258,7 +283,7 @@ class PipelineStepper:
         runner = self.ctx.shared.get("probe_fn")
         try:
             with torch.no_grad():
-                out = runner(mod, self.probe) if runner else mod(*self.probe.args)
+                out = runner(mod, self.probe) if runner else self._call(mod, self.probe.args)
         except Exception as e:  # noqa: BLE001 - the probe is diagnostic, never fatal
             return Numerics(error=f"probe could not run: {type(e).__name__}: {e}"[:300])
         if not isinstance(out, torch.Tensor):
@@ -306,6 +331,12 @@ class PipelineStepper:
 
     def total_time(self) -> float:
         return sum(s.times.total for s in self.snapshots)
+
+
+def _device_of(mod: torch.nn.Module) -> torch.device:
+    for t in [*mod.parameters(), *mod.buffers()]:
+        return t.device
+    return torch.device("cpu")
 
 
 __all__ = ["PipelineStepper", "Stages", "TransformError", "ConfigError"]

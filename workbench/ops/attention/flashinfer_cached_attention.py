@@ -3,8 +3,9 @@
 Same signature and semantics as ``torch_cached_attention`` (see that module for shapes). GPU only
 and an optional extra (``pip install flashinfer-python``): the op is always registered, so graphs
 that use it stay loadable and printable everywhere; ``is_available()`` says whether it can run
-here and, if not, what is missing. ``insert_cached_attention(backend="flashinfer")`` refuses to
-pick it when it cannot run.
+here and, if not, what is missing; ``unsupported()`` which layer shapes it cannot take (head dims
+other than 64/128/256, fp32, sinks). ``insert_cached_attention(backend="flashinfer")`` asks both
+before it rewrites anything.
 
 Mapping to FlashInfer (NHD layout, separate K and V page pools, exactly our cache layout):
 
@@ -20,22 +21,20 @@ layers of a step is the obvious optimisation once this backend is measured on a 
 
 from __future__ import annotations
 
-import importlib.util
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
+
+from ..flashinfer_support import flashinfer_attention_unsupported
+from ..flashinfer_support import flashinfer_available as is_available  # noqa: F401  (public per-op name)
 
 _WORKSPACE_BYTES = 128 * 2**20
 
 
-def is_available() -> Tuple[bool, str]:
-    """(True, "") when FlashInfer can run here, else (False, what is missing)."""
-    missing = []
-    if importlib.util.find_spec("flashinfer") is None:
-        missing.append("the flashinfer package is not installed (pip install flashinfer-python)")
-    if not torch.cuda.is_available():
-        missing.append("no CUDA GPU is visible (FlashInfer kernels are GPU-only)")
-    return (not missing), "; ".join(missing)
+def unsupported(head_dim: int, v_head_dim: int, dtype: torch.dtype, has_sinks: bool = False) -> Optional[str]:
+    """Why this backend cannot serve a layer of this shape (None: it can); asked by
+    ``insert_cached_attention`` for every layer before it rewrites anything."""
+    return flashinfer_attention_unsupported(head_dim, v_head_dim, dtype, has_sinks)
 
 
 class _Workspaces:
@@ -87,7 +86,7 @@ def flashinfer_cached_attention(
     logit_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    ok, why = is_available()
+    ok, why = is_available(q.device)
     if not ok:
         raise RuntimeError(f"flashinfer_cached_attention cannot run: {why}")
     if sinks is not None:

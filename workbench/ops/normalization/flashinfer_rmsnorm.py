@@ -14,23 +14,9 @@ the input dtype first and then rounds the product again (<= 1 ulp apart). In fp3
 
 from __future__ import annotations
 
-import importlib.util
-from typing import Tuple
-
 import torch
 
-
-def is_available(device: torch.device | str | None = None) -> Tuple[bool, str]:
-    """(True, reason) when FlashInfer can run here (on ``device`` if given), else (False, what is
-    missing)."""
-    missing = []
-    if importlib.util.find_spec("flashinfer") is None:
-        missing.append("the flashinfer package is not installed (pip install flashinfer-python)")
-    if not torch.cuda.is_available():
-        missing.append("no CUDA GPU is visible (FlashInfer kernels are GPU-only)")
-    elif device is not None and torch.device(device).type != "cuda":
-        missing.append(f"tensors are on {torch.device(device).type}, FlashInfer needs CUDA tensors")
-    return (not missing), ("; ".join(missing) or "flashinfer on CUDA")
+from ..flashinfer_support import flashinfer_available as is_available  # noqa: F401  (public per-op name)
 
 
 @torch.library.custom_op("workbench::flashinfer_rmsnorm", mutates_args=())

@@ -184,6 +184,10 @@ def _int_literals(nodes: List[fx.Node]) -> List[int]:
     return sorted(found)
 
 
+def _on_cpu(a: Any) -> Any:
+    return torch.device("cpu") if isinstance(a, torch.device) else a
+
+
 def classify_mask(mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
     """Decide whether ``mask`` ([b|1, h|1, s, s]) only encodes causality, by probing it.
 
@@ -213,8 +217,12 @@ def classify_mask(mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
             if any(a.op == "placeholder" for a in n.all_input_nodes):
                 return None  # depends on input values, not only on sizes
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+            # Evaluated on CPU whatever device the graph names (meta when traced device-neutral,
+            # cuda when traced there): the mask depends on sizes only, and its verdict must not
+            # depend on where the graph will run.
+            args, kwargs = fx.node.map_aggregate((args, kwargs), _on_cpu)
             if n.target is aten.arange.default and len(args) == 1 and args[0] == n_pos:
-                env[n] = positions.to(kwargs.get("device") or "cpu")
+                env[n] = positions
                 continue
             env[n] = n.target(*args, **kwargs)
     except Exception:  # noqa: BLE001 - a mask we cannot evaluate is a mask we keep

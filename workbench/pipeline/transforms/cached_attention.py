@@ -60,16 +60,19 @@ class AttentionBackend:
             raise
         is_available = getattr(mod, "is_available", None)
         if is_available is not None:
-            try:
-                ok, why = is_available(device)
-            except TypeError:  # is_available() without a device argument
-                ok, why = is_available()
+            ok, why = is_available(device)
             if not ok:
                 raise RuntimeError(
                     f"attention backend '{self.name}' cannot run on {device}: {why}. It needs {self.requirement}; "
                     "pick backend 'torch' (insert_cached_attention.backend=torch) to run anywhere."
                 )
         return getattr(torch.ops.workbench, self.op_name).default
+
+    def unsupported(self, head_dim: int, v_head_dim: int, dtype: torch.dtype, has_sinks: bool) -> Optional[str]:
+        """Why this backend cannot take a layer of this shape (None: it can), from the op module's
+        ``unsupported`` hook; backends without one take every shape."""
+        check = getattr(importlib.import_module(self.module), "unsupported", None)
+        return check(head_dim, v_head_dim, dtype, has_sinks) if check is not None else None
 
 
 BACKENDS: Dict[str, AttentionBackend] = {
@@ -183,6 +186,24 @@ def rewrite_attention(
     return k_spec, v_spec
 
 
+def _check_shapes(backend: AttentionBackend, nodes: List[fx.Node]) -> None:
+    """Refuse, naming the layers and what to pick instead, shapes the backend cannot serve."""
+    refused: Dict[str, List[int]] = {}
+    for layer, node in enumerate(nodes):
+        args = dict(named_args(node))
+        qv, vv = _val(args["query"]), _val(args["value"])
+        why = backend.unsupported(int(qv.shape[-1]), int(vv.shape[-1]), qv.dtype, args["sinks"] is not None)
+        if why:
+            refused.setdefault(why, []).append(layer)
+    if refused:
+        what = "; ".join(f"{why} (layers {layers[:4]}{'...' if len(layers) > 4 else ''})" for why, layers in refused.items())
+        others = [n for n in BACKENDS if n != backend.name]
+        raise ValueError(
+            f"attention backend '{backend.name}' does not support this model: {what}. Use backend "
+            f"{' or '.join(repr(n) for n in others)} (insert_cached_attention.backend=...)."
+        )
+
+
 @register("insert_cached_attention")
 class InsertCachedAttention(Transform):
     """Rewrite every canonical attention op into the backend's paged cached attention op."""
@@ -203,6 +224,7 @@ class InsertCachedAttention(Transform):
             )
         device = ctx.device if ctx is not None else torch.device("cpu")
         backend, op = resolve_backend(self.config.backend, device)
+        _check_shapes(BACKENDS[backend], nodes)  # all layers, before the graph changes
         meta = metadata_inputs(gm, device)
         specs: List[CacheSpec] = []
         for layer, node in enumerate(nodes):

@@ -35,6 +35,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from ..interface import Transform, TransformConfig, TransformInfo, register
+from ..memory import EXPECTED_MEM_CHANGE
 
 logger = logging.getLogger("workbench.pipeline")
 
@@ -154,6 +155,9 @@ class CompileModel(Transform):
             pieces = _piecewise(c, inlined_gm, cfg, details) if c.piecewise_enabled else None
             runner = CudaGraphRunner(gm, ctx.resources, cfg, ctx.device, sizes, fn, piecewise=pieces)
             details["cuda_graph_batch_sizes"] = sizes
+            # Captured graphs keep their own allocator pool (activations of every captured size):
+            # memory the stepper must not flag as a surprise.
+            details[EXPECTED_MEM_CHANGE] = "CUDA-graph memory pool of the captured graphs"
             if pieces is not None:
                 n = max(1, min(cfg.page_size, pieces.buckets[0] - 1))  # < the bucket: padding is checked
                 got = runner.scratch_prefill_logits(n)

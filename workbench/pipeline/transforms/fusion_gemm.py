@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from ..graph_utils import symbolic_fake_mode
 from ..interface import Transform, TransformInfo, register
 from .patterns import annotate_new_nodes
 
@@ -200,7 +201,7 @@ def _viewable(node: fx.Node) -> bool:
         if mode is None:
             src.view(shape)
         else:
-            with mode:
+            with symbolic_fake_mode(mode):
                 src.view(shape)
         return True
     except Exception:  # noqa: BLE001 - any failure means "not provably a view"

@@ -20,7 +20,7 @@ new MoE op, and ``match_moe_routing_pattern`` can fuse the common router separat
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -29,6 +29,7 @@ from pydantic import Field
 
 from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ..interface import Transform, TransformConfig, register
+from ..weights import record_weight_view
 from .patterns import (
     Match, Pattern, PatternMatcher, annotate_new_nodes, fake, match_info, named_args, same_shape,
 )
@@ -76,6 +77,35 @@ def _moe_grouped_mm(x, selected, weights, w1_w3, w2, *, k):
     return y[inv].view(x.shape[0], k, x.shape[-1]).sum(dim=1).to(x.dtype)
 
 
+def _moe_grouped_mm_sentinel(x, selected, weights, w1_w3, w2, *, k):
+    # The same forward as transformers 5.17 writes it: an expert-parallel "sentinel" mask (expert
+    # ids >= E) is built and applied whether or not experts are sharded -- zeroed input rows, and
+    # zeroed rows after each grouped GEMM. With E experts no id reaches E, so it masks nothing.
+    mm = _grouped_mm_op()
+    flat_w, flat_e = weights.reshape(-1), selected.reshape(-1)
+    expert_sorted, perm = torch.sort(flat_e)
+    xs, ws = x[perm // k], flat_w[perm]
+    counts = torch.histc(expert_sorted.float(), bins=_E, min=0, max=_E - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    sentinel = (expert_sorted >= _E).unsqueeze(-1)
+    # In place and read by nothing without biases; export keeps it (a mutation), so it is a second
+    # output of the pattern: otherwise it would be an outside user of the sorted ids.
+    clamped = expert_sorted.clamp_(max=_E - 1)
+    xs.masked_fill_(sentinel, 0.0)
+    h = mm(xs.to(w1_w3.dtype), w1_w3.transpose(-2, -1), offsets).masked_fill(sentinel, 0.0)
+    gate, up = h.chunk(2, dim=-1)
+    y = mm((F.silu(gate) * up).to(w2.dtype), w2.transpose(-2, -1), offsets).masked_fill(sentinel, 0.0)
+    y = y * ws.unsqueeze(-1)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.size(0))
+    return y[inv].view(x.shape[0], k, x.shape[-1]).sum(dim=1).to(x.dtype), clamped
+
+
+def _moe_fused_replacement_2(x, selected, weights, w1_w3, w2, *, k):
+    # the second output (the dead in-place clamp) has no users: any value will do
+    return wb.torch_moe_fused.default(x, selected, weights, w1_w3, w2), selected
+
+
 def _moe_batched_mm(x, selected, weights, w1_w3, w2, *, k):
     # transformers' batched_mm experts forward: gather every (token, slot)'s expert weights.
     xs = x.repeat_interleave(k, dim=0)
@@ -106,6 +136,9 @@ def _moe_check(m: Match) -> Optional[Dict[str, Any]]:
     for h in m.matched(aten.histc.default):
         if tuple(h.args[1:4]) != (n_exp, 0, n_exp - 1):
             return None
+    for ge in m.matched(aten.ge.Scalar):  # the sentinel test: ids >= E
+        if ge.args[1] != n_exp:
+            return None
     for v in m.matched(aten.view.default):
         out = fake(v)
         if out is None or out.dim() != 3 or out.shape[1] != m.literals["k"]:
@@ -116,7 +149,8 @@ def _moe_check(m: Match) -> Optional[Dict[str, Any]]:
 _IGNORE_SHAPES = (
     (aten.view.default, "size"), (aten.histc.default, "bins"), (aten.histc.default, "min"),
     (aten.histc.default, "max"), (aten.arange.default, "end"), (aten.arange.default, "device"),
-    (aten.arange.default, "pin_memory"), (aten.to.dtype, "dtype"),
+    (aten.arange.default, "pin_memory"), (aten.to.dtype, "dtype"), (aten.ge.Scalar, "other"),
+    (aten.clamp_.default, "max"),
 )
 
 
@@ -124,11 +158,15 @@ def moe_patterns() -> List[Pattern]:
     """The stacked-experts MoE patterns usable with the installed transformers."""
     patterns = []
     if _grouped_mm_op() is not None:
-        patterns.append(Pattern(
-            "moe_grouped_mm", _moe_grouped_mm, _moe_fused_replacement, _moe_examples,
-            literals={"k": _K}, ignore=_IGNORE_SHAPES, check=_moe_check,
-            inputs=("x", "selected", "weights", "w1_w3", "w2"),
-        ))
+        for name, search, replace in (
+            ("moe_grouped_mm", _moe_grouped_mm, _moe_fused_replacement),
+            ("moe_grouped_mm_sentinel", _moe_grouped_mm_sentinel, _moe_fused_replacement_2),
+        ):
+            patterns.append(Pattern(
+                name, search, replace, _moe_examples,
+                literals={"k": _K}, ignore=_IGNORE_SHAPES, check=_moe_check,
+                inputs=("x", "selected", "weights", "w1_w3", "w2"),
+            ))
     patterns.append(Pattern(
         "moe_batched_mm", _moe_batched_mm, _moe_fused_replacement, _moe_examples,
         literals={"k": _K}, ignore=_IGNORE_SHAPES, check=_moe_check,
@@ -256,16 +294,21 @@ def _get_param(gm: fx.GraphModule, node: Any) -> Optional[torch.Tensor]:
     return None
 
 
-def _expert_views(gm, node: fx.Node, name: str, views: List[torch.Tensor]) -> List[fx.Node]:
-    """Register ``views`` next to the stacked parameter ``node`` and return get_attr nodes."""
+def _expert_views(gm, node: fx.Node, name: str, stacked: torch.Tensor, index: Tuple[Any, ...]) -> List[fx.Node]:
+    """Register ``stacked[e][index]`` for every expert ``e`` next to the stacked parameter ``node``
+    (views: no copy) and return their get_attr nodes. Each view is recorded as derived from the
+    stacked tensor, so ``load_weights`` rebuilds it as a view of the real weights when the graph
+    was traced on meta."""
     owner_path, _, attr = node.target.rpartition(".")
     owner = gm.get_submodule(owner_path) if owner_path else gm
     nodes = []
-    for e, view in enumerate(views):
+    for e in range(stacked.shape[0]):
         leaf = f"{attr}_{name}_{e}"
+        target = f"{owner_path}.{leaf}" if owner_path else leaf
         if not hasattr(owner, leaf):
-            owner.register_parameter(leaf, torch.nn.Parameter(view, requires_grad=False))
-        nodes.append(gm.graph.get_attr(f"{owner_path}.{leaf}" if owner_path else leaf))
+            owner.register_parameter(leaf, torch.nn.Parameter(stacked[e][index], requires_grad=False))
+            record_weight_view(gm, target, node.target, (e, *index))
+        nodes.append(gm.graph.get_attr(target))
     return nodes
 
 
@@ -288,9 +331,9 @@ class SplitMoeFusedForSharding(Transform):
                 continue  # not plain parameters (e.g. already transformed): leave it
             inter = w13.shape[1] // 2
             with gm.graph.inserting_before(node):
-                w1 = _expert_views(gm, args["w1_w3_stacked"], "w1", [w[:inter] for w in w13])
-                w3 = _expert_views(gm, args["w1_w3_stacked"], "w3", [w[inter:] for w in w13])
-                w2n = _expert_views(gm, args["w2_stacked"], "w2", list(w2))
+                w1 = _expert_views(gm, args["w1_w3_stacked"], "w1", w13, (slice(None, inter),))
+                w3 = _expert_views(gm, args["w1_w3_stacked"], "w3", w13, (slice(inter, None),))
+                w2n = _expert_views(gm, args["w2_stacked"], "w2", w2, ())
                 new = gm.graph.call_function(
                     wb.torch_moe.default,
                     (args["x"], args["selected_experts"], args["routing_weights"], w1, w2n, w3),

@@ -37,7 +37,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph_utils import remove_input_checks, remove_tensor_metadata_asserts
+from ..graph_utils import remove_input_checks, remove_tensor_metadata_asserts, symbolic_fake_mode
 from ..snapshot import REPLACES_KEY
 
 aten = torch.ops.aten
@@ -456,7 +456,7 @@ def propagate_fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> bool:
                 return False
             node.meta["val"] = node.target(*args, **kwargs)
             continue
-        with mode:
+        with symbolic_fake_mode(mode):
             node.meta["val"] = node.target(*args, **kwargs)
     return True
 

@@ -1,0 +1,291 @@
+"""Weights apart from the graph: traced on ``meta``, bound to real tensors at ``weight_load``.
+
+``export_to_gm`` traces a weightless twin of the model on the ``meta`` device, so nothing about the
+graph depends on where the weights will live (nor costs a copy of them). Until ``load_weights``
+runs, every parameter and buffer of the graph module is a meta tensor and every factory call in
+the graph (``arange``, ``full``, ``_to_copy``...) names ``device=meta``. Binding a graph to real
+tensors therefore means three things, which this module does in one place for both users:
+
+* ``load_weights`` (stage ``weight_load``) binds the live graph for good: each meta tensor is
+  replaced by the real one of the same name from the ``WeightSource`` (moved to the pipeline device
+  when it lives elsewhere), device arguments in nodes are retargeted, and placeholder fake values
+  move to the device so shape propagation sees one device.
+* the numerics probe (and ``PipelineStepper.forward``) runs graphs from before ``weight_load`` with
+  ``run_unloaded``: an ``fx.Interpreter`` that serves ``get_attr`` from the source and rewrites
+  ``device=meta`` on the fly, without touching the graph.
+
+Weights a transform derives before ``weight_load`` (e.g. per-expert views of a stacked MoE tensor)
+are recorded with ``record_weight_view`` and rebuilt from their base when the base is bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from .graph_utils import symbolic_fake_mode
+
+WEIGHT_VIEWS_KEY = "weight_views"  # gm.meta: target -> (base target, index into the base)
+TRACE_DEVICE_KEY = "trace_device"  # gm.meta: the device export traced on ("meta" or the model's)
+
+
+class WeightSource(Mapping):
+    """The real tensors of the eager model, by the names the exported graph uses.
+
+    ``module`` is the module that was exported (``CausalLMLogits(model)``), so its parameter and
+    buffer names are exactly the graph module's attribute targets. Tied names map to one tensor.
+    Nothing is copied: this is a name index over the eager model's own tensors.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self._tensors: Dict[str, torch.Tensor] = {
+            **dict(module.named_parameters(remove_duplicate=False)),
+            **dict(module.named_buffers(remove_duplicate=False)),
+        }
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        return f"WeightSource({len(self)} tensors)"
+
+
+def record_weight_view(gm: fx.GraphModule, target: str, base: str, index: Tuple[Any, ...]) -> None:
+    """Note that attribute ``target`` is ``base[index]`` (ints and slices), so that binding ``base``
+    to its real tensor rebuilds ``target`` as a view of it."""
+    gm.meta.setdefault(WEIGHT_VIEWS_KEY, {})[target] = (base, tuple(index))
+
+
+def _fetch(root: torch.nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def tensor_attributes(gm: fx.GraphModule) -> Dict[str, torch.Tensor]:
+    """Every tensor the graph module holds: parameters, buffers (tied names included) and plain
+    tensor attributes that ``get_attr`` nodes read (constants export lifted)."""
+    out: Dict[str, torch.Tensor] = {
+        **dict(gm.named_parameters(remove_duplicate=False)),
+        **dict(gm.named_buffers(remove_duplicate=False)),
+    }
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target not in out:
+            value = _fetch(gm, node.target)
+            if isinstance(value, torch.Tensor):
+                out[node.target] = value
+    return out
+
+
+def unloaded_targets(mod: torch.nn.Module) -> List[str]:
+    """Names of the meta tensors a graph module still holds (empty once ``load_weights`` ran)."""
+    if not isinstance(mod, fx.GraphModule):
+        return []
+    return [name for name, t in tensor_attributes(mod).items() if t.is_meta]
+
+
+class WeightResolver:
+    """Real tensor for a graph attribute name: from the source, or rebuilt as a recorded view."""
+
+    def __init__(self, gm: fx.GraphModule, source: Optional[Mapping]):
+        self.source = source if source is not None else {}
+        self.views: Dict[str, Tuple[str, tuple]] = dict(gm.meta.get(WEIGHT_VIEWS_KEY, {}))
+        self._memo: Dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name in self._memo:
+            return self._memo[name]
+        if name in self.source:
+            value = self.source[name]
+        elif name in self.views:
+            base, index = self.views[name]
+            value = self(base)[index]
+        else:
+            raise KeyError(name)
+        self._memo[name] = value
+        return value
+
+    def missing(self, names) -> List[str]:
+        out = []
+        for name in names:
+            try:
+                self(name)
+            except KeyError:
+                out.append(name)
+        return out
+
+
+def _retarget(value: Any, old: str, new: torch.device) -> Any:
+    if isinstance(value, torch.device) and value.type == old:
+        return new
+    return value
+
+
+def retarget_node_devices(gm: fx.GraphModule, old: str, new: torch.device) -> int:
+    """Rewrite ``device=<old>`` arguments of graph nodes (factories, ``_to_copy``...) to ``new``.
+
+    Returns how many nodes changed. Export bakes the trace device into every tensor factory call;
+    without this a graph traced on meta would keep creating meta tensors on the real device.
+    """
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), lambda a: _retarget(a, old, new))
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs = args, kwargs
+            n += 1
+    if n:
+        gm.recompile()
+    return n
+
+
+def retarget_placeholder_values(gm: fx.GraphModule, device: torch.device) -> int:
+    """Move the fake values of the graph's inputs to ``device`` (symbolic shapes kept), so that
+    shape propagation after binding sees inputs and weights on one device."""
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    n = 0
+    if mode is None:
+        return n
+    with symbolic_fake_mode(mode):
+        for node in gm.graph.nodes:
+            val = node.meta.get("val")
+            if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.device != device:
+                node.meta["val"] = val.to(device)
+                n += 1
+    return n
+
+
+@dataclass
+class Placement:
+    """What ``place_weights`` did (reported in the ``load_weights`` snapshot)."""
+
+    device: str
+    tensors: int = 0
+    bytes: int = 0  # bytes the graph holds afterwards (each storage once)
+    bytes_copied: int = 0  # bytes that had to be copied to reach the device
+    bound_from_source: int = 0  # meta tensors replaced by the eager model's tensors
+    moved: List[str] = field(default_factory=list)  # names copied across devices (first few)
+    device_args_retargeted: int = 0
+    placeholders_retargeted: int = 0
+
+    def details(self) -> Dict[str, Any]:
+        return {
+            "device": self.device, "tensors": self.tensors, "bytes": self.bytes,
+            "bytes_copied": self.bytes_copied, "bytes_shared": self.bytes - self.bytes_copied,
+            "bound_from_source": self.bound_from_source, "moved_examples": self.moved[:5],
+            "device_args_retargeted": self.device_args_retargeted,
+            "placeholders_retargeted": self.placeholders_retargeted,
+        }
+
+
+def _set_attr(gm: fx.GraphModule, target: str, value: torch.Tensor, original: torch.Tensor) -> None:
+    owner_path, _, name = target.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    if name in owner._parameters:
+        owner._parameters[name] = value if isinstance(value, torch.nn.Parameter) else \
+            torch.nn.Parameter(value, requires_grad=original.requires_grad)
+    elif name in owner._buffers:
+        owner._buffers[name] = value
+    else:
+        setattr(owner, name, value)
+
+
+def place_weights(gm: fx.GraphModule, source: Optional[Mapping], device: torch.device) -> Placement:
+    """Bind every meta tensor of ``gm`` to its real tensor and put every tensor on ``device``.
+
+    A tensor already on ``device`` is bound as it is (storage shared with the eager model: nothing
+    is copied); one elsewhere is copied once (tied names share the copy). Raises ``KeyError``
+    naming the tensors that have no real counterpart before anything is changed.
+    """
+    device = torch.device(device)
+    attrs = tensor_attributes(gm)
+    resolver = WeightResolver(gm, source)
+    missing = resolver.missing([n for n, t in attrs.items() if t.is_meta])
+    if missing:
+        raise KeyError(
+            f"{len(missing)} graph tensor(s) have no real weights to load: {missing[:5]}. They are not "
+            "parameters or buffers of the eager model and no transform recorded how it derived them "
+            "(record_weight_view); the transform that created them must run after weight_load."
+        )
+    out = Placement(device=str(device))
+    memo: Dict[int, torch.Tensor] = {}  # id(original graph tensor) -> placed tensor (keeps ties)
+    seen_storage: set = set()
+    for name, t in attrs.items():
+        if id(t) not in memo:
+            real = resolver(name) if t.is_meta else t
+            out.bound_from_source += int(t.is_meta)
+            placed = real
+            if not _on(real, device):
+                placed = real.detach().to(device)
+                out.bytes_copied += placed.numel() * placed.element_size()
+                out.moved.append(name)
+            if isinstance(t, torch.nn.Parameter) and not isinstance(placed, torch.nn.Parameter):
+                placed = torch.nn.Parameter(placed, requires_grad=False)
+            memo[id(t)] = placed
+        placed = memo[id(t)]
+        _set_attr(gm, name, placed, t)
+        key = (placed.device, placed.untyped_storage().data_ptr())
+        if key not in seen_storage:
+            seen_storage.add(key)
+            out.bytes += placed.untyped_storage().nbytes()
+    out.tensors = len(memo)
+    trace = gm.meta.get(TRACE_DEVICE_KEY)
+    for old in {"meta", *( [trace] if trace else [] )}:
+        if old != device.type:
+            out.device_args_retargeted += retarget_node_devices(gm, old, device)
+    out.placeholders_retargeted = retarget_placeholder_values(gm, device)
+    gm.meta[TRACE_DEVICE_KEY + "_loaded_on"] = str(device)
+    return out
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+class _BoundInterpreter(fx.Interpreter):
+    """Runs a graph from before ``weight_load``: meta attributes come from ``resolve``, and
+    ``device=meta`` arguments become ``device``. The graph module is not modified."""
+
+    def __init__(self, gm: fx.GraphModule, resolve: Callable[[str], torch.Tensor], device: torch.device):
+        super().__init__(gm, garbage_collect_values=True)
+        self._resolve, self._device = resolve, device
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            value = self._resolve(target)
+        if isinstance(value, torch.Tensor) and not _on(value, self._device):
+            value = value.to(self._device)
+        return value
+
+    def call_function(self, target, args, kwargs):
+        args, kwargs = fx.node.map_aggregate((args, kwargs), lambda a: _retarget(a, "meta", self._device))
+        return target(*args, **kwargs)
+
+
+def run_unloaded(gm: fx.GraphModule, source: Optional[Mapping], args, device: torch.device):
+    """Run ``gm`` (holding meta tensors) on ``args`` with the real weights of ``source``."""
+    resolver = WeightResolver(gm, source)
+    with torch.no_grad():
+        return _BoundInterpreter(gm, resolver, torch.device(device)).run(*args)
+
+
+__all__ = [
+    "WeightSource", "WeightResolver", "Placement", "place_weights", "run_unloaded", "unloaded_targets",
+    "tensor_attributes", "record_weight_view", "retarget_node_devices", "retarget_placeholder_values",
+    "WEIGHT_VIEWS_KEY", "TRACE_DEVICE_KEY",
+]
