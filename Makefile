@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install system-deps clean
+.PHONY: demo test install system-deps clean wheelhouse gpu-check
 
 install: system-deps $(STAMP)
 
@@ -51,6 +51,35 @@ NBVAL_ARGS ?= --nbval-lax --nbval-current-env
 test: install
 	@set +e; $(PY) -m pytest -q $(NBVAL_ARGS) $(TEST_PATHS) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; exit $$rc
+
+# ---------------------------------------------------------------------------------- GPU machines
+# A GPU machine with a preinstalled CUDA torch and no network (Python 3.12 by default) gets the
+# project's missing pure-Python dependencies and FlashInfer as wheels, downloaded here first:
+#   make wheelhouse                  (where pip works; into $(WHEELHOUSE), ignored by git)
+#   make gpu-check OUT=<dir>         (on the GPU machine: GPU tests + GPU decode bench -> <dir>)
+# Versions are pinned: FlashInfer 0.6.18.post1 and its four non-torch dependencies import under
+# torch 2.11 (measured on an H100); pydantic/gguf/graphviz as this project's CPU venv has them.
+WHEELHOUSE ?= .whl
+WHEEL_PY ?= 3.12
+GPU_PY ?= python3
+GPU_SITE ?= /tmp/workbench-gpu-site
+GPU_CHECK_STEPS ?= env,export,flashinfer-jit,tests,bench-smollm2,bench-llama3
+OUT ?= gpu-check-out
+WHEELS := pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
+          gguf==0.19.0 graphviz==0.21 \
+          flashinfer-python==0.6.18.post1 apache-tvm-ffi==0.1.15.post2 nccl4py==0.6.0 \
+          nvidia-cudnn-frontend==1.32.0 nvidia-cutlass-dsl==4.8.1
+WHEEL_PLATFORMS := $(foreach n,17 24 27 28 31 34 35,--platform manylinux_2_$(n)_x86_64) \
+                   --platform manylinux2014_x86_64 --platform manylinux1_x86_64
+
+wheelhouse:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version $(WHEEL_PY) \
+	  --implementation cp $(WHEEL_PLATFORMS) -d $(WHEELHOUSE) $(WHEELS)
+	@du -sh $(WHEELHOUSE)
+
+gpu-check:
+	$(GPU_PY) tools/gpu_check.py --out $(OUT) --wheelhouse $(WHEELHOUSE) --site $(GPU_SITE) \
+	  --steps $(GPU_CHECK_STEPS) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

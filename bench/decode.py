@@ -5,6 +5,12 @@
     python bench/decode.py --device cuda --dtype bfloat16 --model shape:smollm2   # GPU, random weights
     python bench/decode.py --device cuda --dtype bfloat16 --model shape:llama3-8b --batch-sizes 1
 
+HF peers: eager ``generate``; ``generate`` with a static cache and HF's own compile of the decode
+step; on CUDA also HF's model in our own greedy loop, one ``torch.compile(mode="reduce-overhead")``
+decode step per token (CUDA graphs). Each compiled row's note says whether Inductor skipped CUDA
+graphs. Every workbench row also gets one profiled run: the median decode step split into host
+time (scheduling, input preparation and launch, sampling) and device time.
+
 Every row runs in this one process on the same weights: B prompts of ``--prompt-len`` random tokens,
 ``--new-tokens`` greedy tokens each (no stop token). Decode tokens/s counts only decode steps:
 for HF ``B * (new - 1) / (t(new) - t(1))`` (a generate of one token is the prefill), for the
@@ -35,8 +41,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_peers import (float32_gguf, gguf_tensor_bytes, hf_decode_rate, llama_cpp_decode_rate,  # noqa: E402
-                          llama_cpp_unavailable, SHAPES)
+from decode_peers import (float32_gguf, gguf_tensor_bytes, hf_decode_rate, hf_graph_decode_rate,  # noqa: E402
+                          hf_greedy_tokens, llama_cpp_decode_rate, llama_cpp_unavailable, SHAPES)
+from workbench.runtime.generate import format_step_profile  # noqa: E402
 
 from workbench import Workbench, load_model  # noqa: E402
 from workbench.models import resolve_spec  # noqa: E402
@@ -50,6 +57,7 @@ class Row:
     note: str = ""
     step_bytes: Optional[int] = None  # weight bytes a decode step reads, when not the model's
     peer_dtype: bool = True  # runs the benchmark's dtype: counts as a peer for "x best peer"
+    step_ms: Optional[Dict[str, float]] = None  # workbench rows: median decode-step split (profiled run)
 
 
 def sync(device: torch.device) -> None:
@@ -129,7 +137,10 @@ def workbench_rates(loaded, device: torch.device, batches: List[int], prompts: D
                 wb.generate(prompts[b][:1], max_new_tokens=4, stop_token_ids=[])  # warm-up
                 best = max(wb.generate(prompts[b], max_new_tokens=new, stop_token_ids=[]).stats.decode_tokens_per_s
                            for _ in range(repeats))
-                rows.append(Row(f"workbench {backend}", b, best, f"setup {setup:.0f}s" if b == batches[0] else ""))
+                # one more, profiled run (its synchronisations would cost the timed ones their overlap)
+                prof = wb.generate(prompts[b], max_new_tokens=new, stop_token_ids=[], profile_steps=True)
+                rows.append(Row(f"workbench {backend}", b, best, f"setup {setup:.0f}s" if b == batches[0] else "",
+                                step_ms=prof.stats.decode_step_ms))
         except Exception as e:  # noqa: BLE001 - a failing backend is a row, not the end of the run
             rows.append(Row(f"workbench {backend}", 0, None, f"failed: {type(e).__name__}: {str(e)[:200]}"))
     return rows
@@ -148,6 +159,9 @@ def main() -> None:
                     help="workbench compile backends (default: every one this device runs)")
     ap.add_argument("--no-hf-compile", action="store_true", help="skip HF static cache + torch.compile")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--hf-graph-loop", action=argparse.BooleanOptionalAction, default=None,
+                    help="also time HF's model in a hand-written compiled decode loop (CUDA graphs on a GPU; "
+                    "default: on with CUDA)")
     args = ap.parse_args()
 
     device = torch.device(args.device)
@@ -182,18 +196,30 @@ def main() -> None:
 
     rows: List[Row] = []
     for b in args.batch_sizes:
-        rows.append(Row("HF generate eager", b, hf_decode_rate(model, prompts[b], args.new_tokens, device)))
+        rows.append(Row("HF generate eager", b, *hf_decode_rate(model, prompts[b], args.new_tokens, device)))
     if args.no_hf_compile:
-        rows.append(Row("HF static cache + torch.compile", 0, None, "skipped (--no-hf-compile)"))
+        rows.append(Row("HF static cache + HF compile", 0, None, "skipped (--no-hf-compile)"))
     else:
         mode = "reduce-overhead" if device.type == "cuda" else "default"
         for b in args.batch_sizes:
             try:
-                rate = hf_decode_rate(model, prompts[b], args.new_tokens, device, compile_mode=mode)
-                rows.append(Row(f"HF static cache + torch.compile({mode})", b, rate))
+                rate, note = hf_decode_rate(model, prompts[b], args.new_tokens, device, compile_mode=mode)
+                rows.append(Row(f"HF static cache + HF compile({mode})", b, rate, note))
             except Exception as e:  # noqa: BLE001
-                rows.append(Row(f"HF static cache + torch.compile({mode})", b, None, f"failed: {str(e)[:200]}"))
+                rows.append(Row(f"HF static cache + HF compile({mode})", b, None, f"failed: {str(e)[:200]}"))
         torch._dynamo.reset()
+    if args.hf_graph_loop or (args.hf_graph_loop is None and device.type == "cuda"):
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        ref = hf_greedy_tokens(model, prompts[args.batch_sizes[0]][0], args.new_tokens, device)
+        for b in args.batch_sizes:
+            name = f"HF model, own decode loop, compile({mode})"
+            try:
+                rate, note = hf_graph_decode_rate(model, prompts[b], args.new_tokens, device, mode,
+                                                  check_tokens=ref if b == args.batch_sizes[0] else None)
+                rows.append(Row(name, b, rate, note))
+            except Exception as e:  # noqa: BLE001
+                rows.append(Row(name, b, None, f"failed: {type(e).__name__}: {str(e)[:200]}"))
+            torch._dynamo.reset()
     gc.collect()
     for b in args.batch_sizes:
         rows += llama_cpp_rows(spec, dtype, prompts[b], args.new_tokens, device)
@@ -228,17 +254,23 @@ def print_table(rows: List[Row], step_bytes: int, copy_bw: float, gemv_bw: float
     for r in rows:
         if r.tok_s and r.peer_dtype and not r.name.startswith("workbench"):
             peers[r.batch] = max(peers.get(r.batch, 0.0), r.tok_s)
-    print(f"\n{'':38s} {'batch':>5s} {'tok/s':>9s} {'x HF eager':>10s} {'x best peer':>11s} "
+    print(f"\n{'':44s} {'batch':>5s} {'tok/s':>9s} {'x HF eager':>10s} {'x best peer':>11s} "
           f"{'copy BW':>8s} {'GEMV BW':>8s}  note")
     for r in rows:
         if r.tok_s is None:
-            print(f"{r.name:38s} {r.batch or '':>5} {'-':>9s} {'':10s} {'':11s} {'':8s} {'':8s}  {r.note}")
+            print(f"{r.name:44s} {r.batch or '':>5} {'-':>9s} {'':10s} {'':11s} {'':8s} {'':8s}  {r.note}")
             continue
         achieved = (r.step_bytes or step_bytes) * r.tok_s / r.batch
         ratio = r.tok_s / eager[r.batch] if r.batch in eager else float("nan")
         peer = r.tok_s / peers[r.batch] if r.batch in peers else float("nan")
-        print(f"{r.name:38s} {r.batch:5d} {r.tok_s:9.1f} {ratio:10.2f} {peer:11.2f} {achieved / copy_bw:8.0%} "
+        print(f"{r.name:44s} {r.batch:5d} {r.tok_s:9.1f} {ratio:10.2f} {peer:11.2f} {achieved / copy_bw:8.0%} "
               f"{achieved / gemv_bw:8.0%}  {r.note}")
+    profiled = [r for r in rows if r.step_ms]
+    if profiled:
+        print("\nper decode step, median ms (a separate profiled run; 'gpu' = CUDA-event time of the runner call,"
+              " the graph replay with CUDA graphs; the rest is host time):")
+        for r in profiled:
+            print(f"  {r.name:36s} bs {r.batch:3d}: {format_step_profile(r.step_ms)}")
 
 
 if __name__ == "__main__":

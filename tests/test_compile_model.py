@@ -99,6 +99,7 @@ def test_torch_compile_generates_the_same_tokens_as_torch_simple(wb):
         wb.run()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a CUDA GPU")
 @pytest.mark.parametrize("backend", ["torch-cudagraph", "torch-opt"])
 def test_cuda_graph_backends_generate_the_same_tokens_as_torch_simple(backend):
@@ -122,6 +123,7 @@ def test_cuda_graph_backends_generate_the_same_tokens_as_torch_simple(backend):
     assert runner.eager_steps > eager and all(len(t) == 4 for t in out.token_ids)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a CUDA GPU")
 def test_cuda_graphs_refuse_the_host_syncing_torch_attention():
     from workbench.models import load_model

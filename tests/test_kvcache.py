@@ -243,3 +243,40 @@ def test_cached_runner_checks_its_inputs(wb):
     assert isinstance(wb.module, fx.GraphModule) and set(op_histogram(wb.module)) >= {CACHED}
     with pytest.raises(KeyError, match="no value"):
         run_cached(wb.module, {})
+
+
+def _tiny_llama_head_dim(head_dim: int):
+    """tiny:llama with a head_dim FlashInfer builds kernels for (the default tiny head_dim is 16)."""
+    from workbench.models import build_tiny_config
+
+    def builder():
+        config = build_tiny_config("llama")
+        config.head_dim, config.hidden_size = head_dim, 4 * head_dim
+        return config
+
+    return {"llama": builder}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_flashinfer_pipeline_generates_the_torch_backends_tokens(head_dim):
+    """FlashInfer attention and RMSNorm through the whole pipeline on a GPU (bf16), against the torch
+    backends on the same weights; the first FlashInfer calls JIT-compile (timed apart in gpu_check)."""
+    from workbench.ops.flashinfer_support import flashinfer_available
+    from workbench.models import load_model
+
+    ok, why = flashinfer_available("cuda")
+    if not ok:
+        pytest.skip(why)
+    loaded = load_model("tiny:llama", device="cuda", dtype="bfloat16", tiny_registry=_tiny_llama_head_dim(head_dim))
+    prompts = [[i + 1, i + 5, i + 9, 7] for i in range(3)]
+    ref = Workbench(loaded, device="cuda", numerics=False)
+    want = ref.generate(prompts, max_new_tokens=16, stop_token_ids=[]).token_ids
+    fi = Workbench(loaded, device="cuda", overrides={"insert_cached_attention.backend": "flashinfer",
+                                                     "fuse_rmsnorm.backend": "flashinfer"})
+    got = fi.generate(prompts, max_new_tokens=16, stop_token_ids=[]).token_ids
+    assert fi.snapshot("insert_cached_attention").info.details["backend"] == "flashinfer"
+    assert fi.snapshot("resize_kv_cache").numerics.rmse_ratio < 2e-2
+    same = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y))
+    assert same >= 0.9 * 48, (got, want)  # bf16: an argmax near-tie may flip late tokens

@@ -116,6 +116,7 @@ def test_bad_uses_are_clear_errors(wb, tiny_llama):
         PiecewiseGraphs(uncached.module, [8], use_cuda_graphs=False)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="piecewise CUDA graphs need a CUDA GPU")
 @pytest.mark.parametrize("backend", ["torch-cudagraph", "torch-opt"])
 def test_piecewise_cuda_graphs_generate_the_same_tokens_as_torch_simple(backend):

@@ -3,8 +3,10 @@
     python tools/export_report.py tiny:llama smollm2 > report-$(python -c 'import torch; print(torch.__version__)').json
 
 For each model: the torch/transformers versions, export_to_gm's trace device, export ranges and op
-histogram (meta trace), the same histogram traced on the model's own device (must be equal), and
-the greedy tokens of the full default pipeline on a fixed prompt. Used to check that the graph
+histogram (meta trace), the same histogram traced on the model's own device (must be equal), the
+histograms after the pattern-matcher stage (the canonical graph) and at the end of the pipeline,
+and the greedy tokens of the full default pipeline on a fixed prompt. The raw export histogram
+follows the installed transformers' modeling code; the canonical one must not. Used to check that the graph
 does not depend on the torch version (docs/benchmarks.md, "export across torch versions").
 """
 
@@ -41,6 +43,9 @@ def report(spec: str, new_tokens: int) -> dict:
     else:  # tiny models have no tokenizer: fixed token ids
         prompt = [[1, 7, 42, 99, 5, 3, 250, 11]]
     gen = wb.generate(prompt, max_new_tokens=new_tokens)
+    last_pattern = [x for x in wb.snapshots if x.stage.value == "pattern_matcher"][-1]
+    out["canonical_histogram"] = dict(sorted(last_pattern.op_histogram.items()))
+    out["final_histogram"] = dict(sorted(wb.snapshots[-1].op_histogram.items()))
     out["greedy_tokens"] = gen.token_ids
     out["text"] = gen.text
     return out

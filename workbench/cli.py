@@ -43,8 +43,8 @@ def format_table(stepper) -> str:
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
     out = [line(header), line(tuple("-" * w for w in widths))] + [line(r) for r in rows]
     notes = [f"  ! {s.key}: {s.mem_warning}" for s in stepper.snapshots if s.mem_warning]
-    notes += [f"  {s.key}: {s.info.skip_reason}" for s in stepper.snapshots
-              if s.info.skip_reason and s.info.skip_reason != "disabled"]
+    notes += [f"  {s.key}: {s.info.skip_reason or s.info.details['summary']}" for s in stepper.snapshots
+              if (s.info.skip_reason and s.info.skip_reason != "disabled") or s.info.details.get("summary")]
     return "\n".join(out + notes)
 
 
@@ -76,15 +76,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def prompt_token_ids(prompt: str, vocab_size: int) -> list:
+    """Token ids for a model without a tokenizer (the ``tiny:`` configs): the prompt's UTF-8 bytes
+    modulo the vocabulary, so the same prompt always gives the same ids."""
+    return [b % vocab_size for b in prompt.encode("utf-8")] or [0]
+
+
 def _generate(wb, prompt: str, max_new_tokens: int) -> None:
     """The end of `workbench run`: answer ``prompt`` with the compiled model (greedy)."""
     if wb.loaded.tokenizer is None:
-        print(f"generate: skipped ({wb.loaded.spec} has no tokenizer; Workbench.generate takes token ids)")
-        return
-    out = wb.generate(prompt, max_new_tokens=max_new_tokens)
+        ids = prompt_token_ids(prompt, wb.ctx.vocab_size)
+        print(f"prompt: {prompt!r} as token ids {ids} ({wb.loaded.spec} has no tokenizer: UTF-8 bytes mod vocab)")
+        out = wb.generate([ids], max_new_tokens=max_new_tokens)
+    else:
+        print(f"prompt: {prompt}")
+        out = wb.generate(prompt, max_new_tokens=max_new_tokens)
     result = out.results[0]
-    print(f"prompt: {prompt}")
-    print(f"output: {result.text if result.error is None else 'error: ' + result.error}")
+    if result.error is not None:
+        print(f"output: error: {result.error}")
+    elif result.text is not None:
+        print(f"output: {result.text}")
+    print(f"tokens: {result.token_ids}")
     print(f"generate: {out.stats}")
 
 

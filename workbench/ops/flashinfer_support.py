@@ -26,7 +26,8 @@ def flashinfer_available(device: torch.device | str | None = None) -> Tuple[bool
     missing)."""
     missing = []
     if importlib.util.find_spec("flashinfer") is None:
-        missing.append("the flashinfer package is not installed (pip install flashinfer-python)")
+        missing.append("the flashinfer package is not installed (optional package missing: flashinfer-python; "
+                       "pip install flashinfer-python, or make wheelhouse for a machine without network)")
     if device is not None and torch.device(device).type != "cuda":
         missing.append(f"the pipeline device is {torch.device(device).type}; FlashInfer kernels need CUDA tensors")
     elif not torch.cuda.is_available():

@@ -182,8 +182,15 @@ class Placement:
     device_args_retargeted: int = 0
     placeholders_retargeted: int = 0
 
+    def summary(self) -> str:
+        mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+        shared = self.bytes - self.bytes_copied
+        return (f"{self.tensors} tensors, {mib(self.bytes)} on {self.device}: {mib(self.bytes_copied)} copied, "
+                f"{mib(shared)} shared with the eager model; {self.device_args_retargeted} nodes retargeted "
+                "from device=meta")
+
     def details(self) -> Dict[str, Any]:
-        return {
+        return {"summary": self.summary(),
             "device": self.device, "tensors": self.tensors, "bytes": self.bytes,
             "bytes_copied": self.bytes_copied, "bytes_shared": self.bytes - self.bytes_copied,
             "bound_from_source": self.bound_from_source, "moved_examples": self.moved[:5],

@@ -20,9 +20,10 @@ alone. The rules, per prompt:
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -64,6 +65,8 @@ class GenerationStats:
     decode_s: float = 0.0  # time in decode-only steps
     decode_tokens: int = 0  # tokens produced by decode-only steps
     time_to_first_token_s: Optional[float] = None  # mean over prompts
+    # generate(profile_steps=True): medians over decode-only steps, in ms (see StepProfiler)
+    decode_step_ms: Optional[Dict[str, float]] = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -77,7 +80,51 @@ class GenerationStats:
         ttft = f", ttft {self.time_to_first_token_s * 1e3:.0f} ms" if self.time_to_first_token_s else ""
         return (f"{self.generated_tokens} tokens for {self.num_prompts} prompt(s) in {self.total_s:.2f}s: "
                 f"{self.tokens_per_s:.1f} tok/s overall, {self.decode_tokens_per_s:.1f} tok/s decode "
-                f"({self.steps} steps, {self.mixed_steps} mixed, up to {self.max_concurrency} sequences{ttft})")
+                f"({self.steps} steps, {self.mixed_steps} mixed, up to {self.max_concurrency} sequences{ttft})"
+                + (f"; decode step (median ms): {format_step_profile(self.decode_step_ms)}" if self.decode_step_ms else ""))
+
+
+def format_step_profile(ms: Dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in ms.items())
+
+
+class StepProfiler:
+    """Where a decode step's time goes, measured around the runner call (``profile_steps=True``).
+
+    ``schedule``: picking the step's sequences and pages; ``runner_host``: from calling the runner
+    until it returns -- preparing inputs and launching the forward (on CPU also computing it);
+    ``device_wait``: a synchronize right after (the device still finishing what was launched);
+    ``gpu``: CUDA-event time of the runner call on the stream (a graph replay's device time);
+    ``sample``: sampling and per-sequence bookkeeping. On a GPU the synchronize costs the overlap
+    of host and device work, so profiled runs are a little slower than plain ones.
+    """
+
+    def __init__(self, device: Optional[torch.device]):
+        self.cuda = device is not None and device.type == "cuda" and torch.cuda.is_available()
+        self.device = device
+        self.rows: List[Dict[str, float]] = []
+
+    def runner_call(self, fn: Callable[[], torch.Tensor]) -> Tuple[torch.Tensor, Dict[str, float]]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        out = fn()
+        t1 = time.perf_counter()
+        if self.cuda:
+            end.record()
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        row = {"runner_host": (t1 - t0) * 1e3, "device_wait": (t2 - t1) * 1e3}
+        if self.cuda:
+            row["gpu"] = start.elapsed_time(end)
+        return out, row
+
+    def medians(self) -> Optional[Dict[str, float]]:
+        if not self.rows:
+            return None
+        keys = list(self.rows[0])
+        return {k: float(statistics.median(r[k] for r in self.rows)) for k in keys}
 
 
 @dataclass
@@ -191,11 +238,13 @@ def generate(
     seed: int = 0,
     stream: Optional[Callable[[TokenEvent], None]] = None,
     truncate_prompt: bool = False,
+    profile_steps: bool = False,
 ) -> GenerationOutput:
     """Generate for every prompt with continuous batching; see the module docstring for input rules.
 
     ``stop_token_ids`` None: the tokenizer's EOS; ``[]``: never stop early. ``stream`` is called
-    for every generated token as it is produced.
+    for every generated token as it is produced. ``profile_steps``: split each decode step's time
+    into host and device parts (``stats.decode_step_ms``, see ``StepProfiler``).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -224,12 +273,18 @@ def generate(
     gen = torch.Generator().manual_seed(seed)
     texts = {}
     t0 = time.perf_counter()
+    profiler = StepProfiler(getattr(runner, "device", None)) if profile_steps else None
     while sched.has_work:
+        t_sched = time.perf_counter()
         step = sched.schedule()
         if not step.items:
             raise RuntimeError("scheduler made no progress (a waiting request can never fit); this is a bug")
         ts = time.perf_counter()
-        logits = runner.step(step, sched)  # [B, V]
+        if profiler is None:
+            logits = runner.step(step, sched)  # [B, V]
+        else:
+            logits, timing = profiler.runner_call(lambda: runner.step(step, sched))
+            t_sample = time.perf_counter()
         ready = []  # rows whose sequence now needs its next token
         for row, (req, n) in enumerate(step.items):
             req.num_cached += n
@@ -253,7 +308,12 @@ def generate(
         if step.num_prefill == 0:
             stats.decode_s += now - ts
             stats.decode_tokens += len(new_tokens)
+            if profiler is not None:
+                done = time.perf_counter()
+                profiler.rows.append({"schedule": (ts - t_sched) * 1e3, **timing, "sample": (done - t_sample) * 1e3,
+                                      "total": (done - t_sched) * 1e3})
     stats.total_s = time.perf_counter() - t0
+    stats.decode_step_ms = profiler.medians() if profiler is not None else None
     stats.generated_tokens = sum(len(r.generated) for r in requests)
     firsts = [r.first_token_s for r in requests if r.first_token_s is not None]
     stats.time_to_first_token_s = sum(firsts) / len(firsts) if firsts else None

@@ -134,7 +134,9 @@ class ExportToGM(Transform):
             num_matches=1, is_clean=True, has_valid_shapes=True,
             details={"patches": [p.name for p in patches], "asserts_removed": removed,
                      "trace_device": str(trace_device), "export_ranges": ranges,
-                     "normalized": normalized, "torch": torch.__version__},
+                     "normalized": normalized, "torch": torch.__version__,
+                     "summary": f"traced on {trace_device} with torch {torch.__version__}; dims batch "
+                                f"{ranges['batch']}, seq {ranges['seq']} (export's ranges; 1 works too)"},
         )
         return gm, info
 
