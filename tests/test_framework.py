@@ -347,3 +347,14 @@ def test_memory_warning_rules_on_a_gpu_are_checkable_on_cpu():
     grew = unexpected_change(stats(cuda=0), stats(cuda=64 << 20))
     assert grew is not None and "+64.0 MiB" in grew and "outside parameters" in grew
     assert "parameter+buffer+cache" in unexpected_change(stats(params=0, cuda=0), stats(params=4096, cuda=4096))
+
+
+def test_post_load_transforms_refuse_a_graph_without_weights(tiny_llama):
+    wb = Workbench(tiny_llama, numerics=False, overrides=["load_weights.enabled=false"])
+    with pytest.raises(TransformError, match=r"fuse_gemms \(stage post_load_fusion\) needs the model's weights.*"
+                                             r"enable load_weights"):
+        wb.run()
+    assert wb.status("fuse_gemms") == "failed" and wb.status("load_weights") == "skipped"
+    wb.configure("load_weights", enabled=True)  # fixing it resumes from there
+    wb.run()
+    assert wb.done

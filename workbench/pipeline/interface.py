@@ -195,6 +195,8 @@ class Transform:
         t0 = time.perf_counter()
         try:
             targets = self._targets(mod)
+            if cfg.stage.order >= Stages.POST_LOAD_FUSION.order:
+                _require_loaded_weights(self.key, cfg.stage, targets)
             if targets and cfg.requires_clean_graph and not state.is_clean:
                 for gm in targets:
                     canonicalize_graph(gm)
@@ -269,6 +271,21 @@ class Transform:
                 setattr(root.get_submodule(parent_name) if parent_name else root, attr, new)
                 return root
         raise RuntimeError("transform returned a new graph module that could not be re-attached")
+
+
+def _require_loaded_weights(key: str, stage: Stages, graphs: List[torch.fx.GraphModule]) -> None:
+    """Transforms from post_load_fusion on read or rewrite real weights; a graph still holding the
+    meta tensors export traced would give them nothing (fused copies of meta tensors, say)."""
+    from .weights import unloaded_targets
+
+    for gm in graphs:
+        missing = unloaded_targets(gm)
+        if missing:
+            raise RuntimeError(
+                f"{key} (stage {stage.value}) needs the model's weights, but the graph still holds "
+                f"{len(missing)} meta tensors (e.g. {missing[0]}): enable load_weights (stage weight_load) "
+                "so that it runs before this transform"
+            )
 
 
 @dataclass

@@ -59,46 +59,42 @@ def _grouped_mm_op():
     return getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
 
 
-def _moe_grouped_mm(x, selected, weights, w1_w3, w2, *, k):
-    # transformers' grouped_mm experts forward (gated, weights [E, out, in], no bias):
-    # sort the (token, slot) pairs by expert, one grouped GEMM per projection, un-permute, sum.
+def _grouped_mm_experts(x, selected, weights, w1_w3, w2, k, sentinel: bool):
+    # transformers' grouped_mm experts forward (gated, weights [E, out, in], no bias): sort the
+    # (token, slot) pairs by expert, one grouped GEMM per projection, un-permute, sum over top-k.
+    # ``sentinel``: as transformers 5.17 writes it, with an expert-parallel "sentinel" mask (ids >= E)
+    # built and applied whether or not experts are sharded -- zeroed input rows and zeroed rows
+    # after each grouped GEMM; with E experts no id reaches E, so it masks nothing. Its in-place
+    # clamp of the ids is read by nothing without biases, but export keeps it (a mutation): it is
+    # returned, to be a second output of the pattern rather than an outside user of the sorted ids.
     mm = _grouped_mm_op()
     flat_w, flat_e = weights.reshape(-1), selected.reshape(-1)
     expert_sorted, perm = torch.sort(flat_e)
     xs, ws = x[perm // k], flat_w[perm]
     counts = torch.histc(expert_sorted.float(), bins=_E, min=0, max=_E - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    clamped = None
+    if sentinel:
+        mask = (expert_sorted >= _E).unsqueeze(-1)
+        clamped = expert_sorted.clamp_(max=_E - 1)
+        xs.masked_fill_(mask, 0.0)
     h = mm(xs.to(w1_w3.dtype), w1_w3.transpose(-2, -1), offsets)
+    h = h.masked_fill(mask, 0.0) if sentinel else h
     gate, up = h.chunk(2, dim=-1)
     y = mm((F.silu(gate) * up).to(w2.dtype), w2.transpose(-2, -1), offsets)
-    y = y * ws.unsqueeze(-1)
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.size(0))
-    return y[inv].view(x.shape[0], k, x.shape[-1]).sum(dim=1).to(x.dtype)
-
-
-def _moe_grouped_mm_sentinel(x, selected, weights, w1_w3, w2, *, k):
-    # The same forward as transformers 5.17 writes it: an expert-parallel "sentinel" mask (expert
-    # ids >= E) is built and applied whether or not experts are sharded -- zeroed input rows, and
-    # zeroed rows after each grouped GEMM. With E experts no id reaches E, so it masks nothing.
-    mm = _grouped_mm_op()
-    flat_w, flat_e = weights.reshape(-1), selected.reshape(-1)
-    expert_sorted, perm = torch.sort(flat_e)
-    xs, ws = x[perm // k], flat_w[perm]
-    counts = torch.histc(expert_sorted.float(), bins=_E, min=0, max=_E - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    sentinel = (expert_sorted >= _E).unsqueeze(-1)
-    # In place and read by nothing without biases; export keeps it (a mutation), so it is a second
-    # output of the pattern: otherwise it would be an outside user of the sorted ids.
-    clamped = expert_sorted.clamp_(max=_E - 1)
-    xs.masked_fill_(sentinel, 0.0)
-    h = mm(xs.to(w1_w3.dtype), w1_w3.transpose(-2, -1), offsets).masked_fill(sentinel, 0.0)
-    gate, up = h.chunk(2, dim=-1)
-    y = mm((F.silu(gate) * up).to(w2.dtype), w2.transpose(-2, -1), offsets).masked_fill(sentinel, 0.0)
+    y = y.masked_fill(mask, 0.0) if sentinel else y
     y = y * ws.unsqueeze(-1)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.size(0))
     return y[inv].view(x.shape[0], k, x.shape[-1]).sum(dim=1).to(x.dtype), clamped
+
+
+def _moe_grouped_mm(x, selected, weights, w1_w3, w2, *, k):
+    return _grouped_mm_experts(x, selected, weights, w1_w3, w2, k, sentinel=False)[0]
+
+
+def _moe_grouped_mm_sentinel(x, selected, weights, w1_w3, w2, *, k):
+    return _grouped_mm_experts(x, selected, weights, w1_w3, w2, k, sentinel=True)
 
 
 def _moe_fused_replacement_2(x, selected, weights, w1_w3, w2, *, k):
