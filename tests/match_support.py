@@ -12,7 +12,7 @@ import torch.fx as fx
 from workbench.pipeline.graph_utils import op_histogram
 from workbench.pipeline.interface import TRANSFORMS, GraphState, Stages, TransformInfo
 from workbench.pipeline.transforms.patterns import (
-    Pattern, PatternMatcher, export_graph_module, traced_pattern,
+    Pattern, PatternMatcher, automatic_dims, export_graph_module, traced_pattern,
 )
 
 wb = torch.ops.workbench
@@ -73,7 +73,7 @@ def check(
             or None
             for i in range(len(args))
         )
-    torch.export.export(out, tuple(args), dynamic_shapes=spec, strict=False)  # still exports
+    torch.export.export(out, tuple(args), dynamic_shapes=automatic_dims(spec), strict=False)  # still exports
     return out
 
 

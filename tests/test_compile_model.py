@@ -60,7 +60,7 @@ def greedy(bench, new=12):
 def test_torch_simple_is_the_default_and_keeps_the_graph(wb):
     snap = wb.snapshots[-1]
     assert snap.key == "compile_model" and snap.info.details["backend"] == "torch-simple"
-    assert "runner" not in wb.ctx.shared  # generate builds the plain cached runner
+    assert wb.ctx.runner is None  # generate builds the plain cached runner
 
 
 @pytest.mark.skipif(GPU, reason="checks the error a CPU-only machine gives")
@@ -91,7 +91,7 @@ def test_torch_compile_generates_the_same_tokens_as_torch_simple(wb):
                                           "workbench.cpu_linear_wxt.default": 9}
         assert any("torch_rmsnorm" in str(n.target) for n in wb.module.graph.nodes)
         assert details["check_max_abs_diff"] < 1e-4
-        runner = wb.ctx.shared["runner"]
+        runner = wb.ctx.runner
         assert runner.backend == "compiled" and runner.module is wb.module
         assert greedy(wb) == ref
     finally:
@@ -112,7 +112,7 @@ def test_cuda_graph_backends_generate_the_same_tokens_as_torch_simple(backend):
     ref = greedy(bench, 24)
     bench.configure("compile_model", backend=backend, cuda_graph_batch_sizes=[1, 2, 4])
     bench.run()
-    runner = bench.ctx.shared["runner"]
+    runner = bench.ctx.runner
     assert sorted(runner.graphs) == [1, 2, 4]
     assert bench.snapshots[-1].info.details["check_max_abs_diff"] < 1e-2
     assert greedy(bench, 24) == ref  # 3 decode sequences replay the graph of 4 (one padding row)

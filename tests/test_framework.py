@@ -358,3 +358,14 @@ def test_post_load_transforms_refuse_a_graph_without_weights(tiny_llama):
     wb.configure("load_weights", enabled=True)  # fixing it resumes from there
     wb.run()
     assert wb.done
+
+
+def test_a_pipeline_that_orders_a_need_before_its_provider_is_refused(tiny_llama):
+    # initialize_cache moved to post_load_fusion: it would run before insert_cached_attention declares specs
+    with pytest.raises(ConfigError, match="initialize_cache needs the cache specs that insert_cached_attention"
+                                          ".*runs before"):
+        Workbench(tiny_llama, yaml_extra=[{"transforms": {"initialize_cache": {"stage": "post_load_fusion"}}}])
+    # a need with no enabled provider is not an order problem: the transform reports itself skipped
+    wb = Workbench(tiny_llama, numerics=False, overrides=["insert_cached_attention.enabled=false"])
+    wb.run_to("initialize_cache")
+    assert "no cache inputs declared" in wb.snapshot("initialize_cache").info.skip_reason

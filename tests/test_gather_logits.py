@@ -30,11 +30,11 @@ def test_the_lm_head_reads_gathered_rows_and_numerics_still_compare_every_token(
 
 
 def test_a_prefill_returns_one_row_per_sequence(wb):
-    cfg = wb.ctx.shared["kv_cache_config"]
+    cfg = wb.ctx.cache.config
     info = SequenceInfo.from_config(cfg)
     info.set_batch([list(range(1, 21)), [7, 8, 9]], [0, 0], [[0, 1], [2]], num_prefill=2, page_size=cfg.page_size)
     names = [n.meta.get("wb_cache_input", n.name) for n in wb.module.graph.nodes if n.op == "placeholder"]
-    values = {**info.inputs(), **wb.ctx.resources}
+    values = {**info.inputs(), **wb.ctx.cache.tensors}
     with torch.no_grad():
         out = wb.module(*[values[n] for n in names])
     assert out.shape == (1, 2, wb.ctx.vocab_size)  # not [1, 23, V]

@@ -13,9 +13,11 @@ import torch.fx as fx
 from workbench import Workbench
 from workbench.models.export_contract import CausalLMLogits, make_batch
 from workbench.pipeline.config import ConfigError
-from workbench.pipeline.graph_utils import copy_module, op_histogram, run_shape_prop
+from workbench.pipeline.context import PipelineContext
+from workbench.pipeline.graph_copy import copy_module
+from workbench.pipeline.graph_utils import op_histogram, run_shape_prop
 from workbench.pipeline.interface import Stages, TransformConfig, TransformError
-from workbench.pipeline.transforms.cache_inputs import run_cached
+from workbench.runtime.probe import run_cached
 from workbench.pipeline.transforms.cached_attention import InsertCachedAttention
 from workbench.pipeline.transforms.hf_cached_attention import HFCachedLM, transformers_mode_entries
 from workbench.pipeline.transforms.patterns import export_graph_module
@@ -80,7 +82,7 @@ def test_numerics_probe_runs_through_the_cached_graph(wb):
     # Another probe shape through the same probe function.
     probe = make_batch(wb.ctx.vocab_size, 3, 23, seed=5)
     with torch.no_grad():
-        out = wb.ctx.shared["probe_fn"](wb.module, probe)
+        out = wb.ctx.cache.probe(wb.module, probe)
         ref = CausalLMLogits(wb.loaded.model)(*probe.args)
     assert out.shape == ref.shape and _rmse_ratio(out, ref) <= 1e-5
 
@@ -101,14 +103,14 @@ def test_resize_follows_the_cpu_budget_and_rewinds(wb):
     try:
         wb.configure("resize_kv_cache", cpu_budget_bytes=10 * 8192 + 100)
         wb.run()
-        cfg = wb.ctx.shared["kv_cache_config"]
+        cfg = wb.ctx.cache.config
         assert cfg.num_pages == 10 and wb.snapshot("resize_kv_cache").mem_delta == (10 - 191) * 8192
         out = wb.generate([[1, 2, 3]], max_new_tokens=4, stop_token_ids=[])
         assert len(out.results[0].token_ids) == 4
     finally:
         wb.configure("resize_kv_cache", cpu_budget_bytes=256 * 2**20)
         wb.run()
-    assert wb.ctx.shared["kv_cache_config"].num_pages == 2048 + 1  # 64 x 2048 tokens + scratch page
+    assert wb.ctx.cache.config.num_pages == 2048 + 1  # 64 x 2048 tokens + scratch page
 
 
 def test_bnsd_layout_gets_transposes(tiny_llama):
@@ -133,7 +135,8 @@ def test_backend_choice_errors():
 
 
 def test_flashinfer_refuses_shapes_it_has_no_kernels_for():
-    from workbench.pipeline.transforms.cached_attention import BACKENDS, _check_shapes
+    from workbench.ops.backends import ATTENTION_BACKENDS as BACKENDS
+    from workbench.pipeline.transforms.cached_attention import _check_shapes
 
     fi = BACKENDS["flashinfer"]
     assert "head_dim 16" in fi.unsupported(16, 16, torch.bfloat16, False)
@@ -157,7 +160,7 @@ def test_uncacheable_attention_is_refused():
     gm = export_graph_module(f, [torch.randn(1, 4, 2, 8)] * 3)
     t = InsertCachedAttention(TransformConfig(stage=Stages.CACHE_INIT))
     with pytest.raises(ValueError, match="not causal"):
-        t._apply(gm, None)
+        t._apply(gm, PipelineContext.standalone())
 
 
 def test_hidden_state_capture(tiny_llama):
@@ -166,7 +169,7 @@ def test_hidden_state_capture(tiny_llama):
     bench.run()
     snap = bench.snapshot("insert_cached_residual_add")
     assert snap.info.num_matches == 1 and snap.info.details["captured_layers"] == [0]
-    cache = bench.ctx.resources["hidden_states_cache_0"]
+    cache = bench.ctx.cache.tensors["hidden_states_cache_0"]
     assert tuple(cache.shape) == (2048, 64)
     ids = [5, 9, 200, 3, 17]
     runner = runner_for(bench.module, bench.ctx)
@@ -233,10 +236,10 @@ def test_page_allocator():
 
 
 def test_cached_runner_checks_its_inputs(wb):
-    cfg = wb.ctx.shared["kv_cache_config"]
+    cfg = wb.ctx.cache.config
     with pytest.raises(ValueError, match="no cache tensors"):
         CachedRunner(wb.module, {}, cfg)
-    caches = dict(wb.ctx.resources)
+    caches = dict(wb.ctx.cache.tensors)
     caches["k_cache_0"] = torch.empty(0)
     with pytest.raises(ValueError, match="released"):
         CachedRunner(wb.module, caches, cfg)

@@ -141,7 +141,7 @@ def test_detect_hidden_states_for_capture():
     marked = {n.meta[CAPTURE_KEY]: n for n in wb.module.graph.nodes if CAPTURE_KEY in n.meta}
     assert sorted(marked) == [0, 1]
     assert all(n.target is torch.ops.aten.add.Tensor for n in marked.values())  # residual adds
-    assert wb.ctx.shared["hidden_states_to_capture"] == {i: n.name for i, n in marked.items()}
+    assert wb.ctx.hidden_states_to_capture == {i: n.name for i, n in marked.items()}
     wb.configure(LAST, eagle3_layers_to_capture={5})
     with pytest.raises(Exception, match="not found"):
         wb.run_to(LAST)

@@ -25,8 +25,8 @@ def wb(tiny_llama):
 
 def piecewise_runner(bench, buckets):
     pieces = PiecewiseGraphs(bench.module, buckets, use_cuda_graphs=False)
-    cfg = bench.ctx.shared["kv_cache_config"]
-    return CompiledRunner(bench.module, bench.ctx.resources, cfg, "cpu", piecewise=pieces), pieces
+    cfg = bench.ctx.cache.config
+    return CompiledRunner(bench.module, bench.ctx.cache.tensors, cfg, "cpu", piecewise=pieces), pieces
 
 
 def greedy(bench, new=12):
@@ -54,11 +54,11 @@ def test_split_puts_each_cached_attention_between_two_row_wise_pieces(wb):
 def test_padded_steps_generate_the_same_tokens_as_the_plain_graph(wb):
     ref = greedy(wb)
     runner, pieces = piecewise_runner(wb, [4, 16])
-    wb.ctx.shared["runner"] = runner
+    wb.ctx.runner = runner
     try:
         assert greedy(wb) == ref
     finally:
-        wb.ctx.shared.pop("runner")
+        wb.ctx.runner = None
     # the 15-token prefill ran in the 16 bucket, each 3-sequence decode step in the 4 bucket
     assert pieces.steps == 12
 
@@ -66,11 +66,11 @@ def test_padded_steps_generate_the_same_tokens_as_the_plain_graph(wb):
 def test_steps_above_the_largest_bucket_run_unsplit(wb):
     ref = greedy(wb, 4)
     runner, pieces = piecewise_runner(wb, [4])  # the 15-token prefill does not fit
-    wb.ctx.shared["runner"] = runner
+    wb.ctx.runner = runner
     try:
         assert greedy(wb, 4) == ref
     finally:
-        wb.ctx.shared.pop("runner")
+        wb.ctx.runner = None
     assert pieces.steps == 3  # the decode steps only
 
 
@@ -132,7 +132,7 @@ def test_piecewise_cuda_graphs_generate_the_same_tokens_as_torch_simple(backend)
     details = bench.snapshots[-1].info.details
     assert details["piecewise_num_tokens"] == [16, 64] and details["piecewise_captured_pieces"] == 3
     assert details["piecewise_check_max_abs_diff"] < 1e-2
-    runner = bench.ctx.shared["runner"]
+    runner = bench.ctx.runner
     assert greedy(bench, 24) == ref
     assert runner.piecewise.steps >= 1 and runner.piecewise.state.eager_pieces == 0 and runner.replays > 0
     bench.configure("compile_model", piecewise_num_tokens=[1 << 20])

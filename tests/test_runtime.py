@@ -242,7 +242,7 @@ def test_pages_are_the_limit_when_the_cache_is_small(small):
     try:
         small.configure("resize_kv_cache", cpu_budget_bytes=12 * 8 * 512)  # 12 pages of 8 tokens
         small.run()
-        assert small.ctx.shared["kv_cache_config"].num_pages == 12
+        assert small.ctx.cache.config.num_pages == 12
         out = small.generate(prompts, max_new_tokens=10, stop_token_ids=[])
     finally:
         small.configure("resize_kv_cache", cpu_budget_bytes=256 * 2**20)

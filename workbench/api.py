@@ -7,18 +7,36 @@ the pipeline package must not import itself (viz).
 
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from pathlib import Path
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .models import LoadedModel, load_model
+from .models.devices import resolve_device
 from .pipeline.config import apply_global_field, resolve_pipeline
 from .pipeline.interface import TRANSFORMS
 from .pipeline.stepper import PipelineStepper
 from .pipeline.snapshot import Snapshot
 
 logger = logging.getLogger("workbench")
+_STEPPER_ARGS = frozenset(inspect.signature(PipelineStepper.__init__).parameters) - {"self", "loaded"}
+
+
+def ensure_writable_dir(path: Union[str, Path], what: str) -> Path:
+    """Create ``path`` if needed and check it takes files, before any work is spent on writing there."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / ".workbench-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"{what} {str(p)!r} cannot be written ({type(e).__name__}: {e.strerror or e}); "
+                         "pick a directory you can write to") from None
+    return p
 
 
 class Workbench(PipelineStepper):
@@ -42,16 +60,42 @@ class Workbench(PipelineStepper):
         seed: int = 0,
         **kwargs: Any,
     ):
-        # Validate the configuration before loading weights: a typo should fail in milliseconds.
+        """``kwargs`` go to ``PipelineStepper``: ``max_batch_size``, ``max_seq_len``,
+        ``max_num_tokens``, ``page_size`` (the runtime limits), ``numerics``, ``snapshots``,
+        ``probe_shape``, ``on_snapshot``, ``entries``, ``registry``."""
+        # Everything the caller gave, so that with_options() can build the same Workbench again.
+        self.options: Dict[str, Any] = dict(model=model, dtype=dtype, device=device, yaml_extra=yaml_extra,
+                                            overrides=overrides, debug_visualize_dir=debug_visualize_dir,
+                                            seed=seed, **kwargs)
+        # Check what can be checked before any weight is loaded: a typo should fail in milliseconds.
+        device = resolve_device(device)
         registry = kwargs.pop("registry", TRANSFORMS)
         entries = kwargs.pop("entries", None) or resolve_pipeline(yaml_extra, overrides, registry)
         if debug_visualize_dir is not None:
+            ensure_writable_dir(debug_visualize_dir, "debug_visualize_dir")
             entries = apply_global_field(entries, "debug_visualize_dir", debug_visualize_dir)
         loaded = model if isinstance(model, LoadedModel) else load_model(
             model, dtype=dtype, device=device, seed=seed
         )
         super().__init__(loaded, entries=entries, device=device, registry=registry, **kwargs)
         self.on_snapshot.append(self._visualize)
+
+    def with_options(self, **changes: Any) -> "Workbench":
+        """A new Workbench built with this one's constructor arguments, ``changes`` applied.
+
+        ``wb.with_options(dtype="bfloat16", entries=list(wb.entries))`` reloads the model in another
+        dtype and keeps the configured pipeline and every other argument (limits, device, numerics,
+        ...). A model passed as a ``LoadedModel`` is loaded again from its spec when the dtype,
+        device or seed changes.
+        """
+        unknown = sorted(set(changes) - set(inspect.signature(Workbench.__init__).parameters) - _STEPPER_ARGS)
+        if unknown:
+            raise TypeError(f"with_options: unknown option(s) {unknown}; known: "
+                            f"{sorted((set(inspect.signature(Workbench.__init__).parameters) | _STEPPER_ARGS) - {'self', 'kwargs'})}")
+        args = {**self.options, **changes}
+        if isinstance(args["model"], LoadedModel) and {"dtype", "device", "seed"} & set(changes):
+            args["model"] = args["model"].spec
+        return Workbench(**args)
 
     def ui(self):
         """The notebook panel over this workbench (``workbench.widgets.WorkbenchPanel``).

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from .build import build_random_model
+from .devices import resolve_device
 from .dtypes import resolve_dtype
 from .loaded import LoadedModel
 from .spec import ModelSpecError, ResolvedSpec, resolve_spec
@@ -126,6 +127,17 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device):
     return model, tokenizer
 
 
+def _load_failure(spec: str, path: Path, exc: BaseException) -> str:
+    """One message for a model that resolved to files but did not load: which file, why, what to do."""
+    text = f"{type(exc).__name__}: {exc}"
+    if type(exc).__name__ == "SafetensorError" or "safetensors" in text.lower():
+        bad = sorted(p.name for p in Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+        return (f"{spec!r} resolved to {path}, but its weights could not be read ({text}): "
+                f"{', '.join(bad) or 'the .safetensors file'} is not a valid safetensors file (truncated, or not "
+                "a safetensors file at all). Re-download or re-save the weights (model.save_pretrained).")
+    return f"{spec!r} resolved to {path} but loading failed: {text}"
+
+
 def load_model(
     spec: str,
     dtype: torch.dtype | str = torch.float32,
@@ -141,7 +153,7 @@ def load_model(
     Raises :class:`ModelSpecError` for specs that cannot be resolved or loaded.
     """
     dtype = resolve_dtype(dtype)
-    device = torch.device(device)
+    device = resolve_device(device)
     resolved: ResolvedSpec = resolve_spec(spec, tiny_registry)
     tokenizer = None
     with hf_offline():
@@ -156,7 +168,9 @@ def load_model(
                 else:
                     model, tokenizer = _load_hf_dir(resolved.path, dtype, device)
                     source = str(resolved.path)
-            except (OSError, ValueError, KeyError) as exc:
-                raise ModelSpecError(f"{spec!r} resolved to {resolved.path} but loading failed: {exc}") from exc
+            except Exception as exc:  # noqa: BLE001 - any loader failure: name the model, the file and what to do
+                if isinstance(exc, ModelSpecError):
+                    raise
+                raise ModelSpecError(_load_failure(spec, resolved.path, exc)) from exc
     model = _finalise(model)
     return LoadedModel(spec=spec, model=model, config=model.config, tokenizer=tokenizer, source=source)

@@ -15,6 +15,24 @@ import torch
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
+def interpreter_numpy_clash() -> str:
+    """Why the installed triton's interpreter cannot run with the installed numpy ('' if it can).
+
+    Triton 3.6's interpreter keeps scalars as 1-element arrays and turns loop bounds into ints with
+    ``int(array)``, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python
+    scalars"); triton 3.9's does not. Seen with the GPU image's triton 3.6 on CPU (compiled kernels
+    on a GPU never take this path).
+    """
+    import numpy
+    import triton
+    from packaging.version import Version
+
+    if Version(triton.__version__).release < (3, 7) and Version(numpy.__version__).release >= (2, 4):
+        return (f"triton {triton.__version__}'s interpreter cannot run with numpy {numpy.__version__} "
+                "(it needs numpy < 2.4, or triton >= 3.7)")
+    return ""
+
+
 def triton_available(device: torch.device | str = "cuda") -> Tuple[bool, str]:
     """Whether Triton kernels can run on ``device``, and why not if they cannot."""
     device = torch.device(device)
@@ -25,6 +43,9 @@ def triton_available(device: torch.device | str = "cuda") -> Tuple[bool, str]:
             return False, "CUDA is not available"
         return True, "triton on CUDA"
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        clash = interpreter_numpy_clash()
+        if clash:
+            return False, clash
         return True, "triton interpreter (TRITON_INTERPRET=1) on CPU tensors"
     return False, (f"triton does not compile for {device.type} tensors (on CPU it runs only under "
                    "the interpreter: set TRITON_INTERPRET=1 before triton is imported)")

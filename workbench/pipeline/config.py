@@ -35,17 +35,39 @@ def load_default_yaml() -> Dict[str, Any]:
     return _parse_yaml(text, "default.yaml (packaged)")
 
 
+TOP_LEVEL_KEYS = ("transforms",)
+
+
 def _parse_yaml(text: str, source: str) -> Dict[str, Any]:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: not valid YAML: {e}") from e
-    if not isinstance(data, dict) or not isinstance(data.get("transforms", {}), dict):
-        raise ConfigError(
-            f"{source}: expected a mapping with a 'transforms:' mapping of "
-            f"transform key -> fields, got {type(data).__name__}"
-        )
-    return data
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        raise ConfigError(f"{source}: not valid YAML{at}: {getattr(e, 'problem', None) or e}. Fix the file, "
+                          "or leave it out of --yaml-extra") from None
+    return check_tree(data, source)
+
+
+def check_tree(data: Any, source: str) -> Dict[str, Any]:
+    """A config tree must be ``{transforms: {key: {field: value}}}``: anything else at the top level
+    (a transform key written without ``transforms:`` above it, a typo) is an error, never ignored."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: expected a mapping with a 'transforms:' mapping of transform key -> "
+                          f"fields, got {type(data).__name__}")
+    unknown = [k for k in data if k not in TOP_LEVEL_KEYS]
+    if unknown:
+        hint = ""
+        keys = [k for k in unknown if str(k) in TRANSFORMS]
+        if keys:
+            hint = f" ({', '.join(map(repr, keys))} {'is a transform key' if len(keys) == 1 else 'are transform keys'}: " \
+                   "put them under 'transforms:')"
+        raise ConfigError(f"{source}: unknown top-level key(s) {', '.join(map(repr, unknown))}{hint}; "
+                          f"allowed: {', '.join(TOP_LEVEL_KEYS)}")
+    if not isinstance(data.get("transforms") or {}, Mapping):
+        raise ConfigError(f"{source}: 'transforms:' must be a mapping of transform key -> fields, got "
+                          f"{type(data['transforms']).__name__}")
+    return dict(data)
 
 
 def load_yaml_file(path: Union[str, Path]) -> Dict[str, Any]:
@@ -153,8 +175,8 @@ def resolve_pipeline(
     tree = dict(base) if base is not None else load_default_yaml()
     sources = {k: "default.yaml" for k in tree.get("transforms", {})}
     for extra in yaml_extra:
-        data = extra if isinstance(extra, Mapping) else load_yaml_file(extra)
         name = "yaml_extra" if isinstance(extra, Mapping) else str(extra)
+        data = check_tree(extra, name) if isinstance(extra, Mapping) else load_yaml_file(extra)
         for k in (data.get("transforms") or {}):
             sources[k] = name
         tree = deep_merge(tree, data)

@@ -1,16 +1,125 @@
-"""The explicit context every transform receives, instead of globals.
+"""The explicit, typed context every transform receives, instead of globals or a blackboard dict.
 
-Re-running a notebook cell builds a new context, so nothing leaks between runs. ``shared`` holds
-state that one transform hands to a later one (e.g. the KV-cache manager); the stepper saves it in
-each snapshot and restores it on rewind.
+What flows from ``Workbench(...)`` to generated tokens, and which transform adds it:
+
+=============================  =====================================================================
+``limits: RuntimeLimits``       made once from the ``Workbench`` arguments (max_batch_size,
+                                max_seq_len, max_num_tokens, page_size); a transform field that
+                                overrides one writes it here and the override is reported
+``weights``                     the eager model's tensors by graph name (stepper); ``load_weights``
+                                binds the meta-traced graph to them
+``hidden_states_to_capture``    ``detect_hidden_states_for_capture``: layer -> node name
+``hf_attn_layers``              ``detect_hf_attn_layers`` (transformers mode)
+``cache: CacheState``           ``insert_cached_attention`` / ``insert_cached_residual_add`` /
+                                ``transformers_replace_cached_attn`` declare specs (``declare``);
+                                ``initialize_cache`` / ``resize_kv_cache`` allocate the config and
+                                tensors; the probe follows the specs
+``runner``                      ``compile_model`` (None: ``generate`` builds the plain runner)
+=============================  =====================================================================
+
+Re-running a notebook cell builds a new context, so nothing leaks between runs. The stepper keeps
+a ``ContextState`` (a shallow, immutable copy of the mutable parts) in every snapshot and restores it
+on rewind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
+
+from ..runtime.interface import CachedProbe, CacheSpec, KVCacheConfig, add_specs
+
+DEFAULT_MAX_NUM_TOKENS = 2048
+
+
+class PipelineOrderError(RuntimeError):
+    """A transform ran before the one that provides what it needs."""
+
+
+@dataclass(frozen=True)
+class RuntimeLimits:
+    """How much the compiled model must serve: one source of truth for every stage and the runtime."""
+
+    max_batch_size: int = 64  # sequences in flight at once
+    max_seq_len: int = 2048  # tokens one sequence may hold (prompt + generated)
+    max_num_tokens: Optional[int] = None  # tokens per forward step; None: min(2048, batch * seq)
+    page_size: int = 16  # tokens per KV-cache page
+    overrides: Tuple[str, ...] = ()  # "initialize_cache.max_batch_size: 64 -> 8", in order
+
+    def __post_init__(self):
+        for name in ("max_batch_size", "max_seq_len", "page_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_tokens is not None and self.max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens must be >= 1, got {self.max_num_tokens}")
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens per forward step, resolved."""
+        return self.max_num_tokens or min(DEFAULT_MAX_NUM_TOKENS, self.max_batch_size * self.max_seq_len)
+
+    def override(self, key: str, **values: Optional[int]) -> "RuntimeLimits":
+        """These limits with ``values`` (None: keep) set by transform ``key``, the change recorded."""
+        changed = {k: v for k, v in values.items() if v is not None and v != getattr(self, k)}
+        if not changed:
+            return self
+        notes = tuple(f"{key}.{k}: {getattr(self, k)} -> {v}" for k, v in changed.items())
+        return dataclasses.replace(self, **changed, overrides=self.overrides + notes)
+
+
+@dataclass
+class CacheState:
+    """Everything about the caches: declared specs, the allocated pool and its tensors, the probe.
+
+    ``declare`` is the one way to add specs: it merges them (same name, same spec: kept once;
+    conflicting: an error) and refreshes the numerics probe to feed the new inputs.
+    """
+
+    specs: Tuple[CacheSpec, ...] = ()
+    config: Optional[KVCacheConfig] = None
+    tensors: Dict[str, torch.Tensor] = field(default_factory=dict)  # by graph input name
+    probe: Optional[CachedProbe] = None
+    attention_backend: Optional[str] = None  # the cached-attention backend the graph calls
+
+    def declare(self, specs: Sequence[CacheSpec], dtype: torch.dtype, page_size: int) -> Tuple[CacheSpec, ...]:
+        self.specs = add_specs(self.specs, specs)
+        self.probe = CachedProbe(self.specs, dtype, page_size)
+        return self.specs
+
+    def require_specs(self, key: str) -> Tuple[CacheSpec, ...]:
+        if not self.specs:
+            raise PipelineOrderError(
+                f"{key} needs cache specs, and none were declared: run insert_cached_attention (or "
+                "transformers_replace_cached_attn) before it"
+            )
+        return self.specs
+
+    def require_config(self, key: str) -> KVCacheConfig:
+        if self.config is None:
+            raise PipelineOrderError(
+                f"{key} needs the allocated KV cache, and there is none: run initialize_cache before it"
+            )
+        return self.config
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def copy(self) -> "CacheState":
+        return dataclasses.replace(self, tensors=dict(self.tensors))
+
+
+@dataclass(frozen=True)
+class ContextState:
+    """The mutable part of a context as it was after one transform (kept in its snapshot)."""
+
+    limits: RuntimeLimits
+    cache: CacheState
+    runner: Any
+    hidden_states_to_capture: Mapping[int, str]
+    hf_attn_layers: Tuple[Any, ...]
 
 
 @dataclass
@@ -19,22 +128,48 @@ class PipelineContext:
     loaded: Any  # workbench.models.LoadedModel: model, config, tokenizer
     device: torch.device
     dtype: torch.dtype
-    max_batch_size: int = 64
-    max_seq_len: int = 2048
-    shared: Dict[str, Any] = field(default_factory=dict)
-    # Cache tensors (KV pages, SSM state...) by name; their bytes are reported in snapshots.
-    resources: Dict[str, torch.Tensor] = field(default_factory=dict)
+    limits: RuntimeLimits = field(default_factory=RuntimeLimits)
     # The eager model's tensors by graph attribute name (pipeline.weights.WeightSource): what
     # load_weights binds the meta-traced graph to.
     weights: Optional[Mapping[str, torch.Tensor]] = None
+    cache: CacheState = field(default_factory=CacheState)
+    runner: Any = None  # built by compile_model; None: generate builds the plain runner
+    hidden_states_to_capture: Dict[int, str] = field(default_factory=dict)
+    hf_attn_layers: Tuple[Any, ...] = ()
+
+    @classmethod
+    def standalone(cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> "PipelineContext":
+        """A context for running one transform on a graph of your own, outside a ``Workbench``
+        (no model behind it: ``config`` and ``vocab_size`` are unavailable)."""
+        return cls(spec="standalone", loaded=None, device=torch.device(device), dtype=dtype)
 
     @property
     def config(self) -> Any:
+        if self.loaded is None:
+            raise AttributeError("this is a standalone context (PipelineContext.standalone): it has no model config")
         return self.loaded.config
 
     @property
     def vocab_size(self) -> int:
-        return int(self.loaded.config.vocab_size)
+        return int(self.config.vocab_size)
 
     def cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.resources.values())
+        return self.cache.bytes()
+
+    def state(self) -> ContextState:
+        return ContextState(self.limits, self.cache.copy(), self.runner, dict(self.hidden_states_to_capture),
+                            tuple(self.hf_attn_layers))
+
+    def restore(self, state: Optional[ContextState], limits: RuntimeLimits) -> None:
+        """Back to ``state`` (None: as a fresh context with ``limits``)."""
+        if state is None:
+            self.limits, self.cache, self.runner = limits, CacheState(), None
+            self.hidden_states_to_capture, self.hf_attn_layers = {}, ()
+            return
+        self.limits, self.cache, self.runner = state.limits, state.cache.copy(), state.runner
+        self.hidden_states_to_capture = dict(state.hidden_states_to_capture)
+        self.hf_attn_layers = tuple(state.hf_attn_layers)
+
+
+__all__ = ["PipelineContext", "RuntimeLimits", "CacheState", "ContextState", "PipelineOrderError",
+           "DEFAULT_MAX_NUM_TOKENS"]

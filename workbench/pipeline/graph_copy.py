@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.fx as fx
 
-from .graph_utils import copy_module, graph_modules
+from .graph_utils import graph_modules
 
 _HOOK_DICTS = (
     "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
@@ -102,3 +102,19 @@ class GraphCopy:
         for name, hooks in self._hooks.items():
             getattr(gm, name).update(hooks)
         return gm
+
+
+def copy_module(mod: torch.nn.Module) -> torch.nn.Module:
+    """Copy ``mod`` so later graph rewrites do not touch it; parameters stay shared.
+
+    Handles a bare GraphModule (the common case) and a wrapper holding GraphModules (e.g. after a
+    compile backend wraps the graph): the wrapper is shallow-copied and each graph copied.
+    """
+    if isinstance(mod, fx.GraphModule):
+        return GraphCopy(mod).module  # built from its own graph copy: independent of mod
+    new = copy.copy(mod)
+    new._modules = dict(mod._modules)
+    for name, sub in list(new._modules.items()):
+        if sub is not None and (isinstance(sub, fx.GraphModule) or graph_modules(sub)):
+            new._modules[name] = copy_module(sub)
+    return new

@@ -1,20 +1,20 @@
 """Small graph helpers shared by the framework and the transforms.
 
 Kept free of transform logic: cleanup (dead code, lint, recompile), shape propagation with the
-graph's own fake mode, cheap graph copies that share parameter storage, and op histograms.
+graph's own fake mode, and op histograms. Graph copies live in ``graph_copy``.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 import torch
 import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 
@@ -82,24 +82,6 @@ def run_shape_prop(gm: fx.GraphModule) -> None:
         FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
 
 
-def copy_module(mod: torch.nn.Module) -> torch.nn.Module:
-    """Copy ``mod`` so later graph rewrites do not touch it; parameters stay shared.
-
-    Handles a bare GraphModule (the common case) and a wrapper holding GraphModules (e.g. after a
-    compile backend wraps the graph): the wrapper is shallow-copied and each graph copied.
-    """
-    if isinstance(mod, fx.GraphModule):
-        from .graph_copy import GraphCopy
-
-        return GraphCopy(mod).module  # built from its own graph copy: independent of mod
-    new = copy.copy(mod)
-    new._modules = dict(mod._modules)
-    for name, sub in list(new._modules.items()):
-        if sub is not None and (isinstance(sub, fx.GraphModule) or graph_modules(sub)):
-            new._modules[name] = copy_module(sub)
-    return new
-
-
 # Export's runtime checks on inputs: scalar asserts and range constraints on input dims.
 INPUT_ASSERT_OPS = frozenset({
     torch.ops.aten._assert_scalar.default,
@@ -139,6 +121,49 @@ def remove_input_checks(gm: fx.GraphModule) -> int:
     ):
         delattr(gm, "_guards_fn")
     return n
+
+
+def value_of(arg: Any) -> Any:
+    """A python/sym value for ``arg``: constants as they are, fx nodes by their recorded value."""
+    if isinstance(arg, fx.Node):
+        return arg.meta.get("val")
+    return arg
+
+
+def known_ge(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return False
+    try:
+        return bool(statically_known_true(a >= b))
+    except Exception:  # noqa: BLE001 - unknown symbolic relation means "not provable"
+        return False
+
+
+def is_noop_slice(node: fx.Node) -> bool:
+    """``aten.slice(x, dim, start, end, step)`` that keeps every element of ``dim``."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.slice.Tensor:
+        return False
+    x = tensor_meta(node.args[0])
+    if x is None:
+        return False
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    start = node.args[2] if len(node.args) > 2 else node.kwargs.get("start", None)
+    end = node.args[3] if len(node.args) > 3 else node.kwargs.get("end", None)
+    step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
+    if step != 1 or start not in (None, 0):
+        return False
+    if end is None or (isinstance(end, int) and end >= 2**62):  # export spells ":" as INT64_MAX
+        return True
+    return known_ge(value_of(end), x.shape[dim])
+
+
+def remove_noop_slices(gm: fx.GraphModule) -> int:
+    """Erase every ``is_noop_slice`` node (its users read the input instead); returns how many."""
+    nodes = [n for n in gm.graph.nodes if is_noop_slice(n)]
+    for node in nodes:
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    return len(nodes)
 
 
 def op_name(node: fx.Node) -> str:

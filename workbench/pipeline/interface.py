@@ -13,12 +13,15 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Dict, Iterator, List, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterator, List, Optional, Tuple, Type
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from .graph_utils import canonicalize_graph, graph_modules, run_shape_prop
+
+if TYPE_CHECKING:
+    from .context import PipelineContext
 
 logger = logging.getLogger("workbench.pipeline")
 
@@ -163,6 +166,11 @@ class Transform:
 
     key: ClassVar[str] = ""
     config_class: ClassVar[Type[TransformConfig]] = TransformConfig
+    # Facts of the context this transform sets up for later ones, and facts it needs from earlier
+    # ones (e.g. "cache specs"); the stepper refuses a pipeline that orders a need before every
+    # transform that could provide it (see check_order).
+    provides: ClassVar[Tuple[str, ...]] = ()
+    needs: ClassVar[Tuple[str, ...]] = ()
 
     def __init__(self, config: TransformConfig):
         if not isinstance(config, self.config_class):
@@ -173,11 +181,11 @@ class Transform:
     def log_prefix(self) -> str:
         return f"[stage={self.config.stage.value}, transform={self.key}]"
 
-    def _apply(self, gm: torch.nn.Module, ctx: Any) -> Tuple[torch.nn.Module, TransformInfo]:
+    def _apply(self, gm: torch.nn.Module, ctx: "PipelineContext") -> Tuple[torch.nn.Module, TransformInfo]:
         raise NotImplementedError
 
     def __call__(
-        self, mod: torch.nn.Module, ctx: Any, state: GraphState
+        self, mod: torch.nn.Module, ctx: Optional["PipelineContext"], state: GraphState
     ) -> Tuple[torch.nn.Module, TransformInfo, PhaseTimes]:
         """Apply the transform with the framework's bookkeeping.
 
@@ -185,6 +193,10 @@ class Transform:
         Raises ``TransformError`` unless ``skip_on_error`` is set.
         """
         cfg, times = self.config, PhaseTimes()
+        if ctx is None:  # one transform on a graph of the caller's own: a context without a model
+            from .context import PipelineContext
+
+            ctx = PipelineContext.standalone()
         if not cfg.enabled:
             info = TransformInfo(
                 skipped=True, skip_reason="disabled", is_clean=state.is_clean,
@@ -271,6 +283,22 @@ class Transform:
                 setattr(root.get_submodule(parent_name) if parent_name else root, attr, new)
                 return root
         raise RuntimeError("transform returned a new graph module that could not be re-attached")
+
+
+def check_order(entries: List[Any], registry: "TransformRegistry") -> Optional[str]:
+    """Why this ordered pipeline (``PipelineEntry`` list) runs a transform before what it needs
+    (None when it does not). A need with no enabled provider at all is not an order problem: the
+    transform then reports itself skipped with the reason, as it always has."""
+    enabled = [(i, e.key) for i, e in enumerate(entries) if e.config.enabled]
+    for i, key in enabled:
+        for fact in registry.get(key).needs:
+            providers = [(j, k) for j, k in enabled if fact in registry.get(k).provides]
+            if providers and all(j > i for j, _ in providers):
+                names = " or ".join(k for _, k in providers)
+                return (f"{key} needs the {fact} that {names} provides, but it runs before "
+                        f"{'it' if len(providers) == 1 else 'them'} in this pipeline: run {names} "
+                        f"before {key} (its stage, or its place in the YAML)")
+    return None
 
 
 def _require_loaded_weights(key: str, stage: Stages, graphs: List[torch.fx.GraphModule]) -> None:

@@ -7,11 +7,12 @@ of the graph structure only (no weights are copied).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, List, Optional
 
 import torch
 
+from .context import ContextState
 from .graph_copy import GraphCopy
 from .interface import PhaseTimes, Stages, TransformConfig, TransformInfo
 from .memory import MemoryStats
@@ -39,8 +40,7 @@ class Snapshot:
     added_nodes: List[str]  # created by this transform (provenance)
     removed_nodes: List[str]  # present before, gone after
     numerics: Optional[Numerics] = None
-    shared: Dict[str, Any] = field(default_factory=dict)  # ctx.shared as it was after the step
-    resources: Dict[str, torch.Tensor] = field(default_factory=dict)
+    context: Optional[ContextState] = None  # the context's mutable part as it was after the step
 
     @property
     def module(self) -> Optional[torch.nn.Module]:

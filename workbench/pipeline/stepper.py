@@ -17,9 +17,10 @@ import torch
 from ..models.export_contract import CausalLMLogits, ProbeBatch, make_batch
 from . import transforms as _transforms  # noqa: F401  (registers every transform)
 from .config import ConfigError, PipelineEntry, resolve_pipeline
+from .context import PipelineContext, RuntimeLimits
 from .graph_copy import GraphCopy
 from .graph_utils import graph_modules, num_nodes, op_histogram
-from .interface import TRANSFORMS, GraphState, Stages, TransformError, TransformRegistry
+from .interface import TRANSFORMS, GraphState, Stages, TransformError, TransformRegistry, check_order
 from .memory import EXPECTED_MEM_CHANGE, measure, unexpected_change
 from .numerics import Numerics, compare_logits, exceeds
 from .snapshot import PROVENANCE_KEY, Snapshot
@@ -48,14 +49,14 @@ class PipelineStepper:
         device: Union[str, torch.device] = "cpu",
         max_batch_size: int = 64,
         max_seq_len: Optional[int] = None,
+        max_num_tokens: Optional[int] = None,
+        page_size: int = 16,
         numerics: Optional[bool] = None,
         snapshots: bool = True,
         probe_shape: tuple = (2, 16),
         on_snapshot: Sequence[SnapshotHook] = (),
         registry: TransformRegistry = TRANSFORMS,
     ):
-        from .context import PipelineContext
-
         self.loaded = loaded
         self.registry = registry
         self.entries: List[PipelineEntry] = (
@@ -66,10 +67,12 @@ class PipelineStepper:
         device = torch.device(device)
         max_pos = getattr(loaded.config, "max_position_embeddings", 2048) or 2048
         dtype = next(loaded.model.parameters()).dtype
-        self.ctx = PipelineContext(
-            spec=loaded.spec, loaded=loaded, device=device, dtype=dtype,
-            max_batch_size=max_batch_size, max_seq_len=max_seq_len or min(int(max_pos), 4096),
-        )
+        # The one source of the runtime limits; transforms read (and, where a field overrides one,
+        # write) ctx.limits, generate reads the cache built from it.
+        self.limits = RuntimeLimits(max_batch_size=max_batch_size,
+                                    max_seq_len=max_seq_len or min(int(max_pos), 4096),
+                                    max_num_tokens=max_num_tokens, page_size=page_size)
+        self.ctx = PipelineContext(spec=loaded.spec, loaded=loaded, device=device, dtype=dtype, limits=self.limits)
         self.record_graphs = snapshots
         if numerics is None:
             numerics = loaded.num_parameters < NUMERICS_DEFAULT_MAX_PARAMS
@@ -170,6 +173,9 @@ class PipelineStepper:
             raise ConfigError(f"transform '{key}': changing the stage is not supported here")
         if new_cfg == entry.config:
             return
+        order = check_order([*self.entries[:i], PipelineEntry(key, new_cfg), *self.entries[i + 1:]], self.registry)
+        if order:
+            raise ConfigError(order)
         self.entries[i] = PipelineEntry(key, new_cfg)
         self.invalidate(i)
 
@@ -198,12 +204,11 @@ class PipelineStepper:
         if self.snapshots:
             last = self.snapshots[-1]
             self._live = last.graph_copy.materialize()
-            self.ctx.shared = dict(last.shared)
-            self.ctx.resources = dict(last.resources)
+            self.ctx.restore(last.context, self.limits)
             self._state = GraphState(last.info.is_clean, last.info.has_valid_shapes)
         else:
             self._live = self._eager
-            self.ctx.shared, self.ctx.resources = {}, {}
+            self.ctx.restore(None, self.limits)
             self._state = GraphState()
 
     def _check_unique(self) -> None:
@@ -212,6 +217,9 @@ class PipelineStepper:
             if e.key in seen:
                 raise ConfigError(f"transform '{e.key}' appears twice in the pipeline")
             seen.add(e.key)
+        order = check_order(self.entries, self.registry)
+        if order:
+            raise ConfigError(order)
 
     # ------------------------------------------------------------------ running
     def step(self) -> Snapshot:
@@ -276,14 +284,14 @@ class PipelineStepper:
             num_nodes=num_nodes(mod), op_histogram=op_histogram(mod), graph_copy=stored,
             node_names=frozenset(names), added_nodes=added, removed_nodes=removed,
             numerics=self._probe(mod) if self.numerics_enabled else None,
-            shared=dict(self.ctx.shared), resources=dict(self.ctx.resources),
+            context=self.ctx.state(),
         )
 
     def _probe(self, mod: torch.nn.Module) -> Numerics:
-        runner = self.ctx.shared.get("probe_fn")
+        probe = self.ctx.cache.probe
         try:
             with torch.no_grad():
-                out = runner(mod, self.probe) if runner else self._call(mod, self.probe.args)
+                out = probe(mod, self.probe) if probe is not None else self._call(mod, self.probe.args)
         except Exception as e:  # noqa: BLE001 - the probe is diagnostic, never fatal
             return Numerics(error=f"probe could not run: {type(e).__name__}: {e}"[:300])
         if not isinstance(out, torch.Tensor):

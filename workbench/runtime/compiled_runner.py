@@ -1,7 +1,8 @@
 """Runners over a compiled forward: ``torch.compile``, CUDA graphs per decode batch size, piecewise.
 
-``compile_model`` builds one of these (capturing CUDA graphs happens there, so its cost shows in
-the compile snapshot) and hands it to ``generate`` through ``ctx.shared``. All of them keep
+``compile_model`` builds one of these through a compile backend (``runtime.backends``; capturing
+CUDA graphs happens there, so its cost shows in the compile snapshot) and hands it to ``generate``
+through ``PipelineContext.runner``. All of them keep
 ``CachedRunner``'s contract (a scheduled ``Step`` in, next-token logits out) and differ only in
 how one forward runs:
 
@@ -152,6 +153,13 @@ class CudaGraphRunner(CompiledRunner):
     def bucket(self, num_seqs: int) -> Optional[int]:
         """The smallest captured batch size that holds ``num_seqs`` decode sequences (None: none)."""
         return next((b for b in self.batch_sizes if b >= num_seqs), None)
+
+    def replayed_scratch_decode_logits(self, batch_size: int) -> torch.Tensor:
+        """Logits [B, V] of a scratch decode step replayed from the graph captured for B's bucket."""
+        b = self.bucket(batch_size)
+        self.set_scratch_decode(b)
+        self.graphs[b].replay()
+        return self.outputs[b][0, :batch_size].float().clone()
 
     def forward(self, step: Step, sched: Scheduler) -> torch.Tensor:
         b = len(step.items)

@@ -100,28 +100,30 @@ class UncachedRunner:
 
 
 def runner_for(module: torch.nn.Module, ctx: Any):
-    """The runner for a pipeline's final module and context (``PipelineContext``).
+    """The runner for a pipeline's final module and context (a ``PipelineContext``: read for its
+    ``runner``, ``cache`` and ``limits``; the runtime never imports the pipeline).
 
-    ``compile_model`` leaves its runner (torch.compile, CUDA graphs) in ``ctx.shared['runner']``;
-    it is used when it was built for this very module, otherwise the plain runner is built here.
+    ``compile_model`` leaves its runner (torch.compile, CUDA graphs) in ``ctx.runner``; it is used
+    when it was built for this very module, otherwise the plain runner is built here.
     """
-    built = ctx.shared.get("runner")
+    built = ctx.runner
     if built is not None:
         if built.module is module:
             return built
         logger.warning("the compiled runner was built for another module: running %s eagerly", type(module).__name__)
     if is_cached_module(module):
-        cfg = ctx.shared.get("kv_cache_config")
+        cfg = ctx.cache.config
         if cfg is None:
             raise ValueError(
                 "the model takes cache inputs but no KV cache was allocated: enable initialize_cache "
                 "(and resize_kv_cache) in the cache_init stage"
             )
-        return CachedRunner(module, ctx.resources, cfg, ctx.device)
+        return CachedRunner(module, ctx.cache.tensors, cfg, ctx.device)
     logger.warning("no cache stage ran: generating without a KV cache (every step re-runs the whole sequence)")
-    max_b, max_s = ctx.max_batch_size, ctx.max_seq_len
-    cfg = KVCacheConfig(page_size=16, num_pages=max_b * -(-max_s // 16), dtype=ctx.dtype, max_batch_size=max_b,
-                        max_seq_len=max_s, max_num_tokens=max_b * max_s)
+    lim = ctx.limits
+    pages = lim.max_batch_size * -(-lim.max_seq_len // lim.page_size)
+    cfg = KVCacheConfig(page_size=lim.page_size, num_pages=pages, dtype=ctx.dtype, max_batch_size=lim.max_batch_size,
+                        max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_batch_size * lim.max_seq_len)
     return UncachedRunner(module, cfg, ctx.device)
 
 

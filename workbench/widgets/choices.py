@@ -7,10 +7,14 @@ is answered with a reason, so the panel can show it disabled instead of letting 
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
+
+from ..ops.backends import ATTENTION_BACKENDS
+from ..runtime.backends import COMPILE_BACKENDS
 
 NO_CUDA = "no CUDA GPU on this machine"
 NOT_IN_PIPELINE = "stage not in this pipeline yet"
@@ -19,22 +23,14 @@ Reason = Optional[str]  # None: available; otherwise why not
 
 
 def attention_backend_reason(backend: str, device: torch.device) -> Reason:
-    """Why an ``insert_cached_attention`` backend cannot run on ``device`` (None if it can).
-
-    Asks the cache stage's own backend table (each backend's ``is_available``), so the panel
-    and the transform give the same answer.
-    """
-    try:
-        from ..pipeline.transforms.cached_attention import BACKENDS
-    except ImportError:  # the cache stage is not in this build: nothing to pick from anyway
-        return None if backend == "torch" or torch.cuda.is_available() else NO_CUDA
-    if backend not in BACKENDS:
+    """Why an ``insert_cached_attention`` backend cannot run on ``device`` (None if it can): the
+    registry's answer, the same the transform gets."""
+    if backend not in ATTENTION_BACKENDS:
         return f"unknown backend {backend!r}"
-    try:
-        BACKENDS[backend].resolve(torch.device(device))
-    except (RuntimeError, ImportError) as e:
-        return f"{NO_CUDA}: {e}" if not torch.cuda.is_available() else str(e)
-    return None
+    why = ATTENTION_BACKENDS.get(backend).unavailable_reason(torch.device(device))
+    if why is None:
+        return None
+    return f"{NO_CUDA}: {why}" if not torch.cuda.is_available() else why
 
 
 def compile_backend_reason(backend: str, device: torch.device) -> Reason:
@@ -42,6 +38,13 @@ def compile_backend_reason(backend: str, device: torch.device) -> Reason:
     from ..pipeline.transforms.compile_model import backend_unavailable_reason
 
     return backend_unavailable_reason(backend, device)
+
+
+def _literal_options(key: str, field: str) -> Tuple[str, ...]:
+    """The values a transform's config field takes (its ``Literal``), in declaration order."""
+    from ..pipeline.interface import TRANSFORMS
+
+    return tuple(typing.get_args(TRANSFORMS.get(key).config_class.model_fields[field].annotation))
 
 
 @dataclass(frozen=True)
@@ -65,13 +68,13 @@ class Selector:
         return None
 
 
+# Options come from the backend registries and the config Literals, never from a list of our own.
 SELECTORS: Tuple[Selector, ...] = (
-    Selector("attention", "attention backend", ("torch", "triton", "flashinfer"),
+    Selector("attention", "attention backend", ATTENTION_BACKENDS.names(),
              (("insert_cached_attention", "backend"),), attention_backend_reason),
-    Selector("compile", "compile backend",
-             ("torch-simple", "torch-compile", "torch-cudagraph", "torch-opt"),
+    Selector("compile", "compile backend", COMPILE_BACKENDS.names(),
              (("compile_model", "backend"),), compile_backend_reason),
-    Selector("layout", "attention + RoPE layout", ("bsnd", "bnsd"),
+    Selector("layout", "attention + RoPE layout", _literal_options("match_attention_layout", "attn_layout"),
              (("match_attention_layout", "attn_layout"), ("match_rope_layout", "expected_layout"))),
     # Not a transform field: the weights are loaded in this dtype, so picking one reloads the model.
     Selector("dtype", "dtype", ("float32", "bfloat16", "float16"), ()),

@@ -390,8 +390,6 @@ class WorkbenchPanel:
 
     def _reload(self, dtype: str) -> bool:
         """Load the model again in ``dtype``: the panel then drives a new Workbench (``panel.wb``)."""
-        from ..api import Workbench
-
         old = self.wb
         if str(old.ctx.dtype) == f"torch.{dtype}":
             return False
@@ -399,9 +397,8 @@ class WorkbenchPanel:
 
         def job() -> None:
             self._say(f"loading {old.ctx.spec} in {dtype}…", "#1565c0")
-            new = Workbench(old.loaded.spec, dtype=dtype, device=old.ctx.device,
-                            entries=list(old.entries), registry=old.registry,
-                            numerics=old.numerics_enabled)
+            # every constructor argument kept (limits, device, numerics...), the configured pipeline too
+            new = old.with_options(dtype=dtype, entries=list(old.entries))
             self.wb, self.seen, self._pane_key = new, {}, None
             self.svgs.clear()
             while new.position < target and not self.worker.stop_requested:

@@ -13,18 +13,16 @@ and the graph gains the metadata inputs (shared by all layers) and one K and one
 layer (see ``cache_inputs``). The runtime feeds ``input_ids [1, T]`` -- the whole step's tokens
 flattened -- so the reshapes are views; a ``[b, s]`` batch of b fresh prefill sequences also
 works unchanged (that is how the numerics probe runs). Allocation happens later
-(``initialize_cache``): this transform only declares ``CacheSpec``s in ``ctx.shared['cache_specs']``.
+(``initialize_cache``): this transform only declares ``CacheSpec``s (``ctx.cache.declare``).
 
-Backends (one table, resolved when the transform runs, each with a reason when unavailable):
-``torch`` (reference, CPU and GPU), ``triton`` (``triton_cached_attention``: GPU, or CPU under
-``TRITON_INTERPRET=1``), ``flashinfer`` (GPU only, optional extra).
+Backends: ``workbench.ops.backends.ATTENTION_BACKENDS`` (``torch`` reference, CPU and GPU;
+``triton``: GPU, or CPU under ``TRITON_INTERPRET=1``; ``flashinfer``: GPU only, optional extra),
+picked when the transform runs, each with a reason when it cannot run or cannot take the shape.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -32,9 +30,10 @@ import torch.fx as fx
 from pydantic import Field, field_validator
 
 from ... import ops  # noqa: F401  (registers torch.ops.workbench)
-from ...runtime.kv_cache import PAGED, CacheSpec, add_specs
+from ...ops.backends import ATTENTION_BACKENDS, AttentionBackend
+from ...runtime.interface import PAGED, CacheSpec
 from ..interface import Transform, TransformConfig, TransformInfo, register
-from .cache_inputs import CachedProbe, cache_input, metadata_inputs
+from ..cache_inputs import cache_input, metadata_inputs
 from .patterns import annotate_new_nodes, named_args
 
 aten = torch.ops.aten
@@ -43,70 +42,24 @@ aten = torch.ops.aten
 # ------------------------------------------------------------------------------ backends
 
 
-@dataclass(frozen=True)
-class AttentionBackend:
-    name: str
-    module: str  # where the op is defined (imported on use)
-    op_name: str  # torch.ops.workbench.<op_name>
-    requirement: str  # what it needs, for error messages
-
-    def resolve(self, device: torch.device) -> Callable:
-        """The op overload, or a ``RuntimeError`` naming what is missing."""
-        try:
-            mod = importlib.import_module(self.module)
-        except ModuleNotFoundError as e:
-            if e.name == self.module:
-                raise RuntimeError(f"attention backend '{self.name}': {self.op_name} not implemented yet") from e
-            raise
-        is_available = getattr(mod, "is_available", None)
-        if is_available is not None:
-            ok, why = is_available(device)
-            if not ok:
-                raise RuntimeError(
-                    f"attention backend '{self.name}' cannot run on {device}: {why}. It needs {self.requirement}; "
-                    "pick backend 'torch' (insert_cached_attention.backend=torch) to run anywhere."
-                )
-        return getattr(torch.ops.workbench, self.op_name).default
-
-    def unsupported(self, head_dim: int, v_head_dim: int, dtype: torch.dtype, has_sinks: bool) -> Optional[str]:
-        """Why this backend cannot take a layer of this shape (None: it can), from the op module's
-        ``unsupported`` hook; backends without one take every shape."""
-        check = getattr(importlib.import_module(self.module), "unsupported", None)
-        return check(head_dim, v_head_dim, dtype, has_sinks) if check is not None else None
-
-
-BACKENDS: Dict[str, AttentionBackend] = {
-    b.name: b for b in (
-        AttentionBackend("torch", "workbench.ops.attention.torch_cached_attention", "torch_cached_attention",
-                         "nothing beyond PyTorch"),
-        AttentionBackend("triton", "workbench.ops.attention.triton_cached_attention", "triton_cached_attention",
-                         "triton and a CUDA GPU (or TRITON_INTERPRET=1 on CPU)"),
-        AttentionBackend("flashinfer", "workbench.ops.attention.flashinfer_cached_attention",
-                         "flashinfer_cached_attention",
-                         "a CUDA GPU and the flashinfer package (pip install flashinfer-python)"),
-    )
-}
-DEFAULT_BACKEND = "torch"
-
-
 def resolve_backend(name: Optional[str], device: torch.device) -> Tuple[str, Callable]:
-    name = name or DEFAULT_BACKEND
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
-    return name, BACKENDS[name].resolve(device)
+    """The backend's name and op; a RuntimeError saying what is missing when it cannot run here."""
+    backend = ATTENTION_BACKENDS.pick(name, device, "insert_cached_attention.backend")
+    return backend.name, backend.op
 
 
 class InsertCachedAttentionConfig(TransformConfig):
     backend: Optional[str] = Field(
         default=None,
-        description=f"The attention backend to use: {' | '.join(BACKENDS)} (None: {DEFAULT_BACKEND}).",
+        description=f"The attention backend to use: {' | '.join(ATTENTION_BACKENDS.names())} "
+        f"(None: {ATTENTION_BACKENDS.default}).",
     )
 
     @field_validator("backend")
     @classmethod
     def _known(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and v not in BACKENDS:
-            raise ValueError(f"unknown attention backend {v!r}; known: {', '.join(BACKENDS)}")
+        if v is not None:
+            ATTENTION_BACKENDS.get(v)  # ValueError: "unknown attention backend ...; known: ..."
         return v
 
 
@@ -197,7 +150,7 @@ def _check_shapes(backend: AttentionBackend, nodes: List[fx.Node]) -> None:
             refused.setdefault(why, []).append(layer)
     if refused:
         what = "; ".join(f"{why} (layers {layers[:4]}{'...' if len(layers) > 4 else ''})" for why, layers in refused.items())
-        others = [n for n in BACKENDS if n != backend.name]
+        others = [n for n in ATTENTION_BACKENDS.names() if n != backend.name]
         raise ValueError(
             f"attention backend '{backend.name}' does not support this model: {what}. Use backend "
             f"{' or '.join(repr(n) for n in others)} (insert_cached_attention.backend=...)."
@@ -209,6 +162,7 @@ class InsertCachedAttention(Transform):
     """Rewrite every canonical attention op into the backend's paged cached attention op."""
 
     config_class = InsertCachedAttentionConfig
+    provides = ("cache specs",)
 
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         if not isinstance(gm, fx.GraphModule):
@@ -222,9 +176,9 @@ class InsertCachedAttention(Transform):
             return gm, TransformInfo(
                 num_matches=0, skip_reason="no torch_attention nodes (run the pattern_matcher stage first)"
             )
-        device = ctx.device if ctx is not None else torch.device("cpu")
+        device = ctx.device
         backend, op = resolve_backend(self.config.backend, device)
-        _check_shapes(BACKENDS[backend], nodes)  # all layers, before the graph changes
+        _check_shapes(ATTENTION_BACKENDS.get(backend), nodes)  # all layers, before the graph changes
         meta = metadata_inputs(gm, device)
         specs: List[CacheSpec] = []
         for layer, node in enumerate(nodes):
@@ -236,12 +190,9 @@ class InsertCachedAttention(Transform):
             "kv_heads": sorted({s.shape[0] for s in specs}), "head_dim": sorted({s.shape[1] for s in specs}),
             "new_inputs": ["seq_lens", "input_pos", "page_table", "num_prefill"] + [s.name for s in specs],
         }
-        if ctx is not None:
-            all_specs = add_specs(ctx.shared.get("cache_specs", ()), specs)
-            ctx.shared["cache_specs"] = all_specs
-            ctx.shared["cached_attention_backend"] = backend
-            ctx.shared["probe_fn"] = CachedProbe(all_specs, ctx.dtype)
+        ctx.cache.declare(specs, ctx.dtype, ctx.limits.page_size)
+        ctx.cache.attention_backend = backend
         return gm, TransformInfo(num_matches=len(nodes), is_clean=True, has_valid_shapes=True, details=details)
 
 
-__all__ = ["BACKENDS", "AttentionBackend", "resolve_backend", "InsertCachedAttention", "rewrite_attention"]
+__all__ = ["resolve_backend", "InsertCachedAttention", "InsertCachedAttentionConfig", "rewrite_attention"]

@@ -23,9 +23,9 @@ from typing import List, Tuple
 import torch
 import torch.fx as fx
 
-from ...runtime.kv_cache import PER_TOKEN, CacheSpec, add_specs
+from ...runtime.interface import PER_TOKEN, CacheSpec
 from ..interface import Transform, TransformInfo, register
-from .cache_inputs import CachedProbe, cache_input
+from ..cache_inputs import cache_input
 from .hidden_states import CAPTURE_KEY
 from .patterns import annotate_new_nodes
 
@@ -40,13 +40,15 @@ def hidden_state_cache_name(layer: int) -> str:
 class InsertCachedResidualAdd(Transform):
     """Write each marked layer output into ``hidden_states_cache_<layer>`` every step."""
 
+    provides = ("cache specs",)
+
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         if not isinstance(gm, fx.GraphModule):
             return gm, TransformInfo(num_matches=0, skip_reason="not a graph (transformers mode captures nothing)")
         marked = [n for n in gm.graph.nodes if CAPTURE_KEY in n.meta]
         if not marked:
             return gm, TransformInfo(num_matches=0, skip_reason="no hidden states marked for capture")
-        device = ctx.device if ctx is not None else torch.device("cpu")
+        device = ctx.device
         specs: List[CacheSpec] = []
         g = gm.graph
         for node in marked:
@@ -69,10 +71,7 @@ class InsertCachedResidualAdd(Transform):
             specs.append(spec)
         g.lint()
         gm.recompile()
-        if ctx is not None:
-            all_specs = add_specs(ctx.shared.get("cache_specs", ()), specs)
-            ctx.shared["cache_specs"] = all_specs
-            ctx.shared["probe_fn"] = CachedProbe(all_specs, ctx.dtype)
+        ctx.cache.declare(specs, ctx.dtype, ctx.limits.page_size)
         return gm, TransformInfo(
             num_matches=len(specs), is_clean=True, has_valid_shapes=True,
             details={"captured_layers": sorted(s.layer for s in specs), "new_inputs": [s.name for s in specs]},

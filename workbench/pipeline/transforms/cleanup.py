@@ -14,27 +14,11 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph_utils import remove_input_checks, tensor_meta
+from ..graph_utils import is_noop_slice, known_ge, remove_input_checks, remove_noop_slices, tensor_meta, value_of
 from ..interface import Transform, TransformInfo, register
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-
-
-def _value(arg: Any) -> Any:
-    """A python/sym value for ``arg``: constants as they are, fx nodes by their recorded value."""
-    if isinstance(arg, fx.Node):
-        return arg.meta.get("val")
-    return arg
-
-
-def _known_ge(a: Any, b: Any) -> bool:
-    if a is None or b is None:
-        return False
-    try:
-        return bool(statically_known_true(a >= b))
-    except Exception:  # noqa: BLE001 - unknown symbolic relation means "not provable"
-        return False
 
 
 def _replace_with_input(gm: fx.GraphModule, node: fx.Node, src: fx.Node) -> None:
@@ -49,33 +33,12 @@ def _finish(gm: fx.GraphModule, n: int, **details) -> Tuple[fx.GraphModule, Tran
     return gm, TransformInfo(num_matches=n, is_clean=n == 0, has_valid_shapes=True, details=details)
 
 
-def is_noop_slice(node: fx.Node) -> bool:
-    """``aten.slice(x, dim, start, end, step)`` that keeps every element of ``dim``."""
-    if node.op != "call_function" or node.target is not aten.slice.Tensor:
-        return False
-    x = tensor_meta(node.args[0])
-    if x is None:
-        return False
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    start = node.args[2] if len(node.args) > 2 else node.kwargs.get("start", None)
-    end = node.args[3] if len(node.args) > 3 else node.kwargs.get("end", None)
-    step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
-    if step != 1 or start not in (None, 0):
-        return False
-    if end is None or (isinstance(end, int) and end >= 2**62):  # export spells ":" as INT64_MAX
-        return True
-    return _known_ge(_value(end), x.shape[dim])
-
-
 @register("cleanup_noop_slice")
 class CleanupNoopSlice(Transform):
     """Remove slices that select a whole dimension (``x[:, 0:size]``, ``x[..., :]``)."""
 
     def _apply(self, gm, ctx):
-        matches = [n for n in gm.graph.nodes if is_noop_slice(n)]
-        for node in matches:
-            _replace_with_input(gm, node, node.args[0])
-        return _finish(gm, len(matches))
+        return _finish(gm, remove_noop_slices(gm))
 
 
 def _is_zero_tensor(node: Any) -> bool:

@@ -76,10 +76,12 @@ class ExportToGMConfig(TransformConfig):
         default=8, ge=2, description="Sequence length of the example inputs (>= 2 so it stays dynamic)."
     )
     max_batch_size: Optional[int] = Field(
-        default=None, ge=2, description="Upper bound of the dynamic batch dim (default: context's)."
+        default=None, ge=2, description="Upper bound of the dynamic batch dim; None: the pipeline's "
+        "max_batch_size (set here, it overrides it for the rest of the pipeline)."
     )
     max_seq_len: Optional[int] = Field(
-        default=None, ge=2, description="Upper bound of the dynamic sequence dim (default: context's)."
+        default=None, ge=2, description="Upper bound of the dynamic sequence dim; None: the pipeline's "
+        "max_seq_len (set here, it overrides it for the rest of the pipeline)."
     )
     remove_tensor_metadata_asserts: bool = Field(
         default=True,
@@ -102,8 +104,9 @@ class ExportToGM(Transform):
         cfg: ExportToGMConfig = self.config
         if isinstance(mod, torch.fx.GraphModule):
             raise TypeError("export_to_gm got a GraphModule: the model is already exported")
-        max_b = cfg.max_batch_size or ctx.max_batch_size
-        max_s = cfg.max_seq_len or ctx.max_seq_len
+        # Its bounds are the pipeline's limits; set here, they override them (and are reported).
+        ctx.limits = ctx.limits.override(self.key, max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len)
+        max_b, max_s = ctx.limits.max_batch_size, ctx.limits.max_seq_len
         for what, example, bound in (("batch", cfg.example_batch_size, max_b), ("seq", cfg.example_seq_len, max_s)):
             if example > bound:
                 raise ValueError(

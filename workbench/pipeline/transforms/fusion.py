@@ -1,7 +1,7 @@
 """Stage ``post_load_fusion``: canonical ops -> backend ops, one transform per family.
 
 The pattern stage left model-independent ops; here each is swapped for the backend picked in its
-transform's config (table and availability rules: ``fusion_backends.py``; ``auto`` = Triton on
+transform's config (table and availability rules: ``workbench.ops.backends``; ``auto`` = Triton on
 CUDA, torch on CPU):
 
 * ``fuse_rmsnorm``  ``torch_rmsnorm(x, w, eps)`` -> ``triton_rmsnorm`` | ``flashinfer_rmsnorm``
@@ -29,7 +29,7 @@ from pydantic import Field
 from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ..interface import Transform, TransformConfig, TransformInfo, register
 from . import fusion_causal_conv, fusion_gemm  # noqa: F401  (register their transforms)
-from .fusion_backends import graph_device, resolve_backend
+from ...ops.backends import fusion_backend_names, pick_fusion_backend
 from .fusion_gemm import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights
 from .patterns import annotate_new_nodes, named_args
 
@@ -98,7 +98,7 @@ class FuseRMSNorm(Transform):
         nodes = _nodes(gm, wb.torch_rmsnorm.default)
         if not nodes:
             return _finish(gm, 0, {"note": "no torch_rmsnorm nodes (run the pattern_matcher stage first)"})
-        backend, why = resolve_backend("rmsnorm", self.config.backend, graph_device(gm, ctx), self.key)
+        backend, why = pick_fusion_backend("rmsnorm", self.config.backend, ctx.device, f"{self.key}.backend")
         details: Dict[str, Any] = {"backend": backend.name, "why": why, "candidates": len(nodes)}
         if backend.name == "torch":
             details["note"] = "torch_rmsnorm is the torch backend: nothing to swap"
@@ -151,7 +151,7 @@ class FuseRoPE(Transform):
         nodes = _nodes(gm, wb.torch_rope_with_explicit_cos_sin.default)
         if not nodes:
             return _finish(gm, 0, {"note": "no torch_rope_with_explicit_cos_sin nodes"})
-        backend, why = resolve_backend("rope", self.config.backend, graph_device(gm, ctx), self.key)
+        backend, why = pick_fusion_backend("rope", self.config.backend, ctx.device, f"{self.key}.backend")
         details: Dict[str, Any] = {"backend": backend.name, "why": why, "candidates": len(nodes)}
         if backend.name == "torch":
             details["note"] = "torch_rope_with_explicit_cos_sin is the torch backend: nothing to swap"
@@ -233,7 +233,7 @@ class FuseSwiGLU(Transform):
         nodes = _nodes(gm, wb.torch_swiglu_mlp.default)
         if not nodes:
             return _finish(gm, 0, {"note": "no torch_swiglu_mlp nodes (run match_swiglu_pattern first)"})
-        backend, why = resolve_backend("silu_mul", self.config.backend, graph_device(gm, ctx), self.key)
+        backend, why = pick_fusion_backend("silu_mul", self.config.backend, ctx.device, f"{self.key}.backend")
         left, done = {}, []
         for node in nodes:
             refusal = _swiglu_refusal(gm, dict(named_args(node)))

@@ -28,7 +28,7 @@ import torch.fx as fx
 from pydantic import Field
 
 from ..interface import Transform, TransformInfo, register
-from .fusion_backends import CudaOnlyConfig, cuda_skip_reason
+from ..cuda_only import CudaOnlyConfig, cuda_skip_reason
 from .patterns import annotate_new_nodes, named_args
 
 aten = torch.ops.aten
@@ -104,7 +104,7 @@ class FuseCausalConvActivation(Transform):
 
     def _apply(self, gm, ctx) -> Tuple[fx.GraphModule, TransformInfo]:
         if self.config.require_cuda:
-            reason = cuda_skip_reason(gm, ctx, "fusing activations into the cached causal-conv kernels")
+            reason = cuda_skip_reason(ctx, "fusing activations into the cached causal-conv kernels")
             if reason:
                 return gm, TransformInfo(skipped=True, skip_reason=reason)
         ops, missing = resolve_conv_ops(self.config.conv_ops)

@@ -23,9 +23,9 @@ from typing import Optional, Tuple
 import torch
 import torch.fx as fx
 
-from ...runtime.sequence_info import LAST_TOKEN_INPUT
+from ...runtime.interface import LAST_TOKEN_INPUT
 from ..interface import Transform, TransformInfo, register
-from .cache_inputs import find_input, per_sequence_input
+from ..cache_inputs import find_input, per_sequence_input
 from .fusion_gemm import param_of
 
 aten = torch.ops.aten
@@ -71,7 +71,7 @@ class GatherLogitsBeforeLMHead(Transform):
         val = hidden.meta.get("val") if isinstance(hidden, fx.Node) else None
         if val is None or not isinstance(val.shape[-1], int):
             return gm, TransformInfo(num_matches=0, skip_reason="no LM head projection found before the output")
-        device = ctx.device if ctx is not None else torch.device("cpu")
+        device = ctx.device
         index = per_sequence_input(gm, LAST_TOKEN_INPUT, torch.int64, device)
         g = gm.graph
         with g.inserting_before(head):

@@ -6,7 +6,7 @@ transformers' public ``AttentionInterface`` registration, for one that calls our
 
 * ``detect_hf_attn_layers`` runs one small forward with a recording attention function and
   stores one ``HFAttnLayer`` per attention call (heads, head dim, scale, window, sinks) in
-  ``ctx.shared['hf_attn_layers']``.
+  ``ctx.hf_attn_layers``.
 * ``transformers_replace_cached_attn`` wraps the model in ``HFCachedLM``, whose forward takes the
   same inputs as a cached graph (``input_ids, position_ids, seq_lens, input_pos, page_table,
   num_prefill, k_cache_0, v_cache_0, ...``) and declares the cache specs, so ``initialize_cache``,
@@ -27,15 +27,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from pydantic import Field
 
-from ...runtime.kv_cache import PAGED, CacheSpec, add_specs
-from ...runtime.sequence_info import METADATA_INPUTS, TOKEN_INPUTS
+from ...runtime.interface import METADATA_INPUTS, PAGED, TOKEN_INPUTS, CacheSpec
 from ..interface import Transform, TransformConfig, TransformInfo, register
-from .cache_inputs import CachedProbe
-from .cached_attention import DEFAULT_BACKEND, InsertCachedAttentionConfig, resolve_backend
+from ..context import PipelineOrderError
+from .cached_attention import InsertCachedAttentionConfig, resolve_backend
 
 CACHED_IMPL = "workbench_cached"
 DETECT_IMPL = "workbench_detect"
-LAYERS_KEY = "hf_attn_layers"
 
 
 @dataclass(frozen=True)
@@ -168,6 +166,7 @@ class DetectHFAttnLayers(Transform):
     """Find the attention layers of the HF model with one recorded forward."""
 
     config_class = DetectHFAttnLayersConfig
+    provides = ("attention layers",)
 
     def _apply(self, mod, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         model = _hf_model(mod)
@@ -186,7 +185,7 @@ class DetectHFAttnLayers(Transform):
             layers.append(HFAttnLayer(index=i, module_name=names[module], **facts))
         if not layers:
             raise ValueError("the forward made no attention call through the attention interface")
-        ctx.shared[LAYERS_KEY] = tuple(layers)
+        ctx.hf_attn_layers = tuple(layers)
         return mod, TransformInfo(
             num_matches=len(layers), details={"layers": len(layers), "first": layers[0].module_name}
         )
@@ -201,23 +200,24 @@ class HFReplaceCachedAttn(Transform):
     """Wrap the HF model so its attention runs on the paged cache (``HFCachedLM``)."""
 
     config_class = TransformersReplaceCachedAttnConfig
+    needs = ("attention layers",)
+    provides = ("cache specs",)
 
     def _apply(self, mod, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         model = _hf_model(mod)
-        layers = ctx.shared.get(LAYERS_KEY)
+        layers = ctx.hf_attn_layers
         if not layers:
-            raise ValueError("no attention layers recorded: run detect_hf_attn_layers first")
+            raise PipelineOrderError("transformers_replace_cached_attn needs the attention layers that "
+                                     "detect_hf_attn_layers records: run detect_hf_attn_layers before it")
         backend, op = resolve_backend(self.config.backend, ctx.device)
         _register()
         wrapper = HFCachedLM(model, layers, op, backend)
-        specs = add_specs(ctx.shared.get("cache_specs", ()), cache_specs(layers))
-        ctx.shared["cache_specs"] = specs
-        ctx.shared["cached_attention_backend"] = backend
-        ctx.shared["probe_fn"] = CachedProbe(specs, ctx.dtype)
+        ctx.cache.declare(cache_specs(layers), ctx.dtype, ctx.limits.page_size)
+        ctx.cache.attention_backend = backend
         return wrapper, TransformInfo(num_matches=len(layers), details={"backend": backend, "layers": len(layers)})
 
 
-def transformers_mode_entries(backend: str = DEFAULT_BACKEND, **cache_fields: Any):
+def transformers_mode_entries(backend: str = "torch", **cache_fields: Any):
     """Pipeline entries for the transformers mode: no export, no graph passes, only the cache stage.
 
     ``Workbench(spec, entries=transformers_mode_entries())``; ``cache_fields`` go to

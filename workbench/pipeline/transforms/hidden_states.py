@@ -5,7 +5,7 @@ hidden states of a few target layers.
 A layer's output is the one node inside ``model.layers.<i>`` (by the ``nn_module_stack`` export
 records) that is read outside that layer: the residual stream handed to layer ``i + 1`` (or the
 final norm). The transform only marks what to capture -- ``node.meta['wb_capture_hidden_state']``
-is the layer index, and ``ctx.shared['hidden_states_to_capture']`` maps layer -> node name -- so a
+is the layer index, and ``ctx.hidden_states_to_capture`` maps layer -> node name -- so a
 later cache stage can add the buffers that store them.
 """
 
@@ -82,8 +82,7 @@ class DetectHiddenStatesForCapture(Transform):
         for i in sorted(wanted):
             outputs[i].meta[CAPTURE_KEY] = i
             captured[i] = outputs[i].name
-        if ctx is not None and hasattr(ctx, "shared"):
-            ctx.shared["hidden_states_to_capture"] = dict(captured)
+        ctx.hidden_states_to_capture = dict(captured)
         gm, info = match_info(gm, {"hidden_states": len(captured)}, captured=captured)
         # Only metadata changed: the graph stays clean and shapes stay valid.
         return gm, info.model_copy(update={"is_clean": True})

@@ -3,7 +3,7 @@
 Two phases, because how much memory the cache may take is only known once the model has run:
 
 1. ``initialize_cache`` reads the ``CacheSpec``s the insert transforms declared
-   (``ctx.shared['cache_specs']``) and allocates them with a conservative number of pages -- enough
+   (``ctx.cache.specs``) and allocates them with a conservative number of pages -- enough
    for one max-length sequence and one full step of ``max_num_tokens`` -- so a forward can run.
 2. ``resize_kv_cache`` runs one forward on those caches to measure activation memory, then
    re-allocates the pool at its working size: on a GPU ``free_mem_ratio`` of the memory left once
@@ -11,9 +11,11 @@ Two phases, because how much memory the cache may take is only known once the mo
    (the OS hands out pages lazily, other processes share the RAM), a configured byte budget.
    Never more pages than ``max_batch_size`` sequences of ``max_seq_len`` can use.
 
-The cache tensors go into ``ctx.resources`` (the stepper reports their bytes as each snapshot's
-memory delta, hence ``expect_mem_change``); the geometry goes into ``ctx.shared['kv_cache_config']``
-for the runtime. Neither transform changes the graph.
+The cache tensors go into ``ctx.cache.tensors`` (the stepper reports their bytes as each snapshot's
+memory delta, hence ``expect_mem_change``); the geometry into ``ctx.cache.config`` for the runtime.
+The limits (max_batch_size, max_seq_len, max_num_tokens, page_size) come from ``ctx.limits``; a
+field set here overrides one of them for the rest of the pipeline, and the override is reported.
+Neither transform changes the graph.
 """
 
 from __future__ import annotations
@@ -26,15 +28,11 @@ import torch
 from pydantic import Field, field_validator
 
 from ...models.dtypes import resolve_dtype
-from ...runtime.kv_cache import KVCacheConfig, allocate_caches
-from ...runtime.sequence_info import SequenceInfo
+from ...runtime.interface import KVCacheConfig, allocate_caches, prefill_forward
 from ..interface import Transform, TransformConfig, TransformInfo, register
-from .cache_inputs import run_cached
 
 logger = logging.getLogger("workbench.pipeline")
 
-CONFIG_KEY = "kv_cache_config"
-DEFAULT_MAX_NUM_TOKENS = 2048
 DEFAULT_CPU_BUDGET = 256 * 2**20
 CPU_FORWARD_TOKENS = 32
 
@@ -43,12 +41,14 @@ class InitializeCacheConfig(TransformConfig):
     expect_mem_change: bool = Field(
         default=True, description="Allocating the caches changes memory: this is expected."
     )
-    page_size: int = Field(default=16, ge=1, description="Tokens per KV-cache page.")
+    page_size: Optional[int] = Field(default=None, ge=1, description="Tokens per KV-cache page; None: the "
+                                     "pipeline's page_size (16 unless Workbench(page_size=...)).")
     dtype: Optional[str] = Field(
         default=None, description="KV-cache dtype (float32, bfloat16, float16); None: the model's dtype."
     )
     max_batch_size: Optional[int] = Field(
-        default=None, ge=1, description="Sequences in flight at once; None: the pipeline's max_batch_size."
+        default=None, ge=1, description="Sequences in flight at once; None: the pipeline's max_batch_size (set "
+        "here, it overrides it for the rest of the pipeline and the runtime; so do the fields below).",
     )
     max_seq_len: Optional[int] = Field(
         default=None, ge=1, description="Tokens one sequence may hold (prompt + generated); None: the "
@@ -56,7 +56,7 @@ class InitializeCacheConfig(TransformConfig):
     )
     max_num_tokens: Optional[int] = Field(
         default=None, ge=1, description="Flattened tokens per forward step (longer prompts are prefilled "
-        f"in chunks); None: min({DEFAULT_MAX_NUM_TOKENS}, max_batch_size * max_seq_len).",
+        "in chunks); None: the pipeline's, by default min(2048, max_batch_size * max_seq_len).",
     )
     num_pages: Optional[int] = Field(
         default=None, ge=1, description="Pages to allocate; None: conservative (one max-length sequence "
@@ -91,26 +91,30 @@ class InitializeCache(Transform):
     """Allocate every declared cache with conservative capacity."""
 
     config_class = InitializeCacheConfig
+    needs = ("cache specs",)
+    provides = ("KV cache",)
 
     def _apply(self, mod, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
-        specs = ctx.shared.get("cache_specs", ())
-        if not specs:
+        if not ctx.cache.specs:
             return mod, _no_specs(self.key)
         c: InitializeCacheConfig = self.config
-        max_b = c.max_batch_size or ctx.max_batch_size
-        max_s = c.max_seq_len or ctx.max_seq_len
+        ctx.limits = ctx.limits.override(self.key, max_batch_size=c.max_batch_size, max_seq_len=c.max_seq_len,
+                                         max_num_tokens=c.max_num_tokens, page_size=c.page_size)
+        lim = ctx.limits
         cfg = KVCacheConfig(
-            page_size=c.page_size, num_pages=1,
+            page_size=lim.page_size, num_pages=1,
             dtype=resolve_dtype(c.dtype) if c.dtype else ctx.dtype,
-            max_batch_size=max_b, max_seq_len=max_s,
-            max_num_tokens=c.max_num_tokens or min(DEFAULT_MAX_NUM_TOKENS, max_b * max_s),
-            specs=tuple(specs),
+            max_batch_size=lim.max_batch_size, max_seq_len=lim.max_seq_len, max_num_tokens=lim.num_tokens,
+            specs=tuple(ctx.cache.specs),
         )
         cfg = cfg.with_pages(c.num_pages or conservative_pages(cfg))
         caches = allocate_caches(cfg, ctx.device)
-        ctx.resources = {**ctx.resources, **caches}
-        ctx.shared[CONFIG_KEY] = cfg
-        return mod, TransformInfo(num_matches=0, details={**cfg.summary(), "allocated": len(caches)})
+        ctx.cache.tensors = {**ctx.cache.tensors, **caches}
+        ctx.cache.config = cfg
+        details = {**cfg.summary(), "allocated": len(caches)}
+        if lim.overrides:
+            details["limit_overrides"] = list(lim.overrides)
+        return mod, TransformInfo(num_matches=0, details=details)
 
 
 class ResizeKVCacheConfig(TransformConfig):
@@ -133,17 +137,6 @@ class ResizeKVCacheConfig(TransformConfig):
     )
 
 
-def measurement_forward(mod: torch.nn.Module, ctx, cfg: KVCacheConfig, num_tokens: int) -> None:
-    """One prefill of ``num_tokens`` random tokens through the cached module on the current caches."""
-    n = max(1, min(num_tokens, cfg.max_num_tokens, cfg.max_seq_len, cfg.token_capacity))
-    info = SequenceInfo.from_config(cfg, ctx.device)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, ctx.vocab_size, (n,), generator=gen).tolist()
-    info.set_batch([ids], [0], [list(range(cfg.pages_for(n)))], num_prefill=1, page_size=cfg.page_size)
-    with torch.no_grad():
-        run_cached(mod, {**info.inputs(), **ctx.resources})
-
-
 def _release(tensors) -> None:
     """Free the storage of superseded CUDA caches so the new pool can use that memory.
 
@@ -159,10 +152,13 @@ class ResizeKVCache(Transform):
     """Measure activation memory with one forward, then grow the KV cache to its working size."""
 
     config_class = ResizeKVCacheConfig
+    needs = ("KV cache",)
 
     def _apply(self, mod, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
-        cfg: Optional[KVCacheConfig] = ctx.shared.get(CONFIG_KEY)
+        cfg: Optional[KVCacheConfig] = ctx.cache.config
         if cfg is None:
+            if ctx.cache.specs:  # specs declared but never allocated: initialize_cache is off
+                ctx.cache.require_config(self.key)
             return mod, _no_specs(self.key)
         c: ResizeKVCacheConfig = self.config
         cuda = ctx.device.type == "cuda" and torch.cuda.is_available()
@@ -173,7 +169,7 @@ class ResizeKVCache(Transform):
             torch.cuda.synchronize(ctx.device)
             torch.cuda.reset_peak_memory_stats(ctx.device)
             base = torch.cuda.memory_allocated(ctx.device)
-            measurement_forward(mod, ctx, cfg, tokens)
+            prefill_forward(mod, ctx.cache.tensors, cfg, tokens, ctx.vocab_size, ctx.device)
             torch.cuda.synchronize(ctx.device)
             activation = torch.cuda.max_memory_allocated(ctx.device) - base
             torch.cuda.empty_cache()
@@ -184,7 +180,7 @@ class ResizeKVCache(Transform):
         else:
             tokens = c.forward_num_tokens or CPU_FORWARD_TOKENS
             rss = psutil.Process().memory_info().rss
-            measurement_forward(mod, ctx, cfg, tokens)
+            prefill_forward(mod, ctx.cache.tensors, cfg, tokens, ctx.vocab_size, ctx.device)
             details.update(
                 rss_growth_bytes=psutil.Process().memory_info().rss - rss, budget_bytes=c.cpu_budget_bytes
             )
@@ -198,14 +194,15 @@ class ResizeKVCache(Transform):
                 max(pages, 1), max(pages, 1) * cfg.page_size, cfg.max_seq_len,
             )
         new_cfg = cfg.with_pages(max(int(pages), 1))
-        old = [ctx.resources[s.name] for s in cfg.specs if s.name in ctx.resources]
-        ctx.resources = {k: v for k, v in ctx.resources.items() if k not in {s.name for s in cfg.specs}}
+        tensors = ctx.cache.tensors
+        old = [tensors[s.name] for s in cfg.specs if s.name in tensors]
+        tensors = {k: v for k, v in tensors.items() if k not in {s.name for s in cfg.specs}}
         if cuda:
             _release(old)
-        ctx.resources.update(allocate_caches(new_cfg, ctx.device))
-        ctx.shared[CONFIG_KEY] = new_cfg
+        ctx.cache.tensors = {**tensors, **allocate_caches(new_cfg, ctx.device)}
+        ctx.cache.config = new_cfg
         details.update(new_cfg.summary(), forward_tokens=tokens)
         return mod, TransformInfo(num_matches=0, details=details)
 
 
-__all__ = ["InitializeCache", "ResizeKVCache", "conservative_pages", "CONFIG_KEY"]
+__all__ = ["InitializeCache", "ResizeKVCache", "conservative_pages"]

@@ -69,7 +69,7 @@ class LinearWeightLayout(Transform):
     config_class = LinearWeightLayoutConfig
 
     def _apply(self, gm, ctx) -> Tuple[fx.GraphModule, TransformInfo]:
-        device = torch.device(getattr(ctx, "device", None) or "cpu")
+        device = torch.device(ctx.device)
         layout = self.config.layout
         auto = layout == "auto"
         if auto:

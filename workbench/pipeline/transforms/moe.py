@@ -102,15 +102,27 @@ def _moe_fused_replacement_2(x, selected, weights, w1_w3, w2, *, k):
     return wb.torch_moe_fused.default(x, selected, weights, w1_w3, w2), selected
 
 
-def _moe_batched_mm(x, selected, weights, w1_w3, w2, *, k):
+def _batched_mm_experts(x, selected, weights, w1_w3, w2, k, clamp: bool):
     # transformers' batched_mm experts forward: gather every (token, slot)'s expert weights.
+    # ``clamp``: as transformers 5.17 writes it, the expert ids clamped to 0..E-1 first
+    # (expert-parallel sentinels; a no-op with E local experts).
     xs = x.repeat_interleave(k, dim=0)
     flat_w, flat_e = weights.reshape(-1), selected.reshape(-1)
+    if clamp:
+        flat_e = flat_e.clamp(0, _E - 1)
     h = torch.bmm(w1_w3[flat_e], xs.unsqueeze(-1)).squeeze(-1)
     gate, up = h.chunk(2, dim=-1)
     y = torch.bmm(w2[flat_e], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
     y = y * flat_w.unsqueeze(-1)
     return y.view(x.shape[0], k, x.shape[-1]).sum(dim=1).to(x.dtype)
+
+
+def _moe_batched_mm(x, selected, weights, w1_w3, w2, *, k):
+    return _batched_mm_experts(x, selected, weights, w1_w3, w2, k, clamp=False)
+
+
+def _moe_batched_mm_clamped(x, selected, weights, w1_w3, w2, *, k):
+    return _batched_mm_experts(x, selected, weights, w1_w3, w2, k, clamp=True)
 
 
 def _moe_fused_replacement(x, selected, weights, w1_w3, w2, *, k):
@@ -135,6 +147,9 @@ def _moe_check(m: Match) -> Optional[Dict[str, Any]]:
     for ge in m.matched(aten.ge.Scalar):  # the sentinel test: ids >= E
         if ge.args[1] != n_exp:
             return None
+    for c in m.matched(aten.clamp.default):  # the sentinel clamp: ids into 0..E-1
+        if tuple(c.args[1:3]) != (0, n_exp - 1):
+            return None
     for v in m.matched(aten.view.default):
         out = fake(v)
         if out is None or out.dim() != 3 or out.shape[1] != m.literals["k"]:
@@ -146,7 +161,7 @@ _IGNORE_SHAPES = (
     (aten.view.default, "size"), (aten.histc.default, "bins"), (aten.histc.default, "min"),
     (aten.histc.default, "max"), (aten.arange.default, "end"), (aten.arange.default, "device"),
     (aten.arange.default, "pin_memory"), (aten.to.dtype, "dtype"), (aten.ge.Scalar, "other"),
-    (aten.clamp_.default, "max"),
+    (aten.clamp_.default, "max"), (aten.clamp.default, "max"),
 )
 
 
@@ -163,11 +178,12 @@ def moe_patterns() -> List[Pattern]:
                 literals={"k": _K}, ignore=_IGNORE_SHAPES, check=_moe_check,
                 inputs=("x", "selected", "weights", "w1_w3", "w2"),
             ))
-    patterns.append(Pattern(
-        "moe_batched_mm", _moe_batched_mm, _moe_fused_replacement, _moe_examples,
-        literals={"k": _K}, ignore=_IGNORE_SHAPES, check=_moe_check,
-        inputs=("x", "selected", "weights", "w1_w3", "w2"),
-    ))
+    for name, search in (("moe_batched_mm", _moe_batched_mm), ("moe_batched_mm_clamped", _moe_batched_mm_clamped)):
+        patterns.append(Pattern(
+            name, search, _moe_fused_replacement, _moe_examples,
+            literals={"k": _K}, ignore=_IGNORE_SHAPES, check=_moe_check,
+            inputs=("x", "selected", "weights", "w1_w3", "w2"),
+        ))
     return patterns
 
 

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ..interface import Transform, TransformInfo, register
-from .fusion_backends import CudaOnlyConfig, cuda_skip_reason
+from ..cuda_only import CudaOnlyConfig, cuda_skip_reason
 from .fusion_gemm import param_of
 from .patterns import annotate_new_nodes
 
@@ -252,7 +252,7 @@ class MultiStreamTransform(Transform):
 
     def _apply(self, gm, ctx):
         if self.config.require_cuda:
-            reason = cuda_skip_reason(gm, ctx, f"{self.what} (an auxiliary CUDA stream)")
+            reason = cuda_skip_reason(ctx, f"{self.what} (an auxiliary CUDA stream)")
             if reason:
                 return gm, TransformInfo(skipped=True, skip_reason=reason)
         streams, done, refused = AuxStreams(), [], {}

@@ -180,9 +180,60 @@ ROPE_PATTERNS = (
 )
 
 
+# ------------------------------------------------------------------------------ the frequency table
+
+
+def _table_by_matmul(inv_freq, position_ids):
+    # transformers <= 5.17's rotary forward: the angle table as a batched [D/2, 1] @ [1, S] matmul
+    expanded = inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1).to(device=inv_freq.device,
+                                                                                 dtype=torch.float)
+    return (expanded @ position_ids[:, None, :].float()).transpose(1, 2)
+
+
+def _table_by_matmul_casts(inv_freq, position_ids):
+    # the same with the extra fp32 casts of transformers <= 5.17's Qwen2/Qwen3 rotary forward
+    expanded = inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1).to(inv_freq.device)
+    return (expanded.float() @ position_ids[:, None, :].float().float()).transpose(1, 2)
+
+
+def _table_by_mul(inv_freq, position_ids, *, device):
+    # transformers >= 5.23's spelling of the same table: a broadcast product. A matmul with an inner
+    # dim of 1 computes each entry as one rounded product, so the two are bit-identical in fp32.
+    pos = aten.to.dtype(aten.unsqueeze.default(position_ids, 2), torch.float32)
+    return aten.mul.Tensor(pos, aten.to.device(inv_freq, device, torch.float32))
+
+
+def _table_check(m: Match) -> Optional[Dict[str, Any]]:
+    inv, pos = m.val("inv_freq"), m.val("position_ids")
+    if inv is None or pos is None or inv.dim() != 1 or pos.dim() != 2 or not inv.dtype.is_floating_point:
+        return None
+    devices = [n.args[1] for n in m.matched(aten.to.device)] + \
+              [n.kwargs["device"] for n in m.matched(aten.to.dtype_layout) if "device" in n.kwargs]
+    return {"device": devices[0]} if devices else None
+
+
+_TABLE_IGNORE = ((aten.expand.default, "size"), (aten.to.device, "device"), (aten.to.dtype_layout, "device"))
+ROPE_TABLE_PATTERNS = tuple(
+    Pattern(name, search, _table_by_mul, lambda: (torch.rand(4), torch.arange(6).reshape(2, 3)),
+            ignore=_TABLE_IGNORE, check=_table_check)
+    for name, search in (("rope_table_matmul", _table_by_matmul), ("rope_table_matmul_casts", _table_by_matmul_casts))
+)
+
+
 @register("match_rope_pattern")
 class MatchRopePattern(Transform):
-    """Replace RoPE chains (rotate-half, DeepSeek interleaved, complex freqs) by canonical ops."""
+    """Replace RoPE chains (rotate-half, DeepSeek interleaved, complex freqs) by canonical ops.
+
+    First, the angle table transformers <= 5.17 computes with a matmul is rewritten into the
+    broadcast product later versions use (bit-identical), so the canonical graph does not depend
+    on the transformers version; those rewrites are reported in ``details['table_rewrites']`` and
+    are not counted as RoPE matches.
+    """
 
     def _apply(self, gm, ctx):
-        return match_info(gm, PatternMatcher(ROPE_PATTERNS).apply(gm))
+        tables = sum(PatternMatcher(ROPE_TABLE_PATTERNS).apply(gm).values())
+        gm, info = match_info(gm, PatternMatcher(ROPE_PATTERNS).apply(gm), table_rewrites=tables)
+        if tables and not info.num_matches:
+            gm.graph.lint()
+            gm.recompile()
+        return gm, info

@@ -7,12 +7,8 @@ own shape environment), so the graph stays printable, renderable and shape-propa
 with ``meta['wb_cache_input']`` naming what the runtime feeds them (metadata name or cache
 resource key). Export's pytree calling convention is rebuilt to take the extra positional inputs.
 
-``CachedProbe`` keeps the per-transform numerics probe working after cache insertion: it runs the
-probe batch as one prefill through the cached module on scratch pages of its own, so the probe
-never touches (or needs) the real caches.
-
-Not a transform itself: helpers for ``cached_attention``, ``cached_residual_add``, ``kvcache`` and
-``hf_cached_attention``.
+Not a transform itself: helpers for ``insert_cached_attention``, ``insert_cached_residual_add`` and
+``gather_logits_before_lm_head`` (the probe of a cached graph is the runtime's ``CachedProbe``).
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 from torch.utils import _pytree as pytree
 
-from ...runtime.kv_cache import CacheSpec, KVCacheConfig, allocate_caches
-from ...runtime.sequence_info import INPUT_KEY, LAST_TOKEN_INPUT, METADATA_INPUTS, SequenceInfo, module_input_names
+from ..runtime.interface import INPUT_KEY, METADATA_INPUTS, CacheSpec
 
 _SYMBOLS_KEY = "wb_cache_symbols"  # gm.meta: symbolic sizes shared by all cache inputs
 
@@ -127,51 +122,6 @@ def cache_input(gm: fx.GraphModule, spec: CacheSpec, dtype: torch.dtype, device:
     return add_graph_input(gm, spec.name, _fake(gm, (*lead, *spec.shape), spec.dtype or dtype, device))
 
 
-def run_cached(module: torch.nn.Module, values: Mapping[str, Any]) -> Any:
-    """Call a cached module with its inputs looked up by name."""
-    names = module_input_names(module)
-    missing = [n for n in names if n not in values]
-    if missing:
-        raise KeyError(f"no value for the module inputs {missing} (have {sorted(values)})")
-    return module(*[values[n] for n in names])
-
-
-class CachedProbe:
-    """``ctx.shared['probe_fn']`` after cache insertion: ``(module, probe_batch) -> logits [b, s, V]``.
-
-    The probe's b rows become b prefill sequences of s tokens on scratch caches sized for exactly
-    that (zero pages shared with the real caches). Graph modules get ``input_ids [b, s]`` as is:
-    the cached attention flattens ``[b, s, ...]`` to ``[1, b*s, ...]`` itself, so the logits come
-    back in the probe's shape.
-    """
-
-    def __init__(self, specs: Sequence[CacheSpec], dtype: torch.dtype, page_size: int = 16):
-        self.specs, self.dtype, self.page_size = tuple(specs), dtype, page_size
-
-    def __call__(self, module: torch.nn.Module, probe) -> torch.Tensor:
-        ids, pos = probe.input_ids, probe.position_ids
-        b, s = ids.shape
-        per_seq = -(-s // self.page_size)
-        cfg = KVCacheConfig(
-            page_size=self.page_size, num_pages=b * per_seq, dtype=self.dtype, max_batch_size=b,
-            max_seq_len=s, max_num_tokens=b * s, specs=self.specs,
-        )
-        info = SequenceInfo.from_config(cfg, ids.device)
-        pages = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
-        info.set_batch(ids.tolist(), [0] * b, pages, num_prefill=b, page_size=self.page_size)
-        values = {**info.inputs(), **allocate_caches(cfg, ids.device)}
-        values.update(input_ids=ids, position_ids=pos)  # [b, s]: logits come back as [b, s, V]
-        if LAST_TOKEN_INPUT not in module_input_names(module):
-            return run_cached(module, values)
-        # a graph that gathers before the LM head gets every token's index: all b*s rows come back
-        values[LAST_TOKEN_INPUT] = torch.arange(b * s, device=ids.device)
-        return run_cached(module, values).reshape(b, s, -1)
-
-    def __repr__(self) -> str:
-        return f"CachedProbe({len(self.specs)} cache inputs, scratch pages of {self.page_size})"
-
-
 __all__ = [
     "graph_fake_mode", "find_input", "add_graph_input", "metadata_inputs", "per_sequence_input", "cache_input",
-    "run_cached", "CachedProbe",
 ]

@@ -1,0 +1,109 @@
+"""The op backend tables: which ``torch.ops.workbench`` op serves each canonical op on each backend.
+
+Match first, fuse later: the pattern stage leaves canonical ``torch_*`` ops; ``insert_cached_attention``
+and the ``post_load_fusion`` transforms swap them for the backend op picked here by name.
+
+    table        backend      op (torch.ops.workbench.*)            needs
+    attention    torch        torch_cached_attention                nothing (reads lengths on the host)
+    attention    triton       triton_cached_attention               triton + CUDA (or TRITON_INTERPRET=1)
+    attention    flashinfer   flashinfer_cached_attention           flashinfer + CUDA; head_dim 64/128/256
+    rmsnorm      torch        torch_rmsnorm (canonical, kept)       nothing
+    rmsnorm      triton       triton_rmsnorm                        triton + CUDA (or TRITON_INTERPRET=1)
+    rmsnorm      flashinfer   flashinfer_rmsnorm                    flashinfer + CUDA
+    rope         torch        torch_rope_with_explicit_cos_sin      nothing
+    rope         triton       triton_rope_with_explicit_cos_sin     triton + CUDA (or TRITON_INTERPRET=1)
+    silu_mul     torch        torch_silu_and_mul                    nothing
+    silu_mul     triton       triton_silu_and_mul                   triton + CUDA (or TRITON_INTERPRET=1)
+
+Fusion transforms also take ``auto``: Triton on a CUDA device when it can run, the torch op
+otherwise; never FlashInfer (its half-precision rounding differs slightly from HF: opt-in).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .registry import BackendRegistry, OpBackend
+
+_ATT, _NORM, _ROPE, _MLP = ("workbench.ops.attention", "workbench.ops.normalization", "workbench.ops.rope",
+                            "workbench.ops.mlp")
+TRITON_NEEDS = "triton and a CUDA GPU (or TRITON_INTERPRET=1 for CPU tensors)"
+FLASHINFER_NEEDS = "a CUDA GPU and the flashinfer package (pip install flashinfer-python)"
+
+
+@dataclass(frozen=True)
+class AttentionBackend(OpBackend):
+    """A paged cached-attention op. ``cuda_graph_safe``: never reads step metadata on the host, so
+    a CUDA graph can capture it (``compile_model``'s CUDA-graph backends require that)."""
+
+    cuda_graph_safe: bool = False
+
+    def unsupported(self, head_dim: int, v_head_dim: int, dtype: torch.dtype, has_sinks: bool) -> Optional[str]:
+        """Why this backend cannot take a layer of this shape (None: it can), from the op module's
+        ``unsupported`` hook; backends without one take every shape."""
+        check = getattr(self._module(), "unsupported", None)
+        return check(head_dim, v_head_dim, dtype, has_sinks) if check is not None else None
+
+
+ATTENTION_BACKENDS: BackendRegistry[AttentionBackend] = BackendRegistry("attention", [
+    AttentionBackend("torch", "nothing beyond PyTorch", f"{_ATT}.torch_cached_attention", "torch_cached_attention",
+                     cuda_graph_safe=False),
+    AttentionBackend("triton", "triton and a CUDA GPU (or TRITON_INTERPRET=1 on CPU)",
+                     f"{_ATT}.triton_cached_attention", "triton_cached_attention", cuda_graph_safe=True),
+    AttentionBackend("flashinfer", FLASHINFER_NEEDS, f"{_ATT}.flashinfer_cached_attention",
+                     "flashinfer_cached_attention", cuda_graph_safe=True),
+], default="torch")
+
+
+def _fusion(family: str, *rows: Tuple[str, str, str, str]) -> BackendRegistry[OpBackend]:
+    return BackendRegistry(family, [OpBackend(name, need, module, op) for name, module, op, need in rows],
+                           default="torch")
+
+
+FUSION_BACKENDS: Dict[str, BackendRegistry[OpBackend]] = {
+    "rmsnorm": _fusion(
+        "rmsnorm",
+        ("torch", f"{_NORM}.torch_norms", "torch_rmsnorm", "nothing beyond PyTorch"),
+        ("triton", f"{_NORM}.triton_rmsnorm", "triton_rmsnorm", TRITON_NEEDS),
+        ("flashinfer", f"{_NORM}.flashinfer_rmsnorm", "flashinfer_rmsnorm", FLASHINFER_NEEDS),
+    ),
+    "rope": _fusion(
+        "rope",
+        ("torch", f"{_ROPE}.torch_rope", "torch_rope_with_explicit_cos_sin", "nothing beyond PyTorch"),
+        ("triton", f"{_ROPE}.triton_rope", "triton_rope_with_explicit_cos_sin", TRITON_NEEDS),
+    ),
+    "silu_mul": _fusion(
+        "silu_mul",
+        ("torch", f"{_MLP}.torch_silu_mul", "torch_silu_and_mul", "nothing beyond PyTorch"),
+        ("triton", f"{_MLP}.triton_silu_mul", "triton_silu_and_mul", TRITON_NEEDS),
+    ),
+}
+# What ``auto`` tries, in order, per device type.
+AUTO_PREFERENCE = {"cuda": ("triton", "torch"), "cpu": ("torch",)}
+
+
+def fusion_backend_names(family: str) -> Tuple[str, ...]:
+    return ("auto", *FUSION_BACKENDS[family].names())
+
+
+def pick_fusion_backend(family: str, name: str, device: torch.device, field: str) -> Tuple[OpBackend, str]:
+    """The backend to use and why (``auto`` explained, with what it skipped); an explicit name that
+    cannot run here raises, saying what it needs and what to pick instead."""
+    table = FUSION_BACKENDS[family]
+    if name != "auto":
+        return table.pick(name, device, field), f"{name} (requested)"
+    skipped = []
+    for candidate in AUTO_PREFERENCE.get(device.type, ("torch",)):
+        why = table.get(candidate).unavailable_reason(device)
+        if why is None:
+            note = f"auto on {device.type}: {candidate}"
+            return table.get(candidate), note + (f" ({'; '.join(skipped)})" if skipped else "")
+        skipped.append(f"{candidate} unavailable: {why}")
+    return table.get("torch"), f"auto on {device.type}: torch ({'; '.join(skipped)})"
+
+
+__all__ = ["AttentionBackend", "ATTENTION_BACKENDS", "FUSION_BACKENDS", "AUTO_PREFERENCE", "fusion_backend_names",
+           "pick_fusion_backend", "TRITON_NEEDS", "FLASHINFER_NEEDS"]

@@ -1,0 +1,109 @@
+"""One shape for every backend table: attention, fusion (RMSNorm, RoPE, SiLU*mul) and compile.
+
+A backend is registered whatever the machine (a YAML naming it always validates, a saved graph that
+uses its op always loads); whether it can *run* is asked when it is picked, through
+``unavailable_reason(device)``, so the transform that picks it and the notebook panel that offers
+it give the same answer. A registry is filled once, where it is defined, and never mutated after.
+
+    registry.names()                    -> every backend name (config Literals, UI options)
+    registry.get(name)                  -> the backend, or a ValueError listing the known names
+    registry.pick(name, device, field)  -> the backend, or a RuntimeError saying what it needs and
+                                           which field to set to what instead
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Dict, Generic, Iterable, Iterator, Optional, Tuple, TypeVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A named way of doing one thing, with what it needs to run."""
+
+    name: str
+    requirement: str  # what it needs, for error messages ("triton and a CUDA GPU ...")
+
+    def unavailable_reason(self, device: torch.device) -> Optional[str]:
+        """Why this backend cannot run on ``device`` (None: it can)."""
+        return None
+
+
+@dataclass(frozen=True)
+class OpBackend(Backend):
+    """A backend that is one ``torch.ops.workbench`` op, defined (and asked ``is_available``) in
+    ``module``, imported on first use so that importing a table never needs triton or flashinfer."""
+
+    module: str = ""
+    op_name: str = ""
+
+    def _module(self):
+        return importlib.import_module(self.module)
+
+    def unavailable_reason(self, device: torch.device) -> Optional[str]:
+        is_available = getattr(self._module(), "is_available", None)
+        if is_available is None:
+            return None
+        ok, why = is_available(torch.device(device))
+        return None if ok else why
+
+    @property
+    def op(self) -> Callable:
+        self._module()
+        return getattr(torch.ops.workbench, self.op_name).default
+
+
+B = TypeVar("B", bound=Backend)
+
+
+class BackendRegistry(Generic[B]):
+    """An immutable, ordered table of backends of one kind (``kind`` names it in messages)."""
+
+    def __init__(self, kind: str, backends: Iterable[B], default: Optional[str] = None):
+        self.kind = kind
+        self._backends: Dict[str, B] = {}
+        for b in backends:
+            if b.name in self._backends:
+                raise ValueError(f"{kind} backend {b.name!r} registered twice")
+            self._backends[b.name] = b
+        self.default = default or next(iter(self._backends))
+
+    def names(self) -> Tuple[str, ...]:
+        return tuple(self._backends)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._backends
+
+    def __iter__(self) -> Iterator[B]:
+        return iter(self._backends.values())
+
+    def __getitem__(self, name: str) -> B:
+        return self.get(name)
+
+    def get(self, name: str) -> B:
+        if name not in self._backends:
+            raise ValueError(f"unknown {self.kind} backend {name!r}; known: {', '.join(self._backends)}")
+        return self._backends[name]
+
+    def pick(self, name: Optional[str], device: torch.device, field: str) -> B:
+        """The backend ``name`` (None: the default) if it can run on ``device``; otherwise a
+        RuntimeError naming what is missing, what it needs, and the backends that do run here."""
+        backend = self.get(name or self.default)
+        why = backend.unavailable_reason(torch.device(device))
+        if why is None:
+            return backend
+        here = [b.name for b in self if b.name != backend.name and b.unavailable_reason(torch.device(device)) is None]
+        instead = ""
+        if here:
+            instead = f" Pick backend '{here[0]}' ({field}={here[0]}) instead"
+            instead += f" (also runs here: {', '.join(here[1:])})." if here[1:] else "."
+        raise RuntimeError(
+            f"{self.kind} backend '{backend.name}' cannot run on {torch.device(device)}: {why}. "
+            f"It needs {backend.requirement}.{instead}"
+        )
+
+
+__all__ = ["Backend", "OpBackend", "BackendRegistry"]

@@ -1,0 +1,161 @@
+"""The compile backends: how a finished cached graph runs under ``generate``.
+
+=================  ===============================================================================
+``torch-simple``   the graph module as is (no runner is built: ``generate`` makes the plain one)
+``torch-compile``  ``torch.compile(graph, dynamic=True)``: one compilation serves every batch shape
+``torch-cudagraph`` CUDA graphs captured per decode batch size (``cuda_graph_batch_sizes``); a
+                   decode batch is padded up to the nearest captured size; prefill/mixed steps and
+                   larger batches run eagerly, or with ``piecewise`` replay graphs captured per
+                   token bucket between eager attention calls
+``torch-opt``      ``torch.compile`` and then CUDA graphs of the compiled forward (and of the
+                   compiled pieces, with ``piecewise``)
+=================  ===============================================================================
+
+For ``torch.compile`` the graph is copied and its torch-backend canonical ops are inlined as plain
+functions in the copy, so Inductor fuses them with their neighbours; cached attention stays an
+opaque op. After building, ``self_check`` runs a decode step on the scratch page through the runner
+and through the plain graph and reports the largest logit difference (and the same for a padded
+one-page prefill with piecewise graphs). ``compile_model`` (a pipeline transform) only looks the
+backend up, checks what the pipeline knows (cache allocated, attention backend capturable) and
+calls ``build``: everything that knows about runners lives here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from ..ops.inline import inline_canonical_ops
+from ..ops.registry import Backend, BackendRegistry
+from .compiled_runner import CompiledRunner, CudaGraphRunner, default_batch_sizes
+from .kv_cache import KVCacheConfig
+from .piecewise import PiecewiseGraphs, default_token_buckets
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """What a compile backend needs: the cached graph, its caches and the knobs of ``compile_model``."""
+
+    module: fx.GraphModule
+    caches: Mapping[str, torch.Tensor]
+    cache_config: KVCacheConfig
+    device: torch.device
+    cuda_graph_batch_sizes: Optional[List[int]] = None
+    piecewise_enabled: bool = False
+    piecewise_num_tokens: Optional[List[int]] = None
+
+
+@dataclass
+class Built:
+    """A backend's result: the runner ``generate`` uses (None: the plain one) and facts to report."""
+
+    runner: Any = None
+    details: Dict[str, Any] = field(default_factory=dict)
+    allocates_cuda_memory: Optional[str] = None  # why the allocator grows, if it does (graph pools)
+
+
+@dataclass(frozen=True)
+class CompileBackend(Backend):
+    """One way of running the cached graph. ``torch_compile``: Inductor compiles an inlined copy;
+    ``cuda_graphs``: captures CUDA graphs (needs CUDA and an attention op that never reads step
+    metadata on the host)."""
+
+    description: str = ""
+    torch_compile: bool = False
+    cuda_graphs: bool = False
+
+    def unavailable_reason(self, device: torch.device) -> Optional[str]:
+        device = torch.device(device)
+        if not self.cuda_graphs:
+            return None
+        if device.type != "cuda":
+            return f"{self.name} captures CUDA graphs and needs a CUDA device; this pipeline runs on {device.type}"
+        if not torch.cuda.is_available():
+            return f"{self.name} captures CUDA graphs but CUDA is not available on this machine"
+        return None
+
+    def build(self, req: BuildRequest) -> Built:
+        if not self.torch_compile and not self.cuda_graphs:
+            return Built()
+        details: Dict[str, Any] = {}
+        fn = inlined = req.module
+        if self.torch_compile:
+            inlined, counts = inlined_copy(req.module)
+            fn = torch.compile(inlined, dynamic=True)
+            details["inlined_ops"] = counts
+        cfg = req.cache_config
+        if not self.cuda_graphs:
+            runner = CompiledRunner(req.module, req.caches, cfg, req.device, fn)
+            if min(cfg.max_batch_size, 2) != 1:
+                # compile the single-sequence decode here (a guard of cpu_linear_wxt's one-row path
+                # gives it its own graph), not in the user's first generate
+                runner.scratch_decode_logits(1)
+            details.update(self_check(runner, req.module, replay=False))
+            return Built(runner, details)
+        sizes = req.cuda_graph_batch_sizes or default_batch_sizes(cfg.max_batch_size)
+        pieces = self._piecewise(req, inlined, details) if req.piecewise_enabled else None
+        runner = CudaGraphRunner(req.module, req.caches, cfg, req.device, sizes, fn, piecewise=pieces)
+        details["cuda_graph_batch_sizes"] = sizes
+        if pieces is not None:
+            n = max(1, min(cfg.page_size, pieces.buckets[0] - 1))  # < the bucket: padding is checked
+            got = runner.scratch_prefill_logits(n)
+            details["piecewise_check_max_abs_diff"] = float(
+                (got - runner.scratch_prefill_logits(n, fn=req.module)).abs().max())
+        details.update(self_check(runner, req.module, replay=True))
+        # Captured graphs keep their own allocator pool (activations of every captured size).
+        return Built(runner, details, allocates_cuda_memory="CUDA-graph memory pool of the captured graphs")
+
+    def _piecewise(self, req: BuildRequest, gm: fx.GraphModule, details: Dict[str, Any]) -> PiecewiseGraphs:
+        """The piecewise graphs of ``gm`` for prefill/mixed steps, buckets checked against the cache."""
+        cfg = req.cache_config
+        buckets = req.piecewise_num_tokens or default_token_buckets(cfg.max_num_tokens)
+        if buckets[-1] > cfg.max_num_tokens:
+            raise ValueError(f"piecewise_num_tokens {[b for b in buckets if b > cfg.max_num_tokens]} exceed the "
+                             f"KV cache's max_num_tokens={cfg.max_num_tokens}; lower them or raise "
+                             "initialize_cache.max_num_tokens")
+        pieces = PiecewiseGraphs(gm, buckets, use_cuda_graphs=True, compile_pieces=self.torch_compile)
+        details.update(piecewise_num_tokens=pieces.buckets, piecewise_captured_pieces=pieces.num_captured_pieces)
+        return pieces
+
+
+def inlined_copy(gm: fx.GraphModule) -> Tuple[fx.GraphModule, Dict[str, int]]:
+    """A copy of ``gm`` whose canonical torch ops are inlined, for ``torch.compile`` (Inductor fuses
+    them with their neighbours), and the count of inlined calls per op; parameters and buffers stay
+    shared with ``gm``."""
+    copy = fx.GraphModule(gm, _copy_graph(gm.graph))
+    copy.meta = dict(getattr(gm, "meta", {}))
+    return copy, inline_canonical_ops(copy)
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    new._codegen = graph._codegen
+    return new
+
+
+def self_check(runner: CompiledRunner, module: fx.GraphModule, replay: bool) -> Dict[str, float]:
+    """Largest logit difference of a scratch decode step (2 sequences where the cache allows)
+    through the runner (replaying its captured graph with ``replay``) and through the plain graph."""
+    b = min(runner.cfg.max_batch_size, 2)
+    got = runner.replayed_scratch_decode_logits(b) if replay else runner.scratch_decode_logits(b)
+    ref = runner.scratch_decode_logits(b, fn=module)
+    return {"check_max_abs_diff": float((got - ref).abs().max())}
+
+
+COMPILE_BACKENDS: BackendRegistry[CompileBackend] = BackendRegistry("compile", [
+    CompileBackend("torch-simple", "nothing beyond PyTorch", "the graph module as is"),
+    CompileBackend("torch-compile", "nothing beyond PyTorch", "torch.compile(dynamic=True) of an inlined copy",
+                   torch_compile=True),
+    CompileBackend("torch-cudagraph", "a CUDA GPU and a capturable attention backend (triton, flashinfer)",
+                   "CUDA graphs per decode batch size", cuda_graphs=True),
+    CompileBackend("torch-opt", "a CUDA GPU and a capturable attention backend (triton, flashinfer)",
+                   "torch.compile, then CUDA graphs of the compiled forward", torch_compile=True, cuda_graphs=True),
+], default="torch-simple")
+
+
+__all__ = ["COMPILE_BACKENDS", "CompileBackend", "BuildRequest", "Built", "inlined_copy", "self_check"]
