@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from workbench.pipeline.graph_utils import op_histogram
 from workbench.pipeline.interface import TRANSFORMS, GraphState, Stages, TransformInfo
-from workbench.pipeline.transforms.patterns import (
+from workbench.pipeline.matcher import (
     Pattern, PatternMatcher, automatic_dims, export_graph_module, traced_pattern,
 )
 

@@ -19,7 +19,7 @@ from workbench.models.export_contract import make_batch
 from workbench.pipeline.graph_utils import op_histogram
 from workbench.pipeline.interface import TRANSFORMS, GraphState, Stages, TransformError
 from workbench.pipeline.memory import measure
-from workbench.pipeline.transforms.patterns import export_graph_module
+from workbench.pipeline.matcher import export_graph_module
 
 wb = torch.ops.workbench
 TOL = 1e-5

@@ -19,8 +19,8 @@ from workbench.pipeline.graph_utils import op_histogram, run_shape_prop
 from workbench.pipeline.interface import Stages, TransformConfig, TransformError
 from workbench.runtime.probe import run_cached
 from workbench.pipeline.transforms.cached_attention import InsertCachedAttention
-from workbench.pipeline.transforms.hf_cached_attention import HFCachedLM, transformers_mode_entries
-from workbench.pipeline.transforms.patterns import export_graph_module
+from workbench.pipeline.transforms.transformers_mode import HFCachedLM, transformers_mode_entries
+from workbench.pipeline.matcher import export_graph_module
 from workbench.runtime import CachedRunner, PageAllocator, runner_for
 from workbench.runtime.kv_cache import PAGED, CacheFullError, CacheSpec, KVCacheConfig, add_specs
 from workbench.runtime.scheduler import Request
@@ -203,7 +203,7 @@ def test_transformers_mode(tiny_llama):
 
 
 def test_transformers_mode_refuses_graphs(wb):
-    from workbench.pipeline.transforms.hf_cached_attention import DetectHFAttnLayers
+    from workbench.pipeline.transforms.transformers_mode import DetectHFAttnLayers
 
     t = DetectHFAttnLayers(TransformConfig(stage=Stages.CACHE_INIT))
     with pytest.raises(TypeError, match="un-exported"):

@@ -21,7 +21,7 @@ from workbench import Workbench
 from workbench.models import TINY_ARCHS, load_model
 from workbench.pipeline.interface import TRANSFORMS, GraphState, Stages
 from workbench.pipeline.transforms.multi_stream import AuxEnd, AuxFork, AuxWait
-from workbench.pipeline.transforms.patterns import export_graph_module
+from workbench.pipeline.matcher import export_graph_module
 
 wb = torch.ops.workbench
 TOL = 1e-5

@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.fx as fx
 
+from .graph_weights import fetch_attr
 from .graph_utils import graph_modules
 
 _HOOK_DICTS = (
@@ -36,13 +37,6 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
     return new
 
 
-def _fetch(root: torch.nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 class GraphCopy:
     """A snapshot's copy of a module: built lazily, resumable with ``materialize()``."""
 
@@ -56,7 +50,7 @@ class GraphCopy:
         self._graph = copy_graph(mod.graph)
         self._class_name = type(mod).__name__
         self._attrs = {
-            n.target: _fetch(mod, n.target)
+            n.target: fetch_attr(mod, n.target)
             for n in mod.graph.nodes if n.op in ("get_attr", "call_module")
         }
         buffer_names = {name for name, _ in mod.named_buffers()}

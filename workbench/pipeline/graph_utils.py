@@ -206,3 +206,12 @@ def tensor_meta(node: Any) -> Optional[torch.Tensor]:
         if isinstance(val, torch.Tensor):
             return val
     return None
+
+
+
+def require_tensor_meta(node: Any) -> torch.Tensor:
+    """``tensor_meta``, or an error saying how to get it (shape propagation)."""
+    v = tensor_meta(node)
+    if v is None:
+        raise RuntimeError(f"{node} has no fake value; run shape propagation first (requires_shape_prop)")
+    return v

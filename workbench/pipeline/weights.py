@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from .graph_weights import fetch_attr
 from .graph_utils import symbolic_fake_mode
 
 WEIGHT_VIEWS_KEY = "weight_views"  # gm.meta: target -> (base target, index into the base)
@@ -67,13 +68,6 @@ def record_weight_view(gm: fx.GraphModule, target: str, base: str, index: Tuple[
     gm.meta.setdefault(WEIGHT_VIEWS_KEY, {})[target] = (base, tuple(index))
 
 
-def _fetch(root: torch.nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def tensor_attributes(gm: fx.GraphModule) -> Dict[str, torch.Tensor]:
     """Every tensor the graph module holds: parameters, buffers (tied names included) and plain
     tensor attributes that ``get_attr`` nodes read (constants export lifted)."""
@@ -83,7 +77,7 @@ def tensor_attributes(gm: fx.GraphModule) -> Dict[str, torch.Tensor]:
     }
     for node in gm.graph.nodes:
         if node.op == "get_attr" and node.target not in out:
-            value = _fetch(gm, node.target)
+            value = fetch_attr(gm, node.target)
             if isinstance(value, torch.Tensor):
                 out[node.target] = value
     return out

@@ -1,9 +1,38 @@
-"""Transform families; importing this package registers every transform under its seed key."""
+"""Transform families, one module each; importing this package registers every transform.
 
-from . import cleanup, export  # noqa: F401
-from . import attention, hidden_states, layout, moe, norms, rope, swiglu  # noqa: F401
-from . import weight_load  # noqa: F401  (weight_load: bind the meta-traced graph to the weights)
-from . import cached_attention, cached_residual_add, gather_logits, hf_cached_attention, kvcache  # noqa: F401
-from . import fusion, multi_stream  # noqa: F401  (post_load_fusion backends; compile-stage streams)
-from . import linear_layout  # noqa: F401  (CPU GEMV weight layout)
-from . import compile_model  # noqa: F401  (compile stage: the runner generate uses)
+    module              keys
+    export              export_to_gm
+    cleanup             cleanup_noop_slice, cleanup_noop_add, cleanup_input_constraints,
+                        cleanup_identity_dtype_cast
+    moe                 match_moe_pattern, match_dense_moe_pattern, match_bmm_moe_pattern,
+                        split_moe_fused_for_sharding, match_moe_routing_pattern
+    attention           match_repeat_kv, match_eager_attention, match_sdpa_to_torch_attention,
+                        match_grouped_attention
+    layout              match_attention_layout, match_rope_layout, eliminate_redundant_transposes
+    rope                match_rope_pattern
+    norms               match_rmsnorm_pattern, match_l2norm_pattern
+    swiglu              match_swiglu_pattern
+    hidden_states       detect_hidden_states_for_capture
+    load_weights        load_weights
+    fuse_gemms          fuse_gemms
+    fuse_kernels        fuse_rmsnorm, fuse_rope, fuse_swiglu
+    linear_layout       linear_weight_layout
+    cached_attention    insert_cached_attention
+    cached_residual_add insert_cached_residual_add
+    gather_logits       gather_logits_before_lm_head
+    cache_alloc         initialize_cache, resize_kv_cache
+    transformers_mode   detect_hf_attn_layers, transformers_replace_cached_attn
+    fuse_causal_conv    fuse_causal_conv_activation
+    multi_stream        multi_stream_moe, multi_stream_mla_attn, multi_stream_gemm
+    compile_model       compile_model
+
+``workbench transforms`` prints the same table from the registry. The framework helpers the
+families share live beside this package: ``matcher/`` (patterns), ``graph_utils``, ``graph_copy``,
+``graph_weights``, ``weights``, ``cache_inputs``, ``cuda_only``.
+"""
+
+from . import attention, cleanup, export, hidden_states, layout, moe, norms, rope, swiglu  # noqa: F401
+from . import load_weights  # noqa: F401
+from . import fuse_causal_conv, fuse_gemms, fuse_kernels, linear_layout, multi_stream  # noqa: F401
+from . import cache_alloc, cached_attention, cached_residual_add, gather_logits, transformers_mode  # noqa: F401
+from . import compile_model  # noqa: F401

@@ -26,14 +26,13 @@ import torch.nn.functional as F
 
 from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ..interface import Transform, register
-from .patterns import (
-    Match, Pattern, PatternMatcher, fake, match_info, named_args, same_shape, same_size,
-)
+from ..matcher import Match, Pattern, PatternMatcher, match_info, named_args, same_shape, same_size
+from ..graph_utils import tensor_meta
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
 
-# Sentinels (see patterns.py): values that appear nowhere else in the traced patterns.
+# Sentinels (see pipeline/matcher): values that appear nowhere else in the traced patterns.
 _N_REP = 3
 _SCALE = 0.3125
 
@@ -56,7 +55,7 @@ def _repeat_kv_check(m: Match) -> Optional[Dict[str, Any]]:
     """The expand really repeats each KV head ``n_rep`` times and the reshape merges exactly that."""
     x = m.val("x")
     (expand,), (reshape,) = m.matched(aten.expand.default), m.matched(aten.reshape.default)
-    e, r = fake(expand), fake(reshape)
+    e, r = tensor_meta(expand), tensor_meta(reshape)
     if x is None or e is None or r is None or x.dim() != 4 or e.dim() != 5:
         return None
     n_rep = e.shape[2]

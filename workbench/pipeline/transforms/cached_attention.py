@@ -34,7 +34,8 @@ from ...ops.backends import ATTENTION_BACKENDS, AttentionBackend
 from ...runtime.interface import PAGED, CacheSpec
 from ..interface import Transform, TransformConfig, TransformInfo, register
 from ..cache_inputs import cache_input, metadata_inputs
-from .patterns import annotate_new_nodes, named_args
+from ..graph_utils import require_tensor_meta
+from ..matcher import annotate_new_nodes, named_args
 
 aten = torch.ops.aten
 
@@ -82,13 +83,6 @@ def _unsupported(args: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def _val(node: Any) -> torch.Tensor:
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if not isinstance(v, torch.Tensor):
-        raise RuntimeError(f"{node} has no fake value; run shape propagation first (requires_shape_prop)")
-    return v
-
-
 def rewrite_attention(
     gm: fx.GraphModule, node: fx.Node, layer: int, op: Callable, meta: Dict[str, fx.Node], device: torch.device,
 ) -> Tuple[CacheSpec, CacheSpec]:
@@ -99,7 +93,7 @@ def rewrite_attention(
         raise ValueError(f"cannot cache attention node {node.name} (layer {layer}): {why}")
     bnsd = args["layout"] == "bnsd"
     q, k, v = args["query"], args["key"], args["value"]
-    qv, kv, vv = _val(q), _val(k), _val(v)
+    qv, kv, vv = require_tensor_meta(q), require_tensor_meta(k), require_tensor_meta(v)
     hq, d = (qv.shape[1], qv.shape[3]) if bnsd else (qv.shape[2], qv.shape[3])
     hkv = kv.shape[1] if bnsd else kv.shape[2]
     dv = vv.shape[3]
@@ -144,7 +138,7 @@ def _check_shapes(backend: AttentionBackend, nodes: List[fx.Node]) -> None:
     refused: Dict[str, List[int]] = {}
     for layer, node in enumerate(nodes):
         args = dict(named_args(node))
-        qv, vv = _val(args["query"]), _val(args["value"])
+        qv, vv = require_tensor_meta(args["query"]), require_tensor_meta(args["value"])
         why = backend.unsupported(int(qv.shape[-1]), int(vv.shape[-1]), qv.dtype, args["sinks"] is not None)
         if why:
             refused.setdefault(why, []).append(layer)

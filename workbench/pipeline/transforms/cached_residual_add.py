@@ -27,7 +27,7 @@ from ...runtime.interface import PER_TOKEN, CacheSpec
 from ..interface import Transform, TransformInfo, register
 from ..cache_inputs import cache_input
 from .hidden_states import CAPTURE_KEY
-from .patterns import annotate_new_nodes
+from ..matcher import annotate_new_nodes
 
 aten = torch.ops.aten
 

@@ -26,7 +26,7 @@ import torch.fx as fx
 from ...runtime.interface import LAST_TOKEN_INPUT
 from ..interface import Transform, TransformInfo, register
 from ..cache_inputs import find_input, per_sequence_input
-from .fusion_gemm import param_of
+from ..graph_weights import param_of
 
 aten = torch.ops.aten
 

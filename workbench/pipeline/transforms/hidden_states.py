@@ -18,7 +18,7 @@ import torch.fx as fx
 from pydantic import Field
 
 from ..interface import Transform, TransformConfig, register
-from .patterns import match_info
+from ..matcher import match_info
 
 CAPTURE_KEY = "wb_capture_hidden_state"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")

@@ -22,7 +22,8 @@ from pydantic import Field, field_validator
 
 from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ..interface import Transform, TransformConfig, register
-from .patterns import annotate_new_nodes, fake, match_info, named_args, same_shape
+from ..matcher import annotate_new_nodes, match_info, named_args, same_shape
+from ..graph_utils import tensor_meta
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
@@ -140,7 +141,7 @@ class MatchRopeLayout(Transform):
 
 
 def _dims(node: fx.Node) -> Any:
-    x = fake(node.args[0])
+    x = tensor_meta(node.args[0])
     if x is None:
         return None
     a, b = node.args[1] % x.dim(), node.args[2] % x.dim()
@@ -151,7 +152,7 @@ def _skip_identity_reshapes(node: fx.Node) -> fx.Node:
     """Follow reshape/view nodes that keep their input's shape (value-wise identities)."""
     while node.op == "call_function" and node.target in (aten.reshape.default, aten.view.default):
         src = node.args[0]
-        a, b = fake(node), fake(src)
+        a, b = tensor_meta(node), tensor_meta(src)
         if a is None or b is None or not same_shape(a.shape, b.shape):
             break
         node = src

@@ -29,8 +29,8 @@ import torch.fx as fx
 from pydantic import Field
 
 from ..interface import Transform, TransformConfig, TransformInfo, register
-from .fusion_gemm import LINEAR, fake_value, fetch_attr, linear_bias, param_of, release_weights
-from .patterns import annotate_new_nodes
+from ..graph_weights import LINEAR, fake_value, fetch_attr, linear_bias, param_of, release_weights
+from ..matcher import annotate_new_nodes
 
 aten = torch.ops.aten
 

@@ -30,9 +30,8 @@ from pydantic import Field
 from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ..interface import Transform, TransformConfig, register
 from ..weights import record_weight_view
-from .patterns import (
-    Match, Pattern, PatternMatcher, annotate_new_nodes, fake, match_info, named_args, same_shape,
-)
+from ..matcher import Match, Pattern, PatternMatcher, annotate_new_nodes, match_info, named_args, same_shape
+from ..graph_utils import tensor_meta
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
@@ -151,7 +150,7 @@ def _moe_check(m: Match) -> Optional[Dict[str, Any]]:
         if tuple(c.args[1:3]) != (0, n_exp - 1):
             return None
     for v in m.matched(aten.view.default):
-        out = fake(v)
+        out = tensor_meta(v)
         if out is None or out.dim() != 3 or out.shape[1] != m.literals["k"]:
             return None
     return {}
@@ -251,7 +250,7 @@ def _dense_check(m: Match) -> Optional[Dict[str, Any]]:
         if list(r.args[1]) != [n_exp, 1]:
             return None
     for v in m.matched(aten.view.default) + m.matched(aten.reshape.default):
-        out = fake(v)
+        out = tensor_meta(v)
         if out is None or (out.dim() == 3 and out.shape[0] != n_exp):
             return None
     return {}
@@ -351,7 +350,7 @@ class SplitMoeFusedForSharding(Transform):
                     (args["x"], args["selected_experts"], args["routing_weights"], w1, w2n, w3),
                     {"act_fn": args["act_fn"]} if args["act_fn"] != "silu" else {},
                 )
-            mode = getattr(fake(args["x"]), "fake_mode", None)
+            mode = getattr(tensor_meta(args["x"]), "fake_mode", None)
             for p in (w1 + w3 + w2n) if mode is not None else ():
                 p.meta["val"] = mode.from_tensor(gm.get_parameter(p.target), static_shapes=True)
             node.replace_all_uses_with(new)

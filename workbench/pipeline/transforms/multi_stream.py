@@ -34,8 +34,8 @@ import torch.fx as fx
 from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ..interface import Transform, TransformInfo, register
 from ..cuda_only import CudaOnlyConfig, cuda_skip_reason
-from .fusion_gemm import param_of
-from .patterns import annotate_new_nodes
+from ..graph_weights import param_of
+from ..matcher import annotate_new_nodes
 
 aten = torch.ops.aten
 

@@ -12,7 +12,7 @@ import torch
 
 from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ..interface import Transform, register
-from .patterns import Match, Pattern, PatternMatcher, match_info
+from ..matcher import Match, Pattern, PatternMatcher, match_info
 
 wb = torch.ops.workbench
 

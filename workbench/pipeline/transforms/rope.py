@@ -18,7 +18,8 @@ import torch
 
 from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ..interface import Transform, register
-from .patterns import Match, Pattern, PatternMatcher, fake, match_info, named_args, same_size
+from ..matcher import Match, Pattern, PatternMatcher, match_info, named_args, same_size
+from ..graph_utils import tensor_meta
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
@@ -94,7 +95,7 @@ def _halves_check(m: Match, d: int) -> bool:
     negated = {n.args[0] for n in m.matched(aten.neg.default)}
     for node in m.matched(aten.slice.Tensor):
         args = dict(named_args(node))
-        x = fake(node.args[0])
+        x = tensor_meta(node.args[0])
         if x is None or args["dim"] not in (-1, x.dim() - 1) or args["step"] != 1:
             return False
         start, end = (d // 2, None) if node in negated else (0, d // 2)
@@ -120,7 +121,7 @@ def _interleave_check(m: Match) -> Optional[Dict[str, Any]]:
         return None
     # view to [..., d/2, 2], swap the last two dims, merge back to [..., d].
     for view in m.matched(aten.view.default):
-        v = fake(view)
+        v = tensor_meta(view)
         if v is None or tuple(v.shape[-2:]) != (d // 2, 2):
             return None
     for t in m.matched(aten.transpose.int):
@@ -134,7 +135,7 @@ def _complex_check(m: Match) -> Optional[Dict[str, Any]]:
     if d is None or not _valid_unsqueeze(m, "freqs_cis"):
         return None
     for r in m.matched(aten.reshape.default):
-        v = fake(r)
+        v = tensor_meta(r)
         if v is None or tuple(v.shape[-2:]) != (d // 2, 2):
             return None
     for f in m.matched(aten.flatten.using_ints):

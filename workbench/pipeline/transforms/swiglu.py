@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ..interface import Transform, register
-from .patterns import Pattern, PatternMatcher, match_info
+from ..matcher import Pattern, PatternMatcher, match_info
 
 wb = torch.ops.workbench
 

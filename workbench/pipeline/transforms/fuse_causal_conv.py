@@ -29,7 +29,7 @@ from pydantic import Field
 
 from ..interface import Transform, TransformInfo, register
 from ..cuda_only import CudaOnlyConfig, cuda_skip_reason
-from .patterns import annotate_new_nodes, named_args
+from ..matcher import annotate_new_nodes, named_args
 
 aten = torch.ops.aten
 

@@ -16,13 +16,13 @@ Earlier snapshots and the eager reference model keep their own references to the
 
 The split outputs are strided views; a consumer ``view`` that the strides cannot serve (one that
 merges the split dim with another) becomes a ``reshape``, so the rewrite never fails at run time.
-``concat_weights`` and ``release_weights`` are shared with ``fuse_swiglu`` (gate/up).
+The weight helpers (``concat_weights``, ``release_weights``) are in ``pipeline/graph_weights.py``.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -30,140 +30,14 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from ..graph_utils import symbolic_fake_mode
+from ..graph_weights import LINEAR, concat_weights, fake_value, fetch_attr, linear_bias, param_of, release_weights
 from ..interface import Transform, TransformInfo, register
-from .patterns import annotate_new_nodes
+from ..matcher import annotate_new_nodes
 
 aten = torch.ops.aten
-LINEAR = aten.linear.default
-
-
-# ------------------------------------------------------------------------------ weights
-
-
-def fetch_attr(gm: torch.nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def param_of(gm: fx.GraphModule, node: Any) -> Optional[torch.Tensor]:
-    """The tensor a ``get_attr`` node reads, else None (placeholders, computed values)."""
-    if not isinstance(node, fx.Node) or node.op != "get_attr":
-        return None
-    value = fetch_attr(gm, node.target)
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def _owner_and_names(targets: Sequence[str]) -> Tuple[str, List[str]]:
-    """Deepest common module path of ``targets`` and the targets relative to it."""
-    parts = [t.split(".")[:-1] for t in targets]
-    common: List[str] = []
-    for level in zip(*parts):
-        if len(set(level)) != 1:
-            break
-        common.append(level[0])
-    return ".".join(common), [".".join(t.split(".")[len(common):]) for t in targets]
-
-
-def _fused_attr_name(module: torch.nn.Module, local: Sequence[str]) -> str:
-    """``fused_q_proj_k_proj_v_proj_weight`` from ``q_proj.weight, k_proj.weight, ...``."""
-    leaf = local[0].rsplit(".", 1)[-1]
-    stems = [name[: -len(leaf) - 1] if name.endswith("." + leaf) else name for name in local]
-    base = "fused_" + "_".join(s.replace(".", "_") for s in stems) + "_" + leaf
-    name, i = base, 1
-    while hasattr(module, name):
-        name, i = f"{base}_{i}", i + 1
-    return name
-
-
-def fake_value(gm: fx.GraphModule, tensor: torch.Tensor) -> Optional[torch.Tensor]:
-    """A fake tensor for a new ``get_attr`` in the graph's fake mode (None when there is none)."""
-    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op in ("placeholder", "get_attr")]
-    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    return mode.from_tensor(tensor, static_shapes=True) if mode is not None else None
-
-
-def concat_weights(gm: fx.GraphModule, nodes: Sequence[fx.Node], dim: int = 0) -> Tuple[str, int]:
-    """Concatenate the tensors ``nodes`` (``get_attr``) read into ONE new attribute of ``gm``.
-
-    Registered on the deepest module holding all of them, as a Parameter (requires_grad=False)
-    when the originals are parameters, else as a buffer. Returns (target, bytes allocated).
-    """
-    targets = [n.target for n in nodes]
-    tensors = [fetch_attr(gm, t) for t in targets]
-    with torch.no_grad():
-        fused = torch.cat([t.detach() for t in tensors], dim=dim)
-    owner_path, local = _owner_and_names(targets)
-    owner = gm.get_submodule(owner_path) if owner_path else gm
-    name = _fused_attr_name(owner, local)
-    if all(isinstance(t, torch.nn.Parameter) for t in tensors):
-        owner.register_parameter(name, torch.nn.Parameter(fused, requires_grad=False))
-    else:
-        owner.register_buffer(name, fused)
-    return (f"{owner_path}.{name}" if owner_path else name), fused.numel() * fused.element_size()
-
-
-def _storages(gm: torch.nn.Module) -> Dict[Tuple[torch.device, int], int]:
-    """Storage -> bytes over every parameter and buffer name (tied names included)."""
-    out = {}
-    for _, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
-        if t.device.type != "meta":
-            s = t.untyped_storage()
-            out[(t.device, s.data_ptr())] = s.nbytes()
-    return out
-
-
-@dataclass
-class Released:
-    freed_bytes: int = 0
-    dropped: List[str] = field(default_factory=list)  # attributes removed from the module
-    kept: List[str] = field(default_factory=list)  # still read by a graph node: stays
-    tied: List[str] = field(default_factory=list)  # dropped, but another name holds the storage
-
-
-def _storage_key(t: torch.Tensor) -> Tuple[torch.device, int]:
-    return (t.device, t.untyped_storage().data_ptr())
-
-
-def release_weights(gm: fx.GraphModule, targets: Sequence[str]) -> Released:
-    """Drop attributes ``targets`` that no graph node reads any more; count the freed bytes.
-
-    A target still read by a ``get_attr`` node stays. A dropped attribute whose storage another
-    attribute still holds (tied weights) frees nothing; only storages that leave the module count.
-    """
-    if not targets:
-        return Released()
-    wanted = set(targets)
-    for node in [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in wanted]:
-        if not node.users:
-            gm.graph.erase_node(node)
-    read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    before = _storages(gm)
-    out = Released()
-    keys = {}
-    for target in dict.fromkeys(targets):
-        if target in read:
-            out.kept.append(target)
-            continue
-        owner_path, _, name = target.rpartition(".")
-        owner = gm.get_submodule(owner_path) if owner_path else gm
-        if hasattr(owner, name):
-            keys[target] = _storage_key(getattr(owner, name))
-            delattr(owner, name)
-            out.dropped.append(target)
-    after = _storages(gm)
-    out.freed_bytes = sum(nbytes for key, nbytes in before.items() if key not in after)
-    out.tied = [t for t in out.dropped if keys[t] in after]
-    return out
 
 
 # ------------------------------------------------------------------------------ the rewrite
-
-
-def linear_bias(node: fx.Node) -> Any:
-    """The bias argument of an ``aten.linear`` node (None when it has none)."""
-    return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
 
 
 def _fusable_key(gm: fx.GraphModule, node: fx.Node) -> Optional[tuple]:
@@ -295,5 +169,4 @@ class FuseGemms(Transform):
                                  details=details)
 
 
-__all__ = ["FuseGemms", "linear_groups", "fuse_linear_group", "concat_weights", "release_weights",
-           "fetch_attr", "param_of", "fake_value", "split_outputs", "fix_views"]
+__all__ = ["FuseGemms", "linear_groups", "fuse_linear_group", "split_outputs", "fix_views"]

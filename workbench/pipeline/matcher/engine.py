@@ -27,90 +27,18 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph_utils import remove_input_checks, remove_noop_slices, remove_tensor_metadata_asserts, symbolic_fake_mode
-from ..snapshot import REPLACES_KEY
+from .rewrite import replace_match
+from .trace import export_graph_module
 
 aten = torch.ops.aten
 
 COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
-# Meta keys copied from the match's anchor to replacement nodes (viz groups nodes by module).
-_INHERITED_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn")
-
-
-# --------------------------------------------------------------------------------------------
-# Export helper (patterns and tests use the same tracer as the pipeline)
-
-
-class _FnModule(torch.nn.Module):
-    def __init__(self, fn: Callable[..., Any], kwargs: Mapping[str, Any]):
-        super().__init__()
-        self.fn, self.kwargs = fn, dict(kwargs)
-
-    def forward(self, *args):
-        return self.fn(*args, **self.kwargs)
-
-
-def automatic_dims(dynamic_shapes: Any) -> Any:
-    """Named ``torch.export.Dim``s replaced by ``Dim.DYNAMIC`` with the same bounds.
-
-    Under torch 2.11 a named sequence dim fails export with "Constraints violated" on guards such
-    as ``min(8*s, 16*s) == 8*s`` that hold for every size but that its solver cannot prove for the
-    declared range; ``Dim.DYNAMIC`` keeps them as facts (export_to_gm does the same, see there).
-    """
-    from torch.export import Dim
-
-    def convert(x: Any) -> Any:
-        if isinstance(x, Dim):
-            return Dim.DYNAMIC(min=x.min, max=x.max)
-        return x
-
-    if dynamic_shapes is None:
-        return None
-    return torch.utils._pytree.tree_map(convert, dynamic_shapes, is_leaf=lambda x: isinstance(x, Dim))
-
-
-def export_graph_module(
-    fn: Callable[..., Any] | torch.nn.Module,
-    args: Sequence[Any],
-    *,
-    kwargs: Optional[Mapping[str, Any]] = None,
-    dynamic_shapes: Any = None,
-) -> fx.GraphModule:
-    """``torch.export`` (non-strict) of a function or module -> GraphModule without export's
-    runtime guards and metadata asserts, like ``export_to_gm`` leaves the model graph.
-
-    ``kwargs`` are bound into a function (not exported as inputs).
-    """
-    mod = fn if isinstance(fn, torch.nn.Module) else _FnModule(fn, kwargs or {})
-    if not isinstance(fn, torch.nn.Module) and isinstance(dynamic_shapes, (list, tuple)):
-        dynamic_shapes = (tuple(dynamic_shapes),)  # the wrapper's forward takes *args
-    dynamic_shapes = automatic_dims(dynamic_shapes)
-    with torch.no_grad():
-        ep = torch.export.export(mod, tuple(args), dynamic_shapes=dynamic_shapes, strict=False)
-    gm = ep.module()
-    remove_tensor_metadata_asserts(gm)
-    remove_input_checks(gm)
-    # Export keeps full slices (x[:, None]) of dims it cannot bound; the pipeline's
-    # cleanup_noop_slice removes them before any matcher runs, so graphs here look the same.
-    remove_noop_slices(gm)
-    gm.graph.eliminate_dead_code()
-    gm.delete_all_unused_submodules()
-    gm.recompile()
-    return gm
-
-
-# --------------------------------------------------------------------------------------------
-# Patterns
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: patterns are module constants, traced once
@@ -191,10 +119,6 @@ def named_args(node: fx.Node) -> List[Tuple[str, Any]]:
             out.append((arg.name, value))
         return out
     return [(str(i), a) for i, a in enumerate(node.args)] + sorted(node.kwargs.items())
-
-
-# --------------------------------------------------------------------------------------------
-# Matching
 
 
 @dataclass
@@ -399,148 +323,6 @@ def _self_contained(match: Match) -> bool:
     return all(u in inside for n in inner if n.target not in shareable for u in n.users)
 
 
-# --------------------------------------------------------------------------------------------
-# Replacement
 
 
-def replace_match(match: Match) -> bool:
-    """Record ``pattern.replace`` into the graph and reroute the outputs' users to it.
-
-    Returns False (graph untouched) if the replacement cannot be placed: it goes right after the
-    last input, which must come before every user of the match's outputs.
-    """
-    gm, graph = match.gm, match.gm.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    input_nodes = [n for n in match.inputs.values() if isinstance(n, fx.Node)]
-    last = max(input_nodes, key=order.__getitem__) if input_nodes else next(iter(graph.nodes))
-    first_user = min(
-        (order[u] for o in match.outputs for u in o.users), default=len(order)
-    )
-    if order[last] >= first_user:
-        return False
-    tracer = fx.proxy.GraphAppendingTracer(graph)
-    args = [fx.Proxy(match.inputs[name], tracer) for name in match.pattern.input_names]
-    before = set(graph.nodes)
-    with graph.inserting_before(last.next):
-        result = match.pattern.replace(*args, **match.literals)
-    results = list(result) if isinstance(result, (list, tuple)) else [result]
-    if len(results) != len(match.outputs):
-        raise ValueError(f"pattern {match.pattern.name}: replace returned {len(results)} outputs")
-    new_nodes = [n for n in graph.nodes if n not in before]
-    for old, new in zip(match.outputs, results):
-        old.replace_all_uses_with(new.node if isinstance(new, fx.Proxy) else new)
-    names = {n: n.name for n in match.graph_nodes}
-    erase_dead(graph, match.graph_nodes)
-    replaced = [name for n, name in names.items() if n._erased]  # shared nodes stay: not replaced
-    annotate_new_nodes(gm, new_nodes, replaced, anchor=match.outputs[0])
-    return True
-
-
-def annotate_new_nodes(
-    gm: fx.GraphModule, nodes: Sequence[fx.Node], replaced: Sequence[str], anchor: Optional[fx.Node]
-) -> None:
-    """Provenance, inherited module metadata and fake values for nodes a transform created."""
-    for node in nodes:
-        node.meta[REPLACES_KEY] = list(replaced)
-        if anchor is not None:
-            for key in _INHERITED_META:
-                if key in anchor.meta and key not in node.meta:
-                    node.meta[key] = anchor.meta[key]
-    propagate_fake_values(gm, nodes)
-
-
-def propagate_fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> bool:
-    """Set ``meta['val']`` on ``nodes`` (in order) by running them on their inputs' fake values.
-
-    Returns False (leaving later nodes without values) when an input has no fake value; the
-    transform's ``run_shape_prop`` flag then repairs the metadata.
-    """
-    for node in nodes:
-        if node.op != "call_function":
-            continue
-        missing = []
-
-        def fake(a: fx.Node) -> Any:
-            v = a.meta.get("val")
-            if v is None:
-                missing.append(a)
-            return v
-
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), fake)
-        if missing:
-            return False
-        flat = [v for v in torch.utils._pytree.tree_leaves((args, kwargs))]
-        mode = detect_fake_mode(flat)
-        if node.target is operator.getitem:
-            node.meta["val"] = args[0][args[1]]
-            continue
-        if mode is None:
-            if any(isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor) for v in flat):
-                return False
-            node.meta["val"] = node.target(*args, **kwargs)
-            continue
-        with symbolic_fake_mode(mode):
-            node.meta["val"] = node.target(*args, **kwargs)
-    return True
-
-
-def erase_dead(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:
-    """Erase ``nodes`` that are now unused (users first), leaving any still-used ones."""
-    pending = [n for n in nodes if not n._erased]
-    changed = True
-    while changed:
-        changed = False
-        for node in list(pending):
-            if not node.users:
-                graph.erase_node(node)
-                pending.remove(node)
-                changed = True
-
-
-# --------------------------------------------------------------------------------------------
-# Shape helpers for checks
-
-
-def same_size(a: Any, b: Any) -> bool:
-    """Whether two (possibly symbolic) sizes are provably equal."""
-    try:
-        return bool(statically_known_true(a == b))
-    except Exception:  # noqa: BLE001 - unknown relation means "not provably equal"
-        return False
-
-
-def same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
-    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
-
-
-def fake(node: Any) -> Optional[torch.Tensor]:
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-__all__ = [
-    "Pattern", "PatternMatcher", "Match", "export_graph_module", "traced_pattern", "replace_match",
-    "annotate_new_nodes", "propagate_fake_values", "erase_dead", "same_size", "same_shape", "fake",
-    "named_args",
-]
-
-
-def match_info(gm: fx.GraphModule, counts: Mapping[str, int], **details: Any):
-    """The TransformInfo of a pattern transform: matches per pattern, recompiled graph.
-
-    Shapes stay valid when every node still carries a fake value (replacements get theirs from
-    ``propagate_fake_values``), so later matchers can read ``meta['val']`` without a shape prop.
-    """
-    from ..interface import TransformInfo
-
-    n = sum(counts.values())
-    if n:
-        gm.graph.lint()
-        gm.recompile()
-    shapes = all(
-        "val" in node.meta for node in gm.graph.nodes if node.op in ("call_function", "placeholder")
-    )
-    return gm, TransformInfo(
-        num_matches=n, is_clean=n == 0, has_valid_shapes=shapes,
-        details={"matches": dict(counts), **details},
-    )
+__all__ = ["Pattern", "PatternMatcher", "Match", "traced_pattern", "named_args", "COMMUTATIVE"]

@@ -11,7 +11,7 @@ CUDA, torch on CPU):
                     ``linear(silu_and_mul(linear(x, cat[Wg; Wu], cat[bg; bu])), Wd, bd)``:
                     one gate/up GEMM over weights concatenated once here (memory accounting as in
                     ``fuse_gemms``), then the backend's ``*_silu_and_mul``;
-* ``fuse_gemms``    (``fusion_gemm.py``) linears sharing an input -> one GEMM + split (Q/K/V).
+* ``fuse_gemms``    (``fuse_gemms.py``) linears sharing an input -> one GEMM + split (Q/K/V).
 
 Every rewrite keeps the op's contract, so numerics equal the canonical op's (fp32: to rounding).
 A node a backend cannot take (say FlashInfer with a weight dtype unlike the input's) stays
@@ -28,21 +28,17 @@ from pydantic import Field
 
 from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ..interface import Transform, TransformConfig, TransformInfo, register
-from . import fusion_causal_conv, fusion_gemm  # noqa: F401  (register their transforms)
-from ...ops.backends import fusion_backend_names, pick_fusion_backend
-from .fusion_gemm import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights
-from .patterns import annotate_new_nodes, named_args
+
+from ...ops.backends import pick_fusion_backend
+from ..graph_weights import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights
+from ..graph_utils import tensor_meta
+from ..matcher import annotate_new_nodes, named_args
 
 wb = torch.ops.workbench
 
 
 def _nodes(gm: fx.GraphModule, target: Callable) -> List[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
-
-
-def _val(node: Any) -> Optional[torch.Tensor]:
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def swap_node(gm: fx.GraphModule, node: fx.Node, target: Callable, args: tuple,
@@ -78,7 +74,7 @@ class FuseRMSNormConfig(TransformConfig):
 
 
 def _rmsnorm_refusal(backend: str, node: fx.Node) -> Optional[str]:
-    x, w = _val(node.args[0]), _val(node.args[1])
+    x, w = tensor_meta(node.args[0]), tensor_meta(node.args[1])
     if x is None or w is None:
         return "no fake value on input/weight (run shape propagation first)"
     if w.dim() != 1 or w.shape[0] != x.shape[-1]:
@@ -127,7 +123,7 @@ class FuseRoPEConfig(TransformConfig):
 
 
 def _rope_refusal(args: Dict[str, Any]) -> Optional[str]:
-    q, k, cos, sin = (_val(args[name]) for name in ("q", "k", "cos", "sin"))
+    q, k, cos, sin = (tensor_meta(args[name]) for name in ("q", "k", "cos", "sin"))
     if any(v is None for v in (q, k, cos, sin)):
         return "no fake value on q/k/cos/sin (run shape propagation first)"
     dim = args["unsqueeze_dim"]

@@ -1,0 +1,17 @@
+"""The declarative pattern matcher: ``Pattern`` (search/replace as eager functions), ``PatternMatcher``
+(backtracking match over exported ATen graphs), and the rewrite helpers transforms share.
+
+``engine``: patterns and matching; ``rewrite``: recording replacements (provenance, fake values);
+``trace``: the tracer patterns and tests use (the pipeline's own).
+"""
+
+from .engine import COMMUTATIVE, Match, Pattern, PatternMatcher, named_args, traced_pattern
+from .rewrite import (annotate_new_nodes, erase_dead, match_info, propagate_fake_values, replace_match, same_shape,
+                      same_size)
+from .trace import automatic_dims, export_graph_module
+
+__all__ = [
+    "COMMUTATIVE", "Match", "Pattern", "PatternMatcher", "named_args", "traced_pattern", "annotate_new_nodes",
+    "erase_dead", "match_info", "propagate_fake_values", "replace_match", "same_shape", "same_size",
+    "automatic_dims", "export_graph_module",
+]

@@ -1,0 +1,153 @@
+"""Recording a replacement into the model graph: provenance, inherited metadata, fake values,
+and the ``TransformInfo`` every pattern transform returns."""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..graph_utils import symbolic_fake_mode
+from ..snapshot import REPLACES_KEY
+
+if TYPE_CHECKING:
+    from .engine import Match
+
+# Meta keys copied from the match's anchor to replacement nodes (viz groups nodes by module).
+_INHERITED_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn")
+
+
+def replace_match(match: "Match") -> bool:
+    """Record ``pattern.replace`` into the graph and reroute the outputs' users to it.
+
+    Returns False (graph untouched) if the replacement cannot be placed: it goes right after the
+    last input, which must come before every user of the match's outputs.
+    """
+    gm, graph = match.gm, match.gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    input_nodes = [n for n in match.inputs.values() if isinstance(n, fx.Node)]
+    last = max(input_nodes, key=order.__getitem__) if input_nodes else next(iter(graph.nodes))
+    first_user = min(
+        (order[u] for o in match.outputs for u in o.users), default=len(order)
+    )
+    if order[last] >= first_user:
+        return False
+    tracer = fx.proxy.GraphAppendingTracer(graph)
+    args = [fx.Proxy(match.inputs[name], tracer) for name in match.pattern.input_names]
+    before = set(graph.nodes)
+    with graph.inserting_before(last.next):
+        result = match.pattern.replace(*args, **match.literals)
+    results = list(result) if isinstance(result, (list, tuple)) else [result]
+    if len(results) != len(match.outputs):
+        raise ValueError(f"pattern {match.pattern.name}: replace returned {len(results)} outputs")
+    new_nodes = [n for n in graph.nodes if n not in before]
+    for old, new in zip(match.outputs, results):
+        old.replace_all_uses_with(new.node if isinstance(new, fx.Proxy) else new)
+    names = {n: n.name for n in match.graph_nodes}
+    erase_dead(graph, match.graph_nodes)
+    replaced = [name for n, name in names.items() if n._erased]  # shared nodes stay: not replaced
+    annotate_new_nodes(gm, new_nodes, replaced, anchor=match.outputs[0])
+    return True
+
+
+def annotate_new_nodes(
+    gm: fx.GraphModule, nodes: Sequence[fx.Node], replaced: Sequence[str], anchor: Optional[fx.Node]
+) -> None:
+    """Provenance, inherited module metadata and fake values for nodes a transform created."""
+    for node in nodes:
+        node.meta[REPLACES_KEY] = list(replaced)
+        if anchor is not None:
+            for key in _INHERITED_META:
+                if key in anchor.meta and key not in node.meta:
+                    node.meta[key] = anchor.meta[key]
+    propagate_fake_values(gm, nodes)
+
+
+def propagate_fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> bool:
+    """Set ``meta['val']`` on ``nodes`` (in order) by running them on their inputs' fake values.
+
+    Returns False (leaving later nodes without values) when an input has no fake value; the
+    transform's ``run_shape_prop`` flag then repairs the metadata.
+    """
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        missing = []
+
+        def value(a: fx.Node) -> Any:
+            v = a.meta.get("val")
+            if v is None:
+                missing.append(a)
+            return v
+
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
+        if missing:
+            return False
+        flat = [v for v in torch.utils._pytree.tree_leaves((args, kwargs))]
+        mode = detect_fake_mode(flat)
+        if node.target is operator.getitem:
+            node.meta["val"] = args[0][args[1]]
+            continue
+        if mode is None:
+            if any(isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor) for v in flat):
+                return False
+            node.meta["val"] = node.target(*args, **kwargs)
+            continue
+        with symbolic_fake_mode(mode):
+            node.meta["val"] = node.target(*args, **kwargs)
+    return True
+
+
+def erase_dead(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:
+    """Erase ``nodes`` that are now unused (users first), leaving any still-used ones."""
+    pending = [n for n in nodes if not n._erased]
+    changed = True
+    while changed:
+        changed = False
+        for node in list(pending):
+            if not node.users:
+                graph.erase_node(node)
+                pending.remove(node)
+                changed = True
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """Whether two (possibly symbolic) sizes are provably equal."""
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001 - unknown relation means "not provably equal"
+        return False
+
+
+def same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def match_info(gm: fx.GraphModule, counts: Mapping[str, int], **details: Any):
+    """The TransformInfo of a pattern transform: matches per pattern, recompiled graph.
+
+    Shapes stay valid when every node still carries a fake value (replacements get theirs from
+    ``propagate_fake_values``), so later matchers can read ``meta['val']`` without a shape prop.
+    """
+    from ..interface import TransformInfo
+
+    n = sum(counts.values())
+    if n:
+        gm.graph.lint()
+        gm.recompile()
+    shapes = all(
+        "val" in node.meta for node in gm.graph.nodes if node.op in ("call_function", "placeholder")
+    )
+    return gm, TransformInfo(
+        num_matches=n, is_clean=n == 0, has_valid_shapes=shapes,
+        details={"matches": dict(counts), **details},
+    )
+
+
+__all__ = ["replace_match", "annotate_new_nodes", "propagate_fake_values", "erase_dead", "same_size", "same_shape",
+           "match_info"]
