@@ -355,3 +355,20 @@ def test_nothing_imports_the_widgets_package():
             assert imports == [".widgets"] and "    from .widgets import" in text, imports
         else:
             assert not imports and "ipywidgets" not in text, path
+
+
+def test_max_batch_size_survives_a_dtype_reload_into_the_runner_and_scheduler():
+    wb = Workbench("tiny:llama", max_batch_size=8, numerics=False)
+    panel = WorkbenchPanel(wb, background=False)
+    panel.selectors.buttons["dtype"]["bfloat16"].value = True
+    new = panel.wb
+    assert new is not wb and new.ctx.dtype == torch.bfloat16
+    assert new.limits.max_batch_size == 8 and new.numerics_enabled is False  # every argument kept
+    new.run()
+    assert new.ctx.limits.max_batch_size == 8 and new.ctx.cache.config.max_batch_size == 8
+    from workbench.runtime import runner_for
+
+    runner = runner_for(new.module, new.ctx)
+    assert runner.seq_info.max_batch_size == 8 and runner.scheduler().cfg.max_batch_size == 8
+    out = new.generate([[i + 1, i + 2] for i in range(10)], max_new_tokens=2, stop_token_ids=[])
+    assert out.stats.max_concurrency == 8  # 10 prompts, at most 8 in flight

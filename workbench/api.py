@@ -20,6 +20,7 @@ from .pipeline.config import apply_global_field, resolve_pipeline
 from .pipeline.interface import TRANSFORMS
 from .pipeline.stepper import PipelineStepper
 from .pipeline.snapshot import Snapshot
+from .errors import InputError
 
 logger = logging.getLogger("workbench")
 _STEPPER_ARGS = frozenset(inspect.signature(PipelineStepper.__init__).parameters) - {"self", "loaded"}
@@ -34,7 +35,7 @@ def ensure_writable_dir(path: Union[str, Path], what: str) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"{what} {str(p)!r} cannot be written ({type(e).__name__}: {e.strerror or e}); "
+        raise InputError(f"{what} {str(p)!r} cannot be written ({type(e).__name__}: {e.strerror or e}); "
                          "pick a directory you can write to") from None
     return p
 

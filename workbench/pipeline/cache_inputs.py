@@ -13,7 +13,7 @@ Not a transform itself: helpers for ``insert_cached_attention``, ``insert_cached
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -24,6 +24,9 @@ from torch.utils import _pytree as pytree
 
 from ..runtime.interface import INPUT_KEY, METADATA_INPUTS, CacheSpec
 
+# node.meta key: detect_hidden_states_for_capture marks a layer's output hidden state with its layer
+# index; insert_cached_residual_add writes every marked one into a per-token cache.
+CAPTURE_KEY = "wb_capture_hidden_state"
 _SYMBOLS_KEY = "wb_cache_symbols"  # gm.meta: symbolic sizes shared by all cache inputs
 
 
@@ -123,5 +126,5 @@ def cache_input(gm: fx.GraphModule, spec: CacheSpec, dtype: torch.dtype, device:
 
 
 __all__ = [
-    "graph_fake_mode", "find_input", "add_graph_input", "metadata_inputs", "per_sequence_input", "cache_input",
+    "CAPTURE_KEY", "graph_fake_mode", "find_input", "add_graph_input", "metadata_inputs", "per_sequence_input", "cache_input",
 ]

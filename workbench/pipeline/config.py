@@ -18,9 +18,10 @@ import yaml
 from pydantic import ValidationError
 
 from .interface import TRANSFORMS, Stages, TransformConfig, TransformRegistry
+from ..errors import InputError
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A pipeline configuration problem, with the key, field and source named."""
 
 

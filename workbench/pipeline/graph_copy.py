@@ -9,7 +9,7 @@ only read (tables, diffs, renders read the graph), so the GraphModule is built o
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.fx as fx

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Any, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.fx as fx
@@ -192,11 +192,6 @@ def op_histogram(mod: torch.nn.Module) -> Dict[str, int]:
 
 def num_nodes(mod: torch.nn.Module) -> int:
     return sum(len(gm.graph.nodes) for gm in graph_modules(mod))
-
-
-def find_nodes(gm: fx.GraphModule, targets: Iterable[Any]) -> List[fx.Node]:
-    targets = set(targets)
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
 
 
 def tensor_meta(node: Any) -> Optional[torch.Tensor]:

@@ -206,7 +206,7 @@ class Transform:
 
         t0 = time.perf_counter()
         try:
-            targets = self._targets(mod)
+            targets = graph_modules(mod)
             if cfg.stage.order >= Stages.POST_LOAD_FUSION.order:
                 _require_loaded_weights(self.key, cfg.stage, targets)
             if targets and cfg.requires_clean_graph and not state.is_clean:
@@ -220,7 +220,7 @@ class Transform:
             t1 = time.perf_counter()
             times.pre_cleanup = t1 - t0
 
-            if targets:
+            if targets and cfg.run_per_gm:  # once per graph (sub)module, infos merged
                 info = None
                 for gm in targets:
                     out, gm_info = self._apply(gm, ctx)
@@ -249,7 +249,7 @@ class Transform:
         is_clean = info.is_clean or (unchanged and state.is_clean)
         has_shapes = info.has_valid_shapes or (unchanged and state.has_valid_shapes)
         t3 = time.perf_counter()
-        graphs = self._targets(mod)
+        graphs = graph_modules(mod)
         if graphs and cfg.run_graph_cleanup and not is_clean:
             for gm in graphs:
                 canonicalize_graph(gm)
@@ -265,12 +265,6 @@ class Transform:
             "%s matches=%d time=%.3fs", self.log_prefix, info.num_matches, times.total
         )
         return mod, info, times
-
-    def _targets(self, mod: torch.nn.Module) -> List[torch.fx.GraphModule]:
-        """The graph modules this transform runs on: per sub-graph, or the whole module."""
-        if isinstance(mod, torch.fx.GraphModule) and not self.config.run_per_gm:
-            return [mod]
-        return graph_modules(mod)
 
     @staticmethod
     def _swap(root: torch.nn.Module, old: torch.nn.Module, new: torch.nn.Module) -> torch.nn.Module:

@@ -7,8 +7,8 @@ and report process RSS alongside as a coarse, noisy figure that is never used fo
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Dict, Iterable, Optional
+from dataclasses import dataclass
+from typing import Iterable, Optional
 
 import psutil
 import torch
@@ -47,8 +47,6 @@ class MemoryStats:
     def tracked_bytes(self) -> int:
         return self.param_bytes + self.buffer_bytes + self.cache_bytes
 
-    def as_dict(self) -> Dict[str, Optional[int]]:
-        return asdict(self)
 
 
 def measure(mod: torch.nn.Module, cache_bytes: int, device: torch.device) -> MemoryStats:

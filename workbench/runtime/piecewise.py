@@ -30,7 +30,7 @@ with every piece eager, which is how the CPU tests check this module's numerics.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch

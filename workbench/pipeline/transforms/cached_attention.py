@@ -27,41 +27,17 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
-from pydantic import Field, field_validator
 
 from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...ops.backends import ATTENTION_BACKENDS, AttentionBackend
 from ...runtime.interface import PAGED, CacheSpec
-from ..interface import Transform, TransformConfig, TransformInfo, register
+from ..attention_backend import InsertCachedAttentionConfig, resolve_backend
+from ..interface import Transform, TransformInfo, register
 from ..cache_inputs import cache_input, metadata_inputs
 from ..graph_utils import require_tensor_meta
 from ..matcher import annotate_new_nodes, named_args
 
 aten = torch.ops.aten
-
-
-# ------------------------------------------------------------------------------ backends
-
-
-def resolve_backend(name: Optional[str], device: torch.device) -> Tuple[str, Callable]:
-    """The backend's name and op; a RuntimeError saying what is missing when it cannot run here."""
-    backend = ATTENTION_BACKENDS.pick(name, device, "insert_cached_attention.backend")
-    return backend.name, backend.op
-
-
-class InsertCachedAttentionConfig(TransformConfig):
-    backend: Optional[str] = Field(
-        default=None,
-        description=f"The attention backend to use: {' | '.join(ATTENTION_BACKENDS.names())} "
-        f"(None: {ATTENTION_BACKENDS.default}).",
-    )
-
-    @field_validator("backend")
-    @classmethod
-    def _known(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None:
-            ATTENTION_BACKENDS.get(v)  # ValueError: "unknown attention backend ...; known: ..."
-        return v
 
 
 # ------------------------------------------------------------------------------ the rewrite
@@ -189,4 +165,4 @@ class InsertCachedAttention(Transform):
         return gm, TransformInfo(num_matches=len(nodes), is_clean=True, has_valid_shapes=True, details=details)
 
 
-__all__ = ["resolve_backend", "InsertCachedAttention", "InsertCachedAttentionConfig", "rewrite_attention"]
+__all__ = ["InsertCachedAttention", "rewrite_attention"]

@@ -25,8 +25,7 @@ import torch.fx as fx
 
 from ...runtime.interface import PER_TOKEN, CacheSpec
 from ..interface import Transform, TransformInfo, register
-from ..cache_inputs import cache_input
-from .hidden_states import CAPTURE_KEY
+from ..cache_inputs import CAPTURE_KEY, cache_input
 from ..matcher import annotate_new_nodes
 
 aten = torch.ops.aten

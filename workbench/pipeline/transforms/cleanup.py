@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph_utils import is_noop_slice, known_ge, remove_input_checks, remove_noop_slices, tensor_meta, value_of
+from ..graph_utils import remove_input_checks, remove_noop_slices, tensor_meta
 from ..interface import Transform, TransformInfo, register
 
 aten = torch.ops.aten

@@ -19,8 +19,8 @@ from pydantic import Field
 
 from ..interface import Transform, TransformConfig, register
 from ..matcher import match_info
+from ..cache_inputs import CAPTURE_KEY
 
-CAPTURE_KEY = "wb_capture_hidden_state"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")
 
 

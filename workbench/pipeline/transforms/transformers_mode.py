@@ -30,7 +30,7 @@ from pydantic import Field
 from ...runtime.interface import METADATA_INPUTS, PAGED, TOKEN_INPUTS, CacheSpec
 from ..interface import Transform, TransformConfig, TransformInfo, register
 from ..context import PipelineOrderError
-from .cached_attention import InsertCachedAttentionConfig, resolve_backend
+from ..attention_backend import InsertCachedAttentionConfig, resolve_backend
 
 CACHED_IMPL = "workbench_cached"
 DETECT_IMPL = "workbench_detect"

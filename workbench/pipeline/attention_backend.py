@@ -1,0 +1,38 @@
+"""The cached-attention backend choice both cache modes share: ``insert_cached_attention`` (graph)
+and ``transformers_replace_cached_attn`` (HF model) take the same ``backend`` field, validated
+against ``workbench.ops.backends.ATTENTION_BACKENDS`` and picked (with the reason it cannot run
+here, if it cannot) when the transform runs."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+from pydantic import Field, field_validator
+
+from ..ops.backends import ATTENTION_BACKENDS
+from .interface import TransformConfig
+
+
+def resolve_backend(name: Optional[str], device: torch.device) -> Tuple[str, Callable]:
+    """The backend's name and op; a RuntimeError saying what is missing when it cannot run here."""
+    backend = ATTENTION_BACKENDS.pick(name, device, "insert_cached_attention.backend")
+    return backend.name, backend.op
+
+
+class InsertCachedAttentionConfig(TransformConfig):
+    backend: Optional[str] = Field(
+        default=None,
+        description=f"The attention backend to use: {' | '.join(ATTENTION_BACKENDS.names())} "
+        f"(None: {ATTENTION_BACKENDS.default}).",
+    )
+
+    @field_validator("backend")
+    @classmethod
+    def _known(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            ATTENTION_BACKENDS.get(v)  # ValueError: "unknown attention backend ...; known: ..."
+        return v
+
+
+__all__ = ["InsertCachedAttentionConfig", "resolve_backend"]
