@@ -123,6 +123,20 @@ class TransformInfo(BaseModel):
         )
 
 
+def rewrite_info(gm: torch.fx.GraphModule, n: int, details: Optional[Dict[str, Any]] = None):
+    """The ``TransformInfo`` of a graph rewrite that made ``n`` changes (the one finisher every
+    rewriting transform uses): the graph is linted and recompiled when it changed; it is clean
+    only if unchanged; its shapes are valid when every node carries a fake value after a change
+    (replacements get theirs as they are made). With no change both flags are False, which the
+    framework reads as "the incoming state stands" -- never a claim about stale metadata.
+    """
+    if n:
+        gm.graph.lint()
+        gm.recompile()
+    shapes = n > 0 and all("val" in x.meta for x in gm.graph.nodes if x.op in ("call_function", "placeholder"))
+    return gm, TransformInfo(num_matches=n, is_clean=n == 0, has_valid_shapes=shapes, details=dict(details or {}))
+
+
 class TransformError(RuntimeError):
     """A transform raised; names the key, stage and cause so the user knows what to fix."""
 

@@ -27,6 +27,7 @@ import torch
 
 from ..flashinfer_support import flashinfer_attention_unsupported
 from ..flashinfer_support import flashinfer_available as is_available  # noqa: F401  (public per-op name)
+from .torch_cached_attention import define_cached_attention
 
 _WORKSPACE_BYTES = 128 * 2**20
 
@@ -70,22 +71,9 @@ def paged_kv_indices(seq_lens, input_pos, page_table, page_size: int):
     return kv_indptr, kv_indices, last_page_len, kv_lens
 
 
-@torch.library.custom_op("workbench::flashinfer_cached_attention", mutates_args=("k_cache", "v_cache"))
-def flashinfer_cached_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    input_pos: torch.Tensor,
-    page_table: torch.Tensor,
-    num_prefill: int,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    logit_cap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+def flashinfer_cached_attention(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, scale,
+                                sliding_window=None, logit_cap=None, sinks=None) -> torch.Tensor:
+    """FlashInfer paged attention under the shared cached-attention schema (``torch_cached_attention``)."""
     ok, why = is_available(q.device)
     if not ok:
         raise RuntimeError(f"flashinfer_cached_attention cannot run: {why}")
@@ -114,9 +102,4 @@ def flashinfer_cached_attention(
     return out.to(q.dtype).unsqueeze(0)
 
 
-@flashinfer_cached_attention.register_fake
-def _flashinfer_cached_attention_fake(
-    q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, scale,
-    sliding_window=None, logit_cap=None, sinks=None,
-):
-    return q.new_empty(*q.shape[:-1], v.shape[-1])
+define_cached_attention("flashinfer_cached_attention", flashinfer_cached_attention)

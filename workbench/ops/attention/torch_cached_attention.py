@@ -288,17 +288,23 @@ def torch_cached_attention(
 # for an op that mutates its inputs, custom_op adds a Python ADInplaceOrView kernel whose per-call
 # argument handling (``fill_defaults`` walking the schema) costs ~50-80 us -- more than the
 # attention itself in a CPU decode step, 30 times per token. The C++ fallback does the same
-# version-counter bump.
-def _torch_cached_attention_fake(
-    q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, scale,
-    sliding_window=None, logit_cap=None, sinks=None,
-):
-    return q.new_empty(*q.shape[:-1], v.shape[-1])
-
-
-SCHEMA = (
-    "torch_cached_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+# version-counter bump. Every cached-attention backend op (triton, flashinfer) shares this schema
+# and fake: one signature, so they are interchangeable in a graph.
+CACHED_ATTENTION_ARGS = (
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
     "Tensor seq_lens, Tensor input_pos, Tensor page_table, SymInt num_prefill, float scale, "
     "SymInt? sliding_window=None, float? logit_cap=None, Tensor? sinks=None) -> Tensor"
 )
-define_op(SCHEMA, torch_cached_attention, _torch_cached_attention_fake)
+
+
+def cached_attention_fake(q, k, v, *_metadata, **_options):
+    """Output of every cached-attention op: q's shape with v's head dim [1, T, Hq, Dv]."""
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+def define_cached_attention(name: str, impl):
+    """Register ``workbench::<name>`` with the shared cached-attention schema and fake."""
+    return define_op(name + CACHED_ATTENTION_ARGS, impl, cached_attention_fake)
+
+
+define_cached_attention("torch_cached_attention", torch_cached_attention)

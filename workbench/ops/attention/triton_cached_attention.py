@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from ..triton_support import triton_available as is_available  # noqa: F401  (public per-op name)
+from .torch_cached_attention import define_cached_attention
 
 
 def _next_pow2(n: int) -> int:
@@ -191,33 +192,15 @@ def cached_attention_forward(
     return out
 
 
-@torch.library.custom_op("workbench::triton_cached_attention", mutates_args=("k_cache", "v_cache"))
-def triton_cached_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    input_pos: torch.Tensor,
-    page_table: torch.Tensor,
-    num_prefill: int,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    logit_cap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Write k/v into the paged caches, then paged causal attention; see the module docstring."""
+def triton_cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, *metadata, **options) -> torch.Tensor:
+    """Write k/v into the paged caches, then paged causal attention; see the module docstring.
+    ``metadata``/``options``: the shared cached-attention schema (``torch_cached_attention``)."""
     ok, why = is_available(q.device)
     if not ok:
         raise RuntimeError(f"workbench::triton_cached_attention cannot run on {q.device}: {why}. "
                            "Use the attention backend 'torch' (torch_cached_attention) instead.")
-    return cached_attention_forward(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table,
-                                    num_prefill, scale, sliding_window, logit_cap, sinks)
+    return cached_attention_forward(q, k, v, k_cache, v_cache, *metadata, **options)
 
 
-@triton_cached_attention.register_fake
-def _triton_cached_attention_fake(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table,
-                                  num_prefill, scale, sliding_window=None, logit_cap=None,
-                                  sinks=None):
-    return torch.empty_like(q)
+define_cached_attention("triton_cached_attention", triton_cached_attention)

@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graph_utils import symbolic_fake_mode
+from ..interface import rewrite_info
 from ..snapshot import REPLACES_KEY
 
 if TYPE_CHECKING:
@@ -129,24 +130,8 @@ def same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
 
 
 def match_info(gm: fx.GraphModule, counts: Mapping[str, int], **details: Any):
-    """The TransformInfo of a pattern transform: matches per pattern, recompiled graph.
-
-    Shapes stay valid when every node still carries a fake value (replacements get theirs from
-    ``propagate_fake_values``), so later matchers can read ``meta['val']`` without a shape prop.
-    """
-    from ..interface import TransformInfo
-
-    n = sum(counts.values())
-    if n:
-        gm.graph.lint()
-        gm.recompile()
-    shapes = all(
-        "val" in node.meta for node in gm.graph.nodes if node.op in ("call_function", "placeholder")
-    )
-    return gm, TransformInfo(
-        num_matches=n, is_clean=n == 0, has_valid_shapes=shapes,
-        details={"matches": dict(counts), **details},
-    )
+    """The TransformInfo of a pattern transform: matches per pattern (``interface.rewrite_info``)."""
+    return rewrite_info(gm, sum(counts.values()), {"matches": dict(counts), **details})
 
 
 __all__ = ["replace_match", "annotate_new_nodes", "propagate_fake_values", "erase_dead", "same_size", "same_shape",

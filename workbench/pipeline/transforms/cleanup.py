@@ -8,29 +8,36 @@ stays.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graph_utils import remove_input_checks, remove_noop_slices, tensor_meta
-from ..interface import Transform, TransformInfo, register
+from ..interface import Transform, TransformInfo, register, rewrite_info
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 
-def _replace_with_input(gm: fx.GraphModule, node: fx.Node, src: fx.Node) -> None:
-    node.replace_all_uses_with(src)
-    gm.graph.erase_node(node)
+def _bypass(gm: fx.GraphModule, source_of: Callable[[fx.Node], Optional[fx.Node]]) -> int:
+    """Route the users of every node for which ``source_of`` names a source to that source, and
+    erase the node; returns how many."""
+    n = 0
+    for node in list(gm.graph.nodes):
+        src = source_of(node)
+        if src is not None:
+            node.replace_all_uses_with(src)
+            gm.graph.erase_node(node)
+            n += 1
+    return n
 
 
 def _finish(gm: fx.GraphModule, n: int, **details) -> Tuple[fx.GraphModule, TransformInfo]:
     if n:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return gm, TransformInfo(num_matches=n, is_clean=n == 0, has_valid_shapes=True, details=details)
+        gm.graph.eliminate_dead_code()  # what the removed nodes alone fed
+    return rewrite_info(gm, n, details)
 
 
 @register("cleanup_noop_slice")
@@ -85,13 +92,7 @@ class CleanupNoopAdd(Transform):
     """Remove additions of zero (``x + 0``, ``x + zeros_like(x)``)."""
 
     def _apply(self, gm, ctx):
-        n = 0
-        for node in list(gm.graph.nodes):
-            src = is_noop_add(node)
-            if src is not None:
-                _replace_with_input(gm, node, src)
-                n += 1
-        return _finish(gm, n)
+        return _finish(gm, _bypass(gm, is_noop_add))
 
 
 @register("cleanup_input_constraints")
@@ -155,10 +156,4 @@ class CleanupIdentityDtypeCast(Transform):
     """Remove identity dtype casts where the input dtype already matches the target dtype."""
 
     def _apply(self, gm, ctx):
-        n = 0
-        for node in list(gm.graph.nodes):
-            src = identity_cast_source(node)
-            if src is not None:
-                _replace_with_input(gm, node, src)
-                n += 1
-        return _finish(gm, n)
+        return _finish(gm, _bypass(gm, identity_cast_source))

@@ -20,14 +20,14 @@ canonical and is listed in ``details['left']`` with the reason.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Literal, Optional, Tuple
+from typing import Any, Callable, Dict, List, Literal, Optional
 
 import torch
 import torch.fx as fx
 from pydantic import Field
 
 from ... import ops  # noqa: F401  (registers torch.ops.workbench)
-from ..interface import Transform, TransformConfig, TransformInfo, register
+from ..interface import Transform, TransformConfig, register, rewrite_info
 
 from ...ops.backends import pick_fusion_backend
 from ..graph_weights import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights
@@ -53,15 +53,6 @@ def swap_node(gm: fx.GraphModule, node: fx.Node, target: Callable, args: tuple,
     return new
 
 
-def _finish(gm: fx.GraphModule, n: int, details: Dict[str, Any]) -> Tuple[fx.GraphModule, TransformInfo]:
-    if n:
-        gm.graph.lint()
-        gm.recompile()
-    # No rewrite: the incoming shape state stands (False defers to it). Rewrites got fake values.
-    shapes = n > 0 and all("val" in x.meta for x in gm.graph.nodes if x.op in ("call_function", "placeholder"))
-    return gm, TransformInfo(num_matches=n, is_clean=n == 0, has_valid_shapes=shapes, details=details)
-
-
 # ------------------------------------------------------------------------------ RMSNorm
 
 
@@ -84,31 +75,51 @@ def _rmsnorm_refusal(backend: str, node: fx.Node) -> Optional[str]:
     return None
 
 
-@register("fuse_rmsnorm")
-class FuseRMSNorm(Transform):
-    """Swap ``torch_rmsnorm`` for the configured backend's fused RMSNorm op."""
+class _SwapCanonicalOp(Transform):
+    """Swap every call of a canonical op for the picked backend's op (same arguments, same
+    contract); nodes the backend cannot take stay canonical, listed in ``details['left']``."""
 
-    config_class = FuseRMSNormConfig
+    family: str = ""  # FUSION_BACKENDS table
+    canonical: Callable = None  # the torch op (it *is* the torch backend)
+    missing_note: str = ""
+
+    def refusal(self, backend: str, node: fx.Node) -> Optional[str]:
+        return None
+
+    def swap(self, gm: fx.GraphModule, node: fx.Node, op: Callable, details: Dict[str, Any]) -> None:
+        swap_node(gm, node, op, tuple(node.args), dict(node.kwargs))
 
     def _apply(self, gm, ctx):
-        nodes = _nodes(gm, wb.torch_rmsnorm.default)
+        nodes = _nodes(gm, self.canonical)
         if not nodes:
-            return _finish(gm, 0, {"note": "no torch_rmsnorm nodes (run the pattern_matcher stage first)"})
-        backend, why = pick_fusion_backend("rmsnorm", self.config.backend, ctx.device, f"{self.key}.backend")
+            return rewrite_info(gm, 0, {"note": self.missing_note})
+        backend, why = pick_fusion_backend(self.family, self.config.backend, ctx.device, f"{self.key}.backend")
         details: Dict[str, Any] = {"backend": backend.name, "why": why, "candidates": len(nodes)}
         if backend.name == "torch":
-            details["note"] = "torch_rmsnorm is the torch backend: nothing to swap"
-            return _finish(gm, 0, details)
+            details["note"] = f"{self.canonical._schema.name.split('::')[-1]} is the torch backend: nothing to swap"
+            return rewrite_info(gm, 0, details)
         left, n = {}, 0
         for node in nodes:
-            refusal = _rmsnorm_refusal(backend.name, node)
+            refusal = self.refusal(backend.name, node)
             if refusal:
                 left[node.name] = refusal
                 continue
-            swap_node(gm, node, backend.op, tuple(node.args), dict(node.kwargs))
+            self.swap(gm, node, backend.op, details)
             n += 1
         details["left"] = left
-        return _finish(gm, n, details)
+        return rewrite_info(gm, n, details)
+
+
+@register("fuse_rmsnorm")
+class FuseRMSNorm(_SwapCanonicalOp):
+    """Swap ``torch_rmsnorm`` for the configured backend's fused RMSNorm op."""
+
+    config_class = FuseRMSNormConfig
+    family, canonical = "rmsnorm", wb.torch_rmsnorm.default
+    missing_note = "no torch_rmsnorm nodes (run the pattern_matcher stage first)"
+
+    def refusal(self, backend: str, node: fx.Node) -> Optional[str]:
+        return _rmsnorm_refusal(backend, node)
 
 
 # ------------------------------------------------------------------------------ RoPE
@@ -138,33 +149,21 @@ def _rope_refusal(args: Dict[str, Any]) -> Optional[str]:
 
 
 @register("fuse_rope")
-class FuseRoPE(Transform):
+class FuseRoPE(_SwapCanonicalOp):
     """Swap ``torch_rope_with_explicit_cos_sin`` for the configured backend's RoPE op."""
 
     config_class = FuseRoPEConfig
+    family, canonical = "rope", wb.torch_rope_with_explicit_cos_sin.default
+    missing_note = "no torch_rope_with_explicit_cos_sin nodes"
 
-    def _apply(self, gm, ctx):
-        nodes = _nodes(gm, wb.torch_rope_with_explicit_cos_sin.default)
-        if not nodes:
-            return _finish(gm, 0, {"note": "no torch_rope_with_explicit_cos_sin nodes"})
-        backend, why = pick_fusion_backend("rope", self.config.backend, ctx.device, f"{self.key}.backend")
-        details: Dict[str, Any] = {"backend": backend.name, "why": why, "candidates": len(nodes)}
-        if backend.name == "torch":
-            details["note"] = "torch_rope_with_explicit_cos_sin is the torch backend: nothing to swap"
-            return _finish(gm, 0, details)
-        left, layouts, n = {}, {"bsnd": 0, "bnsd": 0}, 0
-        for node in nodes:
-            args = dict(named_args(node))
-            refusal = _rope_refusal(args)
-            if refusal:
-                left[node.name] = refusal
-                continue
-            swap_node(gm, node, backend.op,
-                      (args["q"], args["k"], args["cos"], args["sin"], args["unsqueeze_dim"]))
-            layouts["bsnd" if args["unsqueeze_dim"] == 2 else "bnsd"] += 1
-            n += 1
-        details.update(left=left, layouts=layouts)
-        return _finish(gm, n, details)
+    def refusal(self, backend: str, node: fx.Node) -> Optional[str]:
+        return _rope_refusal(dict(named_args(node)))
+
+    def swap(self, gm: fx.GraphModule, node: fx.Node, op: Callable, details: Dict[str, Any]) -> None:
+        args = dict(named_args(node))
+        swap_node(gm, node, op, (args["q"], args["k"], args["cos"], args["sin"], args["unsqueeze_dim"]))
+        layouts = details.setdefault("layouts", {"bsnd": 0, "bnsd": 0})
+        layouts["bsnd" if args["unsqueeze_dim"] == 2 else "bnsd"] += 1
 
 
 # ------------------------------------------------------------------------------ SwiGLU
@@ -228,7 +227,7 @@ class FuseSwiGLU(Transform):
     def _apply(self, gm, ctx):
         nodes = _nodes(gm, wb.torch_swiglu_mlp.default)
         if not nodes:
-            return _finish(gm, 0, {"note": "no torch_swiglu_mlp nodes (run match_swiglu_pattern first)"})
+            return rewrite_info(gm, 0, {"note": "no torch_swiglu_mlp nodes (run match_swiglu_pattern first)"})
         backend, why = pick_fusion_backend("silu_mul", self.config.backend, ctx.device, f"{self.key}.backend")
         left, done = {}, []
         for node in nodes:
@@ -243,7 +242,7 @@ class FuseSwiGLU(Transform):
             "new_bytes": sum(d["new_bytes"] for d in done), "freed_bytes": released.freed_bytes,
             "kept_originals": released.kept + released.tied,
         }
-        return _finish(gm, len(done), details)
+        return rewrite_info(gm, len(done), details)
 
 
 __all__ = ["FuseRMSNorm", "FuseRoPE", "FuseSwiGLU", "swap_node", "fuse_swiglu_node"]

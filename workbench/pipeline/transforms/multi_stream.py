@@ -35,96 +35,10 @@ from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ..interface import Transform, TransformInfo, register
 from ..cuda_only import CudaOnlyConfig, cuda_skip_reason
 from ..graph_weights import param_of
+from ..aux_streams import AuxEnd, AuxFork, AuxSite, AuxStreams, AuxWait, passthrough
 from ..matcher import annotate_new_nodes
 
 aten = torch.ops.aten
-
-
-# ------------------------------------------------------------------------------ stream markers
-
-
-class AuxStreams:
-    """The auxiliary stream of one rewritten graph, one per device, created on first use."""
-
-    def __init__(self) -> None:
-        self._streams: Dict[torch.device, Any] = {}
-
-    def aux(self, device: torch.device) -> "torch.cuda.Stream":
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device=device)
-        return self._streams[device]
-
-
-class AuxSite:
-    """One fork/join site: its events and the main stream it forked from (set at fork time)."""
-
-    def __init__(self, streams: AuxStreams, name: str) -> None:
-        self.streams, self.name = streams, name
-        self._events: Dict[torch.device, Tuple[Any, Any]] = {}
-        self.main: Optional[Any] = None
-
-    def events(self, device: torch.device) -> Tuple[Any, Any]:
-        if device not in self._events:
-            self._events[device] = (torch.cuda.Event(), torch.cuda.Event())
-        return self._events[device]
-
-
-def _passthrough(xs: Tuple[torch.Tensor, ...]) -> Any:
-    return xs[0] if len(xs) == 1 else xs
-
-
-class _Marker(torch.nn.Module):
-    def __init__(self, site: AuxSite) -> None:
-        super().__init__()
-        self.site = site
-
-    def extra_repr(self) -> str:
-        return self.site.name
-
-
-class AuxFork(_Marker):
-    """Main records an event, the aux stream waits on it and becomes the current stream."""
-
-    @torch.compiler.disable
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.is_cuda:
-            return x
-        fork, _ = self.site.events(x.device)
-        aux = self.site.streams.aux(x.device)
-        self.site.main = torch.cuda.current_stream(x.device)
-        fork.record(self.site.main)
-        aux.wait_event(fork)
-        x.record_stream(aux)
-        torch.cuda.set_stream(aux)
-        return x
-
-
-class AuxEnd(_Marker):
-    """The aux stream records "done"; the main stream becomes current again."""
-
-    @torch.compiler.disable
-    def forward(self, *ys: torch.Tensor) -> Any:
-        if not ys[0].is_cuda:
-            return _passthrough(ys)
-        _, done = self.site.events(ys[0].device)
-        done.record(torch.cuda.current_stream(ys[0].device))
-        torch.cuda.set_stream(self.site.main)
-        return _passthrough(ys)
-
-
-class AuxWait(_Marker):
-    """The main stream waits for "done" before the branch's results are consumed."""
-
-    @torch.compiler.disable
-    def forward(self, *ys: torch.Tensor) -> Any:
-        if not ys[0].is_cuda:
-            return _passthrough(ys)
-        _, done = self.site.events(ys[0].device)
-        main = torch.cuda.current_stream(ys[0].device)
-        main.wait_event(done)
-        for y in ys:
-            y.record_stream(main)
-        return _passthrough(ys)
 
 
 # ------------------------------------------------------------------------------ the rewrite
@@ -222,14 +136,14 @@ def run_on_aux(gm: fx.GraphModule, branch: Iterable[fx.Node], x: fx.Node, stream
         prev = node
     vals = [o.meta.get("val") for o in outputs]
     with g.inserting_after(prev):
-        end = _call(gm, "aux_end", AuxEnd(site), tuple(outputs), _passthrough(tuple(vals)))
+        end = _call(gm, "aux_end", AuxEnd(site), tuple(outputs), passthrough(tuple(vals)))
     ended = _outputs_of(end, vals, gm)
     prev = ended[-1]
     for node in sorted(hoist, key=order.__getitem__):
         prev.append(node)
         prev = node
     with g.inserting_before(first_use):
-        wait = _call(gm, "aux_wait", AuxWait(site), tuple(ended), _passthrough(tuple(vals)))
+        wait = _call(gm, "aux_wait", AuxWait(site), tuple(ended), passthrough(tuple(vals)))
     waited = _outputs_of(wait, vals, gm)
     for out, w in zip(outputs, waited):
         out.replace_all_uses_with(w, delete_user_cb=lambda u: u not in inside and u is not end)

@@ -1,0 +1,106 @@
+"""The stream markers the ``multi_stream_*`` transforms insert: small ``nn.Module``s (``call_module``
+nodes, so a graph prints, copies and renders as usual) that hop a branch onto an auxiliary CUDA
+stream and back, passing their tensors through unchanged (on CPU tensors they are pass-throughs).
+
+``AuxStreams`` holds the aux stream of one rewrite (created on first use per device: no global
+state); ``AuxSite`` the CUDA events of one branch. ``AuxFork`` records an event on the main stream,
+makes the aux stream wait on it and switches to aux; ``AuxEnd`` records "done" and switches back;
+``AuxWait`` makes main wait on "done" right before the branch's first consumer. The fork calls
+``x.record_stream(aux)`` and the wait ``y.record_stream(main)``, so the caching allocator never
+hands a block to one stream while the other may still read it; all of it is legal under CUDA-graph
+capture (the aux stream forks from and rejoins the capturing stream).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+
+class AuxStreams:
+    """The auxiliary stream of one rewritten graph, one per device, created on first use."""
+
+    def __init__(self) -> None:
+        self._streams: Dict[torch.device, Any] = {}
+
+    def aux(self, device: torch.device) -> "torch.cuda.Stream":
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+
+class AuxSite:
+    """One fork/join site: its events and the main stream it forked from (set at fork time)."""
+
+    def __init__(self, streams: AuxStreams, name: str) -> None:
+        self.streams, self.name = streams, name
+        self._events: Dict[torch.device, Tuple[Any, Any]] = {}
+        self.main: Optional[Any] = None
+
+    def events(self, device: torch.device) -> Tuple[Any, Any]:
+        if device not in self._events:
+            self._events[device] = (torch.cuda.Event(), torch.cuda.Event())
+        return self._events[device]
+
+
+def passthrough(xs: Tuple[torch.Tensor, ...]) -> Any:
+    """One tensor as itself, several as the tuple (what a marker returns)."""
+    return xs[0] if len(xs) == 1 else xs
+
+
+class _Marker(torch.nn.Module):
+    def __init__(self, site: AuxSite) -> None:
+        super().__init__()
+        self.site = site
+
+    def extra_repr(self) -> str:
+        return self.site.name
+
+
+class AuxFork(_Marker):
+    """Main records an event, the aux stream waits on it and becomes the current stream."""
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cuda:
+            return x
+        fork, _ = self.site.events(x.device)
+        aux = self.site.streams.aux(x.device)
+        self.site.main = torch.cuda.current_stream(x.device)
+        fork.record(self.site.main)
+        aux.wait_event(fork)
+        x.record_stream(aux)
+        torch.cuda.set_stream(aux)
+        return x
+
+
+class AuxEnd(_Marker):
+    """The aux stream records "done"; the main stream becomes current again."""
+
+    @torch.compiler.disable
+    def forward(self, *ys: torch.Tensor) -> Any:
+        if not ys[0].is_cuda:
+            return passthrough(ys)
+        _, done = self.site.events(ys[0].device)
+        done.record(torch.cuda.current_stream(ys[0].device))
+        torch.cuda.set_stream(self.site.main)
+        return passthrough(ys)
+
+
+class AuxWait(_Marker):
+    """The main stream waits for "done" before the branch's results are consumed."""
+
+    @torch.compiler.disable
+    def forward(self, *ys: torch.Tensor) -> Any:
+        if not ys[0].is_cuda:
+            return passthrough(ys)
+        _, done = self.site.events(ys[0].device)
+        main = torch.cuda.current_stream(ys[0].device)
+        main.wait_event(done)
+        for y in ys:
+            y.record_stream(main)
+        return passthrough(ys)
+
+
+__all__ = ["AuxStreams", "AuxSite", "AuxFork", "AuxEnd", "AuxWait", "passthrough"]
