@@ -23,11 +23,29 @@ def tiny_llama():
     return load_model("tiny:llama")
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """One torch thread for a module's tests: the CI machine has 2 shared cores, and with the other
-    one busy OpenMP's spin-waiting makes the small ops of decode steps 10-30x slower."""
+@pytest.fixture(scope="module", autouse=True)
+def one_thread(request):
+    """One torch thread for the tests of a module that sets ``ONE_THREAD = True``: the CI machine
+    has 2 shared cores, and with the other one busy OpenMP's spin-waiting makes the small ops of
+    decode steps 10-30x slower."""
+    try:
+        asked = getattr(request.module, "ONE_THREAD", False)
+    except AttributeError:  # items without a Python module (notebooks under nbval)
+        asked = False
+    if not asked:
+        yield
+        return
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_done(tiny_llama):
+    """tiny:llama through the whole default pipeline (numerics off), one per test module."""
+    from workbench import Workbench
+
+    bench = Workbench(tiny_llama, numerics=False)
+    bench.run()
+    return bench

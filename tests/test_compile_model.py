@@ -47,10 +47,8 @@ def test_bad_backend_in_overrides_fails_before_loading():
 
 
 @pytest.fixture(scope="module")
-def wb(tiny_llama):
-    bench = Workbench(tiny_llama, numerics=False)
-    bench.run()
-    return bench
+def wb(tiny_llama_done):
+    return tiny_llama_done
 
 
 def greedy(bench, new=12):

@@ -34,9 +34,7 @@ NEW = 32
 GPU = torch.cuda.is_available()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Every test here runs with one torch thread (see conftest.one_thread)."""
+ONE_THREAD = True  # see conftest.one_thread
 
 
 def prompts_for(vocab: int):

@@ -39,9 +39,7 @@ QUESTIONS = [
 
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Every test here runs with one torch thread (see conftest.one_thread)."""
+ONE_THREAD = True  # see conftest.one_thread
 
 
 @pytest.fixture(scope="module")

@@ -31,9 +31,7 @@ EXPECTED_INPUTS = ["input_ids", "position_ids", "seq_lens", "input_pos", "page_t
                    "k_cache_0", "v_cache_0", "k_cache_1", "v_cache_1"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Every test here runs with one torch thread (see conftest.one_thread)."""
+ONE_THREAD = True  # see conftest.one_thread
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,12 @@ from workbench.runtime.scheduler import Request
 VOCAB = 512
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """Every test here runs with one torch thread (see conftest.one_thread)."""
+ONE_THREAD = True  # see conftest.one_thread
 
 
 @pytest.fixture(scope="module")
-def wb(tiny_llama):
-    bench = Workbench(tiny_llama, numerics=False)
-    bench.run()
-    return bench
+def wb(tiny_llama_done):
+    return tiny_llama_done
 
 
 def _prompts(lens, seed=0):
