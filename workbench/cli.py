@@ -116,7 +116,8 @@ def cmd_transforms(args: argparse.Namespace) -> int:
             for name, f in cls.config_class.model_fields.items() if name not in common
         ]
         in_default = "default" if key in default else "opt-in"
-        print(f"{key:40s} {stage:16s} {in_default:8s} {'; '.join(extra)}")
+        module = cls.__module__.replace("workbench.pipeline.transforms.", "transforms/") + ".py"
+        print(f"{key:40s} {stage:16s} {in_default:8s} {module:32s} {'; '.join(extra)}")
     return 0
 
 
