@@ -369,3 +369,12 @@ def test_a_pipeline_that_orders_a_need_before_its_provider_is_refused(tiny_llama
     wb = Workbench(tiny_llama, numerics=False, overrides=["insert_cached_attention.enabled=false"])
     wb.run_to("initialize_cache")
     assert "no cache inputs declared" in wb.snapshot("initialize_cache").info.skip_reason
+
+
+def test_without_snapshots_the_whole_pipeline_runs(tiny_llama):
+    """snapshots=False (the bench mode) used to start over at every transform that reported itself
+    skipped with a reason (the CUDA-only ones on CPU): only a skip *on error* undoes anything."""
+    wb = Workbench(tiny_llama, snapshots=False, numerics=False)
+    wb.run()
+    assert wb.done and wb.snapshot("fuse_causal_conv_activation").status == "skipped"
+    assert wb.generate([[1, 2, 3]], max_new_tokens=3, stop_token_ids=[]).token_ids[0]

@@ -241,7 +241,7 @@ class PipelineStepper:
             self.last_error = e
             self._restore_live()  # the failing transform may have half-rewritten the live graph
             raise
-        if info.skipped and info.skip_reason != "disabled":
+        if info.skipped and (info.skip_reason or "").startswith("error"):
             self._restore_live()  # skip_on_error: undo whatever the failing call changed
             mod, state = self._live, GraphState(self._state.is_clean, self._state.has_valid_shapes)
         self.last_error = None

@@ -71,10 +71,7 @@ class CompiledRunner(CachedRunner):
     def padded_inputs(self, num_tokens: int) -> List[Any]:
         """The module's inputs with the token inputs widened to ``num_tokens`` (the rows past the
         step's tokens are zeroed: token id 0 at position 0, valid for any embedding and RoPE)."""
-        info = self.seq_info
-        info._input_ids[0, info.num_tokens: num_tokens].zero_()
-        info._position_ids[0, info.num_tokens: num_tokens].zero_()
-        return self._inputs(input_ids=info._input_ids[:, :num_tokens], position_ids=info._position_ids[:, :num_tokens])
+        return self._inputs(**self.seq_info.padded_token_inputs(num_tokens))
 
     def scratch_prefill_logits(self, num_tokens: int, fn: Optional[Callable[..., Any]] = None) -> torch.Tensor:
         """Logits [T, V] of a one-sequence prefill of ``num_tokens`` tokens (ids 1..T) on the scratch

@@ -124,6 +124,16 @@ class SequenceInfo:
             LAST_TOKEN_INPUT: self._last_token[:b],
         }
 
+    def padded_token_inputs(self, num_tokens: int) -> Dict[str, torch.Tensor]:
+        """``input_ids``/``position_ids`` [1, num_tokens]: the step's tokens, then padding rows of token
+        0 at position 0 (valid for any embedding and RoPE) up to ``num_tokens`` (a CUDA-graph bucket)."""
+        if num_tokens < self.num_tokens or num_tokens > self.max_num_tokens:
+            raise ValueError(f"padding {self.num_tokens} tokens to {num_tokens}: must be in "
+                             f"[{self.num_tokens}, {self.max_num_tokens}]")
+        self._input_ids[0, self.num_tokens: num_tokens].zero_()
+        self._position_ids[0, self.num_tokens: num_tokens].zero_()
+        return {"input_ids": self._input_ids[:, :num_tokens], "position_ids": self._position_ids[:, :num_tokens]}
+
     @property
     def last_token_index(self) -> torch.Tensor:
         """[B] int64: flattened index of each sequence's last new token (whose logits predict next)."""

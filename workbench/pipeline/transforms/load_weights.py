@@ -3,8 +3,9 @@
 The graph was traced on ``meta`` (``export_to_gm``), so until here it holds no weights. This is the
 one place where the device enters the graph: every meta parameter and buffer is replaced by the
 eager model's tensor of the same name (``ctx.weights``), copied to the pipeline device only when it
-lives elsewhere; ``device=meta`` arguments in the graph are retargeted; input fake values move to
-the device and shapes are re-propagated, so the post-load transforms see the device they run on.
+lives elsewhere; ``device=meta`` arguments in the graph are retargeted; all fake values move to
+(sizes and strides kept), so the post-load transforms see the
+device they run on without a full shape propagation.
 
 Bytes: the snapshot's memory delta is what the graph now holds (0 before, the model's tensors
 after); ``details`` split it into ``bytes_copied`` (moved across devices: a real allocation) and
@@ -27,10 +28,6 @@ class LoadWeightsConfig(TransformConfig):
     expect_mem_change: bool = Field(
         default=True, description="The graph goes from holding no weights (meta) to holding them."
     )
-    run_shape_prop: bool = Field(
-        default=True,
-        description="Re-derive node shapes afterwards, so fake values sit on the pipeline device.",
-    )
 
 
 @register("load_weights")
@@ -44,7 +41,8 @@ class LoadWeights(Transform):
         placement = place_weights(gm, ctx.weights, torch.device(ctx.device))
         changed = placement.bound_from_source + len(placement.moved) + placement.device_args_retargeted
         return gm, TransformInfo(
-            num_matches=changed, is_clean=True, has_valid_shapes=False, details=placement.details(),
+            # fake values were moved to the device one by one (weights.retarget_values): still valid
+            num_matches=changed, is_clean=True, has_valid_shapes=True, details=placement.details(),
         )
 
 
