@@ -37,4 +37,14 @@ def define_op(schema: str, impl: Callable, fake: Callable):
     return getattr(torch.ops.workbench, name)
 
 
-__all__ = ["define_op"]
+def declare_op(schema: str, fake: Callable):
+    """Declare ``workbench::<schema>`` with only its fake implementation: the kernels come from
+    compiled code (``workbench.ops.cpu_kernels``) registered for their dispatch keys when it loads.
+    Declared at import so graphs that name the op trace and propagate shapes on any machine."""
+    name = schema.split("(", 1)[0].strip()
+    _LIB.define(schema)
+    torch.library.register_fake(f"workbench::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.workbench, name)
+
+
+__all__ = ["define_op", "declare_op"]

@@ -1,0 +1,203 @@
+// CPU kernels for decode-shaped linears: y[M, N] = x[M, K] @ W[N, K]^T with W kept as stored.
+//
+// Three weight formats, one loop: the kernel walks W once per tile of up to 8 rows of x,
+// decoding 32 weights at a time into two 16-lane float vectors and FMA-ing them into
+// one accumulator per x row. Memory traffic is the weight bytes (4.5-5 bits per weight for int4),
+// so a batch-1 decode step streams the 4-bit model instead of a 32-bit copy of it.
+//
+//   int4 (q4):  qweight uint8 [N, K/2], scales/offsets fp16 [N, K/group]; per run of 32 weights
+//               byte j holds weight j (low nibble) and weight j+16 (high nibble) -- ggml's Q4_1
+//               order; w = q * scale + offset.
+//   int8 (q8):  qweight int8 [N, K], scales fp16 [N, K/group]; w = q * scale (ggml's Q8_0).
+//   fp32:       W float [N, K].
+//
+// Rows of W are split over torch's intra-op threads (at::parallel_for). AVX-512F is required
+// (checked by the Python loader before it builds this file: without it the backend is unavailable).
+// Schemas are declared in Python (workbench/ops/cpu_kernels/__init__.py); this file only implements them.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
+#include <optional>
+#include <c10/util/Half.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kMaxTile = 8;  // rows of x per pass over W (accumulators live in registers)
+
+inline float h2f(const at::Half h) { return static_cast<float>(h); }
+
+struct Q4 {
+  const uint8_t* q; const at::Half* s; const at::Half* o; int64_t K, groups, group;
+  // weights [32*b, 32*b+32) of row n into lo (first 16) and hi (last 16)
+  inline void decode(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (K / 2) + b * 16));
+    const __m512i w = _mm512_cvtepu8_epi32(bytes);
+    const int64_t g = n * groups + (b * 32) / group;
+    const __m512 d = _mm512_set1_ps(h2f(s[g])), m = _mm512_set1_ps(h2f(o[g]));
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15))), d, m);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4)), d, m);
+  }
+};
+
+struct Q8 {
+  const int8_t* q; const at::Half* s; int64_t K, groups, group;
+  inline void decode(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
+    const int8_t* p = q + n * K + b * 32;
+    const __m512 d = _mm512_set1_ps(h2f(s[n * groups + (b * 32) / group]));
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))), d);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))), d);
+  }
+};
+
+struct F32 {
+  const float* w; int64_t K;
+  inline void decode(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
+    const float* p = w + n * K + b * 32;
+    lo = _mm512_loadu_ps(p);
+    hi = _mm512_loadu_ps(p + 16);
+  }
+};
+
+// y[m0:m0+T, n] for rows n in [n0, n1): one pass over those rows of W.
+template <int T, class W>
+void tile(const W& wt, const float* x, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+  const int64_t blocks = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m512 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512 lo, hi;
+      wt.decode(n, b, lo, hi);
+      for (int t = 0; t < T; ++t) {
+        const float* xr = x + (m0 + t) * K + b * 32;
+        acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[t]);
+        acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) y[(m0 + t) * N + n] = _mm512_reduce_add_ps(acc[t]);
+  }
+}
+
+template <class W>
+void run_rows(const W& wt, const float* x, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
+    switch (std::min<int64_t>(kMaxTile, M - m0)) {
+      case 1: tile<1>(wt, x, y, K, N, m0, n0, n1); break;
+      case 2: tile<2>(wt, x, y, K, N, m0, n0, n1); break;
+      case 3: tile<3>(wt, x, y, K, N, m0, n0, n1); break;
+      case 4: tile<4>(wt, x, y, K, N, m0, n0, n1); break;
+      case 5: tile<5>(wt, x, y, K, N, m0, n0, n1); break;
+      case 6: tile<6>(wt, x, y, K, N, m0, n0, n1); break;
+      case 7: tile<7>(wt, x, y, K, N, m0, n0, n1); break;
+      default: tile<8>(wt, x, y, K, N, m0, n0, n1); break;
+    }
+  }
+}
+
+// Rows of W per task: enough work to amortise a thread hand-off (~a few us), and row blocks of
+// 64 so that for M > 8 a block's weights stay in L2 across the passes over x's row tiles.
+template <class W>
+at::Tensor launch(const W& wt, const at::Tensor& x2, int64_t N) {
+  const int64_t M = x2.size(0), K = x2.size(1);
+  at::Tensor y = at::empty({M, N}, x2.options());
+  const float* x = x2.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(16, 8192 / std::max<int64_t>(1, K / 32));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t b = n0; b < n1; b += 64) run_rows(wt, x, out, M, K, N, b, std::min(n1, b + 64));
+  });
+  return y;
+}
+
+at::Tensor flat(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "workbench CPU kernels take float32 activations, got ", x.scalar_type());
+  TORCH_CHECK(x.size(-1) % 32 == 0, "in_features must be a multiple of 32, got ", x.size(-1));
+  return x.reshape({-1, x.size(-1)}).contiguous();
+}
+
+at::Tensor finish(at::Tensor y, const at::Tensor& x, int64_t N, const std::optional<at::Tensor>& bias) {
+  if (bias.has_value()) y.add_(*bias);
+  auto s = x.sizes().vec();
+  s.back() = N;
+  return y.view(s);
+}
+
+// Prefill-sized inputs (many rows of x): the weights are decoded 256 rows at a time into a float
+// tile and multiplied by BLAS, which beats re-walking the packed rows once per 8 rows of x.
+constexpr int64_t kKernelRows = 16;
+
+template <class W>
+at::Tensor dense(const W& wt, const at::Tensor& x2, int64_t N) {
+  const int64_t K = x2.size(1), blocks = K / 32;
+  at::Tensor y = at::empty({x2.size(0), N}, x2.options());
+  at::Tensor tile_w = at::empty({std::min<int64_t>(256, N), K}, x2.options());
+  for (int64_t n0 = 0; n0 < N; n0 += 256) {
+    const int64_t rows = std::min<int64_t>(256, N - n0);
+    float* t = tile_w.data_ptr<float>();
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t b = 0; b < blocks; ++b) {
+          __m512 lo, hi;
+          wt.decode(n0 + r, b, lo, hi);
+          _mm512_storeu_ps(t + r * K + b * 32, lo);
+          _mm512_storeu_ps(t + r * K + b * 32 + 16, hi);
+        }
+    });
+    y.narrow(1, n0, rows).copy_(at::mm(x2, tile_w.narrow(0, 0, rows).t()));
+  }
+  return y;
+}
+
+template <class W>
+at::Tensor linear(const W& wt, const at::Tensor& x2, int64_t N) {
+  return x2.size(0) > kKernelRows ? dense(wt, x2, N) : launch(wt, x2, N);
+}
+
+at::Tensor cpu_int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                           const at::Tensor& offsets, int64_t group_size, const std::optional<at::Tensor>& bias) {
+  const at::Tensor x2 = flat(x);
+  const int64_t K = x2.size(1), N = qweight.size(0);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.size(1) * 2 == K && qweight.is_contiguous(),
+              "int4 qweight must be contiguous uint8 [N, K/2]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && offsets.scalar_type() == at::kHalf && scales.is_contiguous() &&
+              offsets.is_contiguous(), "int4 scales/offsets must be contiguous float16 [N, K/group]");
+  TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "group_size must be a multiple of 32 dividing K");
+  Q4 wt{qweight.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(), K, K / group_size,
+        group_size};
+  return finish(linear(wt, x2, N), x, N, bias);
+}
+
+at::Tensor cpu_int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                           int64_t group_size, const std::optional<at::Tensor>& bias) {
+  const at::Tensor x2 = flat(x);
+  const int64_t K = x2.size(1), N = qweight.size(0);
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.size(1) == K && qweight.is_contiguous(),
+              "int8 qweight must be contiguous int8 [N, K]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous(), "int8 scales must be contiguous float16");
+  TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "group_size must be a multiple of 32 dividing K");
+  Q8 wt{qweight.data_ptr<int8_t>(), scales.data_ptr<at::Half>(), K, K / group_size, group_size};
+  return finish(linear(wt, x2, N), x, N, bias);
+}
+
+at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const bool ok = x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  x.size(-1) % 32 == 0;
+  if (!ok || x.numel() / x.size(-1) > kKernelRows) return at::linear(x, weight, bias);
+  const at::Tensor x2 = flat(x);
+  const int64_t N = weight.size(0);
+  F32 wt{weight.data_ptr<float>(), x2.size(1)};
+  return finish(launch(wt, x2, N), x, N, bias);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(workbench, CPU, m) {
+  m.impl("cpu_int4_linear", &cpu_int4_linear);
+  m.impl("cpu_int8_linear", &cpu_int8_linear);
+  m.impl("cpu_linear", &cpu_linear);
+}

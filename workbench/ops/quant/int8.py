@@ -1,0 +1,49 @@
+"""``workbench::torch_int8_linear`` / ``torch_int8_embedding``: symmetric 8-bit weights in groups.
+
+    qweight [N, K] int8, scales [N, K/group] float;   w[n, k] = q[n, k] * scales[n, k // group]
+
+GGUF's Q8_0 (group 32, fp16 scales) is this format; SmolLM2's file stores its tied token embedding
+/ LM head so. The linear computes ``input @ w.T + bias``; the embedding returns rows ``w[ids]``
+dequantized, so a lookup reads B rows, not the table.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..library import define_op
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N, K] fp32: q * scale per group."""
+    return qweight.float() * scales.float().repeat_interleave(group_size, dim=1)
+
+
+def int8_linear(input: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return F.linear(input, dequantize_int8(qweight, scales, group_size).to(input.dtype), bias)
+
+
+def int8_embedding(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    flat = ids.reshape(-1)
+    rows = dequantize_int8(qweight.index_select(0, flat), scales.index_select(0, flat), group_size)
+    return rows.reshape(*ids.shape, qweight.shape[1])
+
+
+def _linear_fake(input, qweight, scales, group_size, bias=None):
+    return input.new_empty(*input.shape[:-1], qweight.shape[0])
+
+
+def _embedding_fake(ids, qweight, scales, group_size):
+    return scales.new_empty(*ids.shape, qweight.shape[1], dtype=torch.float32)
+
+
+torch_int8_linear = define_op(
+    "torch_int8_linear(Tensor input, Tensor qweight, Tensor scales, int group_size, Tensor? bias=None) -> Tensor",
+    int8_linear, _linear_fake)
+torch_int8_embedding = define_op(
+    "torch_int8_embedding(Tensor ids, Tensor qweight, Tensor scales, int group_size) -> Tensor",
+    int8_embedding, _embedding_fake)
