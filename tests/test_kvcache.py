@@ -147,7 +147,7 @@ def test_flashinfer_refuses_shapes_it_has_no_kernels_for():
     bench.run_to("linear_weight_layout")
     gm = bench.snapshot("linear_weight_layout").module
     nodes = [n for n in gm.graph.nodes if n.target is torch.ops.workbench.torch_attention.default]
-    with pytest.raises(ValueError, match=r"does not support this model: head_dim 16 .*layers \[0, 1\].*'torch' or 'triton'"):
+    with pytest.raises(ValueError, match=r"does not support this model: head_dim 16 .*layers \[0, 1\].*'torch' or 'cpu' or 'triton'"):
         _check_shapes(fi, nodes)
 
 

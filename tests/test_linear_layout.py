@@ -8,6 +8,7 @@ import torch
 
 from workbench import Workbench
 from workbench.models.export_contract import make_batch
+from workbench.ops import cpu_kernels
 
 KEY = "linear_weight_layout"
 
@@ -23,10 +24,14 @@ def ops(snap, name):
 
 
 WXT = "workbench.cpu_linear_wxt.default"
+KERNEL = "workbench.cpu_linear.default"
+KERNELS_BUILD = cpu_kernels.load() is None
 
 
-@pytest.mark.parametrize("layout, expected, op", [("auto", 9, WXT), ("wxt", 9, WXT), ("kn", 9, "aten.matmul.default"),
-                                                  ("nk", 0, "aten.matmul.default")])
+@pytest.mark.parametrize("layout, expected, op", [("auto", 9, KERNEL if KERNELS_BUILD else WXT), ("wxt", 9, WXT),
+                                                  ("kn", 9, "aten.matmul.default"), ("nk", 0, "aten.matmul.default"),
+                                                  pytest.param("kernel", 9, KERNEL, marks=pytest.mark.skipif(
+                                                      not KERNELS_BUILD, reason=f"CPU kernels: {cpu_kernels.load()}"))])
 def test_rewrites_every_linear_and_keeps_logits(tiny_llama, layout, expected, op):
     # tiny:llama after fuse_gemms/fuse_swiglu, per layer: qkv 128x64, o 64x64, gate_up 256x64,
     # down 64x128, 2 layers, plus the 512x64 LM head: 9 linears.

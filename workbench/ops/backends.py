@@ -5,6 +5,7 @@ and the ``post_load_fusion`` transforms swap them for the backend op picked here
 
     table        backend      op (torch.ops.workbench.*)            needs
     attention    torch        torch_cached_attention                nothing (reads lengths on the host)
+    attention    cpu          cpu_cached_attention                  x86 CPU with AVX-512 + g++ (C++ kernel, decode)
     attention    triton       triton_cached_attention               triton + CUDA (or TRITON_INTERPRET=1)
     attention    flashinfer   flashinfer_cached_attention           flashinfer + CUDA; head_dim 64/128/256
     rmsnorm      torch        torch_rmsnorm (canonical, kept)       nothing
@@ -32,6 +33,9 @@ _ATT, _NORM, _ROPE, _MLP = ("workbench.ops.attention", "workbench.ops.normalizat
                             "workbench.ops.mlp")
 TRITON_NEEDS = "triton and a CUDA GPU (or TRITON_INTERPRET=1 for CPU tensors)"
 FLASHINFER_NEEDS = "a CUDA GPU and the flashinfer package (pip install flashinfer-python)"
+CPU_KERNELS_NEED = "an x86 CPU with AVX-512, g++ and ninja (the workbench's C++ CPU kernels, built on first use)"
+# What an unset ``insert_cached_attention.backend`` resolves to, in order, per device type.
+ATTENTION_AUTO = {"cpu": ("cpu", "torch"), "cuda": ("torch",)}
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class AttentionBackend(OpBackend):
 
 ATTENTION_BACKENDS: BackendRegistry[AttentionBackend] = BackendRegistry("attention", [
     AttentionBackend("torch", "nothing beyond PyTorch", f"{_ATT}.torch_cached_attention", "torch_cached_attention",
+                     cuda_graph_safe=False),
+    AttentionBackend("cpu", CPU_KERNELS_NEED, f"{_ATT}.cpu_cached_attention", "cpu_cached_attention",
                      cuda_graph_safe=False),
     AttentionBackend("triton", "triton and a CUDA GPU (or TRITON_INTERPRET=1 on CPU)",
                      f"{_ATT}.triton_cached_attention", "triton_cached_attention", cuda_graph_safe=True),
@@ -105,5 +111,5 @@ def pick_fusion_backend(family: str, name: str, device: torch.device, field: str
     return table.get("torch"), f"auto on {device.type}: torch ({'; '.join(skipped)})"
 
 
-__all__ = ["AttentionBackend", "ATTENTION_BACKENDS", "FUSION_BACKENDS", "AUTO_PREFERENCE", "fusion_backend_names",
+__all__ = ["AttentionBackend", "ATTENTION_BACKENDS", "ATTENTION_AUTO", "CPU_KERNELS_NEED", "FUSION_BACKENDS", "AUTO_PREFERENCE", "fusion_backend_names",
            "pick_fusion_backend", "TRITON_NEEDS", "FLASHINFER_NEEDS"]

@@ -10,12 +10,18 @@ from typing import Callable, Optional, Tuple
 import torch
 from pydantic import Field, field_validator
 
-from ..ops.backends import ATTENTION_BACKENDS
+from ..ops.backends import ATTENTION_AUTO, ATTENTION_BACKENDS
 from .interface import TransformConfig
 
 
 def resolve_backend(name: Optional[str], device: torch.device) -> Tuple[str, Callable]:
-    """The backend's name and op; a RuntimeError saying what is missing when it cannot run here."""
+    """The backend's name and op; a RuntimeError saying what is missing when it cannot run here.
+    ``None``: the first of ``ATTENTION_AUTO[device type]`` that runs here (the C++ kernel on CPU)."""
+    if name is None:
+        for candidate in ATTENTION_AUTO.get(torch.device(device).type, ()):
+            if ATTENTION_BACKENDS.get(candidate).unavailable_reason(torch.device(device)) is None:
+                name = candidate
+                break
     backend = ATTENTION_BACKENDS.pick(name, device, "insert_cached_attention.backend")
     return backend.name, backend.op
 
@@ -24,7 +30,7 @@ class InsertCachedAttentionConfig(TransformConfig):
     backend: Optional[str] = Field(
         default=None,
         description=f"The attention backend to use: {' | '.join(ATTENTION_BACKENDS.names())} "
-        f"(None: {ATTENTION_BACKENDS.default}).",
+        "(None: the fastest that runs on the device: cpu, else torch, on CPU; torch on CUDA).",
     )
 
     @field_validator("backend")

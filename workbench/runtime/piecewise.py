@@ -37,12 +37,13 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
+from ..ops.backends import ATTENTION_BACKENDS
 from .sequence_info import INPUT_KEY, LAST_TOKEN_INPUT
 
 logger = logging.getLogger("workbench.runtime")
 
 # ops that run eagerly between captured pieces: they read the per-sequence layout of a step
-EAGER_OP_NAMES = ("torch_cached_attention", "triton_cached_attention", "flashinfer_cached_attention")
+EAGER_OP_NAMES = tuple(b.op_name for b in ATTENTION_BACKENDS)
 SMALLEST_DEFAULT_BUCKET = 64
 
 

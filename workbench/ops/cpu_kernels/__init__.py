@@ -92,7 +92,7 @@ def load() -> Optional[str]:
     why = _missing_prerequisite()
     if why is not None:
         return why
-    from ..attention import cpu_cached_attention  # noqa: F401 - declares the attention schema first
+    # cpu_cached_attention's schema is declared by workbench.ops.attention, imported with this package
     from torch.utils import cpp_extension
 
     directory = build_dir()

@@ -17,6 +17,13 @@ for small M. Two rewrites, chosen by ``layout``:
   original is dropped when nothing else reads it, so memory moves by ``new_bytes - freed_bytes``
   (a tied LM head keeps its embedding table: one extra copy).
 
+* ``kernel`` (what ``auto`` picks on CPU when the workbench's C++ kernels build there): fp32
+  linears -> ``cpu_linear``, canonical ``torch_int4_linear`` / ``torch_int8_linear`` ->
+  ``cpu_int4_linear`` / ``cpu_int8_linear`` (``workbench/ops/cpu_kernels``): one AVX-512 pass over
+  the weights as loaded per 8 rows of input (up to 16 rows; larger inputs go to BLAS). Nothing is
+  copied. Quantized linears are rewritten under every layout except ``nk``, which keeps the
+  reference ops (dequantize, then ``F.linear``) -- the ground truth the numerics compare against.
+
 On CUDA cuBLAS reads either layout at full speed, so ``layout: auto`` leaves the graph alone there.
 """
 
@@ -36,11 +43,12 @@ aten = torch.ops.aten
 
 
 class LinearWeightLayoutConfig(TransformConfig):
-    layout: Literal["auto", "nk", "kn", "wxt"] = Field(
+    layout: Literal["auto", "nk", "kn", "wxt", "kernel"] = Field(
         default="auto", description="How linears read their weights: 'nk' (aten.linear on the weight as "
         "loaded, [out, in]), 'kn' (matmul on a transposed copy [in, out]), 'wxt' (the weight as loaded, "
         "computed as (W @ x.T).T by workbench.cpu_linear_wxt: MKL's fastest orientation for decode "
-        "batches), 'auto' (wxt on CPU for fp32 weights, nk otherwise).",
+        "batches), 'kernel' (the workbench's C++ CPU kernels, fp32 and int4/int8), 'auto' (kernel on CPU where it "
+        "builds, else wxt for fp32 weights; nk on other devices).",
     )
     expect_mem_change: bool = Field(
         default=True, description="Transposed copies replace (or, when tied, add to) the weights.",
@@ -72,12 +80,26 @@ class LinearWeightLayout(Transform):
         device = torch.device(ctx.device)
         layout = self.config.layout
         auto = layout == "auto"
-        if auto:
-            layout = "wxt" if device.type == "cpu" else "nk"
+        note = ""
+        if auto and device.type == "cpu":
+            from ...ops import cpu_kernels
+
+            ok, why = cpu_kernels.is_available(device)
+            layout, note = ("kernel", "") if ok else ("wxt", f"CPU kernels unavailable: {why}")
+        elif auto:
+            layout = "nk"
         if layout == "nk":
             return gm, TransformInfo(num_matches=0, details={"layout": "nk (weights left as loaded)"})
-        if layout == "wxt":
-            return _to_wxt(gm, fp32_only=auto)
+        quantized = _to_quantized_kernels(gm, device) if layout != "kernel" else 0
+        if layout == "kernel":
+            gm, info = _to_kernels(gm, device)
+        elif layout == "wxt":
+            gm, info = _to_wxt(gm, fp32_only=auto)
+        if layout in ("kernel", "wxt"):
+            info.num_matches += quantized
+            if note:
+                info.details["auto"] = note
+            return gm, info
         done: Dict[str, str] = {}  # original weight target -> transposed target (shared weights once)
         new_bytes = 0
 
@@ -92,7 +114,7 @@ class LinearWeightLayout(Transform):
             out = g.call_function(aten.matmul.default, (node.args[0], w_kn))
             return g.call_function(aten.add.Tensor, (out, bias)) if bias is not None else out
 
-        rewritten = _rewrite_linears(gm, matmul_kn)
+        rewritten = _rewrite_linears(gm, matmul_kn) + quantized
         released = release_weights(gm, list(done))
         details = {"layout": layout, "weights": len(done), "new_bytes": new_bytes,
                    "freed_bytes": released.freed_bytes, "kept_originals": released.kept + released.tied}
@@ -140,3 +162,55 @@ def _to_wxt(gm: fx.GraphModule, fp32_only: bool) -> Tuple[fx.GraphModule, Transf
 
 
 __all__ = ["LinearWeightLayout", "LinearWeightLayoutConfig", "transposed_weight"]
+
+
+QUANTIZED_KERNELS = {  # canonical op -> (CPU kernel op name, index of the scale arguments that must be fp16)
+    "torch_int4_linear": ("cpu_int4_linear", (2, 3)),
+    "torch_int8_linear": ("cpu_int8_linear", (2,)),
+}
+
+
+def _kernels_or_raise(device: torch.device) -> None:
+    from ...ops import cpu_kernels
+
+    ok, why = cpu_kernels.is_available(device)
+    if not ok:
+        raise RuntimeError(f"linear_weight_layout.layout=kernel cannot run here: {why}. Use layout 'wxt' or 'auto'.")
+
+
+def _to_quantized_kernels(gm: fx.GraphModule, device: torch.device) -> int:
+    """Canonical int4/int8 linears -> the C++ kernels (same arguments), when they run here and the
+    scales are fp16 as the kernels read them; returns how many were rewritten."""
+    from ...ops import cpu_kernels
+
+    if device.type != "cpu" or not cpu_kernels.is_available(device)[0]:
+        return 0
+    import workbench.ops.quant  # noqa: F401  (registers the canonical ops)
+
+    table = {getattr(torch.ops.workbench, canonical).default: row for canonical, row in QUANTIZED_KERNELS.items()}
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in table:
+            continue
+        kernel, scale_args = table[node.target]
+        if all(getattr(param_of(gm, node.args[i]), "dtype", None) == torch.float16 for i in scale_args):
+            node.target = getattr(torch.ops.workbench, kernel).default
+            n += 1
+    if n:
+        gm.recompile()
+    return n
+
+
+def _to_kernels(gm: fx.GraphModule, device: torch.device) -> Tuple[fx.GraphModule, TransformInfo]:
+    """fp32 ``linear(x, W, b)`` -> ``cpu_linear(x, W, b)``, quantized linears -> their kernels."""
+    _kernels_or_raise(device)
+    op = torch.ops.workbench.cpu_linear.default
+
+    def kernel(g: fx.Graph, node: fx.Node, bias: Any) -> fx.Node:
+        new = g.call_function(op, (node.args[0], node.args[1], bias))
+        new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")})
+        return new
+
+    rewritten = _rewrite_linears(gm, kernel, fp32_only=True) + _to_quantized_kernels(gm, device)
+    return gm, TransformInfo(num_matches=rewritten, is_clean=not rewritten,
+                             details={"layout": "kernel", "new_bytes": 0, "freed_bytes": 0})
