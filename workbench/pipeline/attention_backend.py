@@ -17,7 +17,8 @@ from .interface import TransformConfig
 def resolve_backend(name: Optional[str], device: torch.device) -> Tuple[str, Callable]:
     """The backend's name and op; a RuntimeError saying what is missing when it cannot run here.
     ``None``: the first of ``ATTENTION_AUTO[device type]`` that runs here (the C++ kernel on CPU)."""
-    if name is None:
+    if name in (None, "auto"):
+        name = None
         for candidate in ATTENTION_AUTO.get(torch.device(device).type, ()):
             if ATTENTION_BACKENDS.get(candidate).unavailable_reason(torch.device(device)) is None:
                 name = candidate
@@ -29,14 +30,14 @@ def resolve_backend(name: Optional[str], device: torch.device) -> Tuple[str, Cal
 class InsertCachedAttentionConfig(TransformConfig):
     backend: Optional[str] = Field(
         default=None,
-        description=f"The attention backend to use: {' | '.join(ATTENTION_BACKENDS.names())} "
-        "(None: the fastest that runs on the device: cpu, else torch, on CPU; torch on CUDA).",
+        description=f"The attention backend to use: auto | {' | '.join(ATTENTION_BACKENDS.names())} "
+        "(auto or None: the fastest that runs on the device: cpu, else torch, on CPU; torch on CUDA).",
     )
 
     @field_validator("backend")
     @classmethod
     def _known(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None:
+        if v not in (None, "auto"):
             ATTENTION_BACKENDS.get(v)  # ValueError: "unknown attention backend ...; known: ..."
         return v
 

@@ -25,6 +25,8 @@ Reason = Optional[str]  # None: available; otherwise why not
 def attention_backend_reason(backend: str, device: torch.device) -> Reason:
     """Why an ``insert_cached_attention`` backend cannot run on ``device`` (None if it can): the
     registry's answer, the same the transform gets."""
+    if backend == "auto":
+        return None  # resolves to a backend that runs here
     if backend not in ATTENTION_BACKENDS:
         return f"unknown backend {backend!r}"
     why = ATTENTION_BACKENDS.get(backend).unavailable_reason(torch.device(device))
@@ -70,7 +72,7 @@ class Selector:
 
 # Options come from the backend registries and the config Literals, never from a list of our own.
 SELECTORS: Tuple[Selector, ...] = (
-    Selector("attention", "attention backend", ATTENTION_BACKENDS.names(),
+    Selector("attention", "attention backend", ("auto", *ATTENTION_BACKENDS.names()),
              (("insert_cached_attention", "backend"),), attention_backend_reason),
     Selector("compile", "compile backend", COMPILE_BACKENDS.names(),
              (("compile_model", "backend"),), compile_backend_reason),

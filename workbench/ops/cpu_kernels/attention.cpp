@@ -2,9 +2,9 @@
 // (schema and semantics: workbench/ops/attention/torch_cached_attention.py).
 //
 // Decode-only steps (num_prefill == 0, every sequence one new token) with float32 q/k/v and caches
-// run here: the new k/v are written to their slot, then each query head attends over its
-// sequence's cached positions in one pass (online softmax, fp32), reading each KV head's keys
-// and values once for all the query heads that share it (GQA). Sliding window, logit soft-capping
+// run here: the new k/v are written to their slot, then for each sequence and KV head the scores
+// of all query heads sharing it (GQA) are computed reading each key once, a vectorised softmax
+// (fp32, polynomial exp) turns them into probabilities, and each value is read once. Sliding window, logit soft-capping
 // and per-head sinks are honoured. Anything else (prefill rows, other dtypes) is handed to the
 // reference op through the dispatcher, so this op is a drop-in backend for every step.
 //
@@ -53,13 +53,50 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return s;
 }
 
-// out = out * c + p * v  (length d)
-inline void rescale_axpy(float* out, float c, float p, const float* v, int64_t d) {
-  const __m512 vc = _mm512_set1_ps(c), vp = _mm512_set1_ps(p);
+// out += p * v  (length d)
+inline void axpy(float* out, float p, const float* v, int64_t d) {
+  const __m512 vp = _mm512_set1_ps(p);
   int64_t i = 0;
   for (; i + 16 <= d; i += 16)
-    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(vp, _mm512_loadu_ps(v + i), _mm512_mul_ps(vc, _mm512_loadu_ps(out + i))));
-  for (; i < d; ++i) out[i] = out[i] * c + p * v[i];
+    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(vp, _mm512_loadu_ps(v + i), _mm512_loadu_ps(out + i)));
+  for (; i < d; ++i) out[i] += p * v[i];
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the maximum), 16 lanes: x = n ln2 + r, |r| <= ln2/2,
+// exp(r) by a degree-6 polynomial (relative error ~2e-7, below fp32 rounding of the sum), times 2^n.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));  // below: exp underflows to 0 either way
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// probs[0:n] = exp(scores - max) in place; returns their sum
+inline float softmax_numerators(float* s, int64_t n, float max) {
+  const __m512 vm = _mm512_set1_ps(max);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
+    _mm512_storeu_ps(s + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (i < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), vm));
+    _mm512_mask_storeu_ps(s + i, k, e);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
+  }
+  return _mm512_reduce_add_ps(acc);
 }
 
 at::Tensor cpu_cached_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
@@ -122,40 +159,37 @@ at::Tensor cpu_cached_attention(const at::Tensor& q, const at::Tensor& k, const 
   // One task per (sequence, KV head); split over threads only when there is enough to share.
   const int64_t grain = work < 200000 ? B * Hkv : 1;
   at::parallel_for(0, B * Hkv, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> m(rep), l(rep);
+    std::vector<float> scores;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / Hkv, g = t % Hkv, last = pos[b];
       const int64_t first = sliding_window.has_value() ? std::max<int64_t>(0, last - *sliding_window + 1) : 0;
+      const int64_t L = last - first + 1;
       float* ob = o + (b * Hq + g * rep) * Dv;
       const float* qb = qp + (b * Hq + g * rep) * D;
-      for (int64_t r = 0; r < rep; ++r) {
-        m[r] = -std::numeric_limits<float>::infinity();
-        l[r] = 0.f;
-        std::fill(ob + r * Dv, ob + (r + 1) * Dv, 0.f);
-      }
-      for (int64_t p = first; p <= last; ++p) {
-        const float* kp = slot_k(b, p, g);
-        const float* vp = slot_v(b, p, g);
+      scores.resize(rep * L);
+      // scores[r, j]: each key is read once for the `rep` query heads that share it
+      for (int64_t j = 0; j < L; ++j) {
+        const float* kp = slot_k(b, first + j, g);
         for (int64_t r = 0; r < rep; ++r) {
           float s = dot(qb + r * D, kp, D) * fscale;
           if (cap > 0.f) s = cap * std::tanh(s / cap);
-          if (s > m[r]) {  // new maximum: rescale what was accumulated
-            const float c = std::exp(m[r] - s);
-            l[r] = l[r] * c + 1.f;
-            rescale_axpy(ob + r * Dv, c, 1.f, vp, Dv);
-            m[r] = s;
-          } else {
-            const float e = std::exp(s - m[r]);
-            l[r] += e;
-            rescale_axpy(ob + r * Dv, 1.f, e, vp, Dv);
-          }
+          scores[r * L + j] = s;
         }
       }
+      std::vector<float> inv(rep);
       for (int64_t r = 0; r < rep; ++r) {
-        float denom = l[r];
-        if (sink != nullptr) denom += std::exp(sink[g * rep + r] - m[r]);
-        const float inv = 1.f / denom;
-        for (int64_t i = 0; i < Dv; ++i) ob[r * Dv + i] *= inv;
+        float* sr = scores.data() + r * L;
+        float m = sr[0];
+        for (int64_t j = 1; j < L; ++j) m = std::max(m, sr[j]);
+        if (sink != nullptr) m = std::max(m, sink[g * rep + r]);
+        float denom = softmax_numerators(sr, L, m);
+        if (sink != nullptr) denom += std::exp(sink[g * rep + r] - m);  // joins the normaliser only
+        inv[r] = 1.f / denom;
+        std::fill(ob + r * Dv, ob + (r + 1) * Dv, 0.f);
+      }
+      for (int64_t j = 0; j < L; ++j) {  // each value read once
+        const float* vp = slot_v(b, first + j, g);
+        for (int64_t r = 0; r < rep; ++r) axpy(ob + r * Dv, scores[r * L + j] * inv[r], vp, Dv);
       }
     }
   });
