@@ -11,6 +11,15 @@ torch.manual_seed(0)
 
 @pytest.fixture(scope="session")
 def smollm2():
+    """SmolLM2 with its GGUF weights dequantized to fp32: the model the HF-equivalence tests use."""
+    from workbench.models import load_model
+
+    return load_model("smollm2", gguf_weights="dequantize")
+
+
+@pytest.fixture(scope="session")
+def smollm2_q4():
+    """SmolLM2 as shipped: Q4_1 linears, Q8_0 tied embedding/LM head, kept quantized."""
     from workbench.models import load_model
 
     return load_model("smollm2")

@@ -138,6 +138,24 @@ def _load_failure(spec: str, path: Path, exc: BaseException) -> str:
     return f"{spec!r} resolved to {path} but loading failed: {text}"
 
 
+def _load_gguf_file(path: Path, weights: str, dtype: torch.dtype, device: torch.device):
+    """A GGUF file: llama-architecture files through our own reader (``gguf_model``: quantized
+    weights kept, or dequantized, in about a second); any other architecture through transformers'
+    GGUF support (always dequantized; converted once and cached, see ``converted_cache_dir``)."""
+    from .gguf_file import GGUFFile
+
+    arch = GGUFFile(path).metadata.get("general.architecture")
+    if arch == "llama":
+        from .gguf_model import load_gguf_model
+
+        model, tokenizer = load_gguf_model(path, weights, dtype)
+        kept = "quantized weights kept" if weights == "keep" else "dequantized to fp32"
+        return model.to(device), tokenizer, f"{path} ({kept})"
+    if weights == "keep":
+        logger.info("%s: architecture %r has no quantized loader here; loading it dequantized", path.name, arch)
+    return _load_gguf_cached(path, dtype, device)
+
+
 def load_model(
     spec: str,
     dtype: torch.dtype | str = torch.float32,
@@ -145,13 +163,20 @@ def load_model(
     seed: int = 0,
     *,
     tiny_registry: Mapping | None = None,
+    gguf_weights: str = "keep",
 ) -> LoadedModel:
     """Load the model named by ``spec`` (see ``workbench.models.spec`` for the forms).
 
     ``seed`` only matters for ``tiny:<arch>`` (random weights); ``tiny_registry`` lets you
     resolve ``tiny:`` names against your own registry instead of the default one.
+    ``gguf_weights`` (GGUF files, e.g. ``smollm2``): ``"keep"`` the file's 4/8-bit weights as they
+    are (canonical int4/int8 linear ops; the default), or ``"dequantize"`` them to fp32 -- the
+    model the quantized one is compared with.
     Raises :class:`ModelSpecError` for specs that cannot be resolved or loaded.
     """
+    if gguf_weights not in ("keep", "dequantize"):
+        raise ModelSpecError(f"gguf_weights must be 'keep' (quantized weights as stored) or 'dequantize' "
+                             f"(fp32), got {gguf_weights!r}")
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
     resolved: ResolvedSpec = resolve_spec(spec, tiny_registry)
@@ -164,7 +189,7 @@ def load_model(
         else:
             try:
                 if resolved.kind == "gguf":
-                    model, tokenizer, source = _load_gguf_cached(resolved.path, dtype, device)
+                    model, tokenizer, source = _load_gguf_file(resolved.path, gguf_weights, dtype, device)
                 else:
                     model, tokenizer = _load_hf_dir(resolved.path, dtype, device)
                     source = str(resolved.path)

@@ -14,6 +14,10 @@ no other attribute of the module still holds the same storage (tied weights stay
 memory delta is therefore exactly ``new_bytes - freed_bytes`` (both reported in ``details``).
 Earlier snapshots and the eager reference model keep their own references to the originals.
 
+Quantized linears (``torch_int4_linear``, ``torch_int8_linear``: weights quantized per output row)
+fuse the same way: their packed codes, scales and offsets are each concatenated along the output
+rows, which is exactly the quantized form of the concatenated weight (same group size required).
+
 The split outputs are strided views; a consumer ``view`` that the strides cannot serve (one that
 merges the split dim with another) becomes a ``reshape``, so the rewrite never fails at run time.
 The weight helpers (``concat_weights``, ``release_weights``) are in ``pipeline/graph_weights.py``.
@@ -30,7 +34,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from ..graph_utils import symbolic_fake_mode
-from ..graph_weights import LINEAR, concat_weights, fake_value, fetch_attr, linear_bias, param_of, release_weights
+from ..graph_weights import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights
 from ..interface import Transform, TransformInfo, register
 from ..matcher import annotate_new_nodes
 
@@ -40,25 +44,47 @@ aten = torch.ops.aten
 # ------------------------------------------------------------------------------ the rewrite
 
 
-def _fusable_key(gm: fx.GraphModule, node: fx.Node) -> Optional[tuple]:
-    """What linears must share to be fused: weight dtype/device/in-features, bias or not."""
-    w = param_of(gm, node.args[1])
-    if w is None or w.dim() != 2:
+class LinearForm:
+    """Where an op keeps its weight tensors (concatenated along rows when fused), its constant
+    arguments (equal across a group) and its bias."""
+
+    def __init__(self, weights: Tuple[int, ...], consts: Tuple[int, ...], bias: int):
+        self.weights, self.consts, self.bias = weights, consts, bias
+
+    def bias_of(self, node: fx.Node) -> Any:
+        return node.args[self.bias] if len(node.args) > self.bias else node.kwargs.get("bias")
+
+
+def linear_forms() -> Dict[Any, LinearForm]:
+    import workbench.ops.quant  # noqa: F401  (registers the quantized ops)
+
+    ops = torch.ops.workbench
+    return {LINEAR: LinearForm((1,), (), 2),
+            ops.torch_int4_linear.default: LinearForm((1, 2, 3), (4,), 5),
+            ops.torch_int8_linear.default: LinearForm((1, 2), (3,), 4)}
+
+
+def _fusable_key(gm: fx.GraphModule, node: fx.Node, form: LinearForm) -> Optional[tuple]:
+    """What linears must share to be fused: op, weight dtypes/device/row widths, constants, bias or not."""
+    ws = [param_of(gm, node.args[i]) if len(node.args) > i else None for i in form.weights]
+    if any(w is None or w.dim() != 2 for w in ws):
         return None
-    bias = linear_bias(node)
+    bias = form.bias_of(node)
     if bias is not None:
         b = param_of(gm, bias)
-        if b is None or b.dim() != 1 or b.dtype != w.dtype:
+        if b is None or b.dim() != 1:
             return None
-    return (w.dtype, w.device, w.shape[1], bias is not None)
+    consts = tuple(node.args[i] if len(node.args) > i else None for i in form.consts)
+    return (node.target, tuple((w.dtype, w.device, w.shape[1]) for w in ws), consts, bias is not None)
 
 
 def linear_groups(gm: fx.GraphModule) -> List[List[fx.Node]]:
-    """Groups (graph order) of >= 2 fusable ``aten.linear`` nodes reading the same input."""
+    """Groups (graph order) of >= 2 fusable linear nodes (same op) reading the same input."""
+    forms = linear_forms()
     by_input: Dict[fx.Node, Dict[tuple, List[fx.Node]]] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is LINEAR and len(node.args) >= 2:
-            key = _fusable_key(gm, node)
+        if node.op == "call_function" and node.target in forms and len(node.args) >= 2:
+            key = _fusable_key(gm, node, forms[node.target])
             if key is not None:
                 by_input.setdefault(node.args[0], {}).setdefault(key, []).append(node)
     return [group for buckets in by_input.values() for group in buckets.values() if len(group) >= 2]
@@ -113,26 +139,28 @@ def fix_views(gm: fx.GraphModule, outputs: Sequence[fx.Node]) -> int:
 def fuse_linear_group(gm: fx.GraphModule, group: Sequence[fx.Node]) -> Dict[str, Any]:
     """Rewrite one group (see the module docstring); returns what it did."""
     g = gm.graph
+    form = linear_forms()[group[0].target]
     x, first = group[0].args[0], group[0]
-    w_nodes = [n.args[1] for n in group]
-    b_nodes = [linear_bias(n) for n in group]
+    b_nodes = [form.bias_of(n) for n in group]
     has_bias = b_nodes[0] is not None
-    sizes = [int(param_of(gm, w).shape[0]) for w in w_nodes]
-    w_target, new_bytes = concat_weights(gm, w_nodes)
-    b_target = None
-    if has_bias:
-        b_target, b_bytes = concat_weights(gm, b_nodes)
-        new_bytes += b_bytes
+    sizes = [int(param_of(gm, n.args[form.weights[0]]).shape[0]) for n in group]
+    tensor_groups = [[n.args[i] for n in group] for i in form.weights] + ([b_nodes] if has_bias else [])
+    targets, new_bytes = [], 0
+    for nodes in tensor_groups:
+        target, nbytes = concat_weights(gm, nodes)
+        targets.append(target)
+        new_bytes += nbytes
     before = set(g.nodes)
     with g.inserting_before(first):
-        w = g.get_attr(w_target)
-        w.meta["val"] = fake_value(gm, fetch_attr(gm, w_target))
-        args = (x, w)
+        reads = []
+        for target in targets:
+            node = g.get_attr(target)
+            node.meta["val"] = fake_value(gm, fetch_attr(gm, target))
+            reads.append(node)
+        args = [x, *reads[:len(form.weights)], *(first.args[i] for i in form.consts)]
         if has_bias:
-            b = g.get_attr(b_target)
-            b.meta["val"] = fake_value(gm, fetch_attr(gm, b_target))
-            args = (x, w, b)
-        fused = g.call_function(LINEAR, args)
+            args.append(reads[-1])
+        fused = g.call_function(first.target, tuple(args))
     names = [n.name for n in group]
     outputs = split_outputs(gm, fused, sizes, group)
     for node in group:
@@ -140,14 +168,15 @@ def fuse_linear_group(gm: fx.GraphModule, group: Sequence[fx.Node]) -> Dict[str,
     new_nodes = [n for n in g.nodes if n not in before]
     annotate_new_nodes(gm, new_nodes, names, anchor=first)
     reshaped = fix_views(gm, outputs[1:])
-    originals = [n.target for n in w_nodes] + ([n.target for n in b_nodes] if has_bias else [])
-    return {"fused": names, "weight": w_target, "sizes": sizes, "new_bytes": new_bytes,
+    originals = [n.target for nodes in tensor_groups for n in nodes]
+    return {"fused": names, "weight": targets[0], "sizes": sizes, "new_bytes": new_bytes,
             "originals": originals, "views_made_reshapes": reshaped}
 
 
 @register("fuse_gemms")
 class FuseGemms(Transform):
-    """Fuse ``aten.linear`` nodes that share an input into one GEMM over concatenated weights."""
+    """Fuse linear nodes (``aten.linear``, int4/int8 linears) that share an input into one GEMM over
+    concatenated weights."""
 
     def _apply(self, gm, ctx) -> Tuple[fx.GraphModule, TransformInfo]:
         groups = linear_groups(gm)

@@ -1,0 +1,66 @@
+"""SmolLM2's GGUF through our own loader: the fp32 model equals transformers' GGUF load, and the model
+that keeps the Q4_1/Q8_0 weights quantized computes exactly the dequantized model's logits with the
+reference ops, and within a stated bound with the CPU kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench import Workbench
+from workbench.models import load_model, resolve_spec
+from workbench.models.export_contract import CausalLMLogits, make_batch
+from workbench.models.gguf_model import QuantizedEmbedding, QuantizedLinear
+from workbench.ops import cpu_kernels
+
+README_CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.mark.slow
+def test_dequantized_load_equals_transformers_gguf_load(smollm2):
+    from workbench.models.factory import _load_gguf, hf_offline
+
+    with hf_offline():
+        hf_model, hf_tok = _load_gguf(resolve_spec("smollm2").path, torch.float32, torch.device("cpu"))
+    batch = make_batch(49152, 2, 9, seed=5)
+    with torch.no_grad():
+        assert torch.equal(CausalLMLogits(smollm2.model.eval())(*batch.args), CausalLMLogits(hf_model.eval())(*batch.args))
+    assert smollm2.model.lm_head.weight is smollm2.model.model.embed_tokens.weight  # still tied
+    assert smollm2.tokenizer.apply_chat_template(README_CHAT, tokenize=False) == hf_tok.apply_chat_template(
+        README_CHAT, tokenize=False)
+    assert smollm2.tokenizer("hello world")["input_ids"] == hf_tok("hello world")["input_ids"]
+
+
+def test_quantized_model_keeps_4_bit_weights_and_equals_the_dequantized_one(smollm2, smollm2_q4):
+    m = smollm2_q4.model
+    linears = [mod for mod in m.modules() if isinstance(mod, QuantizedLinear)]
+    assert sum(mod.fmt == "int4" for mod in linears) == 210  # 30 layers x q, k, v, o, gate, up, down
+    assert isinstance(m.model.embed_tokens, QuantizedEmbedding) and m.lm_head.fmt == "int8"
+    assert m.lm_head.qweight is m.model.embed_tokens.qweight  # tied, one table
+    assert not any(p.numel() > 576 for p in m.parameters())  # no dense matrix anywhere: only norm vectors
+    # 135M weights at 4.5-8.5 bits: ~4.7x smaller than fp32 (Q4_1 is 20 bytes per 32 weights)
+    assert smollm2_q4.parameter_bytes < smollm2.parameter_bytes / 4.5
+    batch = make_batch(49152, 2, 9, seed=5)
+    with torch.no_grad():  # the reference ops dequantize exactly as gguf does: identical logits
+        assert torch.equal(CausalLMLogits(m)(*batch.args), CausalLMLogits(smollm2.model)(*batch.args))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cpu_kernels.load() is not None, reason=f"CPU kernels unavailable: {cpu_kernels.load()}")
+def test_q4_pipeline_uses_the_kernels_and_generates_the_fp32_models_tokens(smollm2, smollm2_q4):
+    """The README prompt, greedy, 24 tokens: the Q4_1 model through the default pipeline (int4/int8 CPU
+    kernels, C++ attention) and the dequantized fp32 model through the same pipeline agree token for
+    token, and the Q4 graph's logits stay within 1e-5 (rmse ratio) of its eager reference."""
+    outs = {}
+    for name, loaded in (("q4", smollm2_q4), ("fp32", smollm2)):
+        wb = Workbench(loaded, overrides={"initialize_cache.max_batch_size": 2, "initialize_cache.max_seq_len": 128})
+        wb.run()
+        outs[name] = wb.generate([README_CHAT], max_new_tokens=24).token_ids[0]
+        if name == "q4":
+            final = wb.snapshots[-1]
+            hist = final.op_histogram
+            assert hist.get("workbench.cpu_int4_linear.default") == 120  # qkv, o, gate_up, down per layer
+            assert hist.get("workbench.cpu_int8_linear.default") == 1  # the LM head
+            assert hist.get("workbench.cpu_cached_attention.default") == 30
+            assert final.numerics.rmse_ratio < 1e-5, final.numerics
+    assert outs["q4"] == outs["fp32"]
