@@ -133,3 +133,22 @@ def test_cuda_graphs_refuse_the_host_syncing_torch_attention():
                       overrides={"compile_model.backend": "torch-cudagraph"})
     with pytest.raises(TransformError, match="insert_cached_attention.backend to 'triton'"):
         bench.run()
+
+
+@pytest.mark.real_auto_compile
+def test_auto_backend_resolves_to_the_fastest_for_the_device_and_says_so(tiny_llama):
+    wb = Workbench(tiny_llama, numerics=False)  # default YAML: compile_model.backend auto
+    wb.run()
+    details = wb.snapshots[-1].info.details
+    assert details["backend"] == "torch-compile"
+    assert details["chosen"].startswith("auto on cpu: torch-compile")
+    assert wb.ctx.runner is not None and wb.ctx.runner.backend == "compiled"
+    assert len(wb.generate([[1, 2, 3]], max_new_tokens=4).token_ids[0]) == 4
+
+
+def test_auto_on_cuda_needs_a_capturable_attention_for_cuda_graphs():
+    from workbench.pipeline.transforms.compile_model import resolve_auto
+
+    assert resolve_auto(torch.device("cuda"), "triton")[0] == "torch-cudagraph"
+    name, why = resolve_auto(torch.device("cuda"), "torch")
+    assert name == "torch-simple" and "insert_cached_attention.backend=triton" in why

@@ -74,7 +74,7 @@ class Selector:
 SELECTORS: Tuple[Selector, ...] = (
     Selector("attention", "attention backend", ("auto", *ATTENTION_BACKENDS.names()),
              (("insert_cached_attention", "backend"),), attention_backend_reason),
-    Selector("compile", "compile backend", COMPILE_BACKENDS.names(),
+    Selector("compile", "compile backend", ("auto", *COMPILE_BACKENDS.names()),
              (("compile_model", "backend"),), compile_backend_reason),
     Selector("layout", "attention + RoPE layout", _literal_options("match_attention_layout", "attn_layout"),
              (("match_attention_layout", "attn_layout"), ("match_rope_layout", "expected_layout"))),

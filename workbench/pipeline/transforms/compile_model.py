@@ -13,7 +13,7 @@ can be captured in a CUDA graph -- and calls its ``build``.
 from __future__ import annotations
 
 import logging
-from typing import List, Literal, Optional, Tuple
+from typing import List, Literal, Optional, Tuple, Union
 
 import torch
 from pydantic import Field, field_validator, model_validator
@@ -30,10 +30,31 @@ if set(CompileBackendName.__args__) != set(COMPILE_BACKENDS.names()):  # the con
     raise ImportError(f"compile_model's backend Literal {CompileBackendName.__args__} differs from "
                       f"COMPILE_BACKENDS {COMPILE_BACKENDS.names()}")
 CUDA_BACKENDS = tuple(b.name for b in COMPILE_BACKENDS if b.cuda_graphs)
+# ``backend: auto``: the fastest backend measured on each device type. CPU: torch-compile (SmolLM2
+# decode at bs=1, Q4_1 weights, bench/decode.py: 66.7 tok/s vs 46.6 torch-simple; fp32 43.8 vs 42.1).
+# CUDA: CUDA graphs when the cached attention can be captured, else the plain graph.
+AUTO_COMPILE = {"cpu": "torch-compile"}
+
+
+def resolve_auto(device: torch.device, attention: Optional[str]) -> Tuple[str, str]:
+    """(backend, why) for ``backend: auto`` on ``device`` with the graph's attention backend."""
+    device = torch.device(device)
+    if device.type in AUTO_COMPILE:
+        name = AUTO_COMPILE[device.type]
+        return name, f"auto on {device.type}: {name} (fastest decode measured there)"
+    if device.type == "cuda":
+        if attention is not None and ATTENTION_BACKENDS.get(attention).cuda_graph_safe:
+            return "torch-cudagraph", f"auto on cuda: torch-cudagraph ('{attention}' attention can be captured)"
+        return "torch-simple", (f"auto on cuda: torch-simple (the '{attention}' attention cannot be captured in a "
+                                "CUDA graph; use insert_cached_attention.backend=triton for torch-cudagraph)")
+    return "torch-simple", f"auto on {device.type}: torch-simple"
 
 
 class CompileModelConfig(TransformConfig):
-    backend: CompileBackendName = Field(description="The backend to use for compiling the model.")
+    backend: Union[Literal["auto"], CompileBackendName] = Field(
+        default="auto", description="The backend to use for compiling the model; 'auto': the fastest for the "
+        "device (CPU: torch-compile; CUDA: torch-cudagraph when the attention backend can be captured, else "
+        "torch-simple), reported in the snapshot's details.")
     cuda_graph_batch_sizes: Optional[List[int]] = Field(
         default=None, description="The batch sizes to use for CUDA graphs. None: 1, 2, 4, 8, 16, 24, 32, "
         "48, 64, ... up to the KV cache's max_batch_size.",
@@ -61,7 +82,7 @@ class CompileModelConfig(TransformConfig):
 
     @model_validator(mode="after")
     def _cuda_fields_need_a_cuda_backend(self) -> "CompileModelConfig":
-        if self.piecewise_enabled and self.backend not in CUDA_BACKENDS:
+        if self.piecewise_enabled and self.backend not in (*CUDA_BACKENDS, "auto"):
             raise ValueError(f"piecewise_enabled needs a CUDA-graph backend ({' or '.join(CUDA_BACKENDS)}), "
                              f"not {self.backend!r}")
         return self
@@ -69,6 +90,8 @@ class CompileModelConfig(TransformConfig):
 
 def backend_unavailable_reason(backend: str, device: torch.device | str) -> Optional[str]:
     """Why ``backend`` cannot run on ``device`` (None if it can); the widgets ask this too."""
+    if backend == "auto":
+        return None  # resolves to a backend that runs here
     if backend not in COMPILE_BACKENDS:
         return f"unknown compile backend {backend!r}"
     return COMPILE_BACKENDS.get(backend).unavailable_reason(torch.device(device))
@@ -100,17 +123,20 @@ class CompileModel(Transform):
 
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         c: CompileModelConfig = self.config
-        backend = COMPILE_BACKENDS.get(c.backend)
+        name, chosen = c.backend, f"{c.backend} (requested)"
+        if name == "auto":
+            name, chosen = resolve_auto(ctx.device, attention_backend_of(gm, ctx.cache.attention_backend))
+        backend = COMPILE_BACKENDS.get(name)
         why = backend.unavailable_reason(ctx.device)
         if why is not None:
             raise RuntimeError(f"{why}. Use backend 'torch-simple' or 'torch-compile' here, or run the pipeline "
                                "with device='cuda' on a GPU machine.")
-        details = {"backend": c.backend}
+        details = {"backend": name, "chosen": chosen}
         if not backend.torch_compile and not backend.cuda_graphs:
             ctx.runner = None  # generate builds the plain runner for the graph
             return gm, TransformInfo(num_matches=0, details=details)
         if not is_cached_module(gm):
-            raise RuntimeError(f"backend {c.backend!r} compiles the cached graph, but no cache stage ran "
+            raise RuntimeError(f"backend {name!r} compiles the cached graph, but no cache stage ran "
                                "(enable insert_cached_attention and initialize_cache)")
         cfg = ctx.cache.require_config(self.key)
         batched = batched_input_count(gm, set(ctx.cache.tensors))
@@ -122,7 +148,7 @@ class CompileModel(Transform):
             attention = attention_backend_of(gm, ctx.cache.attention_backend)
             if attention is not None and not ATTENTION_BACKENDS.get(attention).cuda_graph_safe:
                 raise RuntimeError(
-                    f"{c.backend} cannot capture the '{attention}' cached attention: that backend reads sequence "
+                    f"{name} cannot capture the '{attention}' cached attention: that backend reads sequence "
                     "lengths on the host. Set insert_cached_attention.backend to 'triton' (or 'flashinfer') "
                     "for CUDA graphs")
         built = backend.build(BuildRequest(
