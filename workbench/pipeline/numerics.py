@@ -14,6 +14,7 @@ class Numerics:
     rmse_ratio: Optional[float] = None  # rmse(out - ref) / rms(ref)
     top1_agreement: Optional[float] = None  # fraction of positions with the same argmax token
     error: Optional[str] = None  # why the probe could not run
+    carried_from: Optional[str] = None  # the graph was unchanged: this is that earlier snapshot's result
 
     @property
     def ok(self) -> bool:

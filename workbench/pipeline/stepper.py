@@ -9,6 +9,8 @@ they were.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Union
 
@@ -84,6 +86,7 @@ class PipelineStepper:
         self.ctx.weights = WeightSource(self._eager)
         self._reference: Optional[torch.Tensor] = None
         self.snapshots: List[Snapshot] = []
+        self._probed: Optional[tuple] = None  # (module, probe function) the last probe ran on
         self.last_error: Optional[TransformError] = None
         self._live: torch.nn.Module = self._eager
         self._state = GraphState()
@@ -283,9 +286,21 @@ class PipelineStepper:
             times=times, mem_before=mem_before, mem_after=mem_after, mem_warning=warning,
             num_nodes=num_nodes(mod), op_histogram=op_histogram(mod), graph_copy=stored,
             node_names=frozenset(names), added_nodes=added, removed_nodes=removed,
-            numerics=self._probe(mod) if self.numerics_enabled else None,
+            numerics=self._numerics(mod, changed) if self.numerics_enabled else None,
             context=self.ctx.state(),
         )
+
+    def _numerics(self, mod: torch.nn.Module, changed: bool) -> Numerics:
+        """The probe's result for ``mod``. A transform that changed nothing (no node added or
+        removed, no match) on the module the previous snapshot probed, with the same probe
+        function, computes the same logits: its result is carried over (``carried_from`` names the
+        snapshot that ran it) instead of running the model again. Failed probes are never carried."""
+        prev = self.snapshots[-1] if self.snapshots else None
+        if (not changed and prev is not None and prev.numerics is not None and prev.numerics.ok
+                and self._probed is not None and self._probed[0] is mod and self._probed[1] is self.ctx.cache.probe):
+            return dataclasses.replace(prev.numerics, carried_from=prev.numerics.carried_from or prev.key)
+        self._probed = (mod, self.ctx.cache.probe)
+        return self._probe(mod)
 
     def _probe(self, mod: torch.nn.Module) -> Numerics:
         probe = self.ctx.cache.probe
