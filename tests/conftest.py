@@ -58,30 +58,3 @@ def tiny_llama_done(tiny_llama):
     bench = Workbench(tiny_llama, numerics=False)
     bench.run()
     return bench
-
-
-@pytest.fixture(scope="session", autouse=True)
-def plain_graph_for_auto_compile():
-    """``compile_model.backend: auto`` is torch-compile on CPU (the fastest decode), which costs
-    ~5-30 s of Inductor compilation per pipeline. The suite runs the default pipeline ~100 times to
-    check what the graph computes, which the compile backend does not change; so ``auto`` resolves
-    to the plain graph here (module- and session-scoped workbenches included), except in tests
-    marked ``real_auto_compile`` (those check ``auto`` itself, see ``real_auto``). Tests that name a
-    backend get that backend."""
-    from workbench.pipeline.transforms import compile_model
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(compile_model.AUTO_COMPILE, "cpu", "torch-simple")
-        yield
-
-
-@pytest.fixture(autouse=True)
-def real_auto(request):
-    if request.node.get_closest_marker("real_auto_compile") is None:
-        yield
-        return
-    from workbench.pipeline.transforms import compile_model
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(compile_model.AUTO_COMPILE, "cpu", "torch-compile")
-        yield

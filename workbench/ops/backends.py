@@ -15,9 +15,10 @@ and the ``post_load_fusion`` transforms swap them for the backend op picked here
     rope         triton       triton_rope_with_explicit_cos_sin     triton + CUDA (or TRITON_INTERPRET=1)
     silu_mul     torch        torch_silu_and_mul                    nothing
     silu_mul     triton       triton_silu_and_mul                   triton + CUDA (or TRITON_INTERPRET=1)
+    rmsnorm/rope/silu_mul  cpu  cpu_rmsnorm, cpu_rope_with_explicit_cos_sin, cpu_silu_and_mul  AVX-512 + g++
 
-Fusion transforms also take ``auto``: Triton on a CUDA device when it can run, the torch op
-otherwise; never FlashInfer (its half-precision rounding differs slightly from HF: opt-in).
+Fusion transforms also take ``auto``: Triton on a CUDA device when it can run, the C++ kernels
+(``cpu``) on a CPU where they build, the torch op otherwise; never FlashInfer (its half-precision rounding differs slightly from HF: opt-in).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from .registry import BackendRegistry, OpBackend
 
+_CPU = "workbench.ops.cpu_kernels"
 _ATT, _NORM, _ROPE, _MLP = ("workbench.ops.attention", "workbench.ops.normalization", "workbench.ops.rope",
                             "workbench.ops.mlp")
 TRITON_NEEDS = "triton and a CUDA GPU (or TRITON_INTERPRET=1 for CPU tensors)"
@@ -75,20 +77,23 @@ FUSION_BACKENDS: Dict[str, BackendRegistry[OpBackend]] = {
         ("torch", f"{_NORM}.torch_norms", "torch_rmsnorm", "nothing beyond PyTorch"),
         ("triton", f"{_NORM}.triton_rmsnorm", "triton_rmsnorm", TRITON_NEEDS),
         ("flashinfer", f"{_NORM}.flashinfer_rmsnorm", "flashinfer_rmsnorm", FLASHINFER_NEEDS),
+        ("cpu", _CPU, "cpu_rmsnorm", CPU_KERNELS_NEED),
     ),
     "rope": _fusion(
         "rope",
         ("torch", f"{_ROPE}.torch_rope", "torch_rope_with_explicit_cos_sin", "nothing beyond PyTorch"),
         ("triton", f"{_ROPE}.triton_rope", "triton_rope_with_explicit_cos_sin", TRITON_NEEDS),
+        ("cpu", _CPU, "cpu_rope_with_explicit_cos_sin", CPU_KERNELS_NEED),
     ),
     "silu_mul": _fusion(
         "silu_mul",
         ("torch", f"{_MLP}.torch_silu_mul", "torch_silu_and_mul", "nothing beyond PyTorch"),
         ("triton", f"{_MLP}.triton_silu_mul", "triton_silu_and_mul", TRITON_NEEDS),
+        ("cpu", _CPU, "cpu_silu_and_mul", CPU_KERNELS_NEED),
     ),
 }
 # What ``auto`` tries, in order, per device type.
-AUTO_PREFERENCE = {"cuda": ("triton", "torch"), "cpu": ("torch",)}
+AUTO_PREFERENCE = {"cuda": ("triton", "torch"), "cpu": ("cpu", "torch")}
 
 
 def fusion_backend_names(family: str) -> Tuple[str, ...]:

@@ -9,6 +9,9 @@ summation order), put into graphs by the transforms that pick backends:
     cpu_int4_linear              torch_int4_linear          linear.cpp   <= 16 rows; more: tiles to BLAS
     cpu_int8_linear              torch_int8_linear          linear.cpp   idem
     cpu_cached_attention         torch_cached_attention     attention.cpp decode steps; prefill: reference
+    cpu_rmsnorm                  torch_rmsnorm              elementwise.cpp  fp32; else reference
+    cpu_rope_with_explicit_cos_sin  torch_rope_with_explicit_cos_sin  elementwise.cpp
+    cpu_silu_and_mul             torch_silu_and_mul         elementwise.cpp
 
 Why our own: at batch 1 a decode step is a chain of matrix-vector products over every weight. MKL's
 fp32 GEMV streams ~24 GB/s here where the hardware gives ~30; ATen's int4 kernel wants bf16
@@ -36,7 +39,7 @@ import torch
 
 from ..library import declare_op
 
-SOURCES = ("linear.cpp", "attention.cpp")
+SOURCES = ("linear.cpp", "attention.cpp", "elementwise.cpp", "vec_math.h")
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-fopenmp")
 HERE = Path(__file__).resolve().parent
 
@@ -51,6 +54,14 @@ declare_op("cpu_int4_linear(Tensor input, Tensor qweight, Tensor scales, Tensor 
            "Tensor? bias=None) -> Tensor", _linear_fake)
 declare_op("cpu_int8_linear(Tensor input, Tensor qweight, Tensor scales, int group_size, Tensor? bias=None) "
            "-> Tensor", _linear_fake)
+
+
+declare_op("cpu_rmsnorm(Tensor input, Tensor weight, float eps) -> Tensor",
+           lambda input, weight, eps: torch.empty_like(input, dtype=torch.promote_types(input.dtype, weight.dtype)))
+declare_op("cpu_rope_with_explicit_cos_sin(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) "
+           "-> (Tensor, Tensor)", lambda q, k, cos, sin, unsqueeze_dim=1: (torch.empty_like(q), torch.empty_like(k)))
+declare_op("cpu_silu_and_mul(Tensor input) -> Tensor",
+           lambda input: input.new_empty(*input.shape[:-1], input.shape[-1] // 2))
 
 
 def build_dir() -> Path:
@@ -98,7 +109,7 @@ def load() -> Optional[str]:
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(name="workbench_cpu_kernels", sources=[str(HERE / s) for s in SOURCES],
+        cpp_extension.load(name="workbench_cpu_kernels", sources=[str(HERE / s) for s in SOURCES if s.endswith(".cpp")],
                            extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], build_directory=str(directory),
                            is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - a failed build makes the backend unavailable, with the reason

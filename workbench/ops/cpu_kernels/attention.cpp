@@ -19,6 +19,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "vec_math.h"
+
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -60,24 +62,6 @@ inline void axpy(float* out, float p, const float* v, int64_t d) {
   for (; i + 16 <= d; i += 16)
     _mm512_storeu_ps(out + i, _mm512_fmadd_ps(vp, _mm512_loadu_ps(v + i), _mm512_loadu_ps(out + i)));
   for (; i < d; ++i) out[i] += p * v[i];
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the maximum), 16 lanes: x = n ln2 + r, |r| <= ln2/2,
-// exp(r) by a degree-6 polynomial (relative error ~2e-7, below fp32 rounding of the sum), times 2^n.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));  // below: exp underflows to 0 either way
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // probs[0:n] = exp(scores - max) in place; returns their sum

@@ -30,10 +30,12 @@ if set(CompileBackendName.__args__) != set(COMPILE_BACKENDS.names()):  # the con
     raise ImportError(f"compile_model's backend Literal {CompileBackendName.__args__} differs from "
                       f"COMPILE_BACKENDS {COMPILE_BACKENDS.names()}")
 CUDA_BACKENDS = tuple(b.name for b in COMPILE_BACKENDS if b.cuda_graphs)
-# ``backend: auto``: the fastest backend measured on each device type. CPU: torch-compile (SmolLM2
-# decode at bs=1, Q4_1 weights, bench/decode.py: 66.7 tok/s vs 46.6 torch-simple; fp32 43.8 vs 42.1).
-# CUDA: CUDA graphs when the cached attention can be captured, else the plain graph.
-AUTO_COMPILE = {"cpu": "torch-compile"}
+# ``backend: auto``: the fastest backend measured on each device type. CPU: torch-simple -- with the
+# C++ kernels every op of a decode step is already one kernel call, and Inductor adds nothing but its
+# compile time (SmolLM2 Q4_1 bs=1 on the project's 2-core machine: torch-simple 68.7 tok/s, torch-compile
+# 66.7 after 27 s of compilation in the pipeline and ~50 s more at the first prefill; see
+# docs/benchmarks.md). CUDA: CUDA graphs when the cached attention can be captured, else the plain graph.
+AUTO_COMPILE = {"cpu": "torch-simple"}
 
 
 def resolve_auto(device: torch.device, attention: Optional[str]) -> Tuple[str, str]:
@@ -53,7 +55,7 @@ def resolve_auto(device: torch.device, attention: Optional[str]) -> Tuple[str, s
 class CompileModelConfig(TransformConfig):
     backend: Union[Literal["auto"], CompileBackendName] = Field(
         default="auto", description="The backend to use for compiling the model; 'auto': the fastest for the "
-        "device (CPU: torch-compile; CUDA: torch-cudagraph when the attention backend can be captured, else "
+        "device (CPU: torch-simple over the C++ kernels; CUDA: torch-cudagraph when the attention backend can be captured, else "
         "torch-simple), reported in the snapshot's details.")
     cuda_graph_batch_sizes: Optional[List[int]] = Field(
         default=None, description="The batch sizes to use for CUDA graphs. None: 1, 2, 4, 8, 16, 24, 32, "
