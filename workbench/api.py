@@ -59,15 +59,17 @@ class Workbench(PipelineStepper):
         overrides: Union[Mapping[str, Any], Iterable[str]] = (),
         debug_visualize_dir: Optional[str] = None,
         seed: int = 0,
+        gguf_weights: str = "keep",
         **kwargs: Any,
     ):
-        """``kwargs`` go to ``PipelineStepper``: ``max_batch_size``, ``max_seq_len``,
+        """``gguf_weights`` (GGUF models such as smollm2): ``"keep"`` the file's quantized weights
+        (int4/int8 ops) or ``"dequantize"`` them to fp32. ``kwargs`` go to ``PipelineStepper``: ``max_batch_size``, ``max_seq_len``,
         ``max_num_tokens``, ``page_size`` (the runtime limits), ``numerics``, ``snapshots``,
         ``probe_shape``, ``on_snapshot``, ``entries``, ``registry``."""
         # Everything the caller gave, so that with_options() can build the same Workbench again.
         self.options: Dict[str, Any] = dict(model=model, dtype=dtype, device=device, yaml_extra=yaml_extra,
                                             overrides=overrides, debug_visualize_dir=debug_visualize_dir,
-                                            seed=seed, **kwargs)
+                                            seed=seed, gguf_weights=gguf_weights, **kwargs)
         # Check what can be checked before any weight is loaded: a typo should fail in milliseconds.
         device = resolve_device(device)
         registry = kwargs.pop("registry", TRANSFORMS)
@@ -76,7 +78,7 @@ class Workbench(PipelineStepper):
             ensure_writable_dir(debug_visualize_dir, "debug_visualize_dir")
             entries = apply_global_field(entries, "debug_visualize_dir", debug_visualize_dir)
         loaded = model if isinstance(model, LoadedModel) else load_model(
-            model, dtype=dtype, device=device, seed=seed
+            model, dtype=dtype, device=device, seed=seed, gguf_weights=gguf_weights
         )
         super().__init__(loaded, entries=entries, device=device, registry=registry, **kwargs)
         self.on_snapshot.append(self._visualize)

@@ -56,7 +56,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     wb = Workbench(
         args.model, dtype=args.dtype, yaml_extra=args.yaml_extra, overrides=args.set,
         debug_visualize_dir=args.debug_visualize_dir,
-        numerics=False if args.no_numerics else None,
+        numerics=False if args.no_numerics else None, gguf_weights=args.gguf_weights,
     )
     load_s = time.perf_counter() - t0
     print(f"model: {wb.loaded!r} (loaded in {load_s:.1f}s)")
@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run the pipeline on a model and print the per-transform table")
     r.add_argument("--model", default="smollm2", help="smollm2 | tiny:<arch> | HF dir | cached HF id")
     r.add_argument("--dtype", default="float32")
+    r.add_argument("--gguf-weights", choices=("keep", "dequantize"), default="keep",
+                   help="GGUF models: keep the file's 4/8-bit weights (default) or dequantize them to fp32")
     r.add_argument("--yaml-extra", action="append", default=[], metavar="FILE",
                    help="YAML deep-merged on top of the default pipeline (repeatable)")
     r.add_argument("--set", action="append", default=[], metavar="KEY.FIELD=VALUE",

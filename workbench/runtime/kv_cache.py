@@ -129,11 +129,23 @@ def allocate_caches(cfg: KVCacheConfig, device: torch.device) -> Dict[str, torch
 
     Zero, not ``empty``: kernels mask unwritten slots out of the softmax, but a masked probability
     of 0 times a garbage NaN/inf value is still NaN, so pages must hold finite numbers from the start.
+    On CPU the zeros come from ``calloc`` (numpy), i.e. from pages the OS zero-fills when they are
+    first touched: a cache sized for 64 sequences costs resident memory only for the pages that
+    tokens were written to (``torch.zeros`` would write every byte up front).
     """
-    return {
-        s.name: torch.zeros(s.tensor_shape(cfg), dtype=s.resolved_dtype(cfg), device=device)
-        for s in cfg.specs
-    }
+    return {s.name: _zeros(s.tensor_shape(cfg), s.resolved_dtype(cfg), torch.device(device)) for s in cfg.specs}
+
+
+_NUMPY_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.int8: "int8", torch.uint8: "uint8",
+                 torch.int32: "int32", torch.int64: "int64"}
+
+
+def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu" and dtype in _NUMPY_DTYPES:
+        import numpy as np
+
+        return torch.from_numpy(np.zeros(tuple(shape), dtype=_NUMPY_DTYPES[dtype]))
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def add_specs(existing: Sequence[CacheSpec], new: Iterable[CacheSpec]) -> Tuple[CacheSpec, ...]:

@@ -48,16 +48,20 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int) -> torch.Tensor:
     """The fp32 weight [N, K]: q * scale + offset, per group (multiply, then add, in fp32)."""
-    q = unpack_int4(qweight).float()
-    s = scales.float().repeat_interleave(group_size, dim=1)
-    o = offsets.float().repeat_interleave(group_size, dim=1)
-    return q * s + o
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    q = unpack_int4(qweight).float().view(n, k // group_size, group_size)
+    return (q * scales.float()[..., None] + offsets.float()[..., None]).view(n, k)
 
 
 def int4_linear(input: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                 group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    w = dequantize_int4(qweight, scales, offsets, group_size).to(input.dtype)
-    return F.linear(input, w, bias)
+    from .int8 import by_row_blocks
+
+    def rows(a: int, b: int) -> torch.Tensor:
+        w = dequantize_int4(qweight[a:b], scales[a:b], offsets[a:b], group_size).to(input.dtype)
+        return F.linear(input, w, None if bias is None else bias[a:b])
+
+    return by_row_blocks(rows, qweight.shape[0], qweight.shape[1] * 2)
 
 
 def _fake(input, qweight, scales, offsets, group_size, bias=None):

@@ -19,12 +19,30 @@ from ..library import define_op
 
 def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """[N, K] fp32: q * scale per group."""
-    return qweight.float() * scales.float().repeat_interleave(group_size, dim=1)
+    n, k = qweight.shape
+    return (qweight.float().view(n, k // group_size, group_size) * scales.float()[..., None]).view(n, k)
 
 
 def int8_linear(input: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return F.linear(input, dequantize_int8(qweight, scales, group_size).to(input.dtype), bias)
+    def rows(a: int, b: int) -> torch.Tensor:
+        w = dequantize_int8(qweight[a:b], scales[a:b], group_size).to(input.dtype)
+        return F.linear(input, w, None if bias is None else bias[a:b])
+
+    return by_row_blocks(rows, qweight.shape[0], qweight.shape[1])
+
+
+# Rows of a weight dequantized at a time by the reference linears: an LM head (49,152 x 576) would
+# otherwise be a 113 MB fp32 temporary on every call; 4,096 rows of it are 9 MB.
+ROW_BLOCK_ELEMENTS = 4096 * 576
+
+
+def by_row_blocks(compute, n: int, k: int) -> torch.Tensor:
+    """``compute(a, b)`` (the output columns of weight rows a..b) over row blocks, concatenated."""
+    step = max(1, ROW_BLOCK_ELEMENTS // max(1, k))
+    if n <= step:
+        return compute(0, n)
+    return torch.cat([compute(a, min(n, a + step)) for a in range(0, n, step)], dim=-1)
 
 
 def int8_embedding(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
