@@ -113,7 +113,8 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
 
 
 def workbench_rates(loaded, device: torch.device, batches: List[int], prompts: Dict[int, List[List[int]]],
-                    new: int, backends: List[str], repeats: int = 2) -> List[Row]:
+                    new: int, backends: List[str], repeats: int = 2, label: str = "workbench",
+                    step_bytes: Optional[int] = None, peer_dtype: bool = True) -> List[Row]:
     """One pipeline; the compile backend is switched by configure (only the compile stage re-runs).
     Best of ``repeats`` generate runs per batch size (HF rows: best of 2 as well)."""
     max_b = max(batches)
@@ -139,10 +140,10 @@ def workbench_rates(loaded, device: torch.device, batches: List[int], prompts: D
                            for _ in range(repeats))
                 # one more, profiled run (its synchronisations would cost the timed ones their overlap)
                 prof = wb.generate(prompts[b], max_new_tokens=new, stop_token_ids=[], profile_steps=True)
-                rows.append(Row(f"workbench {backend}", b, best, f"setup {setup:.0f}s" if b == batches[0] else "",
-                                step_ms=prof.stats.decode_step_ms))
+                rows.append(Row(f"{label} {backend}", b, best, f"setup {setup:.0f}s" if b == batches[0] else "",
+                                step_bytes=step_bytes, peer_dtype=peer_dtype, step_ms=prof.stats.decode_step_ms))
         except Exception as e:  # noqa: BLE001 - a failing backend is a row, not the end of the run
-            rows.append(Row(f"workbench {backend}", 0, None, f"failed: {type(e).__name__}: {str(e)[:200]}"))
+            rows.append(Row(f"{label} {backend}", 0, None, f"failed: {type(e).__name__}: {str(e)[:200]}"))
     return rows
 
 
@@ -177,7 +178,8 @@ def main() -> None:
             sys.exit(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
         loaded = load_model(f"tiny:{name}", dtype=dtype, device=device, tiny_registry=SHAPES)
     else:
-        loaded = load_model(spec, dtype=dtype, device=device)
+        # a GGUF model at the benchmark's dtype: its weights dequantized (the Q4_1 rows load it as stored)
+        loaded = load_model(spec, dtype=dtype, device=device, gguf_weights="dequantize")
     model = loaded.model.eval()
     backends = args.backends or (["torch-simple", "torch-compile", "torch-cudagraph", "torch-opt"]
                                  if device.type == "cuda" else ["torch-simple", "torch-compile"])
@@ -224,7 +226,14 @@ def main() -> None:
     for b in args.batch_sizes:
         rows += llama_cpp_rows(spec, dtype, prompts[b], args.new_tokens, device)
     rows += workbench_rates(loaded, device, args.batch_sizes, prompts, args.new_tokens, backends)
+    if resolve_spec(spec).kind == "gguf" and dtype == torch.float32 and device.type == "cpu":
+        del model
+        gc.collect()
+        q4 = load_model(spec, device=device)  # the file's own Q4_1/Q8_0 weights, kept quantized
+        rows += workbench_rates(q4, device, args.batch_sizes, prompts, args.new_tokens, backends,
+                                label="workbench int4 (Q4_1)", step_bytes=q4.parameter_bytes, peer_dtype=False)
     print_table(rows, step_bytes, copy_bw, gemv_bw)
+    print_q4_ratios(rows)
     print("command: " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]))
 
 
@@ -271,6 +280,16 @@ def print_table(rows: List[Row], step_bytes: int, copy_bw: float, gemv_bw: float
               " the graph replay with CUDA graphs; the rest is host time):")
         for r in profiled:
             print(f"  {r.name:36s} bs {r.batch:3d}: {format_step_profile(r.step_ms)}")
+
+
+def print_q4_ratios(rows: List[Row]) -> None:
+    """The 4-bit comparison: workbench on the file's own Q4_1 weights vs llama.cpp on the same file."""
+    ref = {r.batch: r.tok_s for r in rows if r.name.endswith(" packaged") and r.tok_s}
+    q4 = [r for r in rows if r.name.startswith("workbench int4") and r.tok_s]
+    for r in q4:
+        if r.batch in ref:
+            print(f"{r.name} bs {r.batch}: {r.tok_s:.1f} tok/s = {r.tok_s / ref[r.batch]:.2f}x llama.cpp Q4_1 "
+                  f"({ref[r.batch]:.1f} tok/s)")
 
 
 if __name__ == "__main__":

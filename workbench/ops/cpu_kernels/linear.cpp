@@ -167,6 +167,9 @@ at::Tensor cpu_int4_linear(const at::Tensor& x, const at::Tensor& qweight, const
   TORCH_CHECK(scales.scalar_type() == at::kHalf && offsets.scalar_type() == at::kHalf && scales.is_contiguous() &&
               offsets.is_contiguous(), "int4 scales/offsets must be contiguous float16 [N, K/group]");
   TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "group_size must be a multiple of 32 dividing K");
+  TORCH_CHECK(scales.dim() == 2 && offsets.sizes() == scales.sizes() && scales.size(0) == N &&
+              scales.size(1) == K / group_size, "int4 scales/offsets must be [N, K/group] = [", N, ", ",
+              K / group_size, "], got ", scales.sizes());
   Q4 wt{qweight.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(), K, K / group_size,
         group_size};
   return finish(linear(wt, x2, N), x, N, bias);
@@ -180,6 +183,8 @@ at::Tensor cpu_int8_linear(const at::Tensor& x, const at::Tensor& qweight, const
               "int8 qweight must be contiguous int8 [N, K]");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous(), "int8 scales must be contiguous float16");
   TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "group_size must be a multiple of 32 dividing K");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size,
+              "int8 scales must be [N, K/group] = [", N, ", ", K / group_size, "], got ", scales.sizes());
   Q8 wt{qweight.data_ptr<int8_t>(), scales.data_ptr<at::Half>(), K, K / group_size, group_size};
   return finish(linear(wt, x2, N), x, N, bias);
 }

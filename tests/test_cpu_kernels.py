@@ -1,0 +1,132 @@
+"""The C++ CPU kernels (workbench/ops/cpu_kernels) against the reference ops they stand in for.
+
+Tolerances: the kernels compute the same fp32 products and sums as the references, in another order
+(SIMD lanes, blocked reductions); errors are a few fp32 ulps of the accumulated magnitude, so
+``atol=rtol=1e-5`` on O(1)-O(10) outputs. The attention kernel's exp is a degree-6 polynomial
+(relative error ~2e-7), below fp32 rounding of the softmax sum.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import workbench.ops  # noqa: F401 - registers every op
+from workbench.ops import cpu_kernels
+from workbench.ops.quant import dequantize_int4, dequantize_int8, pack_int4, unpack_int4
+
+WHY = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"CPU kernels unavailable: {WHY}")
+W = torch.ops.workbench
+
+
+def int4_weight(n: int, k: int, g: torch.Generator):
+    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    s = (torch.rand(n, k // 32, generator=g) * 0.02).half()
+    o = ((torch.rand(n, k // 32, generator=g) - 0.5) * 0.1).half()
+    return q, s, o
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 70])
+def test_linear_kernels_equal_the_references_at_every_row_count(rows):
+    g = torch.Generator().manual_seed(rows)
+    n, k = 200, 576
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    q, s, o = int4_weight(n, k, g)
+    torch.testing.assert_close(W.cpu_int4_linear(x, q, s, o, 32, bias), W.torch_int4_linear(x, q, s, o, 32, bias),
+                               atol=1e-5, rtol=1e-5)
+    s64, o64 = s[:, ::2].contiguous(), o[:, ::2].contiguous()  # groups of 64 share a scale
+    torch.testing.assert_close(W.cpu_int4_linear(x, q, s64, o64, 64), W.torch_int4_linear(x, q, s64, o64, 64),
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="K/group"):
+        W.cpu_int4_linear(x, q, s, o, 64)  # scales for groups of 32
+    q8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    torch.testing.assert_close(W.cpu_int8_linear(x, q8, s, 32), W.torch_int8_linear(x, q8, s, 32), atol=1e-4, rtol=1e-5)
+    w = torch.randn(n, k, generator=g)
+    out = W.cpu_linear(x.view(1, rows, k), w, bias)
+    assert out.shape == (1, rows, n)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x.view(1, rows, k), w, bias), atol=1e-4, rtol=1e-5)
+
+
+def test_int4_packing_and_dequantization():
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (3, 64), generator=g)
+    packed = pack_int4(codes)
+    assert packed.shape == (3, 32) and torch.equal(unpack_int4(packed), codes.to(torch.uint8))
+    assert int(packed[0, 0]) == int(codes[0, 0]) | (int(codes[0, 16]) << 4)  # ggml's order: j and j+16
+    s, o = torch.full((3, 2), 0.5).half(), torch.full((3, 2), -1.0).half()
+    assert torch.equal(dequantize_int4(packed, s, o, 32), codes.float() * 0.5 - 1.0)
+    q8 = torch.randint(-128, 128, (3, 64), dtype=torch.int8, generator=g)
+    assert torch.equal(W.torch_int8_embedding(torch.tensor([[2, 0]]), q8, s, 32)[0],
+                       dequantize_int8(q8, s, 32)[[2, 0]])
+
+
+def test_linear_kernels_refuse_bad_layouts_with_the_reason():
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="uint8"):
+        W.cpu_int4_linear(x, torch.zeros(4, 32, dtype=torch.int8), torch.zeros(4, 2).half(), torch.zeros(4, 2).half(), 32)
+    with pytest.raises(RuntimeError, match="float32 activations"):
+        W.cpu_int8_linear(x.double(), torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 2).half(), 32)
+    # fp32 linear: shapes it has no kernel for go to aten.linear
+    torch.testing.assert_close(W.cpu_linear(torch.randn(2, 50), torch.randn(3, 50)).shape, torch.Size([2, 3]))
+
+
+@pytest.mark.parametrize("b, hq, hkv, d, window, cap, sinks", [
+    (1, 9, 3, 64, None, None, False),  # SmolLM2's decode shape
+    (3, 4, 2, 32, None, None, False),
+    (2, 8, 2, 64, 5, None, True),
+    (2, 4, 4, 16, None, 30.0, False),
+])
+def test_cached_attention_kernel_equals_the_reference_on_decode_steps(b, hq, hkv, d, window, cap, sinks):
+    g = torch.Generator().manual_seed(b * 100 + hq)
+    pages, page_size = 40, 16
+    kc, vc = torch.randn(pages, page_size, hkv, d, generator=g), torch.randn(pages, page_size, hkv, d, generator=g)
+    kc2, vc2 = kc.clone(), vc.clone()
+    table = torch.randperm(pages, generator=g)[: b * 4].view(b, 4).int()  # scattered pages
+    pos = torch.tensor([5, 37, 20][:b]).int()
+    q, k, v = (torch.randn(1, b, h, d, generator=g) for h in (hq, hkv, hkv))
+    meta = (torch.ones(b, dtype=torch.int32), pos, table, 0, 0.125, window, cap,
+            torch.randn(hq, generator=g) if sinks else None)
+    ref = W.torch_cached_attention(q, k, v, kc, vc, *meta)
+    out = W.cpu_cached_attention(q, k, v, kc2, vc2, *meta)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # the new k/v written to the same slots
+
+
+def test_cached_attention_kernel_hands_prefill_and_other_dtypes_to_the_reference():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, 7, 4, 32, generator=g), torch.randn(1, 7, 2, 32, generator=g), torch.randn(1, 7, 2, 32, generator=g)
+    table = torch.arange(8).view(2, 4).int()
+    meta = (torch.tensor([6, 1]).int(), torch.tensor([0, 3]).int(), table, 1, 0.2)
+    caches = [torch.zeros(8, 16, 2, 32) for _ in range(4)]
+    assert torch.equal(W.cpu_cached_attention(q, k, v, caches[0], caches[1], *meta),
+                       W.torch_cached_attention(q, k, v, caches[2], caches[3], *meta))
+    bf = [c.bfloat16() for c in caches]
+    dmeta = (torch.ones(2, dtype=torch.int32), torch.tensor([2, 5]).int(), table, 0, 0.2)
+    qd, kd, vd = (t[:, :2].bfloat16() for t in (q, k, v))
+    assert torch.equal(W.cpu_cached_attention(qd, kd, vd, bf[0], bf[1], *dmeta),
+                       W.torch_cached_attention(qd, kd, vd, bf[2], bf[3], *dmeta))
+
+
+def test_elementwise_kernels_equal_the_references():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(2, 3, 576, generator=g), torch.randn(576, generator=g)
+    torch.testing.assert_close(W.cpu_rmsnorm(x, w, 1e-5), W.torch_rmsnorm(x, w, 1e-5), atol=1e-5, rtol=1e-5)
+    q, k = torch.randn(2, 5, 9, 64, generator=g), torch.randn(2, 5, 3, 64, generator=g)
+    cos, sin = torch.randn(2, 5, 64, generator=g), torch.randn(2, 5, 64, generator=g)
+    for dim, (qq, kk) in ((2, (q, k)), (1, (q.transpose(1, 2), k.transpose(1, 2)))):
+        for got, ref in zip(W.cpu_rope_with_explicit_cos_sin(qq, kk, cos, sin, dim),
+                            W.torch_rope_with_explicit_cos_sin(qq, kk, cos, sin, dim)):
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    h = torch.randn(3, 2 * 1536, generator=g) * 6  # silu over both signs, large and small
+    torch.testing.assert_close(W.cpu_silu_and_mul(h), W.torch_silu_and_mul(h), atol=1e-5, rtol=1e-5)
+    d = h.double()[:, :20]  # no kernel for fp64 or odd widths: the reference answers
+    assert torch.equal(W.cpu_silu_and_mul(d), W.torch_silu_and_mul(d))
+
+
+def test_unavailable_kernels_say_why(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert "no AVX-512" in cpu_kernels._missing_prerequisite()
+    ok, why = cpu_kernels.is_available(torch.device("meta"))
+    assert not ok and "CPU tensors" in why
