@@ -30,11 +30,12 @@ if set(CompileBackendName.__args__) != set(COMPILE_BACKENDS.names()):  # the con
     raise ImportError(f"compile_model's backend Literal {CompileBackendName.__args__} differs from "
                       f"COMPILE_BACKENDS {COMPILE_BACKENDS.names()}")
 CUDA_BACKENDS = tuple(b.name for b in COMPILE_BACKENDS if b.cuda_graphs)
-# ``backend: auto``: the fastest backend measured on each device type. CPU: torch-simple -- with the
-# C++ kernels every op of a decode step is already one kernel call, and Inductor adds nothing but its
-# compile time (SmolLM2 Q4_1 bs=1 on the project's 2-core machine: torch-simple 68.7 tok/s, torch-compile
-# 66.7 after 27 s of compilation in the pipeline and ~50 s more at the first prefill; see
-# docs/benchmarks.md). CUDA: CUDA graphs when the cached attention can be captured, else the plain graph.
+# ``backend: auto``. CPU: torch-simple, chosen for the time to an answer, not for peak decode speed:
+# with the C++ kernels every op of a step is one kernel call, and what Inductor adds (SmolLM2 bs=1,
+# bench/decode.py, one run on the project's 2-core machine: Q4_1 68.7 -> 77.0 tok/s, fp32 36.1 -> 51.6)
+# costs 30-50 s of compilation in the pipeline plus a recompile at the first prefill (~50 s in
+# `workbench run`), i.e. minutes before the first token of a demo. Set torch-compile for long runs.
+# CUDA: CUDA graphs when the cached attention can be captured, else the plain graph.
 AUTO_COMPILE = {"cpu": "torch-simple"}
 
 
