@@ -378,3 +378,20 @@ def test_without_snapshots_the_whole_pipeline_runs(tiny_llama):
     wb.run()
     assert wb.done and wb.snapshot("fuse_causal_conv_activation").status == "skipped"
     assert wb.generate([[1, 2, 3]], max_new_tokens=3, stop_token_ids=[]).token_ids[0]
+
+
+def test_unchanged_transforms_carry_the_previous_numerics(tiny_llama):
+    from workbench import Workbench
+
+    wb = Workbench(tiny_llama)
+    wb.run()
+    snaps = wb.snapshots
+    carried = [s for s in snaps if s.numerics.carried_from is not None]
+    assert carried, "some transforms of the default pipeline change nothing on tiny:llama"
+    for s in carried:
+        prev = snaps[s.index - 1]
+        assert s.info.num_matches == 0 and not s.added_nodes and not s.removed_nodes
+        assert (s.numerics.rmse_ratio, s.numerics.max_abs) == (prev.numerics.rmse_ratio, prev.numerics.max_abs)
+        assert s.numerics.carried_from in {x.key for x in snaps[: s.index]}
+    # every transform that rewrote the graph ran the probe itself
+    assert all(s.numerics.carried_from is None for s in snaps if s.info.num_matches > 0)
