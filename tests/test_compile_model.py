@@ -82,15 +82,20 @@ def test_torch_compile_generates_the_same_tokens_as_torch_simple(wb):
     try:
         wb.run()
         details = wb.snapshots[-1].info.details
-        # the compiled copy inlines the canonical ops; the snapshot graph still names them. The
-        # linears are C++ kernels (opaque) where they build, else cpu_linear_wxt (inlined).
+        # the compiled copy inlines the torch-backend canonical ops; the snapshot graph still names
+        # them. Where the C++ kernels build, RMSNorm/RoPE/SiLU*mul and the linears are kernels (opaque
+        # to Inductor) and nothing is left to inline.
         from workbench.ops import cpu_kernels
 
-        linears = {} if cpu_kernels.load() is None else {"workbench.cpu_linear_wxt.default": 9}
-        assert details["inlined_ops"] == {"workbench.torch_rmsnorm.default": 5,
-                                          "workbench.torch_silu_and_mul.default": 2,
-                                          "workbench.torch_rope_with_explicit_cos_sin.default": 2, **linears}
-        assert any("torch_rmsnorm" in str(n.target) for n in wb.module.graph.nodes)
+        if cpu_kernels.load() is None:
+            assert details["inlined_ops"] == {}
+            assert any("cpu_rmsnorm" in str(n.target) for n in wb.module.graph.nodes)
+        else:
+            assert details["inlined_ops"] == {"workbench.torch_rmsnorm.default": 5,
+                                              "workbench.torch_silu_and_mul.default": 2,
+                                              "workbench.torch_rope_with_explicit_cos_sin.default": 2,
+                                              "workbench.cpu_linear_wxt.default": 9}
+            assert any("torch_rmsnorm" in str(n.target) for n in wb.module.graph.nodes)
         assert details["check_max_abs_diff"] < 1e-4
         runner = wb.ctx.runner
         assert runner.backend == "compiled" and runner.module is wb.module

@@ -182,7 +182,7 @@ def test_fuse_swiglu(bias):
     x, x2 = torch.randn(2, 5, 16), torch.randn(1, 9, 16)
     gm = export(MLP(bias=bias), (x,))
     refs, before = [gm(x), gm(x2)], tracked(gm)
-    out, info = run("fuse_swiglu", gm)
+    out, info = run("fuse_swiglu", gm, backend="torch")
     assert info.num_matches == 1 and info.details["backend"] == "torch"
     assert count(out, "workbench.torch_swiglu_mlp.default") == 0
     assert count(out, "workbench.torch_silu_and_mul.default") == 1
@@ -227,7 +227,21 @@ def _norm_rope_gm():
 
 
 @pytest.mark.parametrize("key", ["fuse_rmsnorm", "fuse_rope"])
-@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_auto_on_cpu_picks_the_cpu_kernels_where_they_build(key):
+    from workbench.ops import cpu_kernels
+
+    gm, args = _norm_rope_gm()
+    ref = gm(*args)
+    out, info = run(key, gm, backend="auto")
+    expected = "cpu" if cpu_kernels.load() is None else "torch"
+    assert info.details["backend"] == expected and info.num_matches == (expected == "cpu")
+    got = out(*args)
+    for a, b in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("key", ["fuse_rmsnorm", "fuse_rope"])
+@pytest.mark.parametrize("backend", ["torch"])
 def test_torch_backend_keeps_the_canonical_op(key, backend):
     gm, args = _norm_rope_gm()
     code = gm.code
@@ -278,7 +292,11 @@ def test_tiny_llama_post_load_fusion(llama_fused):
     snaps = {s.key: s for s in w.snapshots}
     assert snaps["fuse_gemms"].info.num_matches == 2  # q/k/v per layer
     assert snaps["fuse_swiglu"].info.num_matches == 2
-    assert snaps["fuse_rmsnorm"].info.num_matches == 0 and snaps["fuse_rope"].info.num_matches == 0
+    from workbench.ops import cpu_kernels
+
+    kernels = cpu_kernels.load() is None  # auto on CPU: the C++ kernels where they build
+    assert snaps["fuse_rmsnorm"].info.num_matches == (5 if kernels else 0)
+    assert snaps["fuse_rope"].info.num_matches == (2 if kernels else 0)
     for key in ("fuse_gemms", "fuse_swiglu"):
         d, s = snaps[key].info.details, snaps[key]
         assert s.mem_delta == d["new_bytes"] - d["freed_bytes"], key
@@ -289,7 +307,8 @@ def test_tiny_llama_post_load_fusion(llama_fused):
         assert s.numerics.ok and s.numerics.rmse_ratio <= TOL, (s.key, s.numerics)
     hist = w.snapshots[-1].op_histogram
     # 2 layers x (qkv + o + gate_up + down) + lm_head
-    assert hist["aten.linear.default"] == 9 and hist["workbench.torch_silu_and_mul.default"] == 2
+    silu = "workbench.cpu_silu_and_mul.default" if kernels else "workbench.torch_silu_and_mul.default"
+    assert hist["aten.linear.default"] == 9 and hist[silu] == 2
     assert "workbench.torch_swiglu_mlp.default" not in hist
     params = dict(w.module.named_parameters())
     assert not any(n.endswith(("q_proj.weight", "gate_proj.weight")) for n in params)
