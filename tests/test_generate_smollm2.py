@@ -78,16 +78,16 @@ def test_eight_prompts_equal_hf_generate(wb):
 def test_decode_equals_full_reforward(wb):
     """Per decode step, logits vs HF eager re-running the whole sequence.
 
-    RMSE ratio <= 1e-5 for the default CPU pipeline (its linears run as ``(W @ x.T).T``,
-    ``linear_weight_layout: wxt``; measured 3.4e-6) and with ``linear_weight_layout`` off (the
-    same ``aten.linear`` as HF; measured 4.3e-6).
+    RMSE ratio <= 2e-5 for the default CPU pipeline (the C++ kernels: linears, attention, norms
+    and RoPE in fp32 with another summation order than HF's BLAS and SDPA; measured 1.1e-5) and
+    <= 1e-5 with ``linear_weight_layout`` off (the same ``aten.linear`` as HF for the linears).
     """
     tok = wb.loaded.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                        return_dict=True)["input_ids"] for q in QUESTIONS[1:4]]
     worst, compared, mixed = decode_vs_reforward(wb, prompts, steps=6, join_at=2)
     assert compared == 18 and mixed >= 1
-    assert worst <= 1e-5, worst
+    assert worst <= 2e-5, worst
     same_weights = Workbench(wb.loaded, numerics=False, overrides={"linear_weight_layout.enabled": False})
     same_weights.run()
     worst, compared, _ = decode_vs_reforward(same_weights, prompts, steps=6, join_at=2)
