@@ -57,10 +57,10 @@ def swap_node(gm: fx.GraphModule, node: fx.Node, target: Callable, args: tuple,
 
 
 class FuseRMSNormConfig(TransformConfig):
-    backend: Literal["auto", "torch", "triton", "flashinfer"] = Field(
+    backend: Literal["auto", "torch", "triton", "flashinfer", "cpu"] = Field(
         default="auto",
-        description="RMSNorm backend: auto (triton on CUDA, torch on CPU) | torch (keep the "
-        "canonical op) | triton | flashinfer (GPU only, optional extra).",
+        description="RMSNorm backend: auto (triton on CUDA, the C++ kernel on CPU where it builds, else "
+        "torch) | torch (keep the canonical op) | triton | flashinfer (GPU only, optional extra) | cpu.",
     )
 
 
@@ -126,10 +126,10 @@ class FuseRMSNorm(_SwapCanonicalOp):
 
 
 class FuseRoPEConfig(TransformConfig):
-    backend: Literal["auto", "torch", "triton"] = Field(
+    backend: Literal["auto", "torch", "triton", "cpu"] = Field(
         default="auto",
-        description="RoPE backend for torch_rope_with_explicit_cos_sin: auto (triton on CUDA, "
-        "torch on CPU) | torch (keep the canonical op) | triton.",
+        description="RoPE backend for torch_rope_with_explicit_cos_sin: auto (triton on CUDA, the C++ "
+        "kernel on CPU where it builds, else torch) | torch (keep the canonical op) | triton | cpu.",
     )
 
 
@@ -170,10 +170,11 @@ class FuseRoPE(_SwapCanonicalOp):
 
 
 class FuseSwiGLUConfig(TransformConfig):
-    backend: Literal["auto", "torch", "triton"] = Field(
+    backend: Literal["auto", "torch", "triton", "cpu"] = Field(
         default="auto",
-        description="SiLU-and-mul backend after the fused gate/up GEMM: auto (triton on CUDA, "
-        "torch on CPU) | torch (torch_silu_and_mul) | triton (triton_silu_and_mul).",
+        description="SiLU-and-mul backend after the fused gate/up GEMM: auto (triton on CUDA, the C++ "
+        "kernel on CPU where it builds, else torch) | torch (torch_silu_and_mul) | triton (triton_silu_and_mul) "
+        "| cpu (cpu_silu_and_mul).",
     )
 
 

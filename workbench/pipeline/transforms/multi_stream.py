@@ -224,7 +224,7 @@ def _branch_input(branch: Sequence[fx.Node]) -> Optional[fx.Node]:
 
 MOE_OPS = ("torch_moe", "torch_moe_fused", "torch_moe_dense_mlp")
 # linear spellings with (input, weight [N, K], bias): aten's, ours, and the CPU decode GEMM
-LINEAR_OPS = ("linear", "torch_linear_simple", "cpu_linear_wxt")
+LINEAR_OPS = ("linear", "torch_linear_simple", "cpu_linear_wxt", "cpu_linear")
 GEMM_OPS = (*LINEAR_OPS, "mm", "matmul", "bmm", "torch_swiglu_mlp")
 PASS_OPS = {aten.view.default, aten.reshape.default, aten.to.dtype, aten._to_copy.default,
             aten.contiguous.default, aten.clone.default, aten.alias.default}
@@ -293,7 +293,7 @@ class MultiStreamGemm(MultiStreamTransform):
 
 # ------------------------------------------------------------------------------ MLA
 
-NORM_OPS = ("torch_rmsnorm", "triton_rmsnorm", "flashinfer_rmsnorm")
+NORM_OPS = ("torch_rmsnorm", "triton_rmsnorm", "flashinfer_rmsnorm", "cpu_rmsnorm")
 SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.slice.Tensor}
 VIEW_OPS = PASS_OPS | SPLITS | {operator.getitem}
 
