@@ -36,7 +36,9 @@ ONE_THREAD = True  # see conftest.one_thread
 
 @pytest.fixture(scope="module")
 def wb(tiny_llama):
-    bench = Workbench(tiny_llama)
+    # the reference cached attention: these tests check its graph, inputs and runner (the C++ 'cpu'
+    # backend that auto picks on CPU is compared with it in tests/test_cpu_kernels.py)
+    bench = Workbench(tiny_llama, overrides={"insert_cached_attention.backend": "torch"})
     bench.run()
     return bench
 
@@ -112,7 +114,8 @@ def test_resize_follows_the_cpu_budget_and_rewinds(wb):
 
 
 def test_bnsd_layout_gets_transposes(tiny_llama):
-    bench = Workbench(tiny_llama, overrides={"match_attention_layout.attn_layout": "bnsd"})
+    bench = Workbench(tiny_llama, overrides={"match_attention_layout.attn_layout": "bnsd",
+                                             "insert_cached_attention.backend": "torch"})
     bench.run_to("insert_cached_attention")
     hist = bench.snapshot("insert_cached_attention").op_histogram
     assert hist[CACHED] == 2 and hist.get("aten.transpose.int", 0) >= 8

@@ -50,6 +50,11 @@ class QuantizedLinear(nn.Module):
         for name, t in tensors.items():
             self.register_buffer(name, t)
 
+    @property
+    def num_weights(self) -> int:
+        """Logical weights of the matrix (what an ``nn.Linear`` would count as parameters)."""
+        return self.in_features * self.out_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.workbench
         if self.fmt == "int4":
@@ -69,6 +74,10 @@ class QuantizedEmbedding(nn.Module):
         self.source_type, self.group_size = source_type, GROUP
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
+
+    @property
+    def num_weights(self) -> int:
+        return self.num_embeddings * self.embedding_dim
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.workbench.torch_int8_embedding(ids, self.qweight, self.scales, self.group_size)
@@ -122,6 +131,7 @@ def load_gguf_model(path: Path, weights: GGUFWeights = "keep", dtype: torch.dtyp
     config = llama_config_from_gguf(f)
     tokenizer = tokenizer_from_gguf(f)
     model = build_on_meta(config)
+    config.architectures = [type(model).__name__]  # as transformers records it when it loads a model
     shared: Dict[str, nn.Module] = {}  # embedding table -> its quantized module (the tied LM head reuses it)
     unmapped = []
     for t in f.tensors.values():

@@ -32,8 +32,10 @@ class LoadedModel:
 
     @property
     def num_parameters(self) -> int:
-        """Unique parameters (a tied embedding/lm_head pair counts once)."""
-        return sum(p.numel() for p in self.model.parameters())
+        """Unique parameters (a tied embedding/lm_head pair counts once), weights kept quantized
+        included: a quantized matrix counts its logical elements (``num_weights``), once per table."""
+        quantized = {id(m.qweight): m.num_weights for m in self.model.modules() if hasattr(m, "num_weights")}
+        return sum(p.numel() for p in self.model.parameters()) + sum(quantized.values())
 
     @property
     def parameter_bytes(self) -> int:
