@@ -3,9 +3,10 @@
 Never touches the network: every transformers/huggingface_hub call gets
 ``local_files_only=True`` and runs with ``HF_HUB_OFFLINE=1`` set for its duration only
 (restored afterwards, so importing or calling this leaves no global state behind).
-Nothing is cached in memory between calls. A GGUF file is converted once to a dequantized
-safetensors copy on disk (see ``converted_cache_dir``), so the second process that loads
-``smollm2`` takes about a second instead of ~17 s.
+Nothing is cached in memory between calls. A llama-architecture GGUF file (``smollm2``) is read
+by our own parser (``gguf_model``: about a second, quantized weights kept or dequantized); any
+other GGUF architecture goes through transformers' GGUF support, converted once to a dequantized
+safetensors copy on disk (see ``converted_cache_dir``) because that parse takes ~17 s.
 """
 
 from __future__ import annotations
