@@ -145,13 +145,15 @@ def _load_gguf_file(path: Path, weights: str, dtype: torch.dtype, device: torch.
     GGUF support (always dequantized; converted once and cached, see ``converted_cache_dir``)."""
     from .gguf_file import GGUFFile
 
-    arch = GGUFFile(path).metadata.get("general.architecture")
+    parsed = GGUFFile(path)
+    arch = parsed.metadata.get("general.architecture")
     if arch == "llama":
         from .gguf_model import load_gguf_model
 
-        model, tokenizer = load_gguf_model(path, weights, dtype)
+        model, tokenizer = load_gguf_model(parsed, weights, dtype)
         kept = "quantized weights kept" if weights == "keep" else "dequantized to fp32"
         return model.to(device), tokenizer, f"{path} ({kept})"
+    del parsed  # the transformers path reads the file itself
     if weights == "keep":
         logger.info("%s: architecture %r has no quantized loader here; loading it dequantized", path.name, arch)
     return _load_gguf_cached(path, dtype, device)

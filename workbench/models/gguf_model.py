@@ -119,15 +119,16 @@ def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
 QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
-def load_gguf_model(path: Path, weights: GGUFWeights = "keep", dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) for a llama GGUF file; see the module docstring. ``dtype`` applies to the
-    unquantized tensors (norms, and every weight under ``dequantize``)."""
+def load_gguf_model(file: Path | GGUFFile, weights: GGUFWeights = "keep", dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) for a llama GGUF file (a path, or the file already parsed); see the module
+    docstring. ``dtype`` applies to the unquantized tensors (norms, and every weight under ``dequantize``)."""
     from .build import build_on_meta
     from .gguf_tokenizer import tokenizer_from_gguf
 
     if weights not in ("keep", "dequantize"):
         raise ValueError(f"gguf weights must be 'keep' or 'dequantize', got {weights!r}")
-    f = GGUFFile(path)
+    f = file if isinstance(file, GGUFFile) else GGUFFile(file)
+    path = f.path
     config = llama_config_from_gguf(f)
     tokenizer = tokenizer_from_gguf(f)
     model = build_on_meta(config)
@@ -169,7 +170,7 @@ def load_gguf_model(path: Path, weights: GGUFWeights = "keep", dtype: torch.dtyp
     if left:
         raise ValueError(f"{path.name}: no tensor in the file for {left[:5]} ({len(left)} in all); "
                          f"unused file tensors: {unmapped[:5]}")
-    del f  # closes the memory map: every tensor above is a copy
+    del f  # every tensor above is a copy: the memory map closes once the caller drops the file too
     return model, tokenizer
 
 

@@ -57,7 +57,7 @@ class AttentionBackend(OpBackend):
 ATTENTION_BACKENDS: BackendRegistry[AttentionBackend] = BackendRegistry("attention", [
     AttentionBackend("torch", "nothing beyond PyTorch", f"{_ATT}.torch_cached_attention", "torch_cached_attention",
                      cuda_graph_safe=False),
-    AttentionBackend("cpu", CPU_KERNELS_NEED, f"{_ATT}.cpu_cached_attention", "cpu_cached_attention",
+    AttentionBackend("cpu", CPU_KERNELS_NEED, _CPU, "cpu_cached_attention",
                      cuda_graph_safe=False),
     AttentionBackend("triton", "triton and a CUDA GPU (or TRITON_INTERPRET=1 on CPU)",
                      f"{_ATT}.triton_cached_attention", "triton_cached_attention", cuda_graph_safe=True),
@@ -106,14 +106,10 @@ def pick_fusion_backend(family: str, name: str, device: torch.device, field: str
     table = FUSION_BACKENDS[family]
     if name != "auto":
         return table.pick(name, device, field), f"{name} (requested)"
-    skipped = []
-    for candidate in AUTO_PREFERENCE.get(device.type, ("torch",)):
-        why = table.get(candidate).unavailable_reason(device)
-        if why is None:
-            note = f"auto on {device.type}: {candidate}"
-            return table.get(candidate), note + (f" ({'; '.join(skipped)})" if skipped else "")
-        skipped.append(f"{candidate} unavailable: {why}")
-    return table.get("torch"), f"auto on {device.type}: torch ({'; '.join(skipped)})"
+    device = torch.device(device)
+    chosen, skipped = table.first_runnable(AUTO_PREFERENCE.get(device.type, ("torch",)), device)
+    chosen = chosen or table.get("torch")
+    return chosen, f"auto on {device.type}: {chosen.name}" + (f" ({'; '.join(skipped)})" if skipped else "")
 
 
 __all__ = ["AttentionBackend", "ATTENTION_BACKENDS", "ATTENTION_AUTO", "CPU_KERNELS_NEED", "FUSION_BACKENDS", "AUTO_PREFERENCE", "fusion_backend_names",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Dict, Generic, Iterable, Iterator, Optional, Tuple, TypeVar
+from typing import Callable, Dict, Generic, Iterable, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 
@@ -87,6 +87,17 @@ class BackendRegistry(Generic[B]):
         if name not in self._backends:
             raise ValueError(f"unknown {self.kind} backend {name!r}; known: {', '.join(self._backends)}")
         return self._backends[name]
+
+    def first_runnable(self, names: Iterable[str], device: torch.device) -> Tuple[Optional[B], List[str]]:
+        """The first of ``names`` that can run on ``device`` (None if none can), and why each one
+        before it could not ("<name> unavailable: <reason>"): what an ``auto`` choice reports."""
+        skipped: List[str] = []
+        for name in names:
+            why = self.get(name).unavailable_reason(torch.device(device))
+            if why is None:
+                return self.get(name), skipped
+            skipped.append(f"{name} unavailable: {why}")
+        return None, skipped
 
     def pick(self, name: Optional[str], device: torch.device, field: str) -> B:
         """The backend ``name`` (None: the default) if it can run on ``device``; otherwise a

@@ -18,11 +18,8 @@ def resolve_backend(name: Optional[str], device: torch.device) -> Tuple[str, Cal
     """The backend's name and op; a RuntimeError saying what is missing when it cannot run here.
     ``None``: the first of ``ATTENTION_AUTO[device type]`` that runs here (the C++ kernel on CPU)."""
     if name in (None, "auto"):
-        name = None
-        for candidate in ATTENTION_AUTO.get(torch.device(device).type, ()):
-            if ATTENTION_BACKENDS.get(candidate).unavailable_reason(torch.device(device)) is None:
-                name = candidate
-                break
+        chosen, _ = ATTENTION_BACKENDS.first_runnable(ATTENTION_AUTO.get(torch.device(device).type, ()), device)
+        name = chosen.name if chosen is not None else None
     backend = ATTENTION_BACKENDS.pick(name, device, "insert_cached_attention.backend")
     return backend.name, backend.op
 

@@ -4,23 +4,14 @@ Same schema, semantics and fake as ``torch_cached_attention`` (the reference it 
 against); its kernel is ``workbench/ops/cpu_kernels/attention.cpp``: decode-only steps with fp32
 tensors run there (one pass per sequence and KV head, online softmax, window/cap/sinks honoured),
 everything else (prefill, chunked prefill, other dtypes) is handed to the reference op. Backend
-``cpu`` of ``insert_cached_attention``; unavailable (with the reason) where the kernels cannot be
-built -- no AVX-512, no compiler.
+``cpu`` of ``insert_cached_attention`` (its availability is ``workbench.ops.cpu_kernels.is_available``:
+unavailable, with the reason, where the kernels cannot be built -- no AVX-512, no compiler).
 """
 
 from __future__ import annotations
-
-from typing import Tuple
-
-import torch
 
 from ..library import declare_op
 from .torch_cached_attention import CACHED_ATTENTION_ARGS, cached_attention_fake
 
 cpu_cached_attention = declare_op("cpu_cached_attention" + CACHED_ATTENTION_ARGS, cached_attention_fake)
 
-
-def is_available(device: torch.device) -> Tuple[bool, str]:
-    from .. import cpu_kernels
-
-    return cpu_kernels.is_available(device)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..library import define_op
+from .row_blocks import by_row_blocks
 
 RUN = 32  # codes per packing run
 
@@ -55,8 +56,6 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.
 
 def int4_linear(input: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                 group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    from .int8 import by_row_blocks
-
     def rows(a: int, b: int) -> torch.Tensor:
         w = dequantize_int4(qweight[a:b], scales[a:b], offsets[a:b], group_size).to(input.dtype)
         return F.linear(input, w, None if bias is None else bias[a:b])

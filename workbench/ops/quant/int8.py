@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..library import define_op
+from .row_blocks import by_row_blocks
 
 
 def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -30,19 +31,6 @@ def int8_linear(input: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         return F.linear(input, w, None if bias is None else bias[a:b])
 
     return by_row_blocks(rows, qweight.shape[0], qweight.shape[1])
-
-
-# Rows of a weight dequantized at a time by the reference linears: an LM head (49,152 x 576) would
-# otherwise be a 113 MB fp32 temporary on every call; 4,096 rows of it are 9 MB.
-ROW_BLOCK_ELEMENTS = 4096 * 576
-
-
-def by_row_blocks(compute, n: int, k: int) -> torch.Tensor:
-    """``compute(a, b)`` (the output columns of weight rows a..b) over row blocks, concatenated."""
-    step = max(1, ROW_BLOCK_ELEMENTS // max(1, k))
-    if n <= step:
-        return compute(0, n)
-    return torch.cat([compute(a, min(n, a + step)) for a in range(0, n, step)], dim=-1)
 
 
 def int8_embedding(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:

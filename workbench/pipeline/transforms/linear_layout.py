@@ -90,7 +90,7 @@ class LinearWeightLayout(Transform):
             layout = "nk"
         if layout == "nk":
             return gm, TransformInfo(num_matches=0, details={"layout": "nk (weights left as loaded)"})
-        quantized = _to_quantized_kernels(gm, device) if layout != "kernel" else 0
+        quantized = _to_quantized_kernels(gm, device)
         if layout == "kernel":
             gm, info = _to_kernels(gm, device)
         elif layout == "wxt":
@@ -161,9 +161,6 @@ def _to_wxt(gm: fx.GraphModule, fp32_only: bool) -> Tuple[fx.GraphModule, Transf
                              details={"layout": "wxt", "new_bytes": 0, "freed_bytes": 0})
 
 
-__all__ = ["LinearWeightLayout", "LinearWeightLayoutConfig", "transposed_weight"]
-
-
 QUANTIZED_KERNELS = {  # canonical op -> (CPU kernel op name, index of the scale arguments that must be fp16)
     "torch_int4_linear": ("cpu_int4_linear", (2, 3)),
     "torch_int8_linear": ("cpu_int8_linear", (2,)),
@@ -202,7 +199,7 @@ def _to_quantized_kernels(gm: fx.GraphModule, device: torch.device) -> int:
 
 
 def _to_kernels(gm: fx.GraphModule, device: torch.device) -> Tuple[fx.GraphModule, TransformInfo]:
-    """fp32 ``linear(x, W, b)`` -> ``cpu_linear(x, W, b)``, quantized linears -> their kernels."""
+    """fp32 ``linear(x, W, b)`` -> ``cpu_linear(x, W, b)`` (the quantized linears: ``_to_quantized_kernels``)."""
     _kernels_or_raise(device)
     op = torch.ops.workbench.cpu_linear.default
 
@@ -211,6 +208,9 @@ def _to_kernels(gm: fx.GraphModule, device: torch.device) -> Tuple[fx.GraphModul
         new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")})
         return new
 
-    rewritten = _rewrite_linears(gm, kernel, fp32_only=True) + _to_quantized_kernels(gm, device)
+    rewritten = _rewrite_linears(gm, kernel, fp32_only=True)
     return gm, TransformInfo(num_matches=rewritten, is_clean=not rewritten,
                              details={"layout": "kernel", "new_bytes": 0, "freed_bytes": 0})
+
+
+__all__ = ["LinearWeightLayout", "LinearWeightLayoutConfig", "transposed_weight"]
