@@ -176,8 +176,8 @@ def _kernels_or_raise(device: torch.device) -> None:
 
 
 def _to_quantized_kernels(gm: fx.GraphModule, device: torch.device) -> int:
-    """Canonical int4/int8 linears -> the C++ kernels (same arguments), when they run here and the
-    scales are fp16 as the kernels read them; returns how many were rewritten."""
+    """Canonical int4/int8 linears -> the C++ kernels (same arguments), when they run here, the
+    activations are fp32 and the scales fp16 as the kernels read them; returns how many were rewritten."""
     from ...ops import cpu_kernels
 
     if device.type != "cpu" or not cpu_kernels.is_available(device)[0]:
@@ -190,6 +190,9 @@ def _to_quantized_kernels(gm: fx.GraphModule, device: torch.device) -> int:
         if node.op != "call_function" or node.target not in table:
             continue
         kernel, scale_args = table[node.target]
+        x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if getattr(x, "dtype", None) != torch.float32:
+            continue  # e.g. a bfloat16 model: the reference op serves it
         if all(getattr(param_of(gm, node.args[i]), "dtype", None) == torch.float16 for i in scale_args):
             node.target = getattr(torch.ops.workbench, kernel).default
             n += 1
