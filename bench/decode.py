@@ -114,7 +114,8 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
 
 def workbench_rates(loaded, device: torch.device, batches: List[int], prompts: Dict[int, List[List[int]]],
                     new: int, backends: List[str], repeats: int = 2, label: str = "workbench",
-                    step_bytes: Optional[int] = None, peer_dtype: bool = True) -> List[Row]:
+                    step_bytes: Optional[int] = None, peer_dtype: bool = True,
+                    extra_overrides: Optional[Dict[str, object]] = None) -> List[Row]:
     """One pipeline; the compile backend is switched by configure (only the compile stage re-runs).
     Best of ``repeats`` generate runs per batch size (HF rows: best of 2 as well)."""
     max_b = max(batches)
@@ -123,6 +124,7 @@ def workbench_rates(loaded, device: torch.device, batches: List[int], prompts: D
         "initialize_cache.max_batch_size": max_b,
         "initialize_cache.max_seq_len": max_len,
         "resize_kv_cache.cpu_budget_bytes": 4 * 2**30,
+        **(extra_overrides or {}),
     }
     if device.type == "cuda":
         overrides["insert_cached_attention.backend"] = "triton"
@@ -158,6 +160,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--backends", nargs="+", default=None,
                     help="workbench compile backends (default: every one this device runs)")
+    ap.add_argument("--q4-activations", nargs="+", choices=["fp32", "int8"], default=["fp32", "int8"],
+                    help="Q4_1 rows: linear_weight_layout.int4_activations values to run (fp32: exact; "
+                    "int8: activations rounded per block of 32, as llama.cpp)")
     ap.add_argument("--no-hf-compile", action="store_true", help="skip HF static cache + torch.compile")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--hf-graph-loop", action=argparse.BooleanOptionalAction, default=None,
@@ -230,8 +235,11 @@ def main() -> None:
         del model
         gc.collect()
         q4 = load_model(spec, device=device)  # the file's own Q4_1/Q8_0 weights, kept quantized
-        rows += workbench_rates(q4, device, args.batch_sizes, prompts, args.new_tokens, backends,
-                                label="workbench int4 (Q4_1)", step_bytes=q4.parameter_bytes, peer_dtype=False)
+        for act in args.q4_activations:  # linear_weight_layout.int4_activations: exact, or llama.cpp's int8
+            label = "workbench int4 (Q4_1)" + (", int8 act" if act == "int8" else "")
+            rows += workbench_rates(q4, device, args.batch_sizes, prompts, args.new_tokens, backends, label=label,
+                                    step_bytes=q4.parameter_bytes, peer_dtype=False,
+                                    extra_overrides={"linear_weight_layout.int4_activations": act})
     print_table(rows, step_bytes, copy_bw, gemv_bw)
     print_q4_ratios(rows)
     print("command: " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]))

@@ -14,6 +14,8 @@ import torch
 import workbench.ops  # noqa: F401 - registers every op
 from workbench.ops import cpu_kernels
 from workbench.ops.quant import dequantize_int4, dequantize_int8, pack_int4, unpack_int4
+from workbench.ops.quant.int4 import int4_linear_reference
+from workbench.ops.quant.int8 import int8_linear_reference
 
 WHY = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"CPU kernels unavailable: {WHY}")
@@ -34,19 +36,60 @@ def test_linear_kernels_equal_the_references_at_every_row_count(rows):
     x = torch.randn(rows, k, generator=g)
     bias = torch.randn(n, generator=g)
     q, s, o = int4_weight(n, k, g)
-    torch.testing.assert_close(W.cpu_int4_linear(x, q, s, o, 32, bias), W.torch_int4_linear(x, q, s, o, 32, bias),
+    torch.testing.assert_close(W.cpu_int4_linear(x, q, s, o, 32, bias), int4_linear_reference(x, q, s, o, 32, bias),
                                atol=1e-5, rtol=1e-5)
     s64, o64 = s[:, ::2].contiguous(), o[:, ::2].contiguous()  # groups of 64 share a scale
-    torch.testing.assert_close(W.cpu_int4_linear(x, q, s64, o64, 64), W.torch_int4_linear(x, q, s64, o64, 64),
+    torch.testing.assert_close(W.cpu_int4_linear(x, q, s64, o64, 64), int4_linear_reference(x, q, s64, o64, 64),
                                atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="K/group"):
         W.cpu_int4_linear(x, q, s, o, 64)  # scales for groups of 32
     q8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
-    torch.testing.assert_close(W.cpu_int8_linear(x, q8, s, 32), W.torch_int8_linear(x, q8, s, 32), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(W.cpu_int8_linear(x, q8, s, 32), int8_linear_reference(x, q8, s, 32), atol=1e-4, rtol=1e-5)
     w = torch.randn(n, k, generator=g)
     out = W.cpu_linear(x.view(1, rows, k), w, bias)
     assert out.shape == (1, rows, n)
     torch.testing.assert_close(out, torch.nn.functional.linear(x.view(1, rows, k), w, bias), atol=1e-4, rtol=1e-5)
+
+
+def test_reference_quantized_ops_run_the_exact_kernels_on_cpu():
+    """torch_int4_linear / torch_int8_linear on fp32 CPU inputs with fp16 scales run the C++ kernels
+    (``ops/quant/cpu_fast_path``): bit-identical to calling the kernel, close to the reference."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 576, generator=g)
+    q, s, o = int4_weight(300, 576, g)
+    assert torch.equal(W.torch_int4_linear(x, q, s, o, 32), W.cpu_int4_linear(x, q, s, o, 32))
+    torch.testing.assert_close(W.torch_int4_linear(x, q, s, o, 32), int4_linear_reference(x, q, s, o, 32),
+                               atol=1e-5, rtol=1e-5)
+    # fp32 scales are not what the kernel reads: the reference serves them, exactly
+    assert torch.equal(W.torch_int4_linear(x, q, s.float(), o.float(), 32),
+                       int4_linear_reference(x, q, s.float(), o.float(), 32))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+def test_int4_a8_kernel_quantizes_only_the_activations(rows):
+    """cpu_int4_linear_a8 = the int4 weights against activations rounded to int8 per block of 32
+    (scale max|x|/127): equal (up to fp32 summation order) to the reference run on those rounded
+    activations, and within the rounding's bound of the exact result. More than 16 rows: exact path."""
+    if not cpu_kernels.has_vnni():
+        pytest.skip("this CPU has no AVX512-VNNI: cpu_int4_linear_a8 falls back to the exact kernel")
+    g = torch.Generator().manual_seed(rows)
+    k = 1536
+    x = torch.randn(rows, k, generator=g) * torch.linspace(0.1, 3, k)  # blocks of different ranges
+    q, s, o = int4_weight(96, k, g)
+    bias = torch.randn(96, generator=g)
+    blocks = x.view(rows, k // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    x8 = (torch.round(blocks / d) * d).view(rows, k)  # round half to even, as the kernel's cvtps
+    out = W.cpu_int4_linear_a8(x, q, s, o, 32, bias)
+    torch.testing.assert_close(out, int4_linear_reference(x8, q, s, o, 32, bias), atol=2e-4, rtol=1e-5)
+    exact = int4_linear_reference(x, q, s, o, 32, bias)
+    assert not torch.equal(out, exact)  # it did quantize
+    # |x - x8| <= d/2 per element; the output error is bounded by sum_k |w| d/2 (Cauchy-free bound)
+    w = dequantize_int4(q, s, o, 32)
+    bound = (w.abs() @ (d.expand_as(blocks).reshape(rows, k) / 2).T).T
+    assert ((out - exact).abs() <= bound + 1e-4).all()
+    big = torch.randn(17, k, generator=g)
+    assert torch.equal(W.cpu_int4_linear_a8(big, q, s, o, 32), W.cpu_int4_linear(big, q, s, o, 32))
 
 
 def test_int4_packing_and_dequantization():

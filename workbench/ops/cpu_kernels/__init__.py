@@ -7,6 +7,9 @@ summation order), put into graphs by the transforms that pick backends:
     op (torch.ops.workbench.*)   serves                    file
     cpu_linear                   linear (fp32 weights)      linear.cpp   <= 16 rows; more: aten.linear
     cpu_int4_linear              torch_int4_linear          linear.cpp   <= 16 rows; more: tiles to BLAS
+    cpu_int4_linear_a8           torch_int4_linear          linear_a8.cpp  activations rounded to int8 per
+                                 (approximately)            block of 32 (llama.cpp's Q8_1), VNNI dot products;
+                                                            <= 16 rows; more: cpu_int4_linear (exact)
     cpu_int8_linear              torch_int8_linear          linear.cpp   idem
     cpu_cached_attention         torch_cached_attention     attention.cpp decode steps; prefill: reference
     cpu_rmsnorm                  torch_rmsnorm              elementwise.cpp  fp32; else reference
@@ -39,7 +42,7 @@ import torch
 
 from ..library import declare_op
 
-SOURCES = ("linear.cpp", "attention.cpp", "elementwise.cpp", "vec_math.h")
+SOURCES = ("linear.cpp", "linear_a8.cpp", "attention.cpp", "elementwise.cpp", "vec_math.h")
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-fopenmp")
 HERE = Path(__file__).resolve().parent
 
@@ -51,6 +54,8 @@ def _linear_fake(input, *args, **kwargs):
 
 declare_op("cpu_linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor", _linear_fake)
 declare_op("cpu_int4_linear(Tensor input, Tensor qweight, Tensor scales, Tensor offsets, int group_size, "
+           "Tensor? bias=None) -> Tensor", _linear_fake)
+declare_op("cpu_int4_linear_a8(Tensor input, Tensor qweight, Tensor scales, Tensor offsets, int group_size, "
            "Tensor? bias=None) -> Tensor", _linear_fake)
 declare_op("cpu_int8_linear(Tensor input, Tensor qweight, Tensor scales, int group_size, Tensor? bias=None) "
            "-> Tensor", _linear_fake)
@@ -117,6 +122,18 @@ def load() -> Optional[str]:
         first_error = next((ln for ln in lines if "error" in ln.lower()), lines[-1])
         return f"building the CPU kernels in {directory} failed ({type(e).__name__}: {first_error.strip()[:300]})"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def has_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI (``cpu_int4_linear_a8``'s integer dot products; without it
+    that op runs the exact int4 kernel). Read from /proc/cpuinfo: Linux x86 is where the kernels build."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return " avx512_vnni" in flags and " avx512vl" in flags
 
 
 def is_available(device: torch.device) -> Tuple[bool, str]:

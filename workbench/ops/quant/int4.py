@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..library import define_op
+from .cpu_fast_path import exact_cpu_kernel
 from .row_blocks import by_row_blocks
 
 RUN = 32  # codes per packing run
@@ -54,13 +55,25 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.
     return (q * scales.float()[..., None] + offsets.float()[..., None]).view(n, k)
 
 
-def int4_linear(input: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def int4_linear_reference(input: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                          group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The op's definition: dequantize (a block of rows at a time), then ``F.linear``."""
+
     def rows(a: int, b: int) -> torch.Tensor:
         w = dequantize_int4(qweight[a:b], scales[a:b], offsets[a:b], group_size).to(input.dtype)
         return F.linear(input, w, None if bias is None else bias[a:b])
 
     return by_row_blocks(rows, qweight.shape[0], qweight.shape[1] * 2)
+
+
+def int4_linear(input: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The op's body: the exact C++ kernel where it runs (see ``cpu_fast_path``), else the reference."""
+    kernel = exact_cpu_kernel("cpu_int4_linear", input, scales, offsets)
+    if kernel is not None and group_size % 32 == 0:
+        return kernel(input.contiguous(), qweight.contiguous(), scales.contiguous(), offsets.contiguous(),
+                      group_size, bias)
+    return int4_linear_reference(input, qweight, scales, offsets, group_size, bias)
 
 
 def _fake(input, qweight, scales, offsets, group_size, bias=None):

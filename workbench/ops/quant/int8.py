@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..library import define_op
+from .cpu_fast_path import exact_cpu_kernel
 from .row_blocks import by_row_blocks
 
 
@@ -24,13 +25,24 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int
     return (qweight.float().view(n, k // group_size, group_size) * scales.float()[..., None]).view(n, k)
 
 
-def int8_linear(input: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def int8_linear_reference(input: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The op's definition: dequantize (a block of rows at a time), then ``F.linear``."""
+
     def rows(a: int, b: int) -> torch.Tensor:
         w = dequantize_int8(qweight[a:b], scales[a:b], group_size).to(input.dtype)
         return F.linear(input, w, None if bias is None else bias[a:b])
 
     return by_row_blocks(rows, qweight.shape[0], qweight.shape[1])
+
+
+def int8_linear(input: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The op's body: the exact C++ kernel where it runs (see ``cpu_fast_path``), else the reference."""
+    kernel = exact_cpu_kernel("cpu_int8_linear", input, scales)
+    if kernel is not None and group_size % 32 == 0 and qweight.dtype == torch.int8:
+        return kernel(input.contiguous(), qweight.contiguous(), scales.contiguous(), group_size, bias)
+    return int8_linear_reference(input, qweight, scales, group_size, bias)
 
 
 def int8_embedding(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:

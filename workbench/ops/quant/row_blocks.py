@@ -9,9 +9,12 @@ import torch
 ROW_BLOCK_ELEMENTS = 4096 * 576
 
 
-def by_row_blocks(compute, n: int, k: int) -> torch.Tensor:
-    """``compute(a, b)`` (the output columns of weight rows a..b) over row blocks, concatenated."""
-    step = max(1, ROW_BLOCK_ELEMENTS // max(1, k))
+def by_row_blocks(compute, n: int, k: int, align: int = 1) -> torch.Tensor:
+    """``compute(a, b)`` (the output columns of weight rows a..b) over row blocks, concatenated.
+
+    ``align``: every block but the last starts and ends at a multiple of it (formats whose scales
+    or packed words span several rows: 128-row FP8 tiles, GPTQ's 8 columns per int32)."""
+    step = max(align, ROW_BLOCK_ELEMENTS // max(1, k) // align * align)
     if n <= step:
         return compute(0, n)
     return torch.cat([compute(a, min(n, a + step)) for a in range(0, n, step)], dim=-1)

@@ -50,6 +50,13 @@ class LinearWeightLayoutConfig(TransformConfig):
         "batches), 'kernel' (the workbench's C++ CPU kernels, fp32 and int4/int8), 'auto' (kernel on CPU where it "
         "builds, else wxt for fp32 weights; nk on other devices).",
     )
+    int4_activations: Literal["fp32", "int8"] = Field(
+        default="fp32", description="What the int4 CPU kernel multiplies the 4-bit weights with in decode "
+        "steps (<= 16 rows): 'fp32' (the activations as they are: equal to the reference op up to summation "
+        "order) or 'int8' (activations rounded to 8 bits per block of 32, scale max|x|/127, and integer "
+        "VNNI dot products, as llama.cpp does for Q4 weights: faster, a numerics change the probe reports; "
+        "needs AVX512-VNNI, else the exact kernel runs). Prefill inputs are always exact.",
+    )
     expect_mem_change: bool = Field(
         default=True, description="Transposed copies replace (or, when tied, add to) the weights.",
     )
@@ -90,7 +97,7 @@ class LinearWeightLayout(Transform):
             layout = "nk"
         if layout == "nk":
             return gm, TransformInfo(num_matches=0, details={"layout": "nk (weights left as loaded)"})
-        quantized = _to_quantized_kernels(gm, device)
+        quantized = _to_quantized_kernels(gm, device, self.config.int4_activations)
         if layout == "kernel":
             gm, info = _to_kernels(gm, device)
         elif layout == "wxt":
@@ -99,6 +106,8 @@ class LinearWeightLayout(Transform):
             info.num_matches += quantized
             if note:
                 info.details["auto"] = note
+            if quantized:
+                info.details["int4_activations"] = self.config.int4_activations
             return gm, info
         done: Dict[str, str] = {}  # original weight target -> transposed target (shared weights once)
         new_bytes = 0
@@ -175,9 +184,10 @@ def _kernels_or_raise(device: torch.device) -> None:
         raise RuntimeError(f"linear_weight_layout.layout=kernel cannot run here: {why}. Use layout 'wxt' or 'auto'.")
 
 
-def _to_quantized_kernels(gm: fx.GraphModule, device: torch.device) -> int:
+def _to_quantized_kernels(gm: fx.GraphModule, device: torch.device, int4_activations: str = "fp32") -> int:
     """Canonical int4/int8 linears -> the C++ kernels (same arguments), when they run here, the
-    activations are fp32 and the scales fp16 as the kernels read them; returns how many were rewritten."""
+    activations are fp32 and the scales fp16 as the kernels read them; returns how many were rewritten.
+    ``int4_activations='int8'``: int4 linears -> ``cpu_int4_linear_a8`` (see the config field)."""
     from ...ops import cpu_kernels
 
     if device.type != "cpu" or not cpu_kernels.is_available(device)[0]:
@@ -190,6 +200,8 @@ def _to_quantized_kernels(gm: fx.GraphModule, device: torch.device) -> int:
         if node.op != "call_function" or node.target not in table:
             continue
         kernel, scale_args = table[node.target]
+        if kernel == "cpu_int4_linear" and int4_activations == "int8":
+            kernel = "cpu_int4_linear_a8"
         x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
         if getattr(x, "dtype", None) != torch.float32:
             continue  # e.g. a bfloat16 model: the reference op serves it
