@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from .graph_weights import fetch_attr
-from .graph_utils import graph_modules
+from .graph_utils import graph_modules, lazy_graph_module
 
 _HOOK_DICTS = (
     "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
@@ -82,7 +82,7 @@ class GraphCopy:
         return self._build(copy_graph(self._graph))
 
     def _build(self, graph: fx.Graph) -> fx.GraphModule:
-        gm = fx.GraphModule(self._attrs, graph, class_name=self._class_name)
+        gm = lazy_graph_module(self._attrs, graph, class_name=self._class_name)
         for target in self._buffer_targets:
             parent, _, name = target.rpartition(".")
             owner = gm.get_submodule(parent) if parent else gm

@@ -125,7 +125,7 @@ def inlined_copy(gm: fx.GraphModule) -> Tuple[fx.GraphModule, Dict[str, int]]:
     """A copy of ``gm`` whose canonical torch ops are inlined, for ``torch.compile`` (Inductor fuses
     them with their neighbours), and the count of inlined calls per op; parameters and buffers stay
     shared with ``gm``."""
-    copy = fx.GraphModule(gm, _copy_graph(gm.graph))
+    copy = fx.GraphModule(gm, _copy_graph(gm.graph))  # an eager GraphModule: dynamo reads its forward
     copy.meta = dict(getattr(gm, "meta", {}))
     return copy, inline_canonical_ops(copy)
 

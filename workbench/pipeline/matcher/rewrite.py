@@ -3,6 +3,8 @@ and the ``TransformInfo`` every pattern transform returns."""
 
 from __future__ import annotations
 
+import heapq
+
 import operator
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
@@ -102,6 +104,49 @@ def propagate_fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> bool:
         with symbolic_fake_mode(mode):
             node.meta["val"] = node.target(*args, **kwargs)
     return True
+
+
+def repropagate_users(gm: fx.GraphModule, roots: Sequence[fx.Node]) -> bool:
+    """Re-derive ``meta['val']`` downstream of ``roots`` (nodes whose values a rewrite changed, e.g.
+    in strides) in graph order, stopping wherever a recomputed value equals the recorded one.
+
+    A local alternative to a whole-graph shape propagation (~1 s on a 30-layer model): a fused GEMM
+    changes the strides of the split outputs and of the views reading them, and nothing past the next
+    copying op. Returns False when a value cannot be derived (the caller then reports stale shapes).
+    """
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    heap = [(index[u], u.name, u) for r in roots for u in r.users]
+    heapq.heapify(heap)
+    seen = set()
+    while heap:
+        _, _, node = heapq.heappop(heap)
+        if node in seen or node.op != "call_function":
+            continue
+        seen.add(node)
+        old = node.meta.get("val")
+        if not propagate_fake_values(gm, [node]):
+            return False
+        if _same_value(old, node.meta.get("val")):
+            continue
+        for user in node.users:
+            heapq.heappush(heap, (index[user], user.name, user))
+    return True
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Same fake value for metadata purposes: dtype, device, sizes and strides (symbolic ones
+    provably equal); containers element-wise; other values by equality."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.dtype == b.dtype and a.device == b.device and same_shape(a.shape, b.shape)
+                and same_shape(a.stride(), b.stride()))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt)):
+        return same_size(a, b)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - incomparable values are "changed"
+        return False
 
 
 def erase_dead(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:

@@ -36,7 +36,7 @@ from torch._guards import detect_fake_mode
 from ..graph_utils import symbolic_fake_mode
 from ..graph_weights import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights
 from ..interface import Transform, TransformInfo, register
-from ..matcher import annotate_new_nodes
+from ..matcher import annotate_new_nodes, repropagate_users
 
 aten = torch.ops.aten
 
@@ -170,7 +170,7 @@ def fuse_linear_group(gm: fx.GraphModule, group: Sequence[fx.Node]) -> Dict[str,
     reshaped = fix_views(gm, outputs[1:])
     originals = [n.target for nodes in tensor_groups for n in nodes]
     return {"fused": names, "weight": targets[0], "sizes": sizes, "new_bytes": new_bytes,
-            "originals": originals, "views_made_reshapes": reshaped}
+            "originals": originals, "views_made_reshapes": reshaped, "outputs": outputs[1:]}
 
 
 @register("fuse_gemms")
@@ -193,8 +193,10 @@ class FuseGemms(Transform):
             "kept_originals": released.kept + released.tied,
             "views_made_reshapes": sum(d["views_made_reshapes"] for d in done),
         }
-        # Downstream view outputs now have different strides than their recorded fake values.
-        return gm, TransformInfo(num_matches=len(done), is_clean=not done, has_valid_shapes=not done,
+        # The split outputs have other strides than the linears they replace: re-derive the values
+        # downstream of them (locally; a whole-graph propagation would cost the next transform ~1 s).
+        shapes_valid = repropagate_users(gm, [o for d in done for o in d["outputs"]]) if done else False
+        return gm, TransformInfo(num_matches=len(done), is_clean=not done, has_valid_shapes=shapes_valid,
                                  details=details)
 
 

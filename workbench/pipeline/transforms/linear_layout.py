@@ -166,7 +166,8 @@ def _to_wxt(gm: fx.GraphModule, fp32_only: bool) -> Tuple[fx.GraphModule, Transf
         return new
 
     rewritten = _rewrite_linears(gm, wxt, fp32_only)
-    return gm, TransformInfo(num_matches=rewritten, is_clean=not rewritten,
+    # the replacement carries the linear's value (same shape, contiguous): shapes stay valid
+    return gm, TransformInfo(num_matches=rewritten, is_clean=not rewritten, has_valid_shapes=True,
                              details={"layout": "wxt", "new_bytes": 0, "freed_bytes": 0})
 
 
@@ -224,7 +225,7 @@ def _to_kernels(gm: fx.GraphModule, device: torch.device) -> Tuple[fx.GraphModul
         return new
 
     rewritten = _rewrite_linears(gm, kernel, fp32_only=True)
-    return gm, TransformInfo(num_matches=rewritten, is_clean=not rewritten,
+    return gm, TransformInfo(num_matches=rewritten, is_clean=not rewritten, has_valid_shapes=True,
                              details={"layout": "kernel", "new_bytes": 0, "freed_bytes": 0})
 
 
