@@ -111,10 +111,25 @@ def test_toggling_one_transform_off_keeps_logits(toggled_benches, arch, key):
         wb.configure(key, enabled=True)
 
 
+# The quantization keys change only quantized checkpoints (tests/test_quantize_transforms.py); on these
+# unquantized models each reports 0 matches with the reason.
+QUANT_KEYS = {
+    "quantize_fp8_linear_from_config", "quantize_fp8_bmm_from_config", "quantize_fp8_from_graph",
+    "quantize_fp8_moe", "quantize_finegrained_fp8_linear_from_config", "quantize_finegrained_fp8_moe",
+    "quantize_int4_linear_from_config", "quantize_int4_gptq_linear_from_config",
+    "quantize_nvfp4_linear_from_config", "quantize_nvfp4_from_graph", "quantize_nvfp4_moe",
+    "quantize_mxfp4_moe", "match_nvfp4_swiglu_pattern", "match_finegrained_fp8_swiglu_pattern",
+}
+
+
 def test_toggle_defaults_cover_every_stage_transform(toggled_benches):
-    keys = set(_stage_keys(toggled_benches["llama"]))
-    covered = {k for _, k in _toggle_cases()} | {"split_moe_fused_for_sharding", LAST}
+    wb = toggled_benches["llama"]
+    keys = set(_stage_keys(wb))
+    covered = {k for _, k in _toggle_cases()} | {"split_moe_fused_for_sharding", LAST} | QUANT_KEYS
     assert keys == covered
+    for key in QUANT_KEYS:
+        info = wb.snapshot(key).info
+        assert info.num_matches == 0 and (info.skip_reason or info.details), (key, info)
 
 
 def test_split_and_triton_routing_and_bnsd_layout_options():

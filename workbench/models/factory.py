@@ -7,6 +7,10 @@ Nothing is cached in memory between calls. A llama-architecture GGUF file (``smo
 by our own parser (``gguf_model``: about a second, quantized weights kept or dequantized); any
 other GGUF architecture goes through transformers' GGUF support, converted once to a dequantized
 safetensors copy on disk (see ``converted_cache_dir``) because that parse takes ~17 s.
+A directory holding a quantized checkpoint (ModelOpt ``hf_quant_config.json``, or a supported
+``quantization_config`` in ``config.json``) loads as its dequantized twin, with the raw quantized
+tensors kept in ``LoadedModel.checkpoint`` (``quantized_checkpoint``): transformers' own quantizers
+are never used.
 """
 
 from __future__ import annotations
@@ -128,6 +132,25 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device):
     return model, tokenizer
 
 
+def _load_quantized_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device):
+    """(model, tokenizer, checkpoint) of a quantized checkpoint directory, or None for any other
+    directory: the model is the dequantized twin, ``checkpoint`` the quant config and raw tensors
+    (``quantized_checkpoint``); transformers' own quantizers are never involved."""
+    from ..quantization.checkpoint_config import read_quant_config
+    from .quantized_checkpoint import load_quantized_dir
+
+    quant = read_quant_config(directory)
+    if quant is None:
+        return None
+    model, checkpoint = load_quantized_dir(directory, quant, dtype, device)
+    tokenizer = None
+    if any((directory / f).is_file() for f in TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return model, tokenizer, checkpoint
+
+
 def _load_failure(spec: str, path: Path, exc: BaseException) -> str:
     """One message for a model that resolved to files but did not load: which file, why, what to do."""
     text = f"{type(exc).__name__}: {exc}"
@@ -183,7 +206,7 @@ def load_model(
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
     resolved: ResolvedSpec = resolve_spec(spec, tiny_registry)
-    tokenizer = None
+    tokenizer = checkpoint = None
     with hf_offline():
         if resolved.kind == "tiny":
             config = build_tiny_config(resolved.arch, tiny_registry)
@@ -193,6 +216,10 @@ def load_model(
             try:
                 if resolved.kind == "gguf":
                     model, tokenizer, source = _load_gguf_file(resolved.path, gguf_weights, dtype, device)
+                elif (quantized := _load_quantized_hf_dir(resolved.path, dtype, device)) is not None:
+                    model, tokenizer, checkpoint = quantized
+                    source = (f"{resolved.path} ({checkpoint.config.quant_algo} checkpoint: dequantized to "
+                              f"{str(dtype).replace('torch.', '')}, quantized tensors kept)")
                 else:
                     model, tokenizer = _load_hf_dir(resolved.path, dtype, device)
                     source = str(resolved.path)
@@ -201,4 +228,5 @@ def load_model(
                     raise
                 raise ModelSpecError(_load_failure(spec, resolved.path, exc)) from exc
     model = _finalise(model)
-    return LoadedModel(spec=spec, model=model, config=model.config, tokenizer=tokenizer, source=source)
+    return LoadedModel(spec=spec, model=model, config=model.config, tokenizer=tokenizer, source=source,
+                       checkpoint=checkpoint)

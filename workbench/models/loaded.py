@@ -10,6 +10,8 @@ import torch
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+    from .quantized_checkpoint import QuantizedCheckpoint
+
 
 def _storage_key(t: torch.Tensor):
     # Meta tensors have no storage (data_ptr 0 for all); count each one on its own.
@@ -29,6 +31,9 @@ class LoadedModel:
     config: "PretrainedConfig" = field(repr=False)
     tokenizer: Optional["PreTrainedTokenizerBase"] = field(repr=False)
     source: str
+    # A quantized checkpoint directory: ``model`` is its dequantized twin, this holds the quant
+    # config and the raw quantized tensors (``models.quantized_checkpoint``). None otherwise.
+    checkpoint: Optional["QuantizedCheckpoint"] = field(default=None, repr=False)
 
     @property
     def num_parameters(self) -> int:

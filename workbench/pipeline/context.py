@@ -7,7 +7,11 @@ What flows from ``Workbench(...)`` to generated tokens, and which transform adds
                                 max_seq_len, max_num_tokens, page_size); a transform field that
                                 overrides one writes it here and the override is reported
 ``weights``                     the eager model's tensors by graph name (stepper); ``load_weights``
-                                binds the meta-traced graph to them
+                                binds the meta-traced graph to them. For a quantized checkpoint
+                                it also carries the raw quantized tensors (``WeightSource.checkpoint``)
+``checkpoint``                  the quantized checkpoint the model came from (``loaded.checkpoint``:
+                                its ``QuantConfig`` and raw tensors), None otherwise; the
+                                ``quantize_*_from_config`` transforms read ``ctx.quant_config``
 ``hidden_states_to_capture``    ``detect_hidden_states_for_capture``: layer -> node name
 ``hf_attn_layers``              ``detect_hf_attn_layers`` (transformers mode)
 ``cache: CacheState``           ``insert_cached_attention`` / ``insert_cached_residual_add`` /
@@ -26,11 +30,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from ..runtime.interface import CachedProbe, CacheSpec, KVCacheConfig, add_specs
+from .weights import with_checkpoint
+
+if TYPE_CHECKING:
+    from ..models.quantized_checkpoint import QuantizedCheckpoint
+    from ..quantization.checkpoint_config import QuantConfig
 
 DEFAULT_MAX_NUM_TOKENS = 2048
 
@@ -129,19 +138,43 @@ class PipelineContext:
     device: torch.device
     dtype: torch.dtype
     limits: RuntimeLimits = field(default_factory=RuntimeLimits)
-    # The eager model's tensors by graph attribute name (pipeline.weights.WeightSource): what
-    # load_weights binds the meta-traced graph to.
-    weights: Optional[Mapping[str, torch.Tensor]] = None
     cache: CacheState = field(default_factory=CacheState)
     runner: Any = None  # built by compile_model; None: generate builds the plain runner
     hidden_states_to_capture: Dict[int, str] = field(default_factory=dict)
     hf_attn_layers: Tuple[Any, ...] = ()
+    # The quantized checkpoint the model was loaded from (its QuantConfig and raw tensors); None
+    # for other models. Defaults to ``loaded.checkpoint``.
+    checkpoint: Optional["QuantizedCheckpoint"] = None
+    _weights: Optional[Mapping[str, torch.Tensor]] = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.checkpoint is None and self.loaded is not None:
+            self.checkpoint = getattr(self.loaded, "checkpoint", None)
+
+    @property
+    def weights(self) -> Optional[Mapping[str, torch.Tensor]]:
+        """The eager model's tensors by graph attribute name (``pipeline.weights.WeightSource``):
+        what ``load_weights`` (and the numerics probe, before it) binds the meta-traced graph to.
+        When the model came from a quantized checkpoint, the checkpoint's raw tensors are attached
+        on assignment (``WeightSource.checkpoint``), so every reader sees both."""
+        return self._weights
+
+    @weights.setter
+    def weights(self, source: Optional[Mapping[str, torch.Tensor]]) -> None:
+        self._weights = with_checkpoint(source, self.checkpoint.tensors if self.checkpoint is not None else None)
+
+    @property
+    def quant_config(self) -> Optional["QuantConfig"]:
+        """The checkpoint's quantization config (None: the model is not a quantized checkpoint)."""
+        return self.checkpoint.config if self.checkpoint is not None else None
 
     @classmethod
-    def standalone(cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> "PipelineContext":
+    def standalone(cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                   checkpoint: Optional["QuantizedCheckpoint"] = None) -> "PipelineContext":
         """A context for running one transform on a graph of your own, outside a ``Workbench``
-        (no model behind it: ``config`` and ``vocab_size`` are unavailable)."""
-        return cls(spec="standalone", loaded=None, device=torch.device(device), dtype=dtype)
+        (no model behind it: ``config`` and ``vocab_size`` are unavailable). ``checkpoint``: a
+        ``QuantizedCheckpoint`` (config + raw tensors) for the quantization transforms."""
+        return cls(spec="standalone", loaded=None, device=torch.device(device), dtype=dtype, checkpoint=checkpoint)
 
     @property
     def config(self) -> Any:

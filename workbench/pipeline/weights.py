@@ -16,6 +16,13 @@ tensors therefore means three things, which this module does in one place for bo
 
 Weights a transform derives before ``weight_load`` (e.g. per-expert views of a stacked MoE tensor)
 are recorded with ``record_weight_view`` and rebuilt from their base when the base is bound.
+
+Quantized checkpoints: the eager model is the *dequantized* twin, and the source also carries the
+checkpoint's raw tensors by their checkpoint names (``WeightSource.checkpoint``). A quantize
+transform that gives the graph a tensor the eager model does not hold (an fp8 ``weight``, its
+``weight_scale``, experts stacked from per-expert checkpoint tensors, AWQ codes repacked for our
+op) declares where it comes from with ``record_tensor_binding``: named inputs from the checkpoint
+or the eager model, and the conversion applied at load -- visible in ``gm.meta``, no load hooks.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from .graph_weights import fetch_attr
 from .graph_utils import symbolic_fake_mode
 
 WEIGHT_VIEWS_KEY = "weight_views"  # gm.meta: target -> (base target, index into the base)
+TENSOR_BINDINGS_KEY = "tensor_bindings"  # gm.meta: target -> TensorBinding
 TRACE_DEVICE_KEY = "trace_device"  # gm.meta: the device export traced on ("meta" or the model's)
 
 
@@ -41,13 +49,23 @@ class WeightSource(Mapping):
     ``module`` is the module that was exported (``CausalLMLogits(model)``), so its parameter and
     buffer names are exactly the graph module's attribute targets. Tied names map to one tensor.
     Nothing is copied: this is a name index over the eager model's own tensors.
+
+    ``checkpoint``: a quantized checkpoint's raw tensors by checkpoint name (None for other
+    models); only ``record_tensor_binding`` entries read them.
     """
 
-    def __init__(self, module: torch.nn.Module):
-        self._tensors: Dict[str, torch.Tensor] = {
+    def __init__(self, module: Optional[torch.nn.Module], checkpoint: Optional[Mapping] = None):
+        self._tensors: Dict[str, torch.Tensor] = {} if module is None else {
             **dict(module.named_parameters(remove_duplicate=False)),
             **dict(module.named_buffers(remove_duplicate=False)),
         }
+        self.checkpoint = checkpoint
+
+    def with_checkpoint(self, checkpoint: Optional[Mapping]) -> "WeightSource":
+        """The same eager tensors with ``checkpoint``'s raw tensors beside them (no copy)."""
+        out = WeightSource(None, checkpoint)
+        out._tensors = self._tensors
+        return out
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._tensors[name]
@@ -59,7 +77,60 @@ class WeightSource(Mapping):
         return len(self._tensors)
 
     def __repr__(self) -> str:
-        return f"WeightSource({len(self)} tensors)"
+        extra = f", checkpoint: {len(self.checkpoint)} tensors" if self.checkpoint is not None else ""
+        return f"WeightSource({len(self)} tensors{extra})"
+
+
+def with_checkpoint(source: Optional[Mapping], checkpoint: Optional[Mapping]) -> Optional[Mapping]:
+    """``source`` (a ``WeightSource`` or a plain mapping) with ``checkpoint`` beside it."""
+    if source is None or checkpoint is None or getattr(source, "checkpoint", None) is checkpoint:
+        return source
+    if isinstance(source, WeightSource):
+        return source.with_checkpoint(checkpoint)
+    out = WeightSource(None, checkpoint)
+    out._tensors = dict(source)
+    return out
+
+
+@dataclass(frozen=True)
+class TensorBinding:
+    """Where ``load_weights`` gets a graph tensor the eager model does not hold as it is.
+
+    ``inputs`` are tensor names in ``namespace``: ``"checkpoint"`` (the quantized checkpoint's raw
+    tensors, by checkpoint name) or ``"model"`` (the eager model's, by graph name). ``convert``
+    (a module-level function, named in renders and reports) makes the tensor from them, with the
+    static ``kwargs``; None takes the single input as it is. ``output`` picks one element when
+    ``convert`` returns a tuple (several graph tensors from one conversion run it once per load).
+    """
+
+    inputs: Tuple[str, ...]
+    namespace: str = "checkpoint"
+    convert: Optional[Callable[..., torch.Tensor]] = None
+    kwargs: Tuple[Tuple[str, Any], ...] = ()
+    output: Optional[int] = None
+
+    def __post_init__(self):
+        if self.namespace not in ("checkpoint", "model"):
+            raise ValueError(f"TensorBinding.namespace must be 'checkpoint' or 'model', got {self.namespace!r}")
+        if self.convert is None and len(self.inputs) != 1:
+            raise ValueError(f"a TensorBinding without convert takes exactly one input, got {self.inputs}")
+
+    def describe(self) -> str:
+        args = ", ".join([*self.inputs, *(f"{k}={v!r}" for k, v in self.kwargs)])
+        call = f"{self.convert.__name__}({args})" if self.convert is not None else args
+        pick = f"[{self.output}]" if self.output is not None else ""
+        return f"{self.namespace}: {call}{pick}"
+
+
+def record_tensor_binding(gm: fx.GraphModule, target: str, binding: TensorBinding) -> None:
+    """Declare that attribute ``target`` is made at load as ``binding`` says (takes precedence over
+    an eager tensor of the same name: e.g. ``q_proj.weight`` fp8 from the checkpoint, not the
+    dequantized twin's fp32). A new dict each time: snapshots share the old one."""
+    gm.meta[TENSOR_BINDINGS_KEY] = {**gm.meta.get(TENSOR_BINDINGS_KEY, {}), target: binding}
+
+
+def tensor_bindings(gm: fx.GraphModule) -> Dict[str, TensorBinding]:
+    return dict(gm.meta.get(TENSOR_BINDINGS_KEY, {}))
 
 
 def record_weight_view(gm: fx.GraphModule, target: str, base: str, index: Tuple[Any, ...]) -> None:
@@ -91,17 +162,40 @@ def unloaded_targets(mod: torch.nn.Module) -> List[str]:
 
 
 class WeightResolver:
-    """Real tensor for a graph attribute name: from the source, or rebuilt as a recorded view."""
+    """Real tensor for a graph attribute name: made as a recorded binding says, taken from the
+    source, or rebuilt as a recorded view."""
 
     def __init__(self, gm: fx.GraphModule, source: Optional[Mapping]):
         self.source = source if source is not None else {}
         self.views: Dict[str, Tuple[str, tuple]] = dict(gm.meta.get(WEIGHT_VIEWS_KEY, {}))
+        self.bindings: Dict[str, TensorBinding] = tensor_bindings(gm)
         self._memo: Dict[str, torch.Tensor] = {}
+        self._converted: Dict[tuple, Any] = {}  # one conversion run per load, however many outputs
+
+    def _input(self, namespace: str, name: str) -> torch.Tensor:
+        if namespace == "model":
+            return self.source[name]
+        checkpoint = getattr(self.source, "checkpoint", None)
+        if checkpoint is None:
+            raise KeyError(f"{name} (a quantized checkpoint tensor, and this weight source has no checkpoint)")
+        return checkpoint[name]
+
+    def _bound(self, binding: TensorBinding) -> torch.Tensor:
+        key = (binding.convert, binding.namespace, binding.inputs, binding.kwargs)
+        if key not in self._converted:
+            tensors = [self._input(binding.namespace, n) for n in binding.inputs]
+            with torch.no_grad():
+                self._converted[key] = binding.convert(*tensors, **dict(binding.kwargs)) \
+                    if binding.convert is not None else tensors[0]
+        out = self._converted[key]
+        return out[binding.output] if binding.output is not None else out
 
     def __call__(self, name: str) -> torch.Tensor:
         if name in self._memo:
             return self._memo[name]
-        if name in self.source:
+        if name in self.bindings:
+            value = self._bound(self.bindings[name])
+        elif name in self.source:
             value = self.source[name]
         elif name in self.views:
             base, index = self.views[name]
@@ -183,6 +277,7 @@ class Placement:
     bytes: int = 0  # bytes the graph holds afterwards (each storage once)
     bytes_copied: int = 0  # bytes that had to be copied to reach the device
     bound_from_source: int = 0  # meta tensors replaced by the eager model's tensors
+    bound_by_binding: List[str] = field(default_factory=list)  # made per record_tensor_binding
     moved: List[str] = field(default_factory=list)  # names copied across devices (first few)
     device_args_retargeted: int = 0
     values_retargeted: int = 0
@@ -190,15 +285,18 @@ class Placement:
     def summary(self) -> str:
         mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
         shared = self.bytes - self.bytes_copied
+        bound = (f"; {len(self.bound_by_binding)} made from the quantized checkpoint or by a declared "
+                 "conversion") if self.bound_by_binding else ""
         return (f"{self.tensors} tensors, {mib(self.bytes)} on {self.device}: {mib(self.bytes_copied)} copied, "
-                f"{mib(shared)} shared with the eager model; {self.device_args_retargeted} nodes retargeted "
-                "from device=meta")
+                f"{mib(shared)} shared with the eager model or checkpoint{bound}; {self.device_args_retargeted} "
+                "nodes retargeted from device=meta")
 
     def details(self) -> Dict[str, Any]:
         return {"summary": self.summary(),
             "device": self.device, "tensors": self.tensors, "bytes": self.bytes,
             "bytes_copied": self.bytes_copied, "bytes_shared": self.bytes - self.bytes_copied,
             "bound_from_source": self.bound_from_source, "moved_examples": self.moved[:5],
+            "bound_by_binding": len(self.bound_by_binding), "binding_examples": self.bound_by_binding[:5],
             "device_args_retargeted": self.device_args_retargeted,
             "values_retargeted": self.values_retargeted,
         }
@@ -231,7 +329,8 @@ def place_weights(gm: fx.GraphModule, source: Optional[Mapping], device: torch.d
         raise KeyError(
             f"{len(missing)} graph tensor(s) have no real weights to load: {missing[:5]}. They are not "
             "parameters or buffers of the eager model and no transform recorded how it derived them "
-            "(record_weight_view); the transform that created them must run after weight_load."
+            "(record_weight_view, record_tensor_binding: a binding to a quantized checkpoint needs the "
+            "model loaded from that checkpoint); the transform that created them must run after weight_load."
         )
     out = Placement(device=str(device))
     memo: Dict[int, torch.Tensor] = {}  # id(original graph tensor) -> placed tensor (keeps ties)
@@ -239,7 +338,10 @@ def place_weights(gm: fx.GraphModule, source: Optional[Mapping], device: torch.d
     for name, t in attrs.items():
         if id(t) not in memo:
             real = resolver(name) if t.is_meta else t
-            out.bound_from_source += int(t.is_meta)
+            if t.is_meta and name in resolver.bindings:
+                out.bound_by_binding.append(name)
+            else:
+                out.bound_from_source += int(t.is_meta)
             placed = real
             if not _on(real, device):
                 placed = real.detach().to(device)
@@ -299,5 +401,6 @@ def run_unloaded(gm: fx.GraphModule, source: Optional[Mapping], args, device: to
 __all__ = [
     "WeightSource", "WeightResolver", "Placement", "place_weights", "run_unloaded", "unloaded_targets",
     "tensor_attributes", "record_weight_view", "retarget_node_devices", "retarget_values",
-    "WEIGHT_VIEWS_KEY", "TRACE_DEVICE_KEY",
+    "WEIGHT_VIEWS_KEY", "TRACE_DEVICE_KEY", "TensorBinding", "record_tensor_binding", "tensor_bindings",
+    "with_checkpoint", "TENSOR_BINDINGS_KEY",
 ]

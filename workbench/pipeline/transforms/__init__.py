@@ -12,6 +12,13 @@
     rope                match_rope_pattern
     norms               match_rmsnorm_pattern, match_l2norm_pattern
     swiglu              match_swiglu_pattern
+    quantization        quantize_fp8_linear_from_config, quantize_finegrained_fp8_linear_from_config,
+                        quantize_nvfp4_linear_from_config, quantize_int4_linear_from_config,
+                        quantize_int4_gptq_linear_from_config
+    quantize_bmm        quantize_fp8_bmm_from_config
+    quantize_from_graph quantize_fp8_from_graph, quantize_nvfp4_from_graph
+    quantize_moe        quantize_fp8_moe, quantize_finegrained_fp8_moe, quantize_nvfp4_moe, quantize_mxfp4_moe
+    quant_swiglu        match_nvfp4_swiglu_pattern, match_finegrained_fp8_swiglu_pattern
     hidden_states       detect_hidden_states_for_capture
     load_weights        load_weights
     fuse_gemms          fuse_gemms
@@ -28,10 +35,12 @@
 
 ``workbench transforms`` prints the same table from the registry. The framework helpers the
 families share live beside this package: ``matcher/`` (patterns), ``graph_utils``, ``graph_copy``,
-``graph_weights``, ``weights``, ``cache_inputs``, ``cuda_only``.
+``graph_weights``, ``weights``, ``cache_inputs``, ``cuda_only``; the quantization families share
+``quant_support`` (beside them in this package).
 """
 
 from . import attention, cleanup, export, hidden_states, layout, moe, norms, rope, swiglu  # noqa: F401
+from . import quant_swiglu, quantization, quantize_bmm, quantize_from_graph, quantize_moe  # noqa: F401
 from . import load_weights  # noqa: F401
 from . import fuse_causal_conv, fuse_gemms, fuse_kernels, linear_layout, multi_stream  # noqa: F401
 from . import cache_alloc, cached_attention, cached_residual_add, gather_logits, transformers_mode  # noqa: F401

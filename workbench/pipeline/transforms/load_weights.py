@@ -7,6 +7,10 @@ lives elsewhere; ``device=meta`` arguments in the graph are retargeted; all fake
 (sizes and strides kept), so the post-load transforms see the
 device they run on without a full shape propagation.
 
+Quantized checkpoints: graph tensors a quantize transform declared with ``record_tensor_binding``
+(fp8 weights, scales, experts stacked, AWQ repacked) are made here from the checkpoint's raw tensors
+(``ctx.weights.checkpoint``) by the declared conversion; ``details`` count them (``bound_by_binding``).
+
 Bytes: the snapshot's memory delta is what the graph now holds (0 before, the model's tensors
 after); ``details`` split it into ``bytes_copied`` (moved across devices: a real allocation) and
 ``bytes_shared`` (already on the device: bound to the eager model's storage, nothing allocated).
