@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from ..cache_dir import cache_root
 from .build import build_random_model
 from .devices import resolve_device
 from .dtypes import resolve_dtype
@@ -95,11 +96,11 @@ def converted_cache_dir(gguf: Path) -> Optional[Path]:
     on disk (``$WORKBENCH_CACHE_DIR``, default ``~/.cache/workbench``; set it to ``off`` to disable),
     keyed by file name, size and mtime, so a changed GGUF file is converted again.
     """
-    root = os.environ.get("WORKBENCH_CACHE_DIR", str(Path.home() / ".cache" / "workbench"))
-    if root.strip().lower() in ("", "off", "0", "none"):
+    root = cache_root()
+    if root is None:
         return None
     st = gguf.stat()
-    return Path(root) / f"{gguf.stem}-{st.st_size}-{int(st.st_mtime)}-fp32"
+    return root / f"{gguf.stem}-{st.st_size}-{int(st.st_mtime)}-fp32"
 
 
 def _load_gguf_cached(path: Path, dtype: torch.dtype, device: torch.device):

@@ -40,6 +40,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ...cache_dir import cache_root
 from ..library import declare_op
 
 SOURCES = ("linear.cpp", "linear_a8.cpp", "attention.cpp", "elementwise.cpp", "vec_math.h")
@@ -76,10 +77,8 @@ def build_dir() -> Path:
     for name in SOURCES:
         h.update((HERE / name).read_bytes())
     h.update(" ".join(FLAGS).encode() + torch.__version__.encode())
-    root = os.environ.get("WORKBENCH_CACHE_DIR", str(Path.home() / ".cache" / "workbench"))
-    if root.strip().lower() in ("", "off", "0", "none"):
-        root = tempfile.gettempdir()
-    return Path(root) / "kernels" / f"cpu-{h.hexdigest()[:16]}"
+    root = cache_root() or Path(tempfile.gettempdir())
+    return root / "kernels" / f"cpu-{h.hexdigest()[:16]}"
 
 
 def _missing_prerequisite() -> Optional[str]:

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 import torch.fx as fx
 
+from .anchors import AnchorCache
 from .rewrite import replace_match
 from .trace import export_graph_module
 
@@ -169,9 +170,15 @@ class PatternMatcher:
     def apply(self, gm: fx.GraphModule) -> Dict[str, int]:
         """Replace every match of every pattern (in order); returns matches per pattern name."""
         counts: Dict[str, int] = {}
+        anchors = AnchorCache()
         for pattern in self.patterns:
             n = 0
+            known = anchors.anchor(pattern)
+            if known is not None and all(x.target != known for x in gm.graph.nodes):
+                counts[pattern.name] = 0  # its output op is not in the graph: no match, no trace
+                continue
             anchor_target = _outputs(traced_pattern(pattern))[0].target
+            anchors.remember(pattern, anchor_target)
             for node in [x for x in gm.graph.nodes if x.target == anchor_target]:
                 if node._erased or node.op != "call_function":
                     continue

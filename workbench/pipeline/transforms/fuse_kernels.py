@@ -10,7 +10,9 @@ CUDA, torch on CPU):
 * ``fuse_swiglu``   ``torch_swiglu_mlp(x, Wg, Wu, Wd, bg, bu, bd)`` ->
                     ``linear(silu_and_mul(linear(x, cat[Wg; Wu], cat[bg; bu])), Wd, bd)``:
                     one gate/up GEMM over weights concatenated once here (memory accounting as in
-                    ``fuse_gemms``), then the backend's ``*_silu_and_mul``;
+                    ``fuse_gemms``), then the backend's ``*_silu_and_mul``; and a gate/up GEMM
+                    ``fuse_gemms`` already made (quantized linears never become ``torch_swiglu_mlp``):
+                    ``silu(split(y)[0]) * split(y)[1]`` -> ``*_silu_and_mul(y)``;
 * ``fuse_gemms``    (``fuse_gemms.py``) linears sharing an input -> one GEMM + split (Q/K/V).
 
 Every rewrite keeps the op's contract, so numerics equal the canonical op's (fp32: to rounding).
@@ -20,6 +22,7 @@ canonical and is listed in ``details['left']`` with the reason.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Dict, List, Literal, Optional
 
 import torch
@@ -32,9 +35,10 @@ from ..interface import Transform, TransformConfig, register, rewrite_info
 from ...ops.backends import pick_fusion_backend
 from ..graph_weights import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights
 from ..graph_utils import tensor_meta
-from ..matcher import annotate_new_nodes, named_args
+from ..matcher import annotate_new_nodes, erase_dead, named_args
 
 wb = torch.ops.workbench
+aten = torch.ops.aten
 
 
 def _nodes(gm: fx.GraphModule, target: Callable) -> List[fx.Node]:
@@ -219,17 +223,66 @@ def fuse_swiglu_node(gm: fx.GraphModule, node: fx.Node, silu_mul: Callable) -> D
     return {"new_bytes": new_bytes, "originals": [n.target for pair in pairs for n in pair]}
 
 
+def split_silu_mul(node: fx.Node) -> Optional[fx.Node]:
+    """The input ``x`` when ``node`` is ``silu(x[..., :I]) * x[..., I:]`` spelled as ``fuse_gemms``
+    leaves a fused gate/up GEMM (``split_with_sizes(x, [I, I], -1)``, two getitems, silu, mul; no
+    other readers of the pieces), else None."""
+    if node.target is not aten.mul.Tensor or len(node.args) != 2:
+        return None
+    for act, up in (node.args, node.args[::-1]):
+        if not (isinstance(act, fx.Node) and act.target is aten.silu.default and isinstance(up, fx.Node)):
+            continue
+        gate = act.args[0]
+        if not (isinstance(gate, fx.Node) and gate.target is operator.getitem and up.target is operator.getitem):
+            continue
+        split = gate.args[0]
+        if (split is not up.args[0] or split.target is not aten.split_with_sizes.default
+                or (gate.args[1], up.args[1]) != (0, 1)):
+            continue
+        sizes, dim = split.args[1], (split.args[2] if len(split.args) > 2 else 0)
+        x_val = split.args[0].meta.get("val")
+        last = dim == -1 or (x_val is not None and dim == x_val.dim() - 1)
+        if (len(sizes) == 2 and sizes[0] == sizes[1] and last and len(split.users) == 2
+                and len(gate.users) == 1 and len(act.users) == 1 and len(up.users) == 1):
+            return split.args[0]
+    return None
+
+
+def fuse_split_silu_mul(gm: fx.GraphModule, silu_mul: Callable) -> int:
+    """Every ``split_silu_mul`` pattern -> ``silu_mul(x)``: 5 nodes -> 1 per MLP, one kernel."""
+    g, n = gm.graph, 0
+    for node in list(g.nodes):
+        x = split_silu_mul(node) if node.op == "call_function" else None
+        if x is None:
+            continue
+        with g.inserting_before(node):
+            fused = g.call_function(silu_mul, (x,))
+        annotate_new_nodes(gm, [fused], [node.name], anchor=node)
+        node.replace_all_uses_with(fused)
+        act, up = (node.args if node.args[0].target is aten.silu.default else node.args[::-1])
+        gate, split = act.args[0], act.args[0].args[0]
+        erase_dead(g, [node, act, gate, up, split])
+        n += 1
+    return n
+
+
 @register("fuse_swiglu")
 class FuseSwiGLU(Transform):
-    """``torch_swiglu_mlp`` -> fused gate/up GEMM + the configured backend's SiLU-and-mul."""
+    """``torch_swiglu_mlp`` -> fused gate/up GEMM + the configured backend's SiLU-and-mul; and a gate/up
+    GEMM already fused by ``fuse_gemms`` (quantized linears: ``split -> silu * mul``) -> the SiLU-and-mul."""
 
     config_class = FuseSwiGLUConfig
 
     def _apply(self, gm, ctx):
         nodes = _nodes(gm, wb.torch_swiglu_mlp.default)
-        if not nodes:
-            return rewrite_info(gm, 0, {"note": "no torch_swiglu_mlp nodes (run match_swiglu_pattern first)"})
+        split_forms = sum(1 for n in gm.graph.nodes if n.op == "call_function" and split_silu_mul(n) is not None)
+        if not nodes and not split_forms:
+            return rewrite_info(gm, 0, {"note": "no torch_swiglu_mlp nodes (run match_swiglu_pattern first) and "
+                                                "no fused gate/up GEMM followed by silu * mul"})
         backend, why = pick_fusion_backend("silu_mul", self.config.backend, ctx.device, f"{self.key}.backend")
+        if not nodes:
+            n = fuse_split_silu_mul(gm, backend.op)
+            return rewrite_info(gm, n, {"backend": backend.name, "why": why, "fused_gate_up_silu_mul": n})
         left, done = {}, []
         for node in nodes:
             refusal = _swiglu_refusal(gm, dict(named_args(node)))
