@@ -36,7 +36,7 @@
 ``workbench transforms`` prints the same table from the registry. The framework helpers the
 families share live beside this package: ``matcher/`` (patterns), ``graph_utils``, ``graph_copy``,
 ``graph_weights``, ``weights``, ``cache_inputs``, ``cuda_only``; the quantization families share
-``quant_support`` (beside them in this package).
+``pipeline/quant_graph.py`` (a framework helper, so no family imports another).
 """
 
 from . import attention, cleanup, export, hidden_states, layout, moe, norms, rope, swiglu  # noqa: F401

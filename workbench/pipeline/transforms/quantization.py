@@ -49,7 +49,7 @@ from ...ops.quant.int4 import RUN, pack_int4
 from ...quantization.checkpoint_config import module_matches
 from ..graph_weights import linear_bias
 from ..interface import Transform, TransformConfig, register, rewrite_info
-from .quant_support import (GraphTensors, attr_users_elsewhere, checkpoint_skip_reason, drop_unread_attrs,
+from ..quant_graph import (QuantizeFromConfigConfig, GraphTensors, attr_users_elsewhere, checkpoint_skip_reason, drop_unread_attrs,
                             get_attr_target, nothing_to_do, replace_node, scalar_fp32)
 
 aten = torch.ops.aten
@@ -249,14 +249,6 @@ class GPTQLinear(LinearFormat):
             t.bind(f"{module}.g_idx", [f"{ck}.qweight", f"{ck}.scales"], gptq_g_idx)
         nodes = [t.node(f"{module}.{s}", before) for s in ("qweight", "qzeros", "scales", "g_idx")]
         return [*nodes, gptq_zero_offset(cfg)], {}
-
-
-class QuantizeFromConfigConfig(TransformConfig):
-    exclude_modules: List[str] = Field(
-        default_factory=list,
-        description="Module patterns (fnmatch, checkpoint names such as 'model.layers.0.mlp.*') to leave "
-        "unquantized on top of the checkpoint's own exclude list: they run on the dequantized weights.",
-    )
 
 
 class QuantizeAtLoadConfig(QuantizeFromConfigConfig):

@@ -18,9 +18,8 @@ import torch.fx as fx
 
 from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ..interface import Transform, TransformInfo, register, rewrite_info
-from .quant_support import (GraphTensors, attr_users_elsewhere, checkpoint_skip_reason, get_attr_target, nothing_to_do,
+from ..quant_graph import (QuantizeFromConfigConfig, GraphTensors, attr_users_elsewhere, checkpoint_skip_reason, get_attr_target, nothing_to_do,
                             replace_node, scalar_fp32)
-from .quantization import QuantizeFromConfigConfig
 
 aten = torch.ops.aten
 wb = torch.ops.workbench

@@ -28,7 +28,7 @@ from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...ops.quant import codecs
 from ..graph_weights import fetch_attr, linear_bias
 from ..interface import Transform, TransformInfo, register, rewrite_info
-from .quant_support import GraphTensors, drop_unread_attrs, get_attr_target, nothing_to_do, replace_node
+from ..quant_graph import GraphTensors, drop_unread_attrs, get_attr_target, nothing_to_do, replace_node
 
 aten = torch.ops.aten
 wb = torch.ops.workbench

@@ -37,8 +37,7 @@ from ...ops.quant import codecs
 from ..graph_weights import fetch_attr
 from ..interface import Transform, TransformInfo, register, rewrite_info
 from ..matcher import named_args
-from .quantization import QuantizeFromConfigConfig
-from .quant_support import (GraphTensors, checkpoint_skip_reason, drop_unread_attrs, get_attr_target, nothing_to_do,
+from ..quant_graph import (QuantizeFromConfigConfig, GraphTensors, checkpoint_skip_reason, drop_unread_attrs, get_attr_target, nothing_to_do,
                             replace_node)
 
 wb = torch.ops.workbench

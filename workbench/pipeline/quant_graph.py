@@ -17,10 +17,12 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import torch
 import torch.fx as fx
 
-from ..graph_weights import fake_value, fetch_attr
-from ..interface import TransformInfo
-from ..matcher import annotate_new_nodes
-from ..weights import TensorBinding, record_tensor_binding
+from pydantic import Field
+
+from .graph_weights import fake_value, fetch_attr
+from .interface import TransformConfig, TransformInfo
+from .matcher import annotate_new_nodes
+from .weights import TensorBinding, record_tensor_binding
 
 aten = torch.ops.aten
 
@@ -151,5 +153,16 @@ def get_attr_target(node: Any) -> Optional[str]:
     return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
 
 
+class QuantizeFromConfigConfig(TransformConfig):
+    """The config of every ``quantize_*`` transform that reads the checkpoint's quant config."""
+
+    exclude_modules: List[str] = Field(
+        default_factory=list,
+        description="Module patterns (fnmatch, checkpoint names such as 'model.layers.0.mlp.*') to leave "
+        "unquantized on top of the checkpoint's own exclude list: they run on the dequantized weights.",
+    )
+
+
 __all__ = ["checkpoint_skip_reason", "nothing_to_do", "scalar_fp32", "GraphTensors", "set_meta_attr",
-           "attr_users_elsewhere", "replace_node", "drop_unread_attrs", "get_attr_target", "to_meta"]
+           "attr_users_elsewhere", "replace_node", "drop_unread_attrs", "get_attr_target", "to_meta",
+           "QuantizeFromConfigConfig"]
