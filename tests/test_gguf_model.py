@@ -62,5 +62,17 @@ def test_q4_pipeline_uses_the_kernels_and_generates_the_fp32_models_tokens(smoll
             assert hist.get("workbench.cpu_int4_linear.default") == 120  # qkv, o, gate_up, down per layer
             assert hist.get("workbench.cpu_int8_linear.default") == 1  # the LM head
             assert hist.get("workbench.cpu_cached_attention.default") == 30
+            # the fused gate/up GEMM's split + silu + mul became one kernel per layer
+            assert hist.get("workbench.cpu_silu_and_mul.default") == 30 and "aten.silu.default" not in hist
             assert final.numerics.rmse_ratio < 1e-5, final.numerics
+            # int8 activations (llama.cpp's Q8_1 rounding in decode steps): the a8 kernel everywhere
+            wb.configure("linear_weight_layout", int4_activations="int8")
+            wb.run()
+            hist = wb.snapshots[-1].op_histogram
+            if cpu_kernels.has_vnni():
+                assert hist.get("workbench.cpu_int4_linear_a8.default") == 120
+                assert wb.snapshot("linear_weight_layout").info.details["int4_activations"] == "int8"
+                # measured: this prompt keeps its 24 tokens (others part after a few; docs/benchmarks.md)
+                outs["q4-int8"] = wb.generate([README_CHAT], max_new_tokens=24).token_ids[0]
     assert outs["q4"] == outs["fp32"]
+    assert outs.get("q4-int8", outs["fp32"]) == outs["fp32"]

@@ -6,8 +6,10 @@ module information at all -- made by a transform that did not copy export's meta
 the latest layer among its inputs, since a node cannot run before the layer that produced its
 input. Layers listed in ``expand`` are drawn node by node inside a cluster (with one sub-cluster
 per child module: attention, MLP, norms), so canonical ops show as the single boxes they are;
-the others become one box summarising their ops. Nodes outside every layer (embedding, rotary
-tables, mask, final norm, LM head) are always drawn individually.
+the others become one box summarising their ops. A graph input read by one layer only (its KV-cache
+pages) belongs to that layer: listed in its box, drawn inside its cluster when expanded. Nodes
+outside every layer (embedding, rotary tables, mask, final norm, LM head) are always drawn
+individually.
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ def layer_of_path(path: Optional[str], pattern: str = LAYER_PATTERN) -> Optional
 
 
 def assign_layers(gm: fx.GraphModule, pattern: str = LAYER_PATTERN) -> Dict[fx.Node, Optional[int]]:
-    """Decoder layer of every node (None: outside every layer). See the module docstring."""
+    """Decoder layer of every node (None: outside every layer). See the module docstring.
+
+    A graph input read by one layer only (the KV pages, SSM state of that layer, added by the cache
+    stage) belongs to that layer: drawn on its own it would sit in the top rank with an edge down
+    to its layer, and 60 of them would widen the picture into a staircase of layer boxes."""
     layers: Dict[fx.Node, Optional[int]] = {}
     for node in gm.graph.nodes:
         path = module_path(node)
@@ -49,6 +55,11 @@ def assign_layers(gm: fx.GraphModule, pattern: str = LAYER_PATTERN) -> Dict[fx.N
             continue
         known = [layers[a] for a in node.all_input_nodes if layers.get(a) is not None]
         layers[node] = max(known) if known else None
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and layers[node] is None and node.users:
+            readers = {layers[u] for u in node.users}
+            if len(readers) == 1 and None not in readers:
+                layers[node] = readers.pop()
     return layers
 
 
@@ -172,8 +183,11 @@ def _add_layer_box(dot, view: CollapsedGraph, layer: int, nodes: List[fx.Node],
     ops = [n for n in nodes if n.op == "call_function"]
     params = sum(1 for n in nodes if n.op == "get_attr")
     typ = _layer_type(nodes, layer, pattern)
+    inputs = [n.name for n in nodes if n.op == "placeholder"]
     lines = [f"layers.{layer}" + (f"  ({typ})" if typ else ""), f"{len(ops)} ops, {params} params",
              *op_summary(ops)]
+    if inputs:  # its own graph inputs (cache pages, state), bundled here; expand the layer to see them
+        lines.append(f"inputs: {', '.join(inputs[:4])}" + (f", +{len(inputs) - 4}" if len(inputs) > 4 else ""))
     if shared:
         more = f", +{len(shared) - 4}" if len(shared) > 4 else ""
         lines.append(f"shared inputs: {', '.join(shared[:4])}{more}")
@@ -182,7 +196,9 @@ def _add_layer_box(dot, view: CollapsedGraph, layer: int, nodes: List[fx.Node],
     if changed:
         lines.append(", ".join(f"{c} {m}" for m, c in sorted(changed.items())))
         attrs.update(MARK_STYLES["added" if "added" in changed else "modified"])
-    dot.node(group_id(layer, view.prefix), label=join_lines(lines),
+    # one dot "group" for every layer box: dot keeps edges within a group straight, so the layer chain
+    # is a single column whatever the side inputs pull on it
+    dot.node(group_id(layer, view.prefix), label=join_lines(lines), group=f"{view.prefix}layers",
              tooltip=esc(f"decoder layer {layer}: expand=[{layer}] to open it"), **attrs)
 
 
