@@ -70,6 +70,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             print(f"report: {write_report(wb, args.report)}")
     print(f"pipeline: {len(wb.snapshots)} transforms in {wb.total_time():.2f}s")
+    for snap in wb.snapshots:  # attention left without a KV cache: say which nodes and why, loudly
+        left = snap.info.details.get("uncached_attention")
+        if left:
+            print(f"warning: {snap.key}: {len(left)} attention node(s) left uncached, generate re-runs the whole "
+                  "sequence every step (set insert_cached_attention.require_cached_attention=true to make this an error):")
+            for name, why in left.items():
+                print(f"  {name}: {why}")
     if args.debug_visualize_dir:
         print(f"renders: {args.debug_visualize_dir}")
     if args.max_new_tokens > 0:

@@ -31,6 +31,13 @@ class InsertCachedAttentionConfig(TransformConfig):
         "(auto or None: the fastest that runs on the device: cpu, else torch, on CPU; torch on CUDA).",
     )
 
+    require_cached_attention: bool = Field(
+        default=False,
+        description="Make attention the pattern matcher left uncanonicalized (SDPA with an explicit mask, an "
+        "eager matmul + softmax chain, a torch_attention the cache cannot serve) an error instead of a "
+        "warning: without a KV cache for those layers, generate re-runs the whole sequence every step.",
+    )
+
     @field_validator("backend")
     @classmethod
     def _known(cls, v: Optional[str]) -> Optional[str]:

@@ -67,6 +67,9 @@ class GenerationStats:
     time_to_first_token_s: Optional[float] = None  # mean over prompts
     # generate(profile_steps=True): medians over decode-only steps, in ms (see StepProfiler)
     decode_step_ms: Optional[Dict[str, float]] = None
+    # how the runner reaches earlier tokens: "paged KV cache", or "uncached (full re-forward)" when no cache
+    # stage ran (every step re-runs each sequence's whole history)
+    cache: str = ""
 
     @property
     def tokens_per_s(self) -> float:
@@ -80,7 +83,8 @@ class GenerationStats:
         ttft = f", ttft {self.time_to_first_token_s * 1e3:.0f} ms" if self.time_to_first_token_s else ""
         return (f"{self.generated_tokens} tokens for {self.num_prompts} prompt(s) in {self.total_s:.2f}s: "
                 f"{self.tokens_per_s:.1f} tok/s overall, {self.decode_tokens_per_s:.1f} tok/s decode "
-                f"({self.steps} steps, {self.mixed_steps} mixed, up to {self.max_concurrency} sequences{ttft})"
+                f"({self.steps} steps, {self.mixed_steps} mixed, up to {self.max_concurrency} sequences{ttft}"
+                + (f", {self.cache}" if self.cache else "") + ")"
                 + (f"; decode step (median ms): {format_step_profile(self.decode_step_ms)}" if self.decode_step_ms else ""))
 
 
@@ -269,7 +273,8 @@ def generate(
         except ValueError as e:
             req.finish_reason, req.error = "error", str(e)
 
-    stats = GenerationStats(num_prompts=len(requests), prompt_tokens=sum(len(r.prompt) for r in requests))
+    stats = GenerationStats(num_prompts=len(requests), prompt_tokens=sum(len(r.prompt) for r in requests),
+                            cache=getattr(runner, "cache_mode", ""))
     gen = torch.Generator().manual_seed(seed)
     texts = {}
     t0 = time.perf_counter()

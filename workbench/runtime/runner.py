@@ -27,6 +27,8 @@ logger = logging.getLogger("workbench.runtime")
 class CachedRunner:
     """Runs steps on a cached module with the caches of a ``KVCacheConfig``."""
 
+    cache_mode = "paged KV cache"
+
     def __init__(self, module: torch.nn.Module, caches: Mapping[str, torch.Tensor], cfg: KVCacheConfig,
                  device: torch.device | str = "cpu"):
         self.module, self.cfg, self.device = module, cfg, torch.device(device)
@@ -82,6 +84,8 @@ class CachedRunner:
 
 class UncachedRunner:
     """Re-forwards every sequence's whole history each step (no cache stage in the pipeline)."""
+
+    cache_mode = "uncached (full re-forward)"
 
     def __init__(self, module: torch.nn.Module, cfg: KVCacheConfig, device: torch.device | str = "cpu"):
         self.module, self.cfg, self.device = module, cfg, torch.device(device)

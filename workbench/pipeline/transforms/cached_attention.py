@@ -127,6 +127,41 @@ def _check_shapes(backend: AttentionBackend, nodes: List[fx.Node]) -> None:
         )
 
 
+# Attention spelled in ops the cache cannot serve, and why each is left (see ``uncached_attention``).
+_LEFT_OVER = {
+    aten.scaled_dot_product_attention.default: "SDPA the pattern matcher did not canonicalize (an explicit "
+    "mask, soft-capping, sinks or a layout it does not know)",
+    aten._softmax.default: "an eager softmax (matmul + softmax attention the pattern matcher did not canonicalize)",
+    aten.softmax.int: "an eager softmax (matmul + softmax attention the pattern matcher did not canonicalize)",
+}
+
+
+def uncached_attention(gm: fx.GraphModule) -> Dict[str, str]:
+    """Attention computations that no cached-attention op serves: node name -> why. A graph with any
+    of these runs without a KV cache for them: every decode step re-runs the whole sequence."""
+    left: Dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.workbench.torch_attention.default:
+            left[node.name] = "canonical attention not made cached: " + (
+                _unsupported(dict(named_args(node))) or "insert_cached_attention did not run on it")
+        elif node.target in _LEFT_OVER:
+            left[node.name] = _LEFT_OVER[node.target]
+    return left
+
+
+def _refuse_or_report(left: Dict[str, str], require: bool) -> str:
+    """The warning for attention left uncached; raises instead when ``require_cached_attention``."""
+    shown = "; ".join(f"{k}: {v}" for k, v in list(left.items())[:3]) + (f"; +{len(left) - 3} more" if len(left) > 3 else "")
+    text = (f"{len(left)} attention node(s) left without a KV cache -- generate re-runs the whole sequence "
+            f"every step (uncached, full re-forward) -- {shown}")
+    if require:
+        raise ValueError(text + ". Canonicalize them (see the pattern_matcher stage's matches) or set "
+                         "insert_cached_attention.require_cached_attention=false to run them uncached.")
+    return text
+
+
 @register("insert_cached_attention")
 class InsertCachedAttention(Transform):
     """Rewrite every canonical attention op into the backend's paged cached attention op."""
@@ -143,9 +178,23 @@ class InsertCachedAttention(Transform):
             )
         nodes = _attention_nodes(gm)
         if not nodes:
+            left = uncached_attention(gm)
+            if left:
+                warning = _refuse_or_report(left, self.config.require_cached_attention)
+                return gm, TransformInfo(num_matches=0, skip_reason=warning,
+                                         details={"uncached_attention": left, "warning": warning})
             return gm, TransformInfo(
                 num_matches=0, skip_reason="no torch_attention nodes (run the pattern_matcher stage first)"
             )
+        names = {n.name for n in nodes}
+        left = {k: v for k, v in uncached_attention(gm).items() if k not in names}
+        if left:  # some layers would be cached and others not: those would attend to the new tokens only
+            raise ValueError(
+                f"{len(left)} attention node(s) are not canonical attention while {len(nodes)} are: a cached graph "
+                f"would feed those layers only each step's new tokens (wrong results, not just slow): "
+                + "; ".join(f"{k}: {v}" for k, v in list(left.items())[:3])
+                + ". Canonicalize them in the pattern_matcher stage, or disable insert_cached_attention "
+                "(and the cache stage) to run the model uncached.")
         device = ctx.device
         backend, op = resolve_backend(self.config.backend, device)
         _check_shapes(ATTENTION_BACKENDS.get(backend), nodes)  # all layers, before the graph changes
@@ -165,4 +214,4 @@ class InsertCachedAttention(Transform):
         return gm, TransformInfo(num_matches=len(nodes), is_clean=True, has_valid_shapes=True, details=details)
 
 
-__all__ = ["InsertCachedAttention", "rewrite_attention"]
+__all__ = ["InsertCachedAttention", "rewrite_attention", "uncached_attention"]
