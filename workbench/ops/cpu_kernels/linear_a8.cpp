@@ -80,20 +80,26 @@ WB_VNNI inline float offset_dot(const at::Half* o, const float* s, int64_t n) {
   return _mm512_reduce_add_ps(acc);
 }
 
-// One block b of W's row into acc[t] for the T rows of x: the codes, one VNNI dot product per x row.
-template <int T>
-WB_VNNI __attribute__((always_inline)) inline void block_dot(__m256 (&acc)[T], const uint8_t* row, float dw,
-                                                              const int8_t* xq, const float* xd, int64_t K,
-                                                              int64_t blocks, int64_t b) {
+WB_VNNI __attribute__((always_inline)) inline __m256i codes(const uint8_t* row, int64_t b) {
+  // the 32 codes of block b in x's order: weights j (low nibbles) then j + 16 (high nibbles)
   const __m128i low4 = _mm_set1_epi8(0x0f);
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-  // codes 0..15 in x's order: weights j (low nibbles) then j + 16 (high nibbles)
-  const __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(bytes, low4)),
-                                            _mm_and_si128(_mm_srli_epi16(bytes, 4), low4), 1);
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(bytes, low4)),
+                                 _mm_and_si128(_mm_srli_epi16(bytes, 4), low4), 1);
+}
+
+// Block b of two rows of W (w0, w1) into their accumulators for the T rows of x: each x block is
+// loaded once for both rows; ds0/ds1[t * blocks + b] = d_w * d_x, precomputed per row.
+template <int T>
+WB_VNNI __attribute__((always_inline)) inline void pair_block(__m256 (&a0)[T], __m256 (&a1)[T], __m256i w0, __m256i w1,
+                                                               const int8_t* xq, const float* ds0, const float* ds1,
+                                                               int64_t K, int64_t blocks, int64_t b) {
   for (int t = 0; t < T; ++t) {
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * K + b * 32));
-    const __m256i isum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
-    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw * xd[t * blocks + b]), acc[t]);
+    const __m256i i0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w0, xv);
+    const __m256i i1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w1, xv);
+    a0[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(ds0 + t * blocks + b), a0[t]);
+    a1[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_broadcast_ss(ds1 + t * blocks + b), a1[t]);
   }
 }
 
@@ -103,29 +109,54 @@ WB_VNNI inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 }
 
-// y[m0:m0+T, n] for rows n in [n0, n1): one pass over those rows of W.
+// ds[t * blocks + b] = d_w(row, b) * d_x(t, b): one multiply per block, vectorised, outside the dot loop.
+WB_VNNI inline void block_scales(const at::Half* srow, const float* xd, float* ds, int T, int64_t blocks,
+                                 int64_t per_group) {
+  if (per_group == 1) {
+    for (int t = 0; t < T; ++t) {
+      int64_t b = 0;
+      for (; b + 16 <= blocks; b += 16)
+        _mm512_storeu_ps(ds + t * blocks + b, _mm512_mul_ps(
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(srow + b))),
+            _mm512_loadu_ps(xd + t * blocks + b)));
+      for (; b < blocks; ++b) ds[t * blocks + b] = _cvtsh_ss(srow[b].x) * xd[t * blocks + b];
+    }
+    return;
+  }
+  for (int t = 0; t < T; ++t)
+    for (int64_t b = 0; b < blocks; ++b) ds[t * blocks + b] = _cvtsh_ss(srow[b / per_group].x) * xd[t * blocks + b];
+}
+
+// y[m0:m0+T, n] for rows n in [n0, n1): one pass over those rows of W, two rows at a time.
 template <int T>
 WB_VNNI void tile(const uint8_t* qw, const at::Half* sc, const at::Half* of, const QuantizedRows& xq, float* y,
                   int64_t K, int64_t N, int64_t group, int64_t m0, int64_t n0, int64_t n1) {
   const int64_t blocks = K / 32, groups = K / group, per_group = group / 32;
   const int8_t* xq0 = xq.q.data() + m0 * K;
   const float* xd0 = xq.d.data() + m0 * blocks;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = qw + n * (K / 2);
-    const at::Half* srow = sc + n * groups;
-    // two accumulators per x row (even / odd blocks): otherwise the FMA chain's latency bounds
-    // a single-row pass
-    __m256 even[T], odd[T];
-    for (int t = 0; t < T; ++t) even[t] = odd[t] = _mm256_setzero_ps();
+  std::vector<float> scales(2 * T * blocks);
+  float* ds0 = scales.data();
+  float* ds1 = ds0 + T * blocks;
+  for (int64_t n = n0; n < n1; n += 2) {
+    const int64_t r1 = std::min(n + 1, n1 - 1);  // an odd last row is computed twice, stored once
+    const uint8_t* row0 = qw + n * (K / 2);
+    const uint8_t* row1 = qw + r1 * (K / 2);
+    block_scales(sc + n * groups, xd0, ds0, T, blocks, per_group);
+    block_scales(sc + r1 * groups, xd0, ds1, T, blocks, per_group);
+    // even / odd block accumulators per row: four independent FMA chains at T = 1
+    __m256 e0[T], o0[T], e1[T], o1[T];
+    for (int t = 0; t < T; ++t) e0[t] = o0[t] = e1[t] = o1[t] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= blocks; b += 2) {
-      block_dot<T>(even, row, _cvtsh_ss(srow[b / per_group].x), xq0, xd0, K, blocks, b);
-      block_dot<T>(odd, row, _cvtsh_ss(srow[(b + 1) / per_group].x), xq0, xd0, K, blocks, b + 1);
+      pair_block<T>(e0, e1, codes(row0, b), codes(row1, b), xq0, ds0, ds1, K, blocks, b);
+      pair_block<T>(o0, o1, codes(row0, b + 1), codes(row1, b + 1), xq0, ds0, ds1, K, blocks, b + 1);
     }
-    if (b < blocks) block_dot<T>(even, row, _cvtsh_ss(srow[b / per_group].x), xq0, xd0, K, blocks, b);
+    if (b < blocks) pair_block<T>(e0, e1, codes(row0, b), codes(row1, b), xq0, ds0, ds1, K, blocks, b);
     for (int t = 0; t < T; ++t) {
       const int64_t m = m0 + t;
-      y[m * N + n] = hsum(_mm256_add_ps(even[t], odd[t])) + offset_dot(of + n * groups, xq.s.data() + m * groups, groups);
+      const float* sx = xq.s.data() + m * groups;
+      y[m * N + n] = hsum(_mm256_add_ps(e0[t], o0[t])) + offset_dot(of + n * groups, sx, groups);
+      if (r1 != n) y[m * N + r1] = hsum(_mm256_add_ps(e1[t], o1[t])) + offset_dot(of + r1 * groups, sx, groups);
     }
   }
 }
