@@ -73,11 +73,19 @@ FINEGRAINED_FP8_SWIGLU_PATTERNS = (
 )
 
 
-def _with_reason(result, op: str):
-    gm, info = result
+def match_quantized_swiglu(gm, patterns, linear_op, quantize_key: str, checkpoint: str):
+    """Run ``patterns`` (three ``linear_op`` nodes around silu * mul -> one quantized SwiGLU op); 0 matches
+    come with the reason: no such linears at all (``quantize_key`` did not run or found nothing), or none
+    in the SwiGLU shape."""
+    name = str(linear_op).rsplit(".", 1)[0].replace("workbench.", "")
+    if not any(n.target is linear_op for n in gm.graph.nodes):
+        gm, info = match_info(gm, {p.name: 0 for p in patterns})
+        return gm, info.model_copy(update={"skip_reason": f"no {name} nodes (run {quantize_key} on an "
+                                                          f"{checkpoint} checkpoint first)"})
+    gm, info = match_info(gm, PatternMatcher(patterns).apply(gm))
     if info.num_matches:
         return gm, info
-    return gm, info.model_copy(update={"skip_reason": f"no silu(gate) * up MLP of three bias-free {op} nodes "
+    return gm, info.model_copy(update={"skip_reason": f"no silu(gate) * up MLP of three bias-free {name} nodes "
                                                       "(with the same block sizes) in the graph"})
 
 
@@ -86,11 +94,8 @@ class MatchNvfp4SwigluPattern(Transform):
     """Three NVFP4 linears around silu-and-multiply -> ``torch_nvfp4_swiglu_mlp``."""
 
     def _apply(self, gm, ctx):
-        if not any(n.target is wb.torch_nvfp4_linear.default for n in gm.graph.nodes):
-            gm, info = match_info(gm, {"nvfp4_swiglu": 0})
-            return gm, info.model_copy(update={"skip_reason": "no torch_nvfp4_linear nodes (run "
-                                                              "quantize_nvfp4_linear_from_config on an NVFP4 checkpoint first)"})
-        return _with_reason(match_info(gm, PatternMatcher(NVFP4_SWIGLU_PATTERNS).apply(gm)), "torch_nvfp4_linear")
+        return match_quantized_swiglu(gm, NVFP4_SWIGLU_PATTERNS, wb.torch_nvfp4_linear.default,
+                                      "quantize_nvfp4_linear_from_config", "NVFP4")
 
 
 @register("match_finegrained_fp8_swiglu_pattern")
@@ -98,13 +103,8 @@ class MatchFinegrainedFp8SwigluPattern(Transform):
     """Three fine-grained FP8 linears around silu-and-multiply -> ``torch_finegrained_fp8_swiglu_mlp``."""
 
     def _apply(self, gm, ctx):
-        if not any(n.target is wb.torch_finegrained_fp8_linear.default for n in gm.graph.nodes):
-            gm, info = match_info(gm, {"finegrained_fp8_swiglu": 0})
-            return gm, info.model_copy(update={"skip_reason": "no torch_finegrained_fp8_linear nodes (run "
-                                                              "quantize_finegrained_fp8_linear_from_config on an "
-                                                              "FP8_BLOCK checkpoint first)"})
-        return _with_reason(match_info(gm, PatternMatcher(FINEGRAINED_FP8_SWIGLU_PATTERNS).apply(gm)),
-                            "torch_finegrained_fp8_linear")
+        return match_quantized_swiglu(gm, FINEGRAINED_FP8_SWIGLU_PATTERNS, wb.torch_finegrained_fp8_linear.default,
+                                      "quantize_finegrained_fp8_linear_from_config", "FP8_BLOCK")
 
 
 __all__ = ["NVFP4_SWIGLU_PATTERNS", "FINEGRAINED_FP8_SWIGLU_PATTERNS", "MatchNvfp4SwigluPattern",
