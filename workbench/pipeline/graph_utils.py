@@ -48,14 +48,6 @@ def lazy_graph_module(root, graph: fx.Graph, class_name: str = "GraphModule") ->
     return _LazyGraphModule(root, graph, class_name=class_name)
 
 
-def force_recompile(gm: fx.GraphModule) -> None:
-    """Generate ``gm``'s code now if it is stale (before handing the module to a tracer or compiler
-    that reads ``forward`` without calling it)."""
-    real = getattr(gm, "real_recompile", None)
-    if real is not None:
-        real()
-
-
 def canonicalize_graph(gm: fx.GraphModule) -> None:
     """Dead-code elimination, lint and recompile: the 'clean graph' the flags talk about.
 

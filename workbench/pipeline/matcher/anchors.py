@@ -13,6 +13,7 @@ not in the graph, the pattern cannot match and is not traced; otherwise it is tr
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -27,6 +28,7 @@ from ...cache_dir import cache_root
 _FILE = ("patterns", "anchors.json")
 
 
+@functools.lru_cache(maxsize=None)  # per pattern object, like engine.traced_pattern: they are module constants
 def pattern_key(pattern: Any) -> Optional[str]:
     """A key of everything ``pattern``'s trace depends on, or None when its source is unavailable."""
     fn = pattern.search

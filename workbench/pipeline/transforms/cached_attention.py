@@ -128,12 +128,29 @@ def _check_shapes(backend: AttentionBackend, nodes: List[fx.Node]) -> None:
 
 
 # Attention spelled in ops the cache cannot serve, and why each is left (see ``uncached_attention``).
-_LEFT_OVER = {
-    aten.scaled_dot_product_attention.default: "SDPA the pattern matcher did not canonicalize (an explicit "
-    "mask, soft-capping, sinks or a layout it does not know)",
-    aten._softmax.default: "an eager softmax (matmul + softmax attention the pattern matcher did not canonicalize)",
-    aten.softmax.int: "an eager softmax (matmul + softmax attention the pattern matcher did not canonicalize)",
-}
+_SDPA_LEFT = ("SDPA the pattern matcher did not canonicalize (an explicit mask, soft-capping, sinks or a "
+              "layout it does not know)")
+_EAGER_LEFT = "an eager softmax over q @ k^T (matmul + softmax attention the pattern matcher did not canonicalize)"
+_SOFTMAX = (aten._softmax.default, aten.softmax.int)
+_SCORES = (aten.matmul.default, aten.bmm.default, aten.einsum.default)
+# what may stand between the q @ k^T product and the softmax: scaling, masking, soft-capping, casts
+_ON_SCORES = (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.tanh.default, aten.to.dtype,
+              aten._to_copy.default)
+
+
+def _softmax_over_scores(node: fx.Node, depth: int = 6) -> bool:
+    """Whether a softmax's input is a matmul reached through elementwise score ops: attention, not the
+    softmax of an MoE router (which reads a linear)."""
+    x = node.args[0] if node.args else None
+    for _ in range(depth):
+        if not isinstance(x, fx.Node) or x.op != "call_function":
+            return False
+        if x.target in _SCORES:
+            return True
+        if x.target not in _ON_SCORES:
+            return False
+        x = x.args[0]
+    return False
 
 
 def uncached_attention(gm: fx.GraphModule) -> Dict[str, str]:
@@ -146,8 +163,10 @@ def uncached_attention(gm: fx.GraphModule) -> Dict[str, str]:
         if node.target is torch.ops.workbench.torch_attention.default:
             left[node.name] = "canonical attention not made cached: " + (
                 _unsupported(dict(named_args(node))) or "insert_cached_attention did not run on it")
-        elif node.target in _LEFT_OVER:
-            left[node.name] = _LEFT_OVER[node.target]
+        elif node.target is aten.scaled_dot_product_attention.default:
+            left[node.name] = _SDPA_LEFT
+        elif node.target in _SOFTMAX and _softmax_over_scores(node):
+            left[node.name] = _EAGER_LEFT
     return left
 
 

@@ -275,8 +275,7 @@ class FuseSwiGLU(Transform):
 
     def _apply(self, gm, ctx):
         nodes = _nodes(gm, wb.torch_swiglu_mlp.default)
-        split_forms = sum(1 for n in gm.graph.nodes if n.op == "call_function" and split_silu_mul(n) is not None)
-        if not nodes and not split_forms:
+        if not nodes and not any(n.op == "call_function" and split_silu_mul(n) is not None for n in gm.graph.nodes):
             return rewrite_info(gm, 0, {"note": "no torch_swiglu_mlp nodes (run match_swiglu_pattern first) and "
                                                 "no fused gate/up GEMM followed by silu * mul"})
         backend, why = pick_fusion_backend("silu_mul", self.config.backend, ctx.device, f"{self.key}.backend")

@@ -84,13 +84,13 @@ class LinearWeightLayout(Transform):
     config_class = LinearWeightLayoutConfig
 
     def _apply(self, gm, ctx) -> Tuple[fx.GraphModule, TransformInfo]:
+        from ...ops import cpu_kernels
+
         device = torch.device(ctx.device)
         layout = self.config.layout
         auto = layout == "auto"
         note = ""
         if auto and device.type == "cpu":
-            from ...ops import cpu_kernels
-
             ok, why = cpu_kernels.is_available(device)
             layout, note = ("kernel", "") if ok else ("wxt", f"CPU kernels unavailable: {why}")
         elif auto:
@@ -108,7 +108,7 @@ class LinearWeightLayout(Transform):
                 info.details["auto"] = note
             if quantized:
                 info.details["int4_activations"] = self.config.int4_activations
-                if self.config.int4_activations == "int8" and not _vnni():
+                if self.config.int4_activations == "int8" and not cpu_kernels.has_vnni():
                     info.details["int4_activations"] = "fp32 (int8 asked: this CPU has no AVX512-VNNI)"
             return gm, info
         done: Dict[str, str] = {}  # original weight target -> transposed target (shared weights once)
@@ -179,12 +179,6 @@ QUANTIZED_KERNELS = {  # canonical op -> (CPU kernel op name, index of the scale
 }
 
 
-def _vnni() -> bool:
-    from ...ops import cpu_kernels
-
-    return cpu_kernels.has_vnni()
-
-
 def _kernels_or_raise(device: torch.device) -> None:
     from ...ops import cpu_kernels
 
@@ -209,7 +203,7 @@ def _to_quantized_kernels(gm: fx.GraphModule, device: torch.device, int4_activat
         if node.op != "call_function" or node.target not in table:
             continue
         kernel, scale_args = table[node.target]
-        if kernel == "cpu_int4_linear" and int4_activations == "int8" and _vnni():
+        if kernel == "cpu_int4_linear" and int4_activations == "int8" and cpu_kernels.has_vnni():
             kernel = "cpu_int4_linear_a8"
         x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
         if getattr(x, "dtype", None) != torch.float32:

@@ -76,7 +76,10 @@ def _fake_quant(node: Any, op: Any) -> Optional[Tuple[fx.Node, str]]:
     return (node.args[0], amax) if amax is not None else None
 
 
-def _fold(gm: fx.GraphModule, ctx, key: str, fake_op: Any, fold) -> Tuple[fx.GraphModule, TransformInfo]:
+def _fold(gm: fx.GraphModule, ctx, key: str, fake_op: Any, fold, fmt: str) -> Tuple[fx.GraphModule, TransformInfo]:
+    if not any(n.target is fake_op for n in gm.graph.nodes):
+        return nothing_to_do(gm, f"no {fake_op.name().split('::')[-1]} nodes in the graph (the model has no {fmt} "
+                                 "ModelOpt-style quantizers attached)")
     t = GraphTensors(gm, None, ctx.weights)
     done: List[str] = []
     left: List[str] = []
@@ -153,10 +156,7 @@ class QuantizeFp8FromGraph(Transform):
     """``linear(fake_quant_fp8(x), fake_quant_fp8(W))`` -> ``torch_fp8_linear`` (weight quantized at load)."""
 
     def _apply(self, gm, ctx):
-        if not any(n.target is wb.torch_fake_quant_fp8.default for n in gm.graph.nodes):
-            return nothing_to_do(gm, "no torch_fake_quant_fp8 nodes in the graph (the model has no FP8 "
-                                     "ModelOpt-style quantizers attached)")
-        return _fold(gm, ctx, self.key, wb.torch_fake_quant_fp8.default, _FP8Fold())
+        return _fold(gm, ctx, self.key, wb.torch_fake_quant_fp8.default, _FP8Fold(), "FP8")
 
 
 @register("quantize_nvfp4_from_graph")
@@ -164,10 +164,7 @@ class QuantizeNvfp4FromGraph(Transform):
     """``linear(fake_quant_nvfp4(x), fake_quant_nvfp4(W))`` -> ``torch_nvfp4_linear`` (weight quantized at load)."""
 
     def _apply(self, gm, ctx):
-        if not any(n.target is wb.torch_fake_quant_nvfp4.default for n in gm.graph.nodes):
-            return nothing_to_do(gm, "no torch_fake_quant_nvfp4 nodes in the graph (the model has no NVFP4 "
-                                     "ModelOpt-style quantizers attached)")
-        return _fold(gm, ctx, self.key, wb.torch_fake_quant_nvfp4.default, _NVFP4Fold())
+        return _fold(gm, ctx, self.key, wb.torch_fake_quant_nvfp4.default, _NVFP4Fold(), "NVFP4")
 
 
 __all__ = ["QuantizeFp8FromGraph", "QuantizeNvfp4FromGraph", "fp8_weight_from_amax", "fp8_scale_from_amax",
