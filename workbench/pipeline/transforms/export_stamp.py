@@ -102,8 +102,10 @@ def _rename(value: Any, path: str, src: int, dst: int) -> Any:
 
 
 def _renamed_stack(stack: Dict[str, Tuple[str, Any]], path: str, src: int, dst: int) -> Dict[str, Tuple[str, Any]]:
-    return {_rename(k.replace("L__self__", "L__self__\0"), path, src, dst).replace("\0", ""): (_rename(fqn, path, src, dst), t)
-            for k, (fqn, t) in stack.items()}
+    """Export's module stack of a layer-``src`` node, for layer ``dst``: the paths and the keys built
+    from them (``L__self__<path>``)."""
+    in_key = re.compile(rf"{re.escape(path)}\.{src}(?=\.|$)")
+    return {in_key.sub(f"{path}.{dst}", k): (_rename(fqn, path, src, dst), t) for k, (fqn, t) in stack.items()}
 
 
 def _leaf_equal(a: Any, b: Any) -> bool:
