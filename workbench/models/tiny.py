@@ -45,6 +45,8 @@ if TYPE_CHECKING:  # transformers is imported lazily: it costs ~2 s.
 
 TinyBuilder = Callable[[], "PretrainedConfig"]
 
+from .tiny_families import FAMILY_ARCHS  # noqa: E402  (builders only: no transformers import)
+
 #: Sizes shared by every tiny arch (see module docstring for the reasoning).
 COMMON: dict = dict(
     hidden_size=64,
@@ -107,6 +109,8 @@ TINY_ARCHS: dict[str, TinyBuilder] = {
     "qwen3": _qwen3,
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
+    # SSM / hybrid, delta-rule, MLA and mRoPE families (one module per mechanism)
+    **FAMILY_ARCHS,
 }
 
 

@@ -13,6 +13,7 @@ from typing import Callable, ContextManager, Dict, Iterator, List
 import torch
 
 from ..._compat import hf_packed_sequence_detection_disabled
+from ...models.canonical import MODULE_PATCHES, ModulePatch, swap_forwards
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,10 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
+def _module_patch_enter(patch: ModulePatch) -> Callable[[torch.nn.Module], ContextManager]:
+    return lambda model: swap_forwards(model, patch)
+
+
 EXPORT_PATCHES: Dict[str, ExportPatch] = {
     p.name: p
     for p in [
@@ -57,6 +62,11 @@ EXPORT_PATCHES: Dict[str, ExportPatch] = {
         ),
     ]
 }
+# Canonical forwards of HF modules no graph pattern can recover (SSM mixers, delta-rule layers, MLA):
+# see ``workbench.models.canonical``. On by default; each touches only modules of its own classes.
+EXPORT_PATCHES.update({
+    p.name: ExportPatch(p.name, p.description, True, _module_patch_enter(p)) for p in MODULE_PATCHES
+})
 
 
 def resolve_patches(overrides: Dict[str, bool]) -> List[ExportPatch]:

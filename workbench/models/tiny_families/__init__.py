@@ -1,0 +1,11 @@
+"""Tiny random configs of the families behind the cache kinds beyond paged attention: SSM (Mamba-2
+and its attention hybrids), delta rule / gated delta rule, MLA, mRoPE. One module per mechanism,
+each an ``ARCHS`` dict of ``name -> builder`` in the style of ``workbench.models.tiny``."""
+
+from __future__ import annotations
+
+from . import delta_rule, mla, mrope, ssm
+
+FAMILY_ARCHS: dict = {**ssm.ARCHS, **delta_rule.ARCHS, **mla.ARCHS, **mrope.ARCHS}
+
+__all__ = ["FAMILY_ARCHS"]
