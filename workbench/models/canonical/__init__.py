@@ -15,7 +15,7 @@ becomes ``forward`` of each such instance, for the duration of one export only (
 restores every instance afterwards). They are switchable by name like every export patch
 (``export_to_gm.patches: {canonical_mamba2_mixer: false}`` exports HF's own spelling).
 
-One module per mechanism family (ssm.py, delta_rule.py, mla.py, mrope.py), each exporting
+One module per mechanism family (conv.py, ssm.py, delta_rule.py, mla.py, mrope.py), each exporting
 ``PATCHES``; ``MODULE_PATCHES`` is their union, read by ``pipeline/transforms/export_patches.py``.
 """
 
@@ -62,9 +62,9 @@ def swap_forwards(model: torch.nn.Module, patch: ModulePatch) -> Iterator[int]:
 
 
 def _collect() -> Tuple[ModulePatch, ...]:
-    from . import delta_rule, mla, mrope, ssm
+    from . import conv, delta_rule, mla, mrope, ssm
 
-    patches = (*ssm.PATCHES, *delta_rule.PATCHES, *mla.PATCHES, *mrope.PATCHES)
+    patches = (*conv.PATCHES, *ssm.PATCHES, *delta_rule.PATCHES, *mla.PATCHES, *mrope.PATCHES)
     names = [p.name for p in patches]
     if len(set(names)) != len(names):
         raise RuntimeError(f"duplicate canonical module patch names: {names}")
