@@ -5,4 +5,4 @@ Every op is a ``torch.library.custom_op`` with its fake (meta) implementation ri
 a plain-PyTorch reference implementation that runs on CPU.
 """
 
-from . import attention, mlp, moe, normalization, quant, rope  # noqa: F401
+from . import attention, mlp, moe, normalization, quant, rope, state  # noqa: F401

@@ -22,7 +22,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 from torch.utils import _pytree as pytree
 
-from ..runtime.interface import INPUT_KEY, METADATA_INPUTS, CacheSpec
+from ..runtime.interface import INPUT_KEY, METADATA_INPUTS, PAGED, SLOT, SLOT_INPUT, CacheSpec
 
 # node.meta key: detect_hidden_states_for_capture marks a layer's output hidden state with its layer
 # index; insert_cached_residual_add writes every marked one into a per-token cache.
@@ -116,10 +116,18 @@ def per_sequence_input(gm: fx.GraphModule, key: str, dtype: torch.dtype, device:
     return add_graph_input(gm, key, _fake(gm, (_symbol(gm, "num_seqs", 3),), dtype, device))
 
 
+def slot_input(gm: fx.GraphModule, device: torch.device) -> fx.Node:
+    """``slot_idx [num_seqs] int32`` (created once per graph): each sequence's row of the SLOT states."""
+    return find_input(gm, SLOT_INPUT) or per_sequence_input(gm, SLOT_INPUT, torch.int32, device)
+
+
 def cache_input(gm: fx.GraphModule, spec: CacheSpec, dtype: torch.dtype, device: torch.device) -> fx.Node:
-    """A cache placeholder: [num_pages, page_size, *shape] (paged) or [max_num_tokens, *shape]."""
-    if spec.kind == "paged":
+    """A cache placeholder: [num_pages, page_size, *shape] (paged), [num_slots, *shape] (per-sequence
+    state) or [max_num_tokens, *shape] (per-step buffer)."""
+    if spec.kind == PAGED:
         lead = (_symbol(gm, "num_pages", 7), _symbol(gm, "page_size", 11))
+    elif spec.kind == SLOT:
+        lead = (_symbol(gm, "num_slots", 5),)
     else:
         lead = (_symbol(gm, "max_num_tokens", 13),)
     return add_graph_input(gm, spec.name, _fake(gm, (*lead, *spec.shape), spec.dtype or dtype, device))
@@ -127,4 +135,5 @@ def cache_input(gm: fx.GraphModule, spec: CacheSpec, dtype: torch.dtype, device:
 
 __all__ = [
     "CAPTURE_KEY", "graph_fake_mode", "find_input", "add_graph_input", "metadata_inputs", "per_sequence_input", "cache_input",
+    "slot_input",
 ]

@@ -80,6 +80,7 @@ class CompiledRunner(CachedRunner):
         if num_tokens > self.cfg.page_size:
             raise ValueError(f"a scratch prefill fits one page ({self.cfg.page_size} tokens), not {num_tokens}")
         self.seq_info.set_batch([list(range(1, num_tokens + 1))], [0], [[self.scratch_page]], num_prefill=1,
+                                slots=[self.cfg.scratch_slot],
                                 page_size=self.cfg.page_size)
         with torch.no_grad():
             if fn is not None:
@@ -96,7 +97,7 @@ class CompiledRunner(CachedRunner):
     def set_scratch_decode(self, batch_size: int, token_id: int = 0) -> None:
         """``batch_size`` decode sequences at position 0, all on the scratch page (warm-up, checks)."""
         self.seq_info.set_batch([[token_id]] * batch_size, [0] * batch_size, [[self.scratch_page]] * batch_size,
-                                num_prefill=0, page_size=self.cfg.page_size)
+                                num_prefill=0, page_size=self.cfg.page_size, slots=[self.cfg.scratch_slot] * batch_size)
 
     def scratch_decode_logits(self, batch_size: int, fn: Optional[Callable[..., Any]] = None) -> torch.Tensor:
         """Logits [B, V] of a scratch decode step through ``fn`` (default: this runner's forward)."""
@@ -168,7 +169,8 @@ class CudaGraphRunner(CompiledRunner):
         tokens = [r.tokens[r.num_cached: r.num_cached + 1] for r, _ in step.items] + [[0]] * (padded - b)
         pos = [r.num_cached for r, _ in step.items] + [0] * (padded - b)
         pages = [sched.pages(r) for r, _ in step.items] + [[self.scratch_page]] * (padded - b)
-        self.seq_info.set_batch(tokens, pos, pages, num_prefill=0, page_size=self.cfg.page_size)
+        slots = [sched.slot(r) for r, _ in step.items] + [self.cfg.scratch_slot] * (padded - b)
+        self.seq_info.set_batch(tokens, pos, pages, num_prefill=0, page_size=self.cfg.page_size, slots=slots)
         self.graphs[padded].replay()
         self.replays += 1
         return self.outputs[padded][:, :padded]

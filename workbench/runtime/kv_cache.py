@@ -3,7 +3,11 @@
 Three small pieces, kept apart because they change at different times:
 
 * ``CacheSpec`` -- one cache tensor a cached graph reads (declared by the transform that adds the
-  graph input, e.g. ``insert_cached_attention``): its name, kind and per-token shape. Immutable.
+  graph input, e.g. ``insert_cached_attention``): its name, kind and per-token (or per-sequence)
+  shape. Immutable. Three kinds: ``PAGED`` K/V pages shared by all sequences through page tables;
+  ``SLOT`` per-sequence state (SSM / conv / delta-rule state, the mRoPE delta): one row per
+  sequence slot, ``[num_slots, *shape]``, whatever the sequence's length; ``PER_TOKEN`` per-step
+  buffers (captured hidden states).
 * ``KVCacheConfig`` -- the pool's geometry (page size, number of pages, dtype) and the runtime
   limits it was sized for (max sequences, max tokens per sequence, max tokens per step).
   ``initialize_cache`` creates one with conservative capacity; ``resize_kv_cache`` replaces it.
@@ -26,6 +30,8 @@ import torch
 
 PAGED = "paged"  # [num_pages, page_size, *shape]: K or V of one attention layer
 PER_TOKEN = "token"  # [max_num_tokens, *shape]: a per-step buffer (captured hidden states)
+SLOT = "slot"  # [num_slots, *shape]: per-sequence recurrent state, one row per sequence slot
+CACHE_KINDS = (PAGED, PER_TOKEN, SLOT)
 
 
 @dataclass(frozen=True)
@@ -34,13 +40,13 @@ class CacheSpec:
 
     name: str
     kind: str  # PAGED | PER_TOKEN
-    shape: Tuple[int, ...]  # per-token trailing shape, e.g. (num_kv_heads, head_dim)
+    shape: Tuple[int, ...]  # per-token (PAGED, PER_TOKEN) or per-sequence (SLOT) trailing shape
     dtype: Optional[torch.dtype] = None  # None: the KV-cache dtype of the config
     layer: Optional[int] = None  # decoder layer (for display)
 
     def __post_init__(self):
-        if self.kind not in (PAGED, PER_TOKEN):
-            raise ValueError(f"CacheSpec {self.name}: kind must be {PAGED!r} or {PER_TOKEN!r}, got {self.kind!r}")
+        if self.kind not in CACHE_KINDS:
+            raise ValueError(f"CacheSpec {self.name}: kind must be one of {CACHE_KINDS}, got {self.kind!r}")
 
     def token_elems(self) -> int:
         return math.prod(self.shape)
@@ -48,7 +54,12 @@ class CacheSpec:
     def tensor_shape(self, cfg: "KVCacheConfig") -> Tuple[int, ...]:
         if self.kind == PAGED:
             return (cfg.num_pages, cfg.page_size, *self.shape)
+        if self.kind == SLOT:
+            return (cfg.num_slots, *self.shape)
         return (cfg.max_num_tokens, *self.shape)
+
+    def nbytes(self, cfg: "KVCacheConfig") -> int:
+        return math.prod(self.tensor_shape(cfg)) * self.resolved_dtype(cfg).itemsize
 
     def resolved_dtype(self, cfg: "KVCacheConfig") -> torch.dtype:
         return self.dtype or cfg.dtype
@@ -76,6 +87,16 @@ class KVCacheConfig:
         return -(-self.max_seq_len // self.page_size)
 
     @property
+    def num_slots(self) -> int:
+        """Rows of every SLOT state tensor: one per sequence in flight, plus the scratch slot that
+        compiled runners' warm-up and padding rows write (never handed to a sequence)."""
+        return self.max_batch_size + 1
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots - 1
+
+    @property
     def token_capacity(self) -> int:
         """Tokens the whole pool can hold (all sequences together)."""
         return self.num_pages * self.page_size
@@ -95,13 +116,22 @@ class KVCacheConfig:
 
     def per_token_bytes(self) -> int:
         """Bytes of the non-paged per-step buffers (independent of ``num_pages``)."""
-        return sum(
-            self.max_num_tokens * s.token_elems() * s.resolved_dtype(self).itemsize
-            for s in self.specs if s.kind == PER_TOKEN
-        )
+        return sum(s.nbytes(self) for s in self.specs if s.kind == PER_TOKEN)
+
+    def state_bytes_per_seq(self) -> int:
+        """Bytes of one sequence's SLOT state, all layers and kinds together (independent of its length)."""
+        return sum(s.token_elems() * s.resolved_dtype(self).itemsize for s in self.specs if s.kind == SLOT)
+
+    def slot_bytes(self) -> int:
+        """Bytes of every SLOT state tensor (``num_slots`` rows each; independent of ``num_pages``)."""
+        return self.num_slots * self.state_bytes_per_seq()
+
+    def fixed_bytes(self) -> int:
+        """Bytes that do not grow with the page pool: per-step buffers and per-sequence states."""
+        return self.per_token_bytes() + self.slot_bytes()
 
     def total_bytes(self) -> int:
-        return self.num_pages * self.bytes_per_page() + self.per_token_bytes()
+        return self.num_pages * self.bytes_per_page() + self.fixed_bytes()
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -121,6 +151,8 @@ class KVCacheConfig:
             "bytes_per_token": self.bytes_per_token(), "max_batch_size": self.max_batch_size,
             "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens,
             "num_cache_tensors": len(self.specs),
+            **({"state_bytes_per_seq": self.state_bytes_per_seq(), "num_slots": self.num_slots}
+               if any(s.kind == SLOT for s in self.specs) else {}),
         }
 
 
@@ -162,6 +194,43 @@ class CacheFullError(RuntimeError):
     """Not enough free pages for a request (the scheduler waits instead when others hold pages)."""
 
 
+class SlotAllocator:
+    """Free list of state slots (rows of every SLOT tensor), one per sequence in flight.
+
+    Lowest free slot first, so a fresh allocator is deterministic. A slot goes back on the list when
+    its sequence finishes and the next sequence may get the very same row: the stateful cached ops
+    start every sequence with ``input_pos == 0`` from a zero state, so what the row still holds
+    never leaks (the runtime does not need to clear it).
+    """
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._free: List[int] = list(range(num_slots - 1, -1, -1))
+        self._owned: Dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def slot(self, seq_id: int) -> int:
+        if seq_id not in self._owned:
+            raise KeyError(f"sequence {seq_id} holds no state slot")
+        return self._owned[seq_id]
+
+    def allocate(self, seq_id: int) -> int:
+        if seq_id in self._owned:
+            return self._owned[seq_id]
+        if not self._free:
+            raise CacheFullError(f"sequence {seq_id} needs a state slot, all {self.num_slots} are taken")
+        self._owned[seq_id] = self._free.pop()
+        return self._owned[seq_id]
+
+    def free(self, seq_id: int) -> None:
+        if seq_id in self._owned:
+            self._free.append(self._owned.pop(seq_id))
+            self._free.sort(reverse=True)
+
+
 class PageAllocator:
     """Free list of page ids; page ownership per sequence id.
 
@@ -198,6 +267,6 @@ class PageAllocator:
 
 
 __all__ = [
-    "PAGED", "PER_TOKEN", "CacheSpec", "KVCacheConfig", "allocate_caches", "add_specs", "PageAllocator",
+    "PAGED", "PER_TOKEN", "SLOT", "CACHE_KINDS", "SlotAllocator", "CacheSpec", "KVCacheConfig", "allocate_caches", "add_specs", "PageAllocator",
     "CacheFullError",
 ]

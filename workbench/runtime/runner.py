@@ -57,7 +57,7 @@ class CachedRunner:
         tokens = [r.tokens[r.num_cached: r.num_cached + n] for r, n in step.items]
         self.seq_info.set_batch(
             tokens, [r.num_cached for r, _ in step.items], [sched.pages(r) for r, _ in step.items],
-            num_prefill=step.num_prefill, page_size=self.cfg.page_size,
+            num_prefill=step.num_prefill, page_size=self.cfg.page_size, slots=[sched.slot(r) for r, _ in step.items],
         )
 
     def _inputs(self, **overrides: Any) -> List[Any]:

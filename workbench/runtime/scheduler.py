@@ -6,6 +6,10 @@ one token each, then prefills (a prompt, or the next chunk of a long one) fill t
 need are free -- so new prompts start while others are mid-decode, and a finished sequence's slot
 and pages go to the next prompt on the very next step.
 
+A sequence with per-sequence state (SSM / conv / delta-rule caches) also holds one state slot from
+admission to finish (``SlotAllocator``): at most ``max_batch_size`` run at once, so a slot is always
+free for an admitted sequence, and a finished sequence's slot is reused by the next one.
+
 Pages are reserved for a request's whole life when it is admitted (prompt + max_new_tokens,
 capped at ``max_seq_len``): a running sequence can then never run out of cache, and no
 preemption/recompute machinery is needed. The price is admitting fewer sequences than on-demand
@@ -18,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, FrozenSet, List, Optional, Tuple
 
-from .kv_cache import KVCacheConfig, PageAllocator
+from .kv_cache import KVCacheConfig, PageAllocator, SlotAllocator
 from .sampling import SamplingParams
 
 
@@ -79,6 +83,8 @@ class Scheduler:
     def __init__(self, cfg: KVCacheConfig, allocator: Optional[PageAllocator] = None):
         self.cfg = cfg
         self.allocator = allocator or PageAllocator(cfg.num_pages)
+        # every row but the scratch one (kept for compiled runners' padding rows)
+        self.slots = SlotAllocator(cfg.num_slots - 1)
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
 
@@ -114,6 +120,7 @@ class Scheduler:
                 break  # FIFO: later requests do not overtake the head
             self.waiting.popleft()
             self.allocator.allocate(id(req), pages)
+            self.slots.allocate(id(req))
             self.running.append(req)
             n = min(len(req.prompt), budget)
             prefill.append((req, n))
@@ -123,11 +130,16 @@ class Scheduler:
     def pages(self, req: Request) -> List[int]:
         return self.allocator.pages(id(req))
 
+    def slot(self, req: Request) -> int:
+        """The request's row of the per-sequence state tensors."""
+        return self.slots.slot(id(req))
+
     def finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
             self.allocator.free(id(req))
+            self.slots.free(id(req))
 
 
 __all__ = ["Request", "Step", "Scheduler"]

@@ -8,6 +8,9 @@ the rest one decode token each. Their tokens are laid back to back in one row::
     input_pos [B] int32              tokens already in the cache per sequence
     page_table [B, max_pages_per_seq] int32   page ids per sequence, in logical order
     num_prefill                      int; sequences 0..num_prefill-1 are prefill, the rest decode
+    slot_idx [B] int32               each sequence's row of the per-sequence state tensors (SLOT
+                                     caches: SSM / conv / delta-rule state); read only by graphs
+                                     with such caches
     last_token_index [B] int64       flattened index of each sequence's last new token (read by
                                      graphs that gather before the LM head)
 
@@ -21,13 +24,14 @@ Depends on torch only: the pipeline's cache transforms and the runtime both use 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 TOKEN_INPUTS = ("input_ids", "position_ids")
 METADATA_INPUTS = ("seq_lens", "input_pos", "page_table", "num_prefill")
 LAST_TOKEN_INPUT = "last_token_index"  # an input only of graphs that gather_logits_before_lm_head
+SLOT_INPUT = "slot_idx"  # an input only of graphs with per-sequence state caches (SLOT specs)
 # node.meta key on placeholders a cache transform added: the name the runtime feeds it by
 # (metadata name or cache resource key). Placeholder names may get suffixes; this key does not.
 INPUT_KEY = "wb_cache_input"
@@ -48,6 +52,7 @@ class SequenceInfo:
         self._input_pos = torch.zeros(max_batch_size, **i32)
         self._page_table = torch.zeros(max_batch_size, max_pages_per_seq, **i32)
         self._last_token = torch.zeros(max_batch_size, **i64)
+        self._slot_idx = torch.zeros(max_batch_size, **i32)
         self.num_seqs = self.num_tokens = self.num_prefill = 0
         self.seq_lens: List[int] = []
         self.input_pos: List[int] = []
@@ -68,15 +73,19 @@ class SequenceInfo:
         pages: Sequence[Sequence[int]],
         num_prefill: int,
         page_size: int,
+        slots: Optional[Sequence[int]] = None,
     ) -> None:
-        """Describe the next step: per sequence its new token ids, tokens already cached and pages.
+        """Describe the next step: per sequence its new token ids, tokens already cached and pages
+        (and its state slot; default: sequence i in slot i, which one-off forwards use).
 
         Prefill sequences come first (``num_prefill`` of them, any length >= 1), then decode
         sequences (exactly one token). Raises ``ValueError`` naming the sequence that breaks a limit.
         """
         b = len(tokens)
-        if not (len(input_pos) == len(pages) == b):
-            raise ValueError(f"tokens, input_pos and pages describe {b}, {len(input_pos)}, {len(pages)} sequences")
+        slots = list(range(b)) if slots is None else list(slots)
+        if not (len(input_pos) == len(pages) == len(slots) == b):
+            raise ValueError(f"tokens, input_pos, pages and slots describe {b}, {len(input_pos)}, {len(pages)}, "
+                             f"{len(slots)} sequences")
         if b > self.max_batch_size:
             raise ValueError(f"{b} sequences in one step, the buffers hold max_batch_size={self.max_batch_size}")
         if not 0 <= num_prefill <= b:
@@ -108,6 +117,7 @@ class SequenceInfo:
         self._page_table[:b].copy_(rows, non_blocking=True)
         ends = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0) - 1
         self._last_token[:b].copy_(ends, non_blocking=True)
+        self._slot_idx[:b].copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
         self.num_seqs, self.num_tokens, self.num_prefill = b, t_total, num_prefill
         self.seq_lens, self.input_pos = lens, list(input_pos)
 
@@ -122,6 +132,7 @@ class SequenceInfo:
             "page_table": self._page_table[:b],
             "num_prefill": self.num_prefill,
             LAST_TOKEN_INPUT: self._last_token[:b],
+            SLOT_INPUT: self._slot_idx[:b],
         }
 
     def padded_token_inputs(self, num_tokens: int) -> Dict[str, torch.Tensor]:
@@ -160,4 +171,4 @@ def is_cached_module(module: torch.nn.Module) -> bool:
     return "seq_lens" in module_input_names(module)
 
 
-__all__ = ["SequenceInfo", "TOKEN_INPUTS", "METADATA_INPUTS", "LAST_TOKEN_INPUT", "INPUT_KEY", "module_input_names", "is_cached_module"]
+__all__ = ["SequenceInfo", "TOKEN_INPUTS", "METADATA_INPUTS", "LAST_TOKEN_INPUT", "SLOT_INPUT", "INPUT_KEY", "module_input_names", "is_cached_module"]

@@ -30,6 +30,7 @@ from pydantic import Field, field_validator
 from ...models.dtypes import resolve_dtype
 from ...runtime.interface import KVCacheConfig, allocate_caches, prefill_forward
 from ..interface import Transform, TransformConfig, TransformInfo, register
+from ..state_cache import uncached_state_ops
 
 logger = logging.getLogger("workbench.pipeline")
 
@@ -86,6 +87,21 @@ def _no_specs(key: str) -> TransformInfo:
     )
 
 
+def _refuse_uncached_state(mod) -> None:
+    """A cached graph feeds each step's new tokens only: a recurrent op left uncached would restart
+    from nothing every step (wrong tokens, not just slow). Refuse, naming the transform to enable."""
+    if not isinstance(mod, torch.fx.GraphModule):
+        return
+    left = uncached_state_ops(mod)
+    if left:
+        keys = sorted(set(left.values()))
+        raise ValueError(
+            f"{len(left)} recurrent node(s) have no state cache while the graph is otherwise cached: "
+            f"{', '.join(list(left)[:4])}{' ...' if len(left) > 4 else ''}. Each step would feed them only the new "
+            f"tokens, without the state of earlier ones. Enable {', '.join(keys)} (or disable the whole cache_init "
+            "stage to run uncached).")
+
+
 @register("initialize_cache")
 class InitializeCache(Transform):
     """Allocate every declared cache with conservative capacity."""
@@ -97,6 +113,7 @@ class InitializeCache(Transform):
     def _apply(self, mod, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         if not ctx.cache.specs:
             return mod, _no_specs(self.key)
+        _refuse_uncached_state(mod)
         c: InitializeCacheConfig = self.config
         ctx.limits = ctx.limits.override(self.key, max_batch_size=c.max_batch_size, max_seq_len=c.max_seq_len,
                                          max_num_tokens=c.max_num_tokens, page_size=c.page_size)
@@ -107,7 +124,7 @@ class InitializeCache(Transform):
             max_batch_size=lim.max_batch_size, max_seq_len=lim.max_seq_len, max_num_tokens=lim.num_tokens,
             specs=tuple(ctx.cache.specs),
         )
-        cfg = cfg.with_pages(c.num_pages or conservative_pages(cfg))
+        cfg = cfg.with_pages(c.num_pages or (conservative_pages(cfg) if cfg.bytes_per_page() else cfg.pages_to_fill()))
         caches = allocate_caches(cfg, ctx.device)
         ctx.cache.tensors = {**ctx.cache.tensors, **caches}
         ctx.cache.config = cfg
@@ -185,8 +202,9 @@ class ResizeKVCache(Transform):
                 rss_growth_bytes=psutil.Process().memory_info().rss - rss, budget_bytes=c.cpu_budget_bytes
             )
             budget = c.cpu_budget_bytes
-        budget -= cfg.per_token_bytes()
-        pages = min(budget // cfg.bytes_per_page(), cfg.pages_to_fill())
+        budget -= cfg.fixed_bytes()
+        # a model without paged caches (pure SSM) pays nothing per page: its "pages" only count tokens
+        pages = min(budget // cfg.bytes_per_page(), cfg.pages_to_fill()) if cfg.bytes_per_page() else cfg.pages_to_fill()
         if pages < cfg.max_pages_per_seq:
             logger.warning(
                 "[stage=%s, transform=%s] the KV-cache budget holds %d pages (%d tokens), less than one "

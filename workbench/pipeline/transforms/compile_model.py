@@ -19,6 +19,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from ...ops.backends import ATTENTION_BACKENDS
+from ...ops.state import stateful_ops
 from ...runtime.interface import COMPILE_BACKENDS, BuildRequest, is_cached_module, module_input_names
 from ..interface import Transform, TransformConfig, TransformInfo, register
 from ..memory import EXPECTED_MEM_CHANGE
@@ -118,6 +119,15 @@ def attention_backend_of(gm: torch.nn.Module, declared: Optional[str]) -> Option
     return None
 
 
+def cached_state_ops_in(gm: torch.nn.Module) -> List[str]:
+    """Cached per-sequence-state ops the graph calls (conv / SSM / delta rule): their torch references
+    read sequence lengths on the host, so CUDA graphs cannot capture them yet."""
+    cached = {q for op in stateful_ops().values() for q in op.cached.values()}
+    graphs = [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+    found = {getattr(n.target, "_schema", None) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    return sorted({s.name for s in found if s is not None and s.name in cached})
+
+
 @register("compile_model")
 class CompileModel(Transform):
     """Build the runner ``generate`` uses: plain graph, torch.compile, CUDA graphs, or both."""
@@ -127,9 +137,16 @@ class CompileModel(Transform):
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         c: CompileModelConfig = self.config
         name, chosen = c.backend, f"{c.backend} (requested)"
+        state_ops = cached_state_ops_in(gm)
         if name == "auto":
             name, chosen = resolve_auto(ctx.device, attention_backend_of(gm, ctx.cache.attention_backend))
+            if state_ops and COMPILE_BACKENDS.get(name).cuda_graphs:
+                name, chosen = "torch-simple", (f"auto on {ctx.device.type}: torch-simple (the state-cache ops "
+                                                f"{state_ops} cannot be captured in CUDA graphs)")
         backend = COMPILE_BACKENDS.get(name)
+        if state_ops and backend.cuda_graphs:
+            raise RuntimeError(f"{name} cannot capture the per-sequence state ops {state_ops}: their kernels read "
+                               "sequence lengths on the host. Use backend 'torch-simple' or 'torch-compile'.")
         why = backend.unavailable_reason(ctx.device)
         if why is not None:
             raise RuntimeError(f"{why}. Use backend 'torch-simple' or 'torch-compile' here, or run the pipeline "
