@@ -39,12 +39,19 @@ import copy
 import torch
 
 
-def build_on_meta(config) -> torch.nn.Module:
-    """Instantiate ``AutoModelForCausalLM`` for ``config`` on the meta device (no storage)."""
-    from transformers import AutoModelForCausalLM
+def auto_class_for(config):
+    """``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a vision-language config that has no
+    causal-LM class of its own (Qwen2.5-VL): the workbench exports and runs its text stack only."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    return AutoModelForCausalLM if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModelForImageTextToText
+
+
+def build_on_meta(config) -> torch.nn.Module:
+    """Instantiate the model class for ``config`` (``auto_class_for``) on the meta device (no storage)."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return auto_class_for(config).from_config(config, dtype=torch.float32)
 
 
 def _fork_rng(device: torch.device):

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from ..cache_dir import cache_root
-from .build import build_random_model
+from .build import auto_class_for, build_random_model
 from .devices import resolve_device
 from .dtypes import resolve_dtype
 from .loaded import LoadedModel
@@ -124,9 +124,10 @@ def _load_gguf_cached(path: Path, dtype: torch.dtype, device: torch.device):
 
 
 def _load_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True, **_placement(device))
+    auto = auto_class_for(AutoConfig.from_pretrained(directory, local_files_only=True))
+    model = auto.from_pretrained(directory, dtype=dtype, local_files_only=True, **_placement(device))
     tokenizer = None
     if any((directory / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)

@@ -184,7 +184,8 @@ class PipelineContext:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.config.vocab_size)
+        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        return int(text.vocab_size)  # a vision-language config keeps it in its text config
 
     def cache_bytes(self) -> int:
         return self.cache.bytes()

@@ -17,17 +17,23 @@ from typing import Any, Dict, List, Mapping
 
 import torch
 
-from .kv_cache import KVCacheConfig, PageAllocator
+from .kv_cache import PAGED, SLOT, KVCacheConfig, PageAllocator
 from .scheduler import Scheduler, Step
 from .sequence_info import LAST_TOKEN_INPUT, SequenceInfo, is_cached_module, module_input_names
 
 logger = logging.getLogger("workbench.runtime")
 
 
+def describe_caches(cfg: KVCacheConfig) -> str:
+    """How a cached runner reaches earlier tokens: "paged KV cache", "per-sequence state", or both."""
+    kinds = {s.kind for s in cfg.specs}
+    parts = (["paged KV cache"] if PAGED in kinds or not kinds else []) + (["per-sequence state"] if SLOT in kinds else [])
+    return " + ".join(parts)
+
+
 class CachedRunner:
     """Runs steps on a cached module with the caches of a ``KVCacheConfig``."""
 
-    cache_mode = "paged KV cache"
 
     def __init__(self, module: torch.nn.Module, caches: Mapping[str, torch.Tensor], cfg: KVCacheConfig,
                  device: torch.device | str = "cpu"):
@@ -45,6 +51,9 @@ class CachedRunner:
             )
         self.caches: Dict[str, torch.Tensor] = {n: caches[n] for n in self.input_names if n in caches}
         self.fn = module  # what runs a forward; compiled runners swap in a compiled callable
+        self.cache_mode = describe_caches(cfg)
+        slot_names = {s.name for s in cfg.specs if s.kind == SLOT}
+        self.slot_states = [t for n, t in self.caches.items() if n in slot_names]
         # gather_logits_before_lm_head: the module returns one row per sequence, not per token
         self.gathers_last_tokens = LAST_TOKEN_INPUT in self.input_names
 
@@ -55,6 +64,14 @@ class CachedRunner:
     def set_step(self, step: Step, sched: Scheduler) -> None:
         """Fill the fixed-address ``SequenceInfo`` buffers with the step's new tokens and pages."""
         tokens = [r.tokens[r.num_cached: r.num_cached + n] for r, n in step.items]
+        fresh = [sched.slot(r) for r, _ in step.items if r.num_cached == 0]
+        if fresh and self.slot_states:
+            # a new sequence's state rows start at zero: the stateful ops already start from zero at
+            # input_pos 0, but per-slot values that are inputs rather than state (the mRoPE delta) must
+            # not keep the previous owner's value
+            idx = torch.tensor(fresh, device=self.device)
+            for t in self.slot_states:
+                t.index_fill_(0, idx, 0)
         self.seq_info.set_batch(
             tokens, [r.num_cached for r, _ in step.items], [sched.pages(r) for r, _ in step.items],
             num_prefill=step.num_prefill, page_size=self.cfg.page_size, slots=[sched.slot(r) for r, _ in step.items],

@@ -1,5 +1,37 @@
-"""Tiny random configs of the mrope families (merged into ``workbench.models.tiny.TINY_ARCHS``)."""
+"""Tiny random configs of the mRoPE families (merged into ``workbench.models.tiny.TINY_ARCHS``).
+
+``qwen2_5_vl``: the Qwen2.5-VL text stack at the common tiny sizes (hidden 64, 2 layers, 4 query /
+2 KV heads, head_dim 16, MLP 128, vocab 512), with ``mrope_section = [2, 3, 3]``: unequal sections
+summing to head_dim/2 = 8, so a wrong section split shows up in any test with 3-section positions.
+The config is the composite ``Qwen2_5_VLConfig``: transformers has no causal-LM class for the text
+stack alone, so the model is ``Qwen2_5_VLForConditionalGeneration`` (built through
+``AutoModelForImageTextToText``) with a one-block vision tower that text-only inputs never run.
+The export contract ``(input_ids, position_ids [b, s]) -> logits`` is text-only: the text model
+broadcasts [b, s] positions to its three sections.
+
+Special token ids (image/video/vision start/end) are moved inside the tiny vocab's top end, and
+BOS/EOS are unset, so the config validates without warnings; random prompts may contain the image
+token id, which is harmless: without pixel values no token is replaced by vision features.
+"""
 
 from __future__ import annotations
 
-ARCHS: dict = {}
+TEXT = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+    vocab_size=512, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+)
+MROPE_SECTION = [2, 3, 3]  # temporal, height, width frequencies; sum = head_dim / 2 = 8
+
+
+def _qwen2_5_vl():
+    from transformers import Qwen2_5_VLConfig
+
+    # head_dim is hidden/heads in this family (16); the text config has no head_dim field of its own.
+    text = dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": MROPE_SECTION})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TEXT["hidden_size"],
+                  fullatt_block_indexes=[0])
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=508, video_token_id=509,
+                            vision_start_token_id=510, vision_end_token_id=511)
+
+
+ARCHS: dict = {"qwen2_5_vl": _qwen2_5_vl}

@@ -53,6 +53,8 @@ def _signature(layer: torch.nn.Module) -> Tuple:
 
 def why_not_stampable(model: torch.nn.Module, config: Any) -> Tuple[Optional[str], Optional[str]]:
     """(reason it cannot be stamped or None, qualified name of the layer stack)."""
+    if hasattr(config, "get_text_config"):  # a vision-language config: the decoder stack's own config
+        config = config.get_text_config()
     n = getattr(config, "num_hidden_layers", None)
     if not isinstance(n, int) or n <= TRACED:
         return f"{n} layers: nothing to gain over a full trace", None

@@ -1,0 +1,108 @@
+"""Which cache kinds each family gets, what its state costs, and whether cached generation equals HF.
+
+For every family (``tiny:<arch>``, seeded random weights of the family's own config class): the whole
+default pipeline, then greedy generation of prompts of different lengths in one continuous batch
+(prefill + decode steps mixed), compared token for token with HF ``generate`` on the same weights,
+each prompt alone. Prints a Markdown table:
+
+    family | cache kinds inserted | paged bytes/token | state bytes/sequence | tokens equal HF | probe | s
+
+``paged bytes/token``: K/V (or MLA latent) pages, all layers; ``state bytes/sequence``: the SLOT
+states (SSM, conv, delta rule, mRoPE delta), all layers, whatever the sequence length.
+
+    .venv/bin/python bench/cache_kinds.py [--archs lfm2,mamba2,...] [--new 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Dict, List
+
+import torch
+
+from workbench import Workbench
+from workbench.models import load_model
+from workbench.models.tiny import list_tiny_archs
+
+# insert transform key -> what it caches, in table order
+CACHE_KEYS = {
+    "insert_cached_attention": "paged KV",
+    "insert_cached_mla_attention": "paged MLA latent",
+    "insert_cached_ssm_attention": "SSM state",
+    "insert_cached_causal_conv": "conv state",
+    "insert_cached_delta_rule": "delta-rule state",
+    "insert_cached_gated_delta_rule": "gated delta-rule state",
+    "initialize_mrope_delta_cache": "mRoPE delta",
+}
+DEFAULT_ARCHS = ["llama", "deepseek_v2", "mamba2", "bamba", "falcon_h1", "lfm2", "qwen3_next", "deltanet",
+                 "kimi_linear", "qwen2_5_vl"]
+
+
+def hf_greedy(model: torch.nn.Module, prompt: List[int], n: int) -> List[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         eos_token_id=[], pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def family_row(arch: str, new_tokens: int, lens=(5, 11)) -> Dict[str, object]:
+    t0 = time.perf_counter()
+    loaded = load_model(f"tiny:{arch}")
+    wb = Workbench(loaded, yaml_extra=[f"workbench/models/configs/{arch}.yaml"]) if _has_yaml(arch) else Workbench(loaded)
+    wb.run()
+    table = wb.table().set_index("transform")
+    kinds = [what for key, what in CACHE_KEYS.items() if key in table.index and table.loc[key, "matches"]]
+    cfg = wb.ctx.cache.config
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, wb.ctx.vocab_size, (n,), generator=g).tolist() for n in lens]
+    out = wb.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])
+    equal = [r.token_ids == hf_greedy(loaded.model, p, new_tokens) for p, r in zip(prompts, out.results)]
+    worst = max((s.numerics.rmse_ratio for s in wb.snapshots if s.numerics is not None and s.numerics.ok), default=None)
+    return {
+        "family": arch, "kinds": ", ".join(kinds) or "none",
+        "paged_bytes_per_token": cfg.bytes_per_token() if cfg else 0,
+        "state_bytes_per_seq": cfg.state_bytes_per_seq() if cfg else 0,
+        "equal": "yes" if all(equal) else f"no ({sum(equal)}/{len(equal)} prompts)",
+        "cache": out.stats.cache, "probe": worst, "s": time.perf_counter() - t0,
+    }
+
+
+def _has_yaml(arch: str) -> bool:
+    from pathlib import Path
+
+    return Path(f"workbench/models/configs/{arch}.yaml").exists()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--archs", default=",".join(DEFAULT_ARCHS))
+    ap.add_argument("--new", type=int, default=16, help="new tokens per prompt")
+    args = ap.parse_args(argv)
+    known = set(list_tiny_archs())
+    archs = [a for a in args.archs.split(",") if a]
+    missing = [a for a in archs if a not in known]
+    if missing:
+        print(f"not registered (skipped): {missing}", file=sys.stderr)
+    print("| family | cache kinds inserted | paged bytes/token | state bytes/sequence | tokens equal HF "
+          "(2 prompts, one batch) | runner | worst probe RMSE ratio | s |")
+    print("|---|---|---|---|---|---|---|---|")
+    failed = 0
+    for arch in archs:
+        if arch not in known:
+            continue
+        try:
+            r = family_row(arch, args.new)
+        except Exception as e:  # one family's failure is a row, not the end of the table
+            failed += 1
+            print(f"| {arch} | error: {type(e).__name__}: {str(e)[:160]} | | | no | | | |")
+            continue
+        probe = f"{r['probe']:.1e}" if r["probe"] is not None else "-"
+        print(f"| {r['family']} | {r['kinds']} | {r['paged_bytes_per_token']} | {r['state_bytes_per_seq']} | "
+              f"{r['equal']} | {r['cache']} | {probe} | {r['s']:.1f} |", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
