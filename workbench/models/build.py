@@ -42,10 +42,10 @@ import torch
 def auto_class_for(config):
     """``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a vision-language config that has no
     causal-LM class of its own (Qwen2.5-VL): the workbench exports and runs its text stack only."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForCausalLM if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModelForImageTextToText
+    # the mapping object itself (not the static name table) also holds classes registered at run time
+    return AutoModelForCausalLM if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else AutoModelForImageTextToText
 
 
 def build_on_meta(config) -> torch.nn.Module:

@@ -1,5 +1,55 @@
-"""Tiny random configs of the delta_rule families (merged into ``workbench.models.tiny.TINY_ARCHS``)."""
+"""Tiny random configs of the delta_rule families (merged into ``workbench.models.tiny.TINY_ARCHS``).
+
+* ``qwen3_next``: 4 layers -- gated delta net, full attention, gated delta net, full attention
+  (heterogeneous: ``export_to_gm`` exports it whole, no stamping). Gated delta nets with 2 key heads
+  and 4 value heads of 16 (grouped value heads: each key head serves two value heads), conv kernel
+  4; full attention with Qwen3-Next's output gate, q/k norms and partial rotary (a quarter of head
+  dim 16), 4 query / 2 KV heads; every layer's MLP is the MoE: 4 experts, top-2, expert width 64,
+  plus a gated shared expert of 64. Vocab 512, hidden 64.
+* ``deltanet``: the ungated delta rule, which no transformers family uses: the small HF-form model
+  of ``deltanet_model.py`` (4 identical layers, so ``export_to_gm`` stamps layers 3.. from layer 2),
+  4 heads of 16, conv kernel 4, SwiGLU MLP 128. Building it registers the model with transformers'
+  Auto classes (see ``deltanet_model.register_deltanet``).
+"""
 
 from __future__ import annotations
 
-ARCHS: dict = {}
+
+def _qwen3_next():
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        partial_rotary_factor=0.25,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=512,
+    )
+
+
+def _deltanet():
+    from .deltanet_model import DeltaNetConfig, register_deltanet
+
+    register_deltanet()
+    config = DeltaNetConfig(num_hidden_layers=4)
+    config._attn_implementation = "eager"  # no attention at all; sdpa is refused by models without it
+    return config
+
+
+ARCHS: dict = {"qwen3_next": _qwen3_next, "deltanet": _deltanet}

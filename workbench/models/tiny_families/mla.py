@@ -1,5 +1,53 @@
-"""Tiny random configs of the mla families (merged into ``workbench.models.tiny.TINY_ARCHS``)."""
+"""Tiny random configs of the MLA (multi-head latent attention) families (merged into
+``workbench.models.tiny.TINY_ARCHS``).
+
+DeepSeek-V2 attention caches one compressed latent per token (``kv_lora_rank`` values after
+``kv_a_layernorm``) plus one rotated RoPE key shared by all heads (``qk_rope_head_dim``), instead
+of per-head K and V. The sizes keep every MLA dim distinct so a transposed or mis-split weight
+cannot go unnoticed: 4 heads, latent rank 32, rope 8, nope 16, value 16 (so a per-head K is 24
+wide and V 16: a per-head K/V cache would hold 4 * (24 + 16) = 160 values per token and layer,
+the latent cache 32 + 8 = 40).
+
+MoE as in DeepSeek-V2: the first layer dense (``first_k_dense_replace=1``), the second with 4
+routed experts (top-2, greedy) and 1 shared expert.
+"""
 
 from __future__ import annotations
 
-ARCHS: dict = {}
+#: The MLA sizes shared by both variants (see the module docstring).
+MLA_SIZES: dict = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    intermediate_size=128,
+    moe_intermediate_size=64,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    topk_method="greedy",
+    vocab_size=512,
+    max_position_embeddings=512,
+)
+
+
+def _deepseek_v2():
+    """DeepSeek-V2(-Lite) shape: queries through one full projection (``q_lora_rank=None``)."""
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(**MLA_SIZES, q_lora_rank=None)
+
+
+def _deepseek_v2_q_lora():
+    """DeepSeek-V2 (full) shape: queries through a low-rank ``q_a_proj -> RMSNorm -> q_b_proj`` too."""
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(**MLA_SIZES, q_lora_rank=24)
+
+
+ARCHS: dict = {"deepseek_v2": _deepseek_v2, "deepseek_v2_q_lora": _deepseek_v2_q_lora}

@@ -25,6 +25,7 @@
     fuse_kernels        fuse_rmsnorm, fuse_rope, fuse_swiglu
     linear_layout       linear_weight_layout
     cached_attention    insert_cached_attention
+    cached_mla          insert_cached_mla_attention
     state_caches        insert_cached_ssm_attention, insert_cached_causal_conv, insert_cached_delta_rule,
                         insert_cached_gated_delta_rule
     mrope_delta_cache   initialize_mrope_delta_cache
@@ -47,5 +48,5 @@ from . import quant_swiglu, quantization, quantize_bmm, quantize_from_graph, qua
 from . import load_weights  # noqa: F401
 from . import fuse_causal_conv, fuse_gemms, fuse_kernels, linear_layout, multi_stream  # noqa: F401
 from . import cache_alloc, cached_attention, cached_residual_add, gather_logits, transformers_mode  # noqa: F401
-from . import mrope_delta_cache, state_caches  # noqa: F401
+from . import cached_mla, mrope_delta_cache, state_caches  # noqa: F401
 from . import compile_model  # noqa: F401

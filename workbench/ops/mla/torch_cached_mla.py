@@ -1,0 +1,146 @@
+"""``workbench::torch_cached_mla``: MLA over a paged *latent* cache, for a mixed batch.
+
+One call serves a whole step of continuous batching, with the metadata of
+``torch_cached_attention`` (B sequences, their new tokens back to back in one flattened dim T,
+``num_prefill`` prefill sequences of any length first, then one-token decode rows)::
+
+    q_nope [1, T, n, dn], q_pe [1, T, n, dr]     per-token queries (q_pe rotated)
+    compressed_kv [1, T, r], kpe [1, T, 1, dr]   per-token latent and rotated rope key
+    kv_b_proj_weight [n*(dn+dv), r]              the up-projection (``torch_mla``'s layout)
+    mla_cache [num_pages, page_size, r + dr]     per layer: latent then rope key of every cached token
+    seq_lens, input_pos [B] int32, page_table [B, max_pages_per_seq] int32, num_prefill
+    -> out [1, T, n, dv] in q's dtype
+
+Semantics: the new ``[compressed_kv, kpe]`` rows of sequence i are written at logical positions
+``input_pos[i] .. input_pos[i] + seq_lens[i] - 1`` (page ``page_table[i, pos // page_size]``, slot
+``pos % page_size``); then each new query attends causally to positions ``0..p`` of its sequence.
+
+How each row attends:
+
+* a prefill starting at position 0 runs ``torch_mla``'s own computation on its new tokens
+  (bit-identical to the uncached op, so the numerics probe reads 0.0 through the cached graph);
+* a chunked prefill (``input_pos > 0``) expands its gathered latents to per-head K/V (many
+  queries per key: expanding once is cheaper than absorbing per query);
+* decode rows use the absorbed form (``mla_absorbed``): scores against the cached latents
+  directly, never materialising per-head keys or values -- the point of MLA.
+
+The cache holds r + dr values per token and layer, where per-head K/V would hold
+n * (dn + dr + dv). Only slots that were written (positions ``< input_pos + seq_lens``) are read;
+stale slots of reused pages are zeroed in the gathered copy before they enter any arithmetic.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+from ..attention.torch_cached_attention import token_layout
+from ..library import define_op
+from .torch_mla import mla_absorbed, mla_dims, mla_expanded, torch_mla_reference
+
+
+def _check(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, seq_lens, input_pos, page_table,
+           num_prefill) -> Tuple[List[int], List[int], int]:
+    """Validate shapes and metadata; returns (seq_lens, input_pos) as host lists and dv."""
+    n, dn, dr, r, dv = mla_dims(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight)
+    t = q_nope.shape[1]
+    if q_nope.shape[0] != 1 or q_pe.shape[:2] != (1, t) or compressed_kv.shape[:2] != (1, t) or kpe.shape[:2] != (1, t):
+        raise ValueError(
+            f"cached MLA expects flattened tokens [1, T, ...] for every per-token input; got q_nope "
+            f"{tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, compressed_kv {tuple(compressed_kv.shape)}, "
+            f"kpe {tuple(kpe.shape)}"
+        )
+    if mla_cache.dim() != 3 or mla_cache.shape[2] != r + dr:
+        raise ValueError(f"mla_cache {tuple(mla_cache.shape)} does not hold latent + rope key rows: expected "
+                         f"[num_pages, page_size, {r} + {dr}]")
+    lens = seq_lens.tolist()
+    if sum(lens) != t:
+        raise ValueError(f"seq_lens sum to {sum(lens)} tokens but q_nope has {t}")
+    if not 0 <= num_prefill <= len(lens) or any(x != 1 for x in lens[num_prefill:]):
+        raise ValueError(f"num_prefill={num_prefill}: sequences after it must be decode steps (1 token), got {lens}")
+    if input_pos.numel() != len(lens) or page_table.shape[0] < len(lens):
+        raise ValueError(f"metadata sizes disagree: seq_lens {len(lens)}, input_pos {input_pos.numel()}, "
+                         f"page_table rows {page_table.shape[0]}")
+    past = input_pos.tolist()
+    page_size = mla_cache.shape[1]
+    need = max((-(-(p + x) // page_size) for p, x in zip(past, lens)), default=0)
+    if need > page_table.shape[1]:
+        raise ValueError(f"a sequence needs {need} pages but page_table has {page_table.shape[1]} columns")
+    return lens, past, dv
+
+
+def gather_latents(mla_cache: torch.Tensor, page_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` cached rows of each sequence: page_ids [N, n_pages] -> [N, length, r + dr]."""
+    n, n_pages = page_ids.shape
+    rows = mla_cache.index_select(0, page_ids.reshape(-1).long())  # [N * n_pages, page_size, r + dr]
+    return rows.view(n, n_pages * mla_cache.shape[1], mla_cache.shape[2])[:, :length]
+
+
+def torch_cached_mla(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    compressed_kv: torch.Tensor,
+    kpe: torch.Tensor,
+    kv_b_proj_weight: torch.Tensor,
+    mla_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    input_pos: torch.Tensor,
+    page_table: torch.Tensor,
+    num_prefill: int,
+    scale: float,
+) -> torch.Tensor:
+    """Write the step's latents into the paged cache, then attend; see the module docstring."""
+    lens, past, dv = _check(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, seq_lens, input_pos,
+                            page_table, num_prefill)
+    r = compressed_kv.shape[-1]
+    device = q_nope.device
+    # Write: one [r + dr] row per new token.
+    seq_idx, pos = token_layout(seq_lens, input_pos)
+    page_size = mla_cache.shape[1]
+    pages = page_table.long()[seq_idx, pos // page_size]
+    mla_cache[pages, pos % page_size] = torch.cat([compressed_kv[0], kpe[0, :, 0]], dim=-1).to(mla_cache.dtype)
+
+    out = q_nope.new_empty(*q_nope.shape[:-1], dv)  # [1, T, n, dv]
+    starts = [0]
+    for x in lens:
+        starts.append(starts[-1] + x)
+    for i in range(num_prefill):
+        a, b, total = starts[i], starts[i + 1], past[i] + lens[i]
+        if past[i] == 0 and mla_cache.dtype == compressed_kv.dtype:  # fresh prefill: keys = its new tokens
+            out[0, a:b] = torch_mla_reference(q_nope[:, a:b], q_pe[:, a:b], compressed_kv[:, a:b], kpe[:, a:b],
+                                              kv_b_proj_weight, scale)[0]
+            continue
+        rows = gather_latents(mla_cache, page_table[i: i + 1, : -(-total // page_size)], total).to(q_nope.dtype)
+        keep = (torch.arange(total, device=device)[None, :] <= torch.arange(past[i], total, device=device)[:, None])
+        out[0, a:b] = mla_expanded(q_nope[:, a:b], q_pe[:, a:b], rows[..., :r], rows[..., r:], kv_b_proj_weight,
+                                   keep[None], scale)[0]
+    if num_prefill < len(lens):  # decode rows: absorbed, keys padded to the longest and masked
+        a = starts[num_prefill]
+        totals = input_pos[num_prefill:].long().to(device) + 1  # [Bd]
+        longest = max(past[num_prefill:]) + 1
+        ids = page_table[num_prefill: len(lens), : -(-longest // page_size)]
+        rows = gather_latents(mla_cache, ids, longest)  # [Bd, L, r + dr]
+        valid = torch.arange(longest, device=device)[None, :] < totals[:, None]  # [Bd, L]
+        rows = rows.masked_fill(~valid[:, :, None], 0)  # stale slots: 0 * inf/nan would still be nan
+        q_n, q_p = q_nope[0, a:].unsqueeze(1), q_pe[0, a:].unsqueeze(1)  # [Bd, 1, n, d]
+        out[0, a:] = mla_absorbed(q_n, q_p, rows[..., :r], rows[..., r:], kv_b_proj_weight, valid[:, None],
+                                  scale)[:, 0]
+    return out
+
+
+def _torch_cached_mla_fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, *_rest):
+    n, dn, dr, r, dv = mla_dims(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight)
+    return q_nope.new_empty(*q_nope.shape[:-1], dv)
+
+
+# ``define_op`` (a Library kernel) rather than ``custom_op``, for the reason given beside
+# ``torch_cached_attention``: custom_op's Python in-place handling costs more than a decode step.
+CACHED_MLA_SCHEMA = (
+    "torch_cached_mla(Tensor q_nope, Tensor q_pe, Tensor compressed_kv, Tensor kpe, Tensor kv_b_proj_weight, "
+    "Tensor(a!) mla_cache, Tensor seq_lens, Tensor input_pos, Tensor page_table, SymInt num_prefill, "
+    "float scale) -> Tensor"
+)
+torch_cached_mla_op = define_op(CACHED_MLA_SCHEMA, torch_cached_mla, _torch_cached_mla_fake)
+
+__all__ = ["torch_cached_mla", "torch_cached_mla_op", "gather_latents", "CACHED_MLA_SCHEMA"]
