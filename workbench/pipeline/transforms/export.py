@@ -116,7 +116,10 @@ class ExportToGM(Transform):
             raise TypeError("export_to_gm got a GraphModule: the model is already exported")
         # Its bounds are the pipeline's limits; set here, they override them (and are reported).
         ctx.limits = ctx.limits.override(self.key, max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len)
-        max_b, max_s = ctx.limits.max_batch_size, ctx.limits.max_seq_len
+        # export treats sizes 0/1 as special and infers dynamic dims as >= 2: a bound of 2 would leave the
+        # range [2, 2] and make export refuse the dim as static. A bound above the runtime limit only
+        # loosens the graph's guards (the runtime never feeds more than its limits), so export with >= 3.
+        max_b, max_s = max(ctx.limits.max_batch_size, 3), max(ctx.limits.max_seq_len, 3)
         for what, example, bound in (("batch", cfg.example_batch_size, max_b), ("seq", cfg.example_seq_len, max_s)):
             if example > bound:
                 raise ValueError(
