@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     if missing:
         print(f"not registered (skipped): {missing}", file=sys.stderr)
     print("| family | cache kinds inserted | paged bytes/token | state bytes/sequence | tokens equal HF "
-          "(2 prompts, one batch) | runner | worst probe RMSE ratio | s |")
+          "(4 prompts, 2 at a time) | runner | worst probe RMSE ratio | s |")
     print("|---|---|---|---|---|---|---|---|")
     failed = 0
     for arch in archs:
