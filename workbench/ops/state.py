@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -74,6 +74,34 @@ class StatefulOp:
         return self._overload(self.cached[backend])
 
 
+def check_step_metadata(num_tokens: int, seq_lens: torch.Tensor, input_pos: torch.Tensor, slot_idx: torch.Tensor,
+                        num_prefill: int, tokens_of: str) -> List[int]:
+    """Validate one step's metadata against the ``num_tokens`` flattened tokens of arg ``tokens_of``:
+    lengths summing to it, decode rows (after ``num_prefill``) of one token, one input_pos and one slot
+    per sequence. Returns ``seq_lens`` as a host list (every stateful reference loops over it)."""
+    lens = seq_lens.tolist()
+    if sum(lens) != num_tokens:
+        raise ValueError(f"seq_lens sum to {sum(lens)} tokens but {tokens_of} has {num_tokens}")
+    if not 0 <= num_prefill <= len(lens) or any(n != 1 for n in lens[num_prefill:]):
+        raise ValueError(f"num_prefill={num_prefill}: sequences after it must be decode steps (1 token), got {lens}")
+    if input_pos.numel() != len(lens) or slot_idx.numel() != len(lens):
+        raise ValueError(f"metadata sizes disagree: seq_lens {len(lens)}, input_pos {input_pos.numel()}, "
+                         f"slot_idx {slot_idx.numel()}")
+    return lens
+
+
+def initial_states(state: torch.Tensor, slots: torch.Tensor, input_pos: torch.Tensor,
+                   dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``[n, *state_shape]``: each sequence's slot row, or zeros for a new sequence (``input_pos == 0``),
+    in ``dtype`` (default: the state's). ``where`` rather than a multiply: a reused slot may hold inf/NaN,
+    and 0 * NaN is NaN."""
+    held = state.index_select(0, slots)
+    if dtype is not None:
+        held = held.to(dtype)
+    fresh = (input_pos <= 0).view(-1, *([1] * (held.dim() - 1)))
+    return torch.where(fresh, torch.zeros((), dtype=held.dtype, device=held.device), held)
+
+
 _STATEFUL: Dict[str, StatefulOp] = {}
 
 
@@ -96,4 +124,4 @@ def stateful_op_for(target: Any) -> Optional[StatefulOp]:
     return None if schema is None else _STATEFUL.get(schema.name)  # "workbench::torch_x"
 
 
-__all__ = ["STATE_METADATA_ARGS", "StateSpec", "StatefulOp", "register_stateful_op", "stateful_ops", "stateful_op_for"]
+__all__ = ["STATE_METADATA_ARGS", "check_step_metadata", "initial_states", "StateSpec", "StatefulOp", "register_stateful_op", "stateful_ops", "stateful_op_for"]

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..library import define_op
-from ..state import StatefulOp, StateSpec, register_stateful_op
+from ..state import StateSpec, StatefulOp, check_step_metadata, initial_states, register_stateful_op
 
 #: Activations the conv kernels can apply in registers (``fuse_causal_conv_activation``).
 ACTIVATIONS = {None: None, "silu": F.silu}
@@ -83,22 +83,7 @@ def check_cached_conv_args(x, weight, bias, seq_lens, input_pos, slot_idx, num_p
     if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (weight.shape[0], k - 1):
         raise ValueError(f"conv_state must be [num_slots, c, k-1] = [*, {weight.shape[0]}, {k - 1}]; "
                          f"got {tuple(conv_state.shape)}")
-    lens = seq_lens.tolist()
-    if sum(lens) != x.shape[1]:
-        raise ValueError(f"seq_lens sum to {sum(lens)} tokens but x has {x.shape[1]}")
-    if not 0 <= num_prefill <= len(lens) or any(n != 1 for n in lens[num_prefill:]):
-        raise ValueError(f"num_prefill={num_prefill}: sequences after it must be decode steps (1 token), got {lens}")
-    if input_pos.numel() != len(lens) or slot_idx.numel() != len(lens):
-        raise ValueError(f"metadata sizes disagree: seq_lens {len(lens)}, input_pos {input_pos.numel()}, "
-                         f"slot_idx {slot_idx.numel()}")
-    return lens
-
-
-def _initial_states(conv_state: torch.Tensor, slots: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-    """[n, c, k-1]: each slot's state, or zeros for a new sequence (``input_pos == 0``). ``where``
-    rather than a multiply: a reused slot may hold inf/NaN, and 0 * NaN is NaN."""
-    held = conv_state.index_select(0, slots)
-    return torch.where((input_pos > 0).view(-1, 1, 1), held, torch.zeros((), dtype=held.dtype, device=held.device))
+    return check_step_metadata(x.shape[1], seq_lens, input_pos, slot_idx, num_prefill, "x")
 
 
 def prefill_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], lens: List[int],
@@ -111,7 +96,7 @@ def prefill_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     start = 0
     for i in range(num_prefill):
         end = start + lens[i]
-        init = _initial_states(conv_state, slots[i:i + 1], input_pos[i:i + 1])[0].to(x.dtype)  # [c, k-1]
+        init = initial_states(conv_state, slots[i:i + 1], input_pos[i:i + 1])[0].to(x.dtype)  # [c, k-1]
         window = torch.cat([init, x[0, start:end].transpose(0, 1)], dim=1)  # [c, k-1+s]
         y = F.conv1d(window[None], weight, bias, groups=c)[0]  # [c, s]
         out[0, start:end] = _activate(y, activation).transpose(0, 1)
@@ -124,7 +109,7 @@ def decode_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
                 slots: torch.Tensor, conv_state: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
     """Decode rows together, ``x [Bd, c]`` (one token each, slots ``slots [Bd]``): one
     multiply-and-sum over their [Bd, c, k] windows; shifts their state rows. Returns [Bd, c]."""
-    init = _initial_states(conv_state, slots, input_pos).to(x.dtype)  # [Bd, c, k-1]
+    init = initial_states(conv_state, slots, input_pos).to(x.dtype)  # [Bd, c, k-1]
     window = torch.cat([init, x[:, :, None]], dim=2)  # [Bd, c, k]
     y = (window * weight[:, 0]).sum(-1)  # [Bd, c]
     if bias is not None:

@@ -24,7 +24,7 @@ from typing import List, Optional
 import torch
 
 from ..library import define_op
-from ..state import StateSpec, StatefulOp, register_stateful_op
+from ..state import StateSpec, StatefulOp, check_step_metadata, initial_states, register_stateful_op
 from .delta_rule_math import check_delta_rule_args, chunked_delta_rule, delta_rule_step, prepare
 from .torch_delta_rule import OPTIONS, delta_rule_output_like
 
@@ -39,15 +39,7 @@ def check_cached_delta_rule_args(q, k, v, g, beta, seq_lens, input_pos, slot_idx
     if state.dim() != 4 or tuple(state.shape[1:]) != want:
         raise ValueError(f"delta rule state must be [num_slots, value_heads, dk, dv] = [*, {want[0]}, {want[1]}, "
                          f"{want[2]}]; got {tuple(state.shape)}")
-    lens = seq_lens.tolist()
-    if sum(lens) != q.shape[1]:
-        raise ValueError(f"seq_lens sum to {sum(lens)} tokens but q has {q.shape[1]}")
-    if not 0 <= num_prefill <= len(lens) or any(n != 1 for n in lens[num_prefill:]):
-        raise ValueError(f"num_prefill={num_prefill}: sequences after it must be decode steps (1 token), got {lens}")
-    if input_pos.numel() != len(lens) or slot_idx.numel() != len(lens):
-        raise ValueError(f"metadata sizes disagree: seq_lens {len(lens)}, input_pos {input_pos.numel()}, "
-                         f"slot_idx {slot_idx.numel()}")
-    return lens
+    return check_step_metadata(q.shape[1], seq_lens, input_pos, slot_idx, num_prefill, "q")
 
 
 def prefill_rows(q, k, v, g, beta, lens: List[int], input_pos: torch.Tensor, slots: torch.Tensor, num_prefill: int,
@@ -89,10 +81,7 @@ def decode_rows(q, k, v, g, beta, input_pos: torch.Tensor, slots: torch.Tensor, 
     tail = slice(start, q.shape[1])
     qf, kf, vf, gf, bf = prepare(q[:, tail], k[:, tail], v[:, tail], None if g is None else g[:, tail],
                                  beta[:, tail], scale, use_qk_l2norm)  # [1, h, Bd, d], [1, h, Bd]
-    held = state.index_select(0, decode).to(torch.float32)  # [Bd, h, dk, dv]
-    # ``where`` rather than a multiply: a reused slot may hold inf/NaN, and 0 * NaN is NaN.
-    fresh = (input_pos[first:] == 0).view(-1, 1, 1, 1)
-    init = torch.where(fresh, torch.zeros((), dtype=held.dtype, device=held.device), held)
+    init = initial_states(state, decode, input_pos[first:], torch.float32)  # [Bd, h, dk, dv]
     o, new = delta_rule_step(_rows(qf), _rows(kf), _rows(vf), None if gf is None else _rows(gf), _rows(bf), init)
     out[0, tail] = o.to(out.dtype)
     state.index_copy_(0, decode, new.to(state.dtype))

@@ -24,7 +24,7 @@ from typing import List, Optional
 import torch
 
 from ..library import define_op
-from ..state import StatefulOp, StateSpec, register_stateful_op
+from ..state import StateSpec, StatefulOp, check_step_metadata, initial_states, register_stateful_op
 from .ssd import discretize_dt, heads_from_groups, ssd_chunked, ssm_step
 from .ssm_scan import SSM_OPTIONS, check_ssm_args
 
@@ -40,22 +40,7 @@ def check_cached_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, seq_lens, inpu
     if ssm_state.dim() != 4 or tuple(ssm_state.shape[1:]) != (h, d, B.shape[-1]):
         raise ValueError(f"ssm_state must be [num_slots, heads, head_dim, state] = [*, {h}, {d}, {B.shape[-1]}]; "
                          f"got {tuple(ssm_state.shape)}")
-    lens = seq_lens.tolist()
-    if sum(lens) != hidden_states.shape[1]:
-        raise ValueError(f"seq_lens sum to {sum(lens)} tokens but hidden_states has {hidden_states.shape[1]}")
-    if not 0 <= num_prefill <= len(lens) or any(n != 1 for n in lens[num_prefill:]):
-        raise ValueError(f"num_prefill={num_prefill}: sequences after it must be decode steps (1 token), got {lens}")
-    if input_pos.numel() != len(lens) or slot_idx.numel() != len(lens):
-        raise ValueError(f"metadata sizes disagree: seq_lens {len(lens)}, input_pos {input_pos.numel()}, "
-                         f"slot_idx {slot_idx.numel()}")
-    return lens
-
-
-def _initial_states(ssm_state: torch.Tensor, slots: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-    """[N, h, d, n] fp32: each slot's state, or zeros for a new sequence (``input_pos == 0``).
-    ``where`` rather than a multiply: a reused slot may hold inf/NaN, and 0 * NaN is NaN."""
-    held = ssm_state.index_select(0, slots).float()
-    return torch.where((input_pos > 0).view(-1, 1, 1, 1), held, torch.zeros((), device=held.device))
+    return check_step_metadata(hidden_states.shape[1], seq_lens, input_pos, slot_idx, num_prefill, "hidden_states")
 
 
 def _scan_inputs(hidden_states, B, C, dt, dt_bias, a: int, e: int, time_step_min, time_step_max):
@@ -75,7 +60,7 @@ def prefill_rows(hidden_states, A, B, C, D, dt, dt_bias, lens: List[int], input_
     for i in range(num_prefill):
         end = start + lens[i]
         x, step, Bh, Ch = _scan_inputs(hidden_states, B, C, dt, dt_bias, start, end, time_step_min, time_step_max)
-        init = _initial_states(ssm_state, slots[i:i + 1], input_pos[i:i + 1])  # [1, h, d, n]
+        init = initial_states(ssm_state, slots[i:i + 1], input_pos[i:i + 1], torch.float32)  # [1, h, d, n]
         y, final = ssd_chunked(x[None], step[None], A.float(), Bh[None], Ch[None], chunk_size, initial_state=init)
         out[0, start:end] = y[0] + D.float()[:, None] * x
         ssm_state[slots[i]] = final[0].to(ssm_state.dtype)
@@ -89,7 +74,7 @@ def decode_rows(hidden_states, A, B, C, D, dt, dt_bias, input_pos, slots, ssm_st
     x, step, Bh, Ch = _scan_inputs(hidden_states, B, C, dt, dt_bias, first_token, hidden_states.shape[1],
                                    time_step_min, time_step_max)
     decode = slots[first_row:]
-    init = _initial_states(ssm_state, decode, input_pos[first_row:])  # [Bd, h, d, n]
+    init = initial_states(ssm_state, decode, input_pos[first_row:], torch.float32)  # [Bd, h, d, n]
     y, new_state = ssm_step(init, x, step, A.float(), Bh, Ch)
     out[0, first_token:] = y + D.float()[:, None] * x
     ssm_state.index_copy_(0, decode, new_state.to(ssm_state.dtype))
