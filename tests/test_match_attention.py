@@ -1,5 +1,5 @@
-"""match_repeat_kv, match_eager_attention, match_sdpa_to_torch_attention and
-match_grouped_attention on small exported modules."""
+"""match_repeat_kv, match_eager_attention (plain, soft-capped, with sinks), match_sdpa_to_torch_attention
+and match_grouped_attention on small exported modules."""
 
 from __future__ import annotations
 
@@ -95,6 +95,92 @@ def test_eager_attention_near_miss_softmax_over_queries():
         return torch.matmul(w.to(q.dtype), v)
 
     check("match_eager_attention", over_queries, qkv(n_kv=4), matches=0, dynamic=QKV_DYN)
+
+
+def hf_eager_mask(q, window=None):
+    """HF's additive eager mask: 0 where visible, finfo(float32).min where hidden, [b, 1, s, s]."""
+    s = q.shape[2]
+    q_idx, kv_idx = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    keep = kv_idx <= q_idx
+    if window is not None:
+        keep = keep & (kv_idx > q_idx - window)
+    return torch.where(keep, torch.zeros(()), torch.finfo(torch.float32).min)[None, None].expand(q.shape[0], 1, s, s)
+
+
+def softcapped_eager(q, k, v, cap_in=5.0, cap_out=5.0):
+    """Gemma 2's eager_attention_forward with a sliding window of 3, written out."""
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.3
+    w = w / cap_in
+    w = torch.tanh(w)
+    w = w * cap_out
+    w = w + hf_eager_mask(q, 3)
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    w = F.dropout(w, p=0.0, training=False)
+    return torch.matmul(w, v)
+
+
+def sink_eager(q, k, v, sinks, keep=slice(None, -1), cast=True):
+    """gpt-oss's eager_attention_forward, written out; ``keep`` = the softmax columns kept,
+    ``cast``: the final cast to v's dtype (transformers 5.23 has it, older releases do not)."""
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.25 + hf_eager_mask(q)
+    sink = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+    logits = torch.cat([w, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., keep]
+    probs = F.dropout(probs, p=0.0, training=False)
+    return torch.matmul(probs.to(v.dtype) if cast else probs, v)
+
+
+def test_softcapped_eager_attention_becomes_torch_attention_with_cap_and_window():
+    gm = check("match_eager_attention", softcapped_eager, qkv(n_kv=4), matches=1, dynamic=QKV_DYN,
+               other_args=qkv(n_kv=4, b=3, s=10), atol=1e-5)
+    node = _attention_kwargs(gm)
+    assert node.kwargs["logit_cap"] == 5.0 and node.kwargs["scale"] == 0.3
+    assert node.kwargs["sliding_window"] == 3 and node.kwargs["is_causal"] is True
+    assert node.kwargs["attn_mask"] is None  # the finfo.min additive mask was only causal + window
+    for name in ("aten.tanh.default", "aten.softmax.int", "aten.where.ScalarOther"):
+        assert count(gm, name) == 0, name
+
+
+def test_softcapped_eager_near_miss_different_caps():
+    fn = lambda q, k, v: softcapped_eager(q, k, v, cap_in=5.0, cap_out=4.0)  # noqa: E731  (not a soft-cap)
+    check("match_eager_attention", fn, qkv(n_kv=4), matches=0, dynamic=QKV_DYN)
+
+
+def test_sink_eager_attention_becomes_torch_attention_with_sinks():
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(5))
+    gm = check("match_eager_attention", sink_eager, (*qkv(n_kv=4), sinks), matches=1, dynamic=QKV_DYN,
+               other_args=(*qkv(n_kv=4, b=3, s=9), sinks), atol=1e-5)
+    node = _attention_kwargs(gm)
+    assert node.kwargs["sinks"].op == "placeholder" and node.kwargs["scale"] == 0.25
+    assert node.kwargs["is_causal"] is True and node.kwargs["attn_mask"] is None
+    assert node.kwargs["sliding_window"] is None and node.kwargs.get("logit_cap") is None
+    assert count(gm, "aten.cat.default") == 0 and count(gm, "aten.max.dim") == 0
+    no_cast = lambda q, k, v, sinks: sink_eager(q, k, v, sinks, cast=False)  # noqa: E731
+    gm = check("match_eager_attention", no_cast, (*qkv(n_kv=4), sinks), matches=1, dynamic=QKV_DYN, atol=1e-5)
+    assert _attention_kwargs(gm).kwargs["sinks"].op == "placeholder"
+
+
+def test_sink_eager_near_miss_drops_the_wrong_column():
+    fn = lambda q, k, v, sinks: sink_eager(q, k, v, sinks, keep=slice(1, None))  # noqa: E731
+    check("match_eager_attention", fn, (*qkv(n_kv=4), torch.randn(4)), matches=0, dynamic=QKV_DYN)
+
+
+def test_classify_mask_reads_additive_eager_masks():
+    for window, kind in ((None, MaskKind(is_causal=True)), (3, MaskKind(is_causal=True, sliding_window=3))):
+        fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=hf_eager_mask(q, window))  # noqa: E731
+        gm = export(fn, qkv(n_kv=4), QKV_DYN)
+        (sdpa,) = [n for n in gm.graph.nodes if "scaled_dot" in str(n.target)]
+        assert classify_mask(sdpa.args[3], sdpa.args[0].meta["val"].shape[2]) == kind
+
+    def soft_mask(q, k, v):  # -1e4 where hidden: a bias, not a hard mask (softmax weight not exactly 0)
+        s = q.shape[2]
+        keep = torch.arange(s)[None, :] <= torch.arange(s)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.where(keep, torch.zeros(()), -1e4))
+
+    gm = export(soft_mask, qkv(n_kv=4), QKV_DYN)
+    (sdpa,) = [n for n in gm.graph.nodes if "scaled_dot" in str(n.target)]
+    assert classify_mask(sdpa.args[3], sdpa.args[0].meta["val"].shape[2]) is None
 
 
 # ------------------------------------------------------------------------------ sdpa -> torch_attention

@@ -52,3 +52,12 @@ def test_attention_cached_in_some_layers_only_is_refused():
     gm.graph.erase_node(first)
     with pytest.raises(TransformError, match="wrong results, not just slow"):
         wb.step()  # insert_cached_attention
+
+
+def test_unmatched_sink_attention_is_reported():
+    """gpt-oss's eager sink attention (cat the sink column, subtract the row max, softmax) with the
+    matcher off is attention left uncached, not 'no attention at all'."""
+    wb = Workbench("tiny:gpt_oss", numerics=False, overrides={"match_eager_attention.enabled": False})
+    wb.run_to("insert_cached_attention")
+    left = wb.snapshot("insert_cached_attention").info.details["uncached_attention"]
+    assert len(left) == 2 and all("eager softmax over q @ k^T" in why for why in left.values())

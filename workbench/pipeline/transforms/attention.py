@@ -3,12 +3,16 @@
 The chain, in pipeline order:
 
 1. ``match_repeat_kv``: HF ``repeat_kv`` (unsqueeze/expand/reshape) -> ``torch_attention_repeat_kv``.
-2. ``match_eager_attention``: matmul/softmax/matmul -> ``torch_attention_sdpa``.
+2. ``match_eager_attention``: matmul/softmax/matmul -> ``torch_attention_sdpa``; the eager
+   variants SDPA cannot express -- logit soft-capping (Gemma 2) and attention sinks (gpt-oss) --
+   straight to ``torch_attention(..., logit_cap=..., sinks=...)`` (K/V still repeated: step 4
+   un-repeats them), their masks classified as in step 3.
 3. ``match_sdpa_to_torch_attention``: ``aten.scaled_dot_product_attention`` and
    ``torch_attention_sdpa`` (with or without repeated K/V) -> ``torch_attention`` with native GQA.
    A mask that only encodes causality (HF passes an explicit boolean mask built from aranges) is
    dropped in favour of ``is_causal`` (+ ``sliding_window``), which backends can implement without
-   materialising a [s, s] mask.
+   materialising a [s, s] mask (``attention_masks``: HF's boolean SDPA masks and its additive eager
+   masks alike).
 4. ``match_grouped_attention``: ``torch_attention`` still fed by repeated K/V -> un-repeated K/V.
 
 Layout changes (``match_attention_layout``) live in ``layout.py``.
@@ -17,8 +21,7 @@ Layout changes (``match_attention_layout``) live in ``layout.py``.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -28,6 +31,7 @@ from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ..interface import Transform, register
 from ..matcher import Match, Pattern, PatternMatcher, match_info, named_args, same_shape, same_size
 from ..graph_utils import tensor_meta
+from .attention_masks import MaskKind, attention_mask_arguments, classify_mask
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
@@ -35,6 +39,7 @@ wb = torch.ops.workbench
 # Sentinels (see pipeline/matcher): values that appear nowhere else in the traced patterns.
 _N_REP = 3
 _SCALE = 0.3125
+_CAP = 41.5
 
 
 # ------------------------------------------------------------------------------ repeat_kv
@@ -138,6 +143,120 @@ def _eager_attention(scale_op: str, with_mask: bool, with_dropout: bool) -> Patt
     )
 
 
+def _variant_masking(m: Match, with_mask: bool) -> Optional[Dict[str, Any]]:
+    """Shared check of the eager variants: 4-D q/k/v with whole KV groups; the mask classified
+    (``attention_mask_arguments``) so a causal / sliding-window mask becomes flags."""
+    q, k, v = m.val("q"), m.val("k"), m.val("v")
+    if any(t is None or t.dim() != 4 for t in (q, k, v)):
+        return None
+    if q.shape[1] % k.shape[1] or not same_size(k.shape[1], v.shape[1]):
+        return None
+    return attention_mask_arguments(m.inputs["attn_mask"] if with_mask else None, q, k)
+
+
+def _variant_replacement(q, k, v, mask, *, scale, keep_mask, is_causal, sliding_window, **variant):
+    return wb.torch_attention.default(
+        q, k, v, attn_mask=mask[0] if mask and keep_mask else None, is_causal=is_causal, scale=float(scale),
+        sliding_window=sliding_window, layout="bnsd", **variant,
+    )
+
+
+def _softcapped_eager_attention(with_mask: bool, with_dropout: bool) -> Pattern:
+    """Gemma 2's ``eager_attention_forward`` (after repeat_kv): scaled logits soft-capped as
+    ``cap * tanh(x / cap)`` *before* the mask, fp32 softmax, cast back, dropout. SDPA has no
+    soft-cap, so this goes straight to ``torch_attention(..., logit_cap=cap)``."""
+
+    def search(q, k, v, *mask, scale, cap):
+        w = torch.matmul(q, k.transpose(2, 3)) * scale
+        w = torch.tanh(w / cap) * cap
+        if mask:
+            w = w + mask[0]
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        if with_dropout:
+            w = F.dropout(w, p=0.0, training=False)
+        return torch.matmul(w, v)
+
+    def replacement(q, k, v, *mask, cap, **flags):
+        return _variant_replacement(q, k, v, mask, logit_cap=float(cap), **flags)
+
+    def check(m: Match) -> Optional[Dict[str, Any]]:
+        (cast,) = m.matched(aten.to.dtype)
+        q, cap = m.val("q"), m.literals["cap"]
+        if q is None or cast.args[1] != q.dtype or not isinstance(cap, (int, float)) or cap <= 0:
+            return None
+        return _variant_masking(m, with_mask)
+
+    def examples():
+        t = tuple(torch.randn(1, 2, 4, 8) for _ in range(3))
+        return (*t, torch.zeros(1, 1, 4, 4)) if with_mask else t
+
+    return Pattern(
+        f"softcapped_eager_attention{'_mask' if with_mask else ''}{'_dropout' if with_dropout else ''}",
+        search, replacement, examples,
+        literals={"scale": _SCALE, "cap": _CAP}, ignore=((aten.to.dtype, "dtype"),), check=check,
+        inputs=("q", "k", "v", "attn_mask") if with_mask else ("q", "k", "v"),
+    )
+
+
+def _sink_eager_attention(with_mask: bool, with_dropout: bool, with_cast: bool) -> Pattern:
+    """gpt-oss's ``eager_attention_forward`` (after repeat_kv): one learned logit per head
+    (``sinks`` [n]) joins each softmax row and is dropped after it -- it takes probability mass
+    but has no value. The row max is subtracted first (a no-op for the softmax, kept by HF
+    against overflow). -> ``torch_attention(..., sinks=sinks)``. ``with_cast``: the probabilities
+    are cast to v's dtype before the last matmul (transformers 5.23 does; older releases do not)."""
+
+    def search(q, k, v, sinks, *mask, scale):
+        w = torch.matmul(q, k.transpose(2, 3)) * scale
+        if mask:
+            w = w + mask[0]
+        sink = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+        logits = torch.cat([w, sink], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+        if with_dropout:
+            probs = F.dropout(probs, p=0.0, training=False)
+        return torch.matmul(probs.to(v.dtype) if with_cast else probs, v)
+
+    def replacement(q, k, v, sinks, *mask, **flags):
+        return _variant_replacement(q, k, v, mask, sinks=sinks, **flags)
+
+    def check(m: Match) -> Optional[Dict[str, Any]]:
+        # The ignored sizes: sinks is one logit per query head, broadcast to [b, n, s_q, 1]; the
+        # softmax runs in the logits' dtype and the cast goes to v's dtype.
+        (expand,), (softmax,) = m.matched(aten.expand.default), m.matched(aten.softmax.int)
+        q, v, sinks, e = m.val("q"), m.val("v"), m.val("sinks"), tensor_meta(expand)
+        if any(t is None for t in (q, v, sinks, e)) or q.dim() != 4 or sinks.dim() != 1:
+            return None
+        b, n, s_q, _ = q.shape
+        if not same_size(sinks.shape[0], n) or not same_shape(e.shape, (b, n, s_q, 1)):
+            return None
+        probs_dtype = dict(named_args(softmax))["dtype"]
+        if probs_dtype != tensor_meta(softmax.args[0]).dtype:
+            return None
+        if (m.matched(aten.to.dtype)[0].args[1] if with_cast else probs_dtype) != v.dtype:
+            return None
+        return _variant_masking(m, with_mask)
+
+    def examples():
+        t = tuple(torch.randn(1, 2, 4, 8) for _ in range(3))
+        return (*t, torch.randn(2), *((torch.zeros(1, 1, 4, 4),) if with_mask else ()))
+
+    return Pattern(
+        f"sink_eager_attention{'_mask' if with_mask else ''}{'_dropout' if with_dropout else ''}"
+        f"{'_cast' if with_cast else ''}",
+        search, replacement, examples, literals={"scale": _SCALE},
+        ignore=((aten.expand.default, "size"), (aten.softmax.int, "dtype"), (aten.to.dtype, "dtype")),
+        check=check,
+        inputs=("q", "k", "v", "sinks", "attn_mask") if with_mask else ("q", "k", "v", "sinks"),
+    )
+
+
+# The variants first, most specific first. (The plain patterns cannot take their nodes anyway: a
+# plain softmax reads the mask add or the scaled matmul, never a tanh or a row-max subtraction.)
+EAGER_VARIANT_PATTERNS = (
+    *(_softcapped_eager_attention(mask, dropout) for mask, dropout in itertools.product((True, False), repeat=2)),
+    *(_sink_eager_attention(*flags) for flags in itertools.product((True, False), repeat=3)),
+)
 EAGER_ATTENTION_PATTERNS = tuple(
     _eager_attention(op, mask, dropout)
     for mask, op, dropout in itertools.product((True, False), ("mul", "div"), (True, False))
@@ -146,106 +265,11 @@ EAGER_ATTENTION_PATTERNS = tuple(
 
 @register("match_eager_attention")
 class MatchEagerAttention(Transform):
-    """Replace eager attention (matmul, scale, mask, softmax, matmul) by ``torch_attention_sdpa``."""
+    """Replace eager attention (matmul, scale, mask, softmax, matmul) by ``torch_attention_sdpa``,
+    and its soft-capped / sink variants by ``torch_attention`` with ``logit_cap`` / ``sinks``."""
 
     def _apply(self, gm, ctx):
-        return match_info(gm, PatternMatcher(EAGER_ATTENTION_PATTERNS).apply(gm))
-
-
-# ------------------------------------------------------------------------------ causal masks
-
-
-@dataclass(frozen=True)
-class MaskKind:
-    """What a position-only mask encodes: nothing (all visible), causal, or causal + window."""
-
-    is_causal: bool
-    sliding_window: Optional[int] = None
-
-
-def _ancestors(node: fx.Node) -> List[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return [n for n in node.graph.nodes if n in seen]
-
-
-def _int_literals(nodes: List[fx.Node]) -> List[int]:
-    found = set()
-    for n in nodes:
-        for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs)):
-            if isinstance(a, int) and not isinstance(a, bool) and 1 <= a < 2**31:
-                found.add(a)
-    return sorted(found)
-
-
-def _on_cpu(a: Any) -> Any:
-    return torch.device("cpu") if isinstance(a, torch.device) else a
-
-
-def classify_mask(mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
-    """Decide whether ``mask`` ([b|1, h|1, s, s]) only encodes causality, by probing it.
-
-    The mask must depend on nothing but the sequence length (``sym_size`` of the inputs): no input
-    values, no parameters. Its sub-graph is then evaluated with both position aranges replaced
-    by a probe vector of positions (0..9, and around every integer literal of the sub-graph, which
-    is where a sliding window's size shows up), and compared with the full, causal and
-    causal-sliding-window masks. Anything else (padding masks, prefix-LM, chunked) -> None.
-    """
-    nodes = _ancestors(mask)
-    literals = _int_literals(nodes)
-    probe = set(range(10)) | {3_000_000}
-    for w in literals:
-        probe |= {max(w + d, 0) for d in (-2, -1, 0, 1, 2)} | {2 * w + 1}
-    positions = torch.tensor(sorted(probe), dtype=torch.int64)
-    n_pos = len(positions)
-    env: Dict[fx.Node, Any] = {}
-    try:
-        for n in nodes:
-            if n.op == "placeholder":
-                continue
-            if n.op != "call_function":
-                return None
-            if n.target is aten.sym_size.int:
-                env[n] = n_pos if same_size(n.meta.get("val"), seq_len) else 1
-                continue
-            if any(a.op == "placeholder" for a in n.all_input_nodes):
-                return None  # depends on input values, not only on sizes
-            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
-            # Evaluated on CPU whatever device the graph names (meta when traced device-neutral,
-            # cuda when traced there): the mask depends on sizes only, and its verdict must not
-            # depend on where the graph will run.
-            args, kwargs = fx.node.map_aggregate((args, kwargs), _on_cpu)
-            if n.target is aten.arange.default and len(args) == 1 and args[0] == n_pos:
-                env[n] = positions
-                continue
-            env[n] = n.target(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - a mask we cannot evaluate is a mask we keep
-        return None
-    m = env[mask]
-    if not isinstance(m, torch.Tensor) or m.dim() != 4 or tuple(m.shape[-2:]) != (n_pos, n_pos):
-        return None
-    if m.dtype != torch.bool:
-        if not bool(((m == 0) | (m == float("-inf"))).all()):
-            return None
-        m = m == 0
-    m = m.reshape(-1, n_pos, n_pos)
-    if not bool((m == m[:1]).all()):
-        return None  # differs between batch rows or heads
-    m = m[0]
-    rel = positions[:, None] - positions[None, :]  # q_pos - k_pos
-    if bool(m.all()):
-        return MaskKind(is_causal=False)
-    if torch.equal(m, rel >= 0):
-        return MaskKind(is_causal=True)
-    for w in sorted({max(v + d, 1) for v in literals for d in (-1, 0, 1)}):
-        if torch.equal(m, (rel >= 0) & (rel < w)):
-            return MaskKind(is_causal=True, sliding_window=w)
-    return None
+        return match_info(gm, PatternMatcher(EAGER_VARIANT_PATTERNS + EAGER_ATTENTION_PATTERNS).apply(gm))
 
 
 # ------------------------------------------------------------------------------ sdpa -> torch_attention
@@ -280,15 +304,9 @@ def _sdpa_pattern(source: str, repeated: bool, with_mask: bool) -> Pattern:
         if q.shape[1] % k.shape[1] or not same_size(k.shape[1], v.shape[1]):
             return None
         flags = dict(named_args(m.outputs[0]))
-        out = {
-            "dropout_p": flags["dropout_p"], "is_causal": bool(flags["is_causal"]),
-            "scale": flags["scale"], "sliding_window": None, "keep_mask": with_mask,
-        }
-        if with_mask and not out["is_causal"] and same_size(q.shape[2], k.shape[2]):
-            kind = classify_mask(m.inputs["attn_mask"], q.shape[2])
-            if kind is not None:
-                out.update(is_causal=kind.is_causal, sliding_window=kind.sliding_window, keep_mask=False)
-        return out
+        mask = m.inputs["attn_mask"] if with_mask else None
+        return {"dropout_p": flags["dropout_p"], "scale": flags["scale"],
+                **attention_mask_arguments(mask, q, k, is_causal=bool(flags["is_causal"]))}
 
     def examples():
         n_kv = 2 if repeated else 6
@@ -349,6 +367,6 @@ class MatchGroupedAttention(Transform):
 
 
 __all__ = [
-    "REPEAT_KV_PATTERN", "EAGER_ATTENTION_PATTERNS", "SDPA_PATTERNS", "MaskKind", "classify_mask",
-    "repeat_kv_source",
+    "REPEAT_KV_PATTERN", "EAGER_ATTENTION_PATTERNS", "EAGER_VARIANT_PATTERNS", "SDPA_PATTERNS", "MaskKind",
+    "classify_mask", "repeat_kv_source",
 ]

@@ -133,9 +133,10 @@ _SDPA_LEFT = ("SDPA the pattern matcher did not canonicalize (an explicit mask, 
 _EAGER_LEFT = "an eager softmax over q @ k^T (matmul + softmax attention the pattern matcher did not canonicalize)"
 _SOFTMAX = (aten._softmax.default, aten.softmax.int)
 _SCORES = (aten.matmul.default, aten.bmm.default, aten.einsum.default)
-# what may stand between the q @ k^T product and the softmax: scaling, masking, soft-capping, casts
-_ON_SCORES = (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.tanh.default, aten.to.dtype,
-              aten._to_copy.default)
+# what may stand between the q @ k^T product and the softmax: scaling, masking, soft-capping, casts,
+# and for attention sinks the sink column concatenated and the row max subtracted
+_ON_SCORES = (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.tanh.default,
+              aten.to.dtype, aten._to_copy.default, aten.cat.default)
 
 
 def _softmax_over_scores(node: fx.Node, depth: int = 6) -> bool:
@@ -149,7 +150,7 @@ def _softmax_over_scores(node: fx.Node, depth: int = 6) -> bool:
             return True
         if x.target not in _ON_SCORES:
             return False
-        x = x.args[0]
+        x = x.args[0][0] if x.target is aten.cat.default else x.args[0]  # cat([scores, sinks], -1)
     return False
 
 
