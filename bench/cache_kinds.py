@@ -1,6 +1,7 @@
 """Which cache kinds each family gets, what its state costs, and whether cached generation equals HF.
 
-For every family (``tiny:<arch>``, seeded random weights of the family's own config class): the whole
+For every family (``tiny:<arch>``, seeded random weights of the family's own config class; the prompts,
+HF reference and comparison are ``workbench check``'s, from ``workbench.onboarding.check``): the whole
 default pipeline, then greedy generation of prompts of different lengths in one continuous batch
 (prefill + decode steps mixed), compared token for token with HF ``generate`` on the same weights,
 each prompt alone. Prints a Markdown table:
@@ -18,34 +19,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Dict, List
-
-import torch
+from typing import Dict
 
 from workbench import Workbench
 from workbench.models import load_model
 from workbench.models.tiny import list_tiny_archs
 from workbench.models.tiny_families.ssm import checkpoint_like_ssm_weights
+from workbench.onboarding import load_registry
+from workbench.onboarding.check import check_prompts, compare_tokens, hf_greedy, inserted_cache_kinds, worst_probe
 
-# insert transform key -> what it caches, in table order
-CACHE_KEYS = {
-    "insert_cached_attention": "paged KV",
-    "insert_cached_mla_attention": "paged MLA latent",
-    "insert_cached_ssm_attention": "SSM state",
-    "insert_cached_causal_conv": "conv state",
-    "insert_cached_delta_rule": "delta-rule state",
-    "insert_cached_gated_delta_rule": "gated delta-rule state",
-    "initialize_mrope_delta_cache": "mRoPE delta",
-}
 DEFAULT_ARCHS = ["llama", "deepseek_v2", "deepseek_v2_q_lora", "mamba2", "bamba", "nemotron_h", "falcon_h1", "lfm2",
                  "qwen3_next", "deltanet", "qwen2_5_vl"]
-
-
-def hf_greedy(model: torch.nn.Module, prompt: List[int], n: int) -> List[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                         eos_token_id=[], pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def family_row(arch: str, new_tokens: int, lens=(5, 11, 3, 17)) -> Dict[str, object]:
@@ -54,31 +38,23 @@ def family_row(arch: str, new_tokens: int, lens=(5, 11, 3, 17)) -> Dict[str, obj
     # HF's random init leaves a Mamba-2 mixer's state below fp32 resolution in its output: re-draw those
     # mixers like a trained checkpoint so the state (and a cache that lost it) shows in the tokens
     checkpoint_like_ssm_weights(loaded.model, seed=1)
-    extra = [f"workbench/models/configs/{arch}.yaml"] if _has_yaml(arch) else []
+    # the pipeline YAML a family needs is the one its model-registry entry lists (e.g. qwen2_5_vl's mRoPE delta)
+    extra = next((e.yaml_extra for e in load_registry().entries if e.name == f"tiny:{arch}"), [])
     # 4 prompts, 2 sequences at a time: later prompts reuse finished sequences' slots and pages
     wb = Workbench(loaded, yaml_extra=extra, max_batch_size=2)
     wb.run()
-    table = wb.table().set_index("transform")
-    kinds = [what for key, what in CACHE_KEYS.items() if key in table.index and table.loc[key, "matches"]]
+    kinds = inserted_cache_kinds(wb.snapshots)
     cfg = wb.ctx.cache.config
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, wb.ctx.vocab_size, (n,), generator=g).tolist() for n in lens]
+    prompts = check_prompts(wb.ctx.vocab_size, lens, seed=3)
     out = wb.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])
-    equal = [r.token_ids == hf_greedy(loaded.model, p, new_tokens) for p, r in zip(prompts, out.results)]
-    worst = max((s.numerics.rmse_ratio for s in wb.snapshots if s.numerics is not None and s.numerics.ok), default=None)
+    _, equal = compare_tokens([r.token_ids for r in out.results], [hf_greedy(loaded.model, p, new_tokens) for p in prompts])
+    worst, _, _ = worst_probe(wb.snapshots)
     return {
         "family": arch, "kinds": ", ".join(kinds) or "none",
         "paged_bytes_per_token": cfg.bytes_per_token() if cfg else 0,
         "state_bytes_per_seq": cfg.state_bytes_per_seq() if cfg else 0,
-        "equal": "yes" if all(equal) else f"no ({sum(equal)}/{len(equal)} prompts)",
-        "cache": out.stats.cache, "probe": worst, "s": time.perf_counter() - t0,
+        "equal": equal, "cache": out.stats.cache, "probe": worst, "s": time.perf_counter() - t0,
     }
-
-
-def _has_yaml(arch: str) -> bool:
-    from pathlib import Path
-
-    return Path(f"workbench/models/configs/{arch}.yaml").exists()
 
 
 def main(argv=None) -> int:

@@ -128,6 +128,37 @@ def cmd_transforms(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """Run the registry's entries (export, whole pipeline, cached greedy tokens vs HF), print the table,
+    write the reports; exit 0 only when every row passes."""
+    from .onboarding import check_registry, exit_code, load_registry, markdown_table, write_reports
+    from .onboarding.report import summary_line
+
+    registry = load_registry(args.registry) if args.registry else load_registry()
+    only = [o.strip() for o in (args.only or "").split(",") if o.strip()]
+    entries, skipped = registry.select(only, quick=args.quick)
+    if args.out:
+        from .api import ensure_writable_dir
+
+        ensure_writable_dir(args.out, "--out")  # before minutes of checking, not after
+    results = []
+
+    def progress(result, i, n):
+        results.append(result)
+        verdict = "pass" if result.passed else f"FAIL: {result.failure}"
+        print(f"[{i + 1}/{n}] {result.key}: {verdict} ({result.seconds:.1f}s)", file=sys.stderr, flush=True)
+        if args.out:  # rewritten after every row: an interrupted check still leaves its rows
+            write_reports(results, args.out, skipped)
+
+    check_registry(entries, on_result=progress)
+    print(markdown_table(results))
+    print(f"\n{summary_line(results, skipped)}")
+    if args.out:
+        md, html = write_reports(results, args.out, skipped)
+        print(f"report: {md} {html}")
+    return exit_code(results)
+
+
 def _ann(a) -> str:
     return a.__name__ if isinstance(a, type) else str(a).replace("typing.", "")
 
@@ -156,6 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
     t = sub.add_parser("transforms", help="list registered transforms, stages and config fields")
     t.set_defaults(func=cmd_transforms)
+    c = sub.add_parser("check", help="run every model of the registry (export, whole pipeline, cached greedy "
+                       "tokens vs HF) and write a summary report")
+    c.add_argument("--registry", default=None, metavar="FILE",
+                   help="model registry YAML (default: workbench/models/registry.yaml)")
+    c.add_argument("--only", default=None, metavar="A,B",
+                   help="check only these entries (labels such as llama, or specs such as tiny:llama); slow ones too")
+    c.add_argument("--quick", action="store_true", help="skip the entries marked slow: true")
+    c.add_argument("--out", default=None, metavar="DIR",
+                   help="write DIR/check_report.md and DIR/check_report.html")
+    c.set_defaults(func=cmd_check)
     return p
 
 

@@ -1,0 +1,264 @@
+"""Check one registry entry end to end: load, export + the whole pipeline step by step, cached greedy
+generation in a continuous batch, compared token for token with HF ``generate`` on the same weights.
+
+What one check does (``check_entry``), and why:
+
+* load the model; for ``tiny:`` random Mamba-2 families re-draw the mixers like a trained checkpoint
+  (``RegistryEntry.redraw_ssm``): HF's random init leaves their state below fp32 resolution, so a state
+  cache that lost it would still give HF's tokens;
+* HF's greedy tokens for every prompt, each prompt alone, *before* the pipeline runs: the pipeline's
+  graph shares the eager model's weight storage, and a transform that wrote into it would otherwise
+  move the reference along with the result;
+* the pipeline one ``step()`` at a time: a ``TransformError`` names the stage and transform that stopped
+  it (the earlier snapshots are kept, so the worst probe so far is still reported);
+* ``generate`` with ``max_batch_size`` 2 and prompts of different lengths: later prompts are admitted
+  while earlier ones decode (mixed prefill + decode steps) and reuse finished sequences' pages and state
+  slots;
+* pass = the pipeline reached its end, no attention was left without a cache, the runner used its
+  caches, and every prompt's tokens equal HF's.
+
+``check_entry`` never raises for a model's failure (only ``KeyboardInterrupt`` and the like escape):
+each failure is a ``CheckResult`` whose fields say where and why.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .registry import RegistryEntry
+
+# insert transform key -> what it caches, in table order
+CACHE_KINDS: Dict[str, str] = {
+    "insert_cached_attention": "paged KV",
+    "insert_cached_mla_attention": "paged MLA latent",
+    "insert_cached_ssm_attention": "SSM state",
+    "insert_cached_causal_conv": "conv state",
+    "insert_cached_delta_rule": "delta-rule state",
+    "insert_cached_gated_delta_rule": "gated delta-rule state",
+    "initialize_mrope_delta_cache": "mRoPE delta",
+}
+UNCACHED_RUNNER = "uncached"  # generate's stats.cache starts with it when no cache stage ran
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """How every entry is exercised: ``new_tokens`` greedy tokens (fp32) for prompts of ``prompt_lens``
+    random token ids (seeded: the same prompts on every run), ``max_batch_size`` sequences at a time."""
+
+    new_tokens: int = 16
+    prompt_lens: Tuple[int, ...] = (5, 11, 3, 17)
+    max_batch_size: int = 2
+    prompt_seed: int = 3
+
+
+@dataclass
+class CheckResult:
+    """One row of the report. ``stopped_at`` is empty when the pipeline reached its end, else where the
+    check stopped: ``load``, ``config``, ``<stage>/<transform>``, ``hf reference`` or ``generate``."""
+
+    key: str
+    model: str
+    family: str = "-"
+    stopped_at: str = ""
+    error: str = ""  # first line of what stopped it
+    transforms_run: int = 0
+    transforms_total: int = 0
+    skipped_on_error: List[str] = field(default_factory=list)  # transforms with skip_on_error that failed
+    cache_kinds: List[str] = field(default_factory=list)  # CACHE_KINDS values with matches > 0
+    uncached_attention: Dict[str, str] = field(default_factory=dict)  # node -> why it has no cache
+    runner_cache: str = ""  # generate's stats.cache
+    tokens_equal: Optional[bool] = None  # None: not compared (the check stopped before)
+    tokens: str = ""  # "yes" / "no: <first difference>"
+    worst_rmse: Optional[float] = None
+    worst_rmse_at: str = ""
+    probe_errors: int = 0
+    seconds: float = 0.0
+
+    @property
+    def failure(self) -> str:
+        """Why the entry does not pass, in a few words ("" when it passes)."""
+        if self.stopped_at == "load":
+            return "the model did not load"
+        if self.stopped_at == "config":
+            return "invalid pipeline config"
+        if self.stopped_at in ("hf reference", "generate"):
+            return f"{self.stopped_at} failed"
+        if self.stopped_at:
+            return f"pipeline stopped at {self.stopped_at}"
+        if self.uncached_attention:
+            return f"{len(self.uncached_attention)} attention node(s) left uncached"
+        if self.runner_cache.startswith(UNCACHED_RUNNER):
+            return "generation ran uncached"
+        if self.tokens_equal is not True:
+            return "tokens differ from HF"
+        return ""
+
+    @property
+    def passed(self) -> bool:
+        return not self.failure
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+def check_prompts(vocab_size: int, lens: Sequence[int] = CheckSettings.prompt_lens, seed: int = 3) -> List[List[int]]:
+    """Seeded random token-id prompts of the given lengths (ids, not text: no chat template or tokenizer
+    stands between the two sides of the comparison)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lens]
+
+
+def hf_greedy(model: torch.nn.Module, prompt: List[int], new_tokens: int) -> List[int]:
+    """HF ``generate``'s greedy continuation of one prompt, alone (no padding), never stopping early."""
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                         eos_token_id=[], pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def compare_tokens(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]) -> Tuple[bool, str]:
+    """(all equal, "yes" or "no: <the first prompt and position that differ>")."""
+    equal = [list(g) == list(w) for g, w in zip(got, want)]
+    if all(equal) and len(got) == len(want):
+        return True, "yes"
+    i = equal.index(False) if False in equal else len(equal)
+    g, w = (list(got[i]), list(want[i])) if i < min(len(got), len(want)) else ([], [])
+    pos = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+    at = (f"token {pos}: {g[pos]} vs HF {w[pos]}" if pos < min(len(g), len(w))
+          else f"token {pos}: {len(g)} tokens vs HF {len(w)}")
+    return False, f"no: prompt {i + 1} of {len(want)} differs at new {at} ({sum(equal)} of {len(want)} equal)"
+
+
+def inserted_cache_kinds(snapshots: Iterable) -> List[str]:
+    """The cache kinds whose insert transform ran and matched, in ``CACHE_KINDS`` order."""
+    done = {s.key for s in snapshots if s.status == "done" and s.info.num_matches > 0}
+    return [what for key, what in CACHE_KINDS.items() if key in done]
+
+
+def uncached_attention_left(snapshots: Iterable) -> Dict[str, str]:
+    """Attention nodes ``insert_cached_attention`` reported as left without a KV cache: name -> why."""
+    for s in snapshots:
+        if s.key == "insert_cached_attention":
+            return dict(s.info.details.get("uncached_attention") or {})
+    return {}
+
+
+def worst_probe(snapshots: Iterable) -> Tuple[Optional[float], str, int]:
+    """(worst numerics-probe RMSE ratio, the transform it was measured after, probes that could not run)."""
+    worst, at, errors = None, "", 0
+    for s in snapshots:
+        n = s.numerics
+        if n is None:
+            continue
+        if not n.ok:
+            errors += 1
+        elif worst is None or n.rmse_ratio > worst:
+            worst, at = n.rmse_ratio, s.key
+    return worst, at, errors
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    text = str(e).strip()
+    line = f"{type(e).__name__}: {text.splitlines()[0] if text else '(no message)'}"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------- one entry
+def check_entry(entry: RegistryEntry, settings: CheckSettings = CheckSettings()) -> CheckResult:
+    """Run one entry (see the module docstring); failures come back as the result's fields."""
+    t0 = time.perf_counter()
+    result = CheckResult(key=entry.key, model=entry.name)
+    try:
+        _run(entry, settings, result)
+    except Exception as e:  # noqa: BLE001 - a bug anywhere is this entry's row, not the end of the check
+        result.stopped_at = result.stopped_at or "internal error"
+        result.error = result.error or _first_line(e)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _run(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> None:
+    from ..api import Workbench
+    from ..models import load_model
+    from ..models.tiny_families.ssm import checkpoint_like_ssm_weights
+    from ..pipeline.config import ConfigError
+    from ..pipeline.interface import TransformError
+
+    try:
+        loaded = load_model(entry.name, dtype="float32", gguf_weights=entry.gguf_weights)
+    except Exception as e:  # noqa: BLE001
+        result.stopped_at, result.error = "load", _first_line(e)
+        return
+    result.family = getattr(loaded.config, "model_type", None) or "-"
+    if entry.redraw_ssm:
+        checkpoint_like_ssm_weights(loaded.model, seed=1)  # a no-op without Mamba-2 mixers
+    try:
+        wb = Workbench(loaded, yaml_extra=entry.yaml_extra, overrides=entry.overrides,
+                       max_batch_size=settings.max_batch_size)
+    except ConfigError as e:
+        result.stopped_at, result.error = "config", _first_line(e)
+        return
+    result.transforms_total = len(wb.entries)
+    prompts = check_prompts(wb.ctx.vocab_size, settings.prompt_lens, settings.prompt_seed)
+    try:
+        with torch.no_grad():
+            want = [hf_greedy(loaded.model, p, settings.new_tokens) for p in prompts]
+    except Exception as e:  # noqa: BLE001
+        result.stopped_at, result.error = "hf reference", _first_line(e)
+        return
+    try:
+        while not wb.done:
+            step_key, step_stage = wb.entries[wb.position].key, wb.entries[wb.position].config.stage.value
+            wb.step()
+    except TransformError as e:
+        result.stopped_at, result.error = f"{e.stage.value}/{e.key}", _first_line(e.cause)
+    except Exception as e:  # noqa: BLE001 - the stepper itself failed around this transform
+        result.stopped_at, result.error = f"{step_stage}/{step_key}", _first_line(e)
+    finally:
+        snaps = list(wb.snapshots)
+        result.transforms_run = len(snaps)
+        result.skipped_on_error = [s.key for s in snaps if s.status == "failed"]
+        result.cache_kinds = inserted_cache_kinds(snaps)
+        result.uncached_attention = uncached_attention_left(snaps)
+        result.worst_rmse, result.worst_rmse_at, result.probe_errors = worst_probe(snaps)
+    if result.stopped_at:
+        return
+    try:
+        out = wb.generate(prompts, max_new_tokens=settings.new_tokens, stop_token_ids=[])
+    except Exception as e:  # noqa: BLE001
+        result.stopped_at, result.error = "generate", _first_line(e)
+        return
+    result.runner_cache = out.stats.cache
+    failed = [r for r in out.results if r.error is not None]
+    if failed:
+        result.stopped_at = "generate"
+        result.error = f"prompt {failed[0].index + 1}: {failed[0].error}".splitlines()[0][:300]
+        return
+    result.tokens_equal, result.tokens = compare_tokens([r.token_ids for r in out.results], want)
+
+
+# ---------------------------------------------------------------------------------------------- many
+def check_registry(entries: Sequence[RegistryEntry], settings: CheckSettings = CheckSettings(),
+                   on_result: Optional[Callable[[CheckResult, int, int], None]] = None) -> List[CheckResult]:
+    """``check_entry`` for each entry in order; ``on_result(result, i, n)`` after each (progress, a report
+    rewritten as rows arrive). Each entry's models and graphs are released before the next starts."""
+    results: List[CheckResult] = []
+    for i, entry in enumerate(entries):
+        results.append(check_entry(entry, settings))
+        gc.collect()
+        if on_result is not None:
+            on_result(results[-1], i, len(entries))
+    return results
+
+
+def exit_code(results: Sequence[CheckResult]) -> int:
+    """0 when every row passes (no rows: nothing failed), 1 otherwise."""
+    return 0 if all(r.passed for r in results) else 1
+
+
+__all__ = ["CACHE_KINDS", "CheckResult", "CheckSettings", "check_entry", "check_prompts", "check_registry",
+           "compare_tokens", "exit_code", "hf_greedy", "inserted_cache_kinds", "uncached_attention_left",
+           "worst_probe"]
