@@ -215,3 +215,12 @@ def test_cli_config_failure_and_bad_only(tmp_path, capsys):
     assert "0 of 1 entries pass" in capsys.readouterr().out
     assert main(["check", "--registry", str(reg), "--only", "nope"]) == 2  # a bad --only is a usage error
     assert "--only names no entry" in capsys.readouterr().err
+
+
+def test_every_tiny_arch_has_a_registry_entry():
+    """A new tiny family is checked by `workbench check` only once it is listed: forgetting it fails here."""
+    from workbench.models.tiny import list_tiny_archs
+    from workbench.onboarding.registry import load_registry
+
+    listed = {e.name for e in load_registry().entries}
+    assert {f"tiny:{a}" for a in list_tiny_archs()} <= listed

@@ -60,16 +60,20 @@ class Workbench(PipelineStepper):
         debug_visualize_dir: Optional[str] = None,
         seed: int = 0,
         gguf_weights: str = "keep",
+        custom_models: bool = True,
         **kwargs: Any,
     ):
         """``gguf_weights`` (GGUF models such as smollm2): ``"keep"`` the file's quantized weights
-        (int4/int8 ops) or ``"dequantize"`` them to fp32. ``kwargs`` go to ``PipelineStepper``: ``max_batch_size``, ``max_seq_len``,
+        (int4/int8 ops) or ``"dequantize"`` them to fp32. ``custom_models``: export the custom
+        canonical-op model registered for the config class (``workbench.models.custom``), if any,
+        instead of the HF class (HF's eager model stays the numerics reference either way). ``kwargs`` go to ``PipelineStepper``: ``max_batch_size``, ``max_seq_len``,
         ``max_num_tokens``, ``page_size`` (the runtime limits), ``numerics``, ``snapshots``,
         ``probe_shape``, ``on_snapshot``, ``entries``, ``registry``."""
         # Everything the caller gave, so that with_options() can build the same Workbench again.
         self.options: Dict[str, Any] = dict(model=model, dtype=dtype, device=device, yaml_extra=yaml_extra,
                                             overrides=overrides, debug_visualize_dir=debug_visualize_dir,
-                                            seed=seed, gguf_weights=gguf_weights, **kwargs)
+                                            seed=seed, gguf_weights=gguf_weights, custom_models=custom_models,
+                                            **kwargs)
         # Check what can be checked before any weight is loaded: a typo should fail in milliseconds.
         device = resolve_device(device)
         registry = kwargs.pop("registry", TRANSFORMS)
@@ -78,7 +82,7 @@ class Workbench(PipelineStepper):
             ensure_writable_dir(debug_visualize_dir, "debug_visualize_dir")
             entries = apply_global_field(entries, "debug_visualize_dir", debug_visualize_dir)
         loaded = model if isinstance(model, LoadedModel) else load_model(
-            model, dtype=dtype, device=device, seed=seed, gguf_weights=gguf_weights
+            model, dtype=dtype, device=device, seed=seed, gguf_weights=gguf_weights, custom_models=custom_models
         )
         super().__init__(loaded, entries=entries, device=device, registry=registry, **kwargs)
         self.on_snapshot.append(self._visualize)
@@ -96,7 +100,7 @@ class Workbench(PipelineStepper):
             raise TypeError(f"with_options: unknown option(s) {unknown}; known: "
                             f"{sorted((set(inspect.signature(Workbench.__init__).parameters) | _STEPPER_ARGS) - {'self', 'kwargs'})}")
         args = {**self.options, **changes}
-        if isinstance(args["model"], LoadedModel) and {"dtype", "device", "seed"} & set(changes):
+        if isinstance(args["model"], LoadedModel) and {"dtype", "device", "seed", "custom_models"} & set(changes):
             args["model"] = args["model"].spec
         return Workbench(**args)
 

@@ -7,6 +7,10 @@ Nothing is cached in memory between calls. A llama-architecture GGUF file (``smo
 by our own parser (``gguf_model``: about a second, quantized weights kept or dequantized); any
 other GGUF architecture goes through transformers' GGUF support, converted once to a dequantized
 safetensors copy on disk (see ``converted_cache_dir``) because that parse takes ~17 s.
+When ``workbench.models.custom`` registers a custom canonical-op model for the config's class
+(DeepSeek-V3, Qwen3-Next), ``load_model`` also builds it, sharing every tensor with the HF model
+(``LoadedModel.export_model``): ``export_to_gm`` traces it and says so in its details, while the HF
+model stays ``LoadedModel.model``, the numerics reference. ``custom_models=False`` opts out.
 A directory holding a quantized checkpoint (ModelOpt ``hf_quant_config.json``, or a supported
 ``quantization_config`` in ``config.json``) loads as its dequantized twin, with the raw quantized
 tensors kept in ``LoadedModel.checkpoint`` (``quantized_checkpoint``): transformers' own quantizers
@@ -192,6 +196,7 @@ def load_model(
     *,
     tiny_registry: Mapping | None = None,
     gguf_weights: str = "keep",
+    custom_models: bool | Mapping[str, type] = True,
 ) -> LoadedModel:
     """Load the model named by ``spec`` (see ``workbench.models.spec`` for the forms).
 
@@ -200,7 +205,12 @@ def load_model(
     ``gguf_weights`` (GGUF files, e.g. ``smollm2``): ``"keep"`` the file's 4/8-bit weights as they
     are (canonical int4/int8 linear ops; the default), or ``"dequantize"`` them to fp32 -- the
     model the quantized one is compared with.
-    Raises :class:`ModelSpecError` for specs that cannot be resolved or loaded.
+    ``custom_models``: ``True`` builds the custom canonical-op model registered for the config's class
+    (``workbench.models.custom.CUSTOM_MODELS``) as ``LoadedModel.export_model`` -- what ``export_to_gm``
+    traces -- beside the HF model, sharing its tensors (no second copy of the weights); ``False``
+    exports the HF class; a mapping ``{config class name: model class}`` is used as the registry.
+    Raises :class:`ModelSpecError` for specs that cannot be resolved or loaded, or whose registered
+    custom model cannot stand in for the HF model (the message says to pass ``custom_models=False``).
     """
     if gguf_weights not in ("keep", "dequantize"):
         raise ModelSpecError(f"gguf_weights must be 'keep' (quantized weights as stored) or 'dequantize' "
@@ -230,5 +240,29 @@ def load_model(
                     raise
                 raise ModelSpecError(_load_failure(spec, resolved.path, exc)) from exc
     model = _finalise(model)
+    export_model = _custom_export_model(spec, model, custom_models)
     return LoadedModel(spec=spec, model=model, config=model.config, tokenizer=tokenizer, source=source,
-                       checkpoint=checkpoint)
+                       checkpoint=checkpoint, export_model=export_model)
+
+
+def _custom_export_model(spec: str, model: torch.nn.Module,
+                         custom_models: bool | Mapping[str, type]) -> Optional[torch.nn.Module]:
+    """The registered custom model for ``model``'s config (sharing its tensors), or None."""
+    if custom_models is False:
+        return None
+    if custom_models is not True and not isinstance(custom_models, Mapping):
+        raise ModelSpecError(f"custom_models must be True, False or a mapping {{config class name: model class}}, "
+                             f"got {custom_models!r}")
+    from .custom import CUSTOM_MODELS
+    from .custom.loading import CustomModelError, build_export_model
+
+    registry = CUSTOM_MODELS if custom_models is True else custom_models
+    try:
+        custom = build_export_model(model, registry)
+    except CustomModelError as e:
+        raise ModelSpecError(f"{spec!r}: {e}") from None
+    if custom is not None:
+        logger.info("%s: exporting custom %s.%s for %s (the HF %s stays the numerics reference; "
+                    "custom_models=False exports the HF class)", spec, type(custom).__module__,
+                    type(custom).__name__, type(model.config).__name__, type(model).__name__)
+    return custom

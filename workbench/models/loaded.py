@@ -18,9 +18,15 @@ def _storage_key(t: torch.Tensor):
     return ("id", id(t)) if t.is_meta else (t.device, t.untyped_storage().data_ptr())
 
 
+def describe_model_class(model: torch.nn.Module, custom: bool) -> str:
+    """``"custom DeepseekV3ForCausalLM (workbench.models.custom.modeling_deepseek_v3)"``, or an HF class
+    the same way without ``custom``: what the export snapshot reports as ``model_class``."""
+    return f"{'custom ' if custom else ''}{type(model).__name__} ({type(model).__module__})"
+
+
 @dataclass
 class LoadedModel:
-    """A loaded causal LM. ``model`` is in eval() mode with ``requires_grad=False``.
+    """A loaded causal LM. ``model`` (and ``export_model``) in eval() mode with ``requires_grad=False``.
 
     ``repr`` is kept to one line on purpose: the default dataclass repr would print the
     whole module tree and config in a notebook cell.
@@ -34,6 +40,22 @@ class LoadedModel:
     # A quantized checkpoint directory: ``model`` is its dequantized twin, this holds the quant
     # config and the raw quantized tensors (``models.quantized_checkpoint``). None otherwise.
     checkpoint: Optional["QuantizedCheckpoint"] = field(default=None, repr=False)
+    # The model ``export_to_gm`` traces in place of ``model``: the custom canonical-op model registered
+    # for the config (``models/custom``), built by ``load_model`` sharing every tensor with ``model``.
+    # None: ``model`` itself is exported. ``model`` stays the HF class either way: the numerics
+    # reference, and what ``generate`` and the tests compare tokens with.
+    export_model: Optional[torch.nn.Module] = field(default=None, repr=False)
+
+    @property
+    def model_to_export(self) -> torch.nn.Module:
+        """``export_model`` when a custom model was built, else the HF ``model``."""
+        return self.export_model if self.export_model is not None else self.model
+
+    @property
+    def export_model_class(self) -> str:
+        """What gets exported, for reports: ``"custom DeepseekV3ForCausalLM (workbench.models.custom...)"``
+        or the HF class with its module."""
+        return describe_model_class(self.model_to_export, custom=self.export_model is not None)
 
     @property
     def num_parameters(self) -> int:
@@ -55,6 +77,7 @@ class LoadedModel:
     def __repr__(self) -> str:
         p = next(self.model.parameters(), None)
         where = f"{p.dtype}, {p.device}" if p is not None else "no params"
-        return (f"LoadedModel(spec={self.spec!r}, arch={type(self.model).__name__}, "
+        custom = f", export=custom {type(self.export_model).__name__}" if self.export_model is not None else ""
+        return (f"LoadedModel(spec={self.spec!r}, arch={type(self.model).__name__}{custom}, "
                 f"params={self.num_parameters / 1e6:.2f}M, {where}, "
                 f"tokenizer={'yes' if self.tokenizer is not None else 'no'}, source={self.source!r})")

@@ -188,7 +188,8 @@ def _run(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> 
     from ..pipeline.interface import TransformError
 
     try:
-        loaded = load_model(entry.name, dtype="float32", gguf_weights=entry.gguf_weights)
+        loaded = load_model(entry.name, dtype="float32", gguf_weights=entry.gguf_weights,
+                            custom_models=entry.custom_models)
     except Exception as e:  # noqa: BLE001
         result.stopped_at, result.error = "load", _first_line(e)
         return

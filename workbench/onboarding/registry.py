@@ -61,6 +61,9 @@ class RegistryEntry(BaseModel):
         "init leaves their state below fp32 resolution, so a broken state cache would not change tokens); "
         "as_loaded: keep the weights; auto: checkpoint_like_ssm for tiny: random models, as_loaded otherwise"))
     slow: bool = Field(False, description="takes long to check (a real checkpoint): `workbench check --quick` skips it")
+    custom_models: bool = Field(True, description=(
+        "export the custom canonical-op model registered for the config class (workbench/models/custom), if any; "
+        "false: the HF class (through the export-time canonical forwards)"))
 
     @property
     def key(self) -> str:

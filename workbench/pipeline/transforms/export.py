@@ -35,7 +35,8 @@ import torch.fx as fx
 from pydantic import Field, field_validator
 
 from ...models.build import meta_twin
-from ...models.export_contract import make_batch
+from ...models.export_contract import CausalLMLogits, make_batch
+from ...models.loaded import describe_model_class
 from ..graph_copy import GraphCopy
 from ..graph_utils import remove_tensor_metadata_asserts
 from ..interface import Transform, TransformConfig, TransformInfo, register
@@ -126,6 +127,7 @@ class ExportToGM(Transform):
                     f"example_{what}_{'size' if what == 'batch' else 'len'}={example} is above the dynamic "
                     f"{what} dim's upper bound {bound}: lower it, or raise max_{what}_{'size' if what == 'batch' else 'len'}"
                 )
+        mod, model_class = _model_to_export(mod, ctx)
         traced, trace_device = _module_to_trace(mod, cfg.trace_device)
         example = make_batch(
             ctx.vocab_size, cfg.example_batch_size, cfg.example_seq_len, seed=0, device=trace_device
@@ -170,10 +172,25 @@ class ExportToGM(Transform):
             details={"patches": [p.name for p in patches], "asserts_removed": removed,
                      "trace_device": str(trace_device), "export_ranges": ranges,
                      "normalized": normalized, "torch": torch.__version__, "layers": stamping,
-                     "summary": f"traced on {trace_device} with torch {torch.__version__}; dims batch "
-                                f"{ranges['batch']}, seq {ranges['seq']} (export's ranges; 1 works too)"},
+                     "model_class": model_class,
+                     "summary": f"{model_class.split(' (')[0]} traced on {trace_device} with torch "
+                                f"{torch.__version__}; dims batch {ranges['batch']}, seq {ranges['seq']} "
+                                "(export's ranges; 1 works too)"},
         )
         return gm, info
+
+
+def _model_to_export(mod: torch.nn.Module, ctx) -> Tuple[torch.nn.Module, str]:
+    """(the module to export, its model class for the details). When ``load_model`` built a custom
+    canonical-op model for this config (``LoadedModel.export_model``, sharing the HF model's tensors
+    under the same names), it is exported in place of the HF model the stepper wraps; the HF model
+    stays the numerics reference."""
+    loaded = getattr(ctx, "loaded", None)
+    if (isinstance(mod, CausalLMLogits) and loaded is not None and mod.model is loaded.model
+            and getattr(loaded, "export_model", None) is not None):
+        return CausalLMLogits(loaded.export_model), loaded.export_model_class
+    inner = mod.model if isinstance(mod, CausalLMLogits) else mod
+    return mod, describe_model_class(inner, custom=False)
 
 
 def _stamp_plan(traced: torch.nn.Module, ctx, cfg: ExportToGMConfig):
