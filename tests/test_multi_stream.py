@@ -322,11 +322,30 @@ def test_fuse_causal_conv_activation(module, matches):
     assert len(acts) == (0 if matches else 1)
 
 
-def test_fuse_causal_conv_activation_default_ops_not_registered_yet():
-    x = torch.randn(2, 6, 9)
-    gm = export_graph_module(Conv(), (x,))
+class RealCachedConv(torch.nn.Module):
+    """The registered cached causal conv (insert_cached_causal_conv's op) followed by a SiLU."""
+
+    def __init__(self, c: int = 9, k: int = 4):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(c, 1, k) * 0.3)
+
+    def forward(self, x, seq_lens, input_pos, slot_idx, state):
+        y = torch.ops.workbench.torch_cached_causal_conv1d(x, self.w, None, seq_lens, input_pos, slot_idx, 2, state)
+        return F.silu(y)
+
+
+def test_fuse_causal_conv_activation_default_ops():
+    """With the default conv_ops the registered cached conv gets the SiLU folded in (same outputs); the
+    CUDA kernel's op is not in this build and is listed as unregistered."""
+    x = torch.randn(1, 6, 9)
+    meta = (torch.tensor([4, 2], dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32))
+    gm = export_graph_module(RealCachedConv(), (x, *meta, torch.zeros(3, 9, 3)))
+    ref = gm(x, *meta, torch.zeros(3, 9, 3))
     out, info = run("fuse_causal_conv_activation", gm, require_cuda=False)
-    assert info.num_matches == 0 and "none of conv_ops is registered" in info.details["note"]
+    assert info.num_matches == 1 and info.details["unregistered"] == ["workbench::cuda_cached_causal_conv1d"]
+    torch.testing.assert_close(out(x, *meta, torch.zeros(3, 9, 3)), ref, atol=TOL, rtol=TOL)
+    assert not [n for n in out.graph.nodes if n.target is torch.ops.aten.silu.default]
     out, info = run("fuse_causal_conv_activation", gm)
     assert info.skipped and "CUDA" in info.skip_reason
 

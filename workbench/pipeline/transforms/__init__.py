@@ -38,8 +38,8 @@
     compile_model       compile_model
 
 ``workbench transforms`` prints the same table from the registry. The framework helpers the
-families share live beside this package (and ``attention_masks`` in it: reading HF's mask
-constructions for the attention matchers): ``matcher/`` (patterns), ``graph_utils``, ``graph_copy``,
+families share live beside this package: ``attention_masks`` (reading HF's mask constructions for
+the attention matchers), ``matcher/`` (patterns), ``graph_utils``, ``graph_copy``,
 ``graph_weights``, ``weights``, ``cache_inputs``, ``cuda_only``; the quantization families share
 ``pipeline/quant_graph.py`` (a framework helper, so no family imports another).
 """

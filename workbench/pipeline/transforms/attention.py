@@ -31,7 +31,7 @@ from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ..interface import Transform, register
 from ..matcher import Match, Pattern, PatternMatcher, match_info, named_args, same_shape, same_size
 from ..graph_utils import tensor_meta
-from .attention_masks import MaskKind, attention_mask_arguments, classify_mask
+from ..attention_masks import MaskKind, attention_mask_arguments, classify_mask
 
 aten = torch.ops.aten
 wb = torch.ops.workbench

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.fx as fx
 
-from ..matcher import same_size
+from .matcher import same_size
 
 aten = torch.ops.aten
 
