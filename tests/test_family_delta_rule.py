@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_runtime import _hf_greedy, decode_vs_reforward
 
-import workbench.ops.conv  # noqa: F401  (registers the ops until workbench.ops imports the packages)
+import workbench.ops.conv  # noqa: F401
 import workbench.ops.delta_rule  # noqa: F401
 from workbench import Workbench
 from workbench.models import load_model

@@ -12,18 +12,14 @@ with k <= 4 taps, O(1) inputs: the cached decode path sums the same k products i
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-import traceback
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import workbench.ops.conv  # noqa: F401  (until workbench.ops imports the package)
+import workbench.ops.conv  # noqa: F401
+from triton_child import child_main, interpreter_results_fixture
 
 wb = torch.ops.workbench
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -237,8 +233,7 @@ def _lfm2_generate_with_triton_backend():
 
 
 def _interpreter_checks() -> dict:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run the child with TRITON_INTERPRET=1"
-    checks = {
+    return {
         "schedule_k4_silu": lambda: _triton_schedule(4, "silu"),
         "schedule_k2_none_no_bias": lambda: _triton_schedule(2, None, bias=False),
         "schedule_k1": lambda: _triton_schedule(1, "silu"),
@@ -247,25 +242,9 @@ def _interpreter_checks() -> dict:
         "bf16_decode": lambda: _decode_only_against_torch(torch.bfloat16, 1e-2),
         "lfm2_generate_with_triton_backend": _lfm2_generate_with_triton_backend,
     }
-    results = {}
-    for name, fn in checks.items():
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:  # report every case, not just the first failure
-            results[name] = traceback.format_exc()
-    return results
 
 
-@pytest.fixture(scope="module")
-def interpreter_results():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+interpreter_results = interpreter_results_fixture(__file__)
 
 
 @pytest.mark.parametrize("case", TRITON_CASES)
@@ -329,6 +308,5 @@ def test_triton_compiled_on_gpu(k, channels):
     assert err < TOL["atol"], err
 
 
-if __name__ == "__main__" and "--interpret" in sys.argv:
-    torch.set_num_threads(1)
-    print(json.dumps(_interpreter_checks()))
+if __name__ == "__main__":
+    child_main(_interpreter_checks)

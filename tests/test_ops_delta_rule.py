@@ -9,19 +9,15 @@ with O(1) values: differences are a few ulps of the outputs, so ``atol = rtol = 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-import traceback
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import workbench.ops.delta_rule  # noqa: F401  (registers the ops until workbench.ops imports the package)
+import workbench.ops.delta_rule  # noqa: F401
 from workbench.ops.delta_rule.delta_rule_math import chunked_delta_rule, prepare, recurrent_delta_rule
 from workbench.ops.state import stateful_op_for
+from triton_child import child_main, interpreter_results_fixture
 
 ops = torch.ops.workbench
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -272,8 +268,7 @@ def _deltanet_generate_with_triton_backend():
 
 
 def _interpreter_checks() -> dict:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run the child with TRITON_INTERPRET=1"
-    checks = {
+    return {
         "schedule_gated": lambda: test_cached_steps_equal_uncached_sequences(True, backend="triton"),
         "schedule_plain": lambda: test_cached_steps_equal_uncached_sequences(False, backend="triton"),
         "decode_only_gated": _decode_only_against_torch,
@@ -282,25 +277,9 @@ def _interpreter_checks() -> dict:
         "bf16_decode": lambda: _decode_only_against_torch(dtype=torch.bfloat16, tol=1e-2),
         "deltanet_generate_with_triton_backend": _deltanet_generate_with_triton_backend,
     }
-    results = {}
-    for name, fn in checks.items():
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:  # report every case, not just the first failure
-            results[name] = traceback.format_exc()
-    return results
 
 
-@pytest.fixture(scope="module")
-def interpreter_results():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+interpreter_results = interpreter_results_fixture(__file__)
 
 
 @pytest.mark.parametrize("case", TRITON_CASES)
@@ -359,6 +338,5 @@ def test_triton_compiled_on_gpu_equals_torch(gated):
     torch.testing.assert_close(tri_state, ref_state, **TOL)
 
 
-if __name__ == "__main__" and "--interpret" in sys.argv:
-    torch.set_num_threads(1)
-    print(json.dumps(_interpreter_checks()))
+if __name__ == "__main__":
+    child_main(_interpreter_checks)

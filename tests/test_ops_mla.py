@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import workbench.ops.mla  # noqa: F401  (until workbench.ops imports the package)
+import workbench.ops.mla  # noqa: F401
 from workbench.models.canonical.mla import deepseek_v2_attention_forward
 from workbench.ops.mla.torch_mla import mla_absorbed, mla_expanded
 

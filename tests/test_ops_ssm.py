@@ -11,19 +11,15 @@ sequence spans several chunks.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
-import os
-import subprocess
-import sys
-import traceback
 
 import pytest
 import torch
 
-import workbench.ops.ssm  # noqa: F401  (registers the ops until workbench.ops imports the package)
+import workbench.ops.ssm  # noqa: F401
 from workbench.ops.ssm.ssd import discretize_dt, heads_from_groups, ssd_chunked, ssm_recurrence
 from workbench.ops.state import STATE_METADATA_ARGS, stateful_op_for
+from triton_child import child_main, interpreter_results_fixture
 
 ssm = torch.ops.workbench.torch_ssm
 cached_ssm = torch.ops.workbench.torch_cached_ssm
@@ -301,34 +297,17 @@ def _mamba2_generate_with_triton_backend():
 
 
 def _interpreter_checks() -> dict:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run the child with TRITON_INTERPRET=1"
     triton_op = torch.ops.workbench.triton_cached_ssm
-    checks = {
+    return {
         "schedule": lambda: check_schedule(triton_op),
         "schedule_two_head_dim_blocks": lambda: check_schedule(triton_op, h=2, d=64, g=1, n=128),
         "decode_only_matches_torch": _decode_only_against_torch,
         "bf16_decode": lambda: _decode_only_against_torch(torch.bfloat16),
         "mamba2_generate_with_triton_backend": _mamba2_generate_with_triton_backend,
     }
-    results = {}
-    for name, fn in checks.items():
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:  # report every case, not just the first failure
-            results[name] = traceback.format_exc()
-    return results
 
 
-@pytest.fixture(scope="module")
-def interpreter_results():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+interpreter_results = interpreter_results_fixture(__file__)
 
 
 @pytest.mark.parametrize("case", TRITON_CASES)
@@ -383,5 +362,5 @@ def test_triton_kernel_compiles_for_hopper():
         assert compiled.metadata.shared <= 227 * 1024
 
 
-if __name__ == "__main__" and "--interpret" in sys.argv:
-    print(json.dumps(_interpreter_checks()))
+if __name__ == "__main__":
+    child_main(_interpreter_checks)

@@ -1,0 +1,71 @@
+"""Triton kernels under ``TRITON_INTERPRET=1`` in a child process, for the op test files.
+
+The interpreter must be switched on before triton is imported (and kernels decorated), so the checks
+run in a child: the test file re-runs itself with ``--interpret`` and prints one JSON line of
+``{case: "ok" | traceback}``; every case runs even when an earlier one fails.
+
+In a test file::
+
+    def _interpreter_checks():           # name -> zero-arg callable that raises on failure
+        return {"schedule": lambda: ..., ...}
+
+    interpreter_results = interpreter_results_fixture(__file__)
+
+    @pytest.mark.parametrize("case", TRITON_CASES)
+    def test_triton_interpreter(interpreter_results, case):
+        assert interpreter_results[case] == "ok", interpreter_results[case]
+
+    if __name__ == "__main__":
+        child_main(_interpreter_checks)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from typing import Callable, Dict
+
+import pytest
+
+from workbench.ops.triton_support import HAS_TRITON
+
+
+def run_checks(checks: Dict[str, Callable[[], object]]) -> Dict[str, str]:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run the child with TRITON_INTERPRET=1"
+    results = {}
+    for name, fn in checks.items():
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception:  # report every case, not just the first failure
+            results[name] = traceback.format_exc()
+    return results
+
+
+def child_main(checks: Callable[[], Dict[str, Callable[[], object]]]) -> None:
+    """The child's entry point (``python <test file> --interpret``): one torch thread, one JSON line."""
+    if "--interpret" not in sys.argv:
+        return
+    import torch
+
+    torch.set_num_threads(1)
+    print(json.dumps(run_checks(checks())))
+
+
+def interpreter_results_fixture(test_file: str, timeout: int = 300):
+    """A module-scoped fixture running ``test_file --interpret`` once and returning its results."""
+
+    @pytest.fixture(scope="module")
+    def interpreter_results():
+        if not HAS_TRITON:
+            pytest.skip("triton is not installed")
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        proc = subprocess.run([sys.executable, test_file, "--interpret"], env=env, capture_output=True, text=True,
+                              timeout=timeout, cwd=os.path.dirname(os.path.abspath(test_file)))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    return interpreter_results
