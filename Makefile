@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25  # the slowest tests, printed after every run: where the suite's time goes
 
 .PHONY: demo test install system-deps clean wheelhouse gpu-check
 
@@ -50,8 +50,6 @@ demo: install
 # `make test TEST_PATHS=tests/test_widgets.py`.
 TEST_PATHS ?= tests notebooks cookbooks
 NBVAL_ARGS ?= --nbval-lax --nbval-current-env
-# the slowest tests, printed at the end of every run: where the suite's time goes
-PYTEST_ARGS ?= --durations=25
 
 # pytest exits 5 when it collected nothing: that must never pass silently.
 test: install
