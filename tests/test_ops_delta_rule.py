@@ -76,8 +76,11 @@ def test_gated_op_equals_hf_qwen3_next_fallbacks():
     hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     q, k, v, g, beta = _inputs(2, 70, 2, 4, 16, 16, seed=1)
     out = ops.torch_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)
-    chunk, _ = hf.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
-    recurrent, _ = hf.torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    # HF's functions take one key head per value head in transformers <= 5.17 (the module repeats them
+    # first; later versions accept fewer): give them the repeated heads, which any version reads alike
+    qr, kr = (x.repeat_interleave(v.shape[2] // x.shape[2], dim=2) for x in (q, k))
+    chunk, _ = hf.torch_chunk_gated_delta_rule(qr, kr, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    recurrent, _ = hf.torch_recurrent_gated_delta_rule(qr, kr, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(out, chunk, **TOL)
     torch.testing.assert_close(out, recurrent, **TOL)
 
