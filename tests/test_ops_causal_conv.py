@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import workbench.ops.conv  # noqa: F401
-from triton_child import child_main, interpreter_results_fixture
+from triton_child import child_main, generate_with_triton_backend_equals_hf, interpreter_results_fixture
 
 wb = torch.ops.workbench
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -215,21 +215,7 @@ def _decode_only_against_torch(dtype=torch.float32, tol=1e-5):
 
 def _lfm2_generate_with_triton_backend():
     """tiny:lfm2 through the whole pipeline with the Triton cached conv: HF's greedy tokens."""
-    from test_runtime import _hf_greedy
-
-    from workbench import Workbench
-    from workbench.models import load_model
-
-    loaded = load_model("tiny:lfm2")
-    bench = Workbench(loaded, overrides={"insert_cached_causal_conv.backend": "triton"}, numerics=False)
-    bench.run()
-    hist = bench.snapshots[-1].op_histogram
-    assert hist.get("workbench.triton_cached_causal_conv1d.default", 0) == 2, hist
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 13)]
-    out = bench.generate(prompts, max_new_tokens=8, stop_token_ids=[])
-    for p, r in zip(prompts, out.results):
-        assert r.token_ids == _hf_greedy(loaded.model, p, 8), f"prompt of {len(p)} tokens"
+    generate_with_triton_backend_equals_hf("lfm2", "insert_cached_causal_conv", "triton_cached_causal_conv1d", 2)
 
 
 def _interpreter_checks() -> dict:

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import workbench.ops.delta_rule  # noqa: F401
 from workbench.ops.delta_rule.delta_rule_math import chunked_delta_rule, prepare, recurrent_delta_rule
 from workbench.ops.state import stateful_op_for
-from triton_child import child_main, interpreter_results_fixture
+from triton_child import child_main, generate_with_triton_backend_equals_hf, interpreter_results_fixture
 
 ops = torch.ops.workbench
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -252,22 +252,8 @@ def _decode_only_against_torch(gated=True, dk=8, dv=6, dtype=torch.float32, tol=
 
 def _deltanet_generate_with_triton_backend():
     """tiny:deltanet through the whole pipeline with the Triton cached delta rule: HF's greedy tokens."""
-    from test_runtime import _hf_greedy
-
-    import workbench.ops.conv  # noqa: F401
-    from workbench import Workbench
-    from workbench.models import load_model
-
-    loaded = load_model("tiny:deltanet")
-    bench = Workbench(loaded, overrides={"insert_cached_delta_rule.backend": "triton"}, numerics=False)
-    bench.run()
-    hist = bench.snapshots[-1].op_histogram
-    assert hist.get("workbench.triton_cached_delta_rule.default", 0) == 4, hist
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 13)]
-    out = bench.generate(prompts, max_new_tokens=6, stop_token_ids=[])
-    for p, r in zip(prompts, out.results):
-        assert r.token_ids == _hf_greedy(loaded.model, p, 6), f"prompt of {len(p)} tokens"
+    generate_with_triton_backend_equals_hf("deltanet", "insert_cached_delta_rule", "triton_cached_delta_rule", 4,
+                                           new_tokens=6)
 
 
 def _interpreter_checks() -> dict:

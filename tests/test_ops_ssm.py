@@ -19,7 +19,7 @@ import torch
 import workbench.ops.ssm  # noqa: F401
 from workbench.ops.ssm.ssd import discretize_dt, heads_from_groups, ssd_chunked, ssm_recurrence
 from workbench.ops.state import STATE_METADATA_ARGS, stateful_op_for
-from triton_child import child_main, interpreter_results_fixture
+from triton_child import child_main, generate_with_triton_backend_equals_hf, interpreter_results_fixture
 
 ssm = torch.ops.workbench.torch_ssm
 cached_ssm = torch.ops.workbench.torch_cached_ssm
@@ -277,23 +277,10 @@ def _decode_only_against_torch(dtype=torch.float32, h=6, d=20, g=3, n=12):
 def _mamba2_generate_with_triton_backend():
     """tiny:mamba2 (checkpoint-like mixer weights) through the whole pipeline with the Triton
     cached scan: HF's greedy tokens."""
-    from test_runtime import _hf_greedy
-
-    from workbench import Workbench
-    from workbench.models import load_model
     from workbench.models.tiny_families.ssm import checkpoint_like_ssm_weights
 
-    loaded = load_model("tiny:mamba2")
-    checkpoint_like_ssm_weights(loaded.model)
-    bench = Workbench(loaded, overrides={"insert_cached_ssm_attention.backend": "triton"}, numerics=False)
-    bench.run()
-    hist = bench.snapshots[-1].op_histogram
-    assert hist.get("workbench.triton_cached_ssm.default", 0) == 4, hist
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 21)]
-    out = bench.generate(prompts, max_new_tokens=6, stop_token_ids=[])
-    for p, r in zip(prompts, out.results):
-        assert r.token_ids == _hf_greedy(loaded.model, p, 6), f"prompt of {len(p)} tokens"
+    generate_with_triton_backend_equals_hf("mamba2", "insert_cached_ssm_attention", "triton_cached_ssm", 4,
+                                           prompt_lens=(5, 21), new_tokens=6, prepare=checkpoint_like_ssm_weights)
 
 
 def _interpreter_checks() -> dict:

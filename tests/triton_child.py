@@ -69,3 +69,28 @@ def interpreter_results_fixture(test_file: str, timeout: int = 300):
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     return interpreter_results
+
+
+def generate_with_triton_backend_equals_hf(arch: str, insert_key: str, triton_op: str, count: int,
+                                           prompt_lens=(5, 13), new_tokens: int = 8, prepare=None) -> None:
+    """``tiny:<arch>`` through the whole pipeline with ``<insert_key>.backend: triton``: the graph calls
+    ``triton_op`` ``count`` times and greedy generation equals HF's tokens (``prepare(model)`` may
+    re-draw weights first). Runs in the interpreter child."""
+    import torch
+    from test_runtime import _hf_greedy
+
+    from workbench import Workbench
+    from workbench.models import load_model
+
+    loaded = load_model(f"tiny:{arch}")
+    if prepare is not None:
+        prepare(loaded.model)
+    bench = Workbench(loaded, overrides={f"{insert_key}.backend": "triton"}, numerics=False)
+    bench.run()
+    hist = bench.snapshots[-1].op_histogram
+    assert hist.get(f"workbench.{triton_op}.default", 0) == count, hist
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in prompt_lens]
+    out = bench.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])
+    for p, r in zip(prompts, out.results):
+        assert r.token_ids == _hf_greedy(loaded.model, p, new_tokens), f"prompt of {len(p)} tokens"

@@ -28,7 +28,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..models.tiny import list_tiny_archs
-from ..pipeline.config import ConfigError
+from ..pipeline.config import ConfigError, validation_messages
 
 #: The registry shipped with workbench (``workbench check`` without ``--registry``).
 DEFAULT_REGISTRY = Path(__file__).resolve().parents[1] / "models" / "registry.yaml"
@@ -165,17 +165,7 @@ def _check_model(entry: RegistryEntry, known_archs: List[str]) -> List[str]:
 
 
 def _describe(err: ValidationError) -> List[str]:
-    known = sorted(RegistryEntry.model_fields)
-    out = []
-    for e in err.errors():
-        field = ".".join(str(x) for x in e["loc"]) or "<entry>"
-        if e["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(str(e["loc"][0]), known, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            out.append(f"unknown field '{field}'{hint}; known fields: {', '.join(known)}")
-        else:
-            out.append(f"field '{field}': {e['msg']} (got {e.get('input')!r})")
-    return out
+    return validation_messages(err, RegistryEntry.model_fields, root="<entry>")
 
 
 __all__ = ["DEFAULT_REGISTRY", "Registry", "RegistryEntry", "RegistryError", "load_registry"]

@@ -116,17 +116,24 @@ def overrides_to_tree(overrides: Mapping[str, Any]) -> Dict[str, Any]:
     return tree
 
 
-def _format_validation(key: str, err: ValidationError, cls: type, source: str) -> str:
-    lines = [f"transform '{key}' ({source}): invalid config"]
-    known = sorted(cls.model_fields)
+def validation_messages(err: ValidationError, known, root: str = "<root>") -> List[str]:
+    """One line per pydantic error: an unknown field with the closest known one, or the field's problem."""
+    known = sorted(known)
+    out = []
     for e in err.errors():
-        field = ".".join(str(x) for x in e["loc"]) or "<root>"
+        field = ".".join(str(x) for x in e["loc"]) or root
         if e["type"] == "extra_forbidden":
             close = difflib.get_close_matches(str(e["loc"][0]), known, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            lines.append(f"  - unknown field '{field}'{hint}; known fields: {', '.join(known)}")
+            out.append(f"unknown field '{field}'{hint}; known fields: {', '.join(known)}")
         else:
-            lines.append(f"  - field '{field}': {e['msg']} (got {e.get('input')!r})")
+            out.append(f"field '{field}': {e['msg']} (got {e.get('input')!r})")
+    return out
+
+
+def _format_validation(key: str, err: ValidationError, cls: type, source: str) -> str:
+    lines = [f"transform '{key}' ({source}): invalid config"]
+    lines += [f"  - {m}" for m in validation_messages(err, cls.model_fields)]
     return "\n".join(lines)
 
 
