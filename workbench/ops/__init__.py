@@ -7,3 +7,4 @@ a plain-PyTorch reference implementation that runs on CPU.
 
 from . import attention, mlp, moe, normalization, quant, rope, state  # noqa: F401
 from . import conv, delta_rule, mla, ssm  # noqa: F401  (after state: stateful ops declare their cache entries)
+from . import distributed  # noqa: F401  (collectives of sharded graphs)

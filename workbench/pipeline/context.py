@@ -19,6 +19,10 @@ What flows from ``Workbench(...)`` to generated tokens, and which transform adds
                                 ``initialize_cache`` / ``resize_kv_cache`` allocate the config and
                                 tensors; the probe follows the specs
 ``runner``                      ``compile_model`` (None: ``generate`` builds the plain runner)
+``dist: DistInfo``              this process's rank in a sharded run (``Workbench(world_size=N)``,
+                                ``torchrun``); world size 1 otherwise. ``detect_sharding`` plans
+                                for it, ``sharding_transform_executor`` writes ``sharding``
+``sharding``                    the applied plan (``ShardingPlan``), None when nothing was sharded
 =============================  =====================================================================
 
 Re-running a notebook cell builds a new context, so nothing leaks between runs. The stepper keeps
@@ -79,6 +83,32 @@ class RuntimeLimits:
         return dataclasses.replace(self, **changed, overrides=self.overrides + notes)
 
 
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in a sharded run: its rank, the world size and the process group the
+    collective ops name (``torch.distributed`` functional collectives take the group by name).
+
+    World size 1 (the default) means no process group exists and nothing is sharded.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    group_name: str = ""  # torch.distributed process group name; "" when world_size == 1
+    backend: str = ""  # "gloo" | "nccl"; "" when world_size == 1
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if self.world_size > 1 and not self.group_name:
+            raise ValueError("a DistInfo with world_size > 1 needs the process group's name (group_name)")
+
+    @property
+    def sharded(self) -> bool:
+        return self.world_size > 1
+
+
 @dataclass
 class CacheState:
     """Everything about the caches: declared specs, the allocated pool and its tensors, the probe.
@@ -129,6 +159,7 @@ class ContextState:
     runner: Any
     hidden_states_to_capture: Mapping[int, str]
     hf_attn_layers: Tuple[Any, ...]
+    sharding: Any = None
 
 
 @dataclass
@@ -145,6 +176,8 @@ class PipelineContext:
     # The quantized checkpoint the model was loaded from (its QuantConfig and raw tensors); None
     # for other models. Defaults to ``loaded.checkpoint``.
     checkpoint: Optional["QuantizedCheckpoint"] = None
+    dist: DistInfo = field(default_factory=DistInfo)
+    sharding: Any = None  # pipeline.sharding.ShardingPlan once sharding_transform_executor applied one
     _weights: Optional[Mapping[str, torch.Tensor]] = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -192,18 +225,20 @@ class PipelineContext:
 
     def state(self) -> ContextState:
         return ContextState(self.limits, self.cache.copy(), self.runner, dict(self.hidden_states_to_capture),
-                            tuple(self.hf_attn_layers))
+                            tuple(self.hf_attn_layers), self.sharding)
 
     def restore(self, state: Optional[ContextState], limits: RuntimeLimits) -> None:
         """Back to ``state`` (None: as a fresh context with ``limits``)."""
         if state is None:
             self.limits, self.cache, self.runner = limits, CacheState(), None
             self.hidden_states_to_capture, self.hf_attn_layers = {}, ()
+            self.sharding = None
             return
         self.limits, self.cache, self.runner = state.limits, state.cache.copy(), state.runner
         self.hidden_states_to_capture = dict(state.hidden_states_to_capture)
         self.hf_attn_layers = tuple(state.hf_attn_layers)
+        self.sharding = state.sharding
 
 
-__all__ = ["PipelineContext", "RuntimeLimits", "CacheState", "ContextState", "PipelineOrderError",
+__all__ = ["PipelineContext", "RuntimeLimits", "DistInfo", "CacheState", "ContextState", "PipelineOrderError",
            "DEFAULT_MAX_NUM_TOKENS"]

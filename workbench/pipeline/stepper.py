@@ -19,7 +19,7 @@ import torch
 from ..models.export_contract import CausalLMLogits, ProbeBatch, make_batch
 from . import transforms as _transforms  # noqa: F401  (registers every transform)
 from .config import ConfigError, PipelineEntry, resolve_pipeline
-from .context import PipelineContext, RuntimeLimits
+from .context import DistInfo, PipelineContext, RuntimeLimits
 from .graph_copy import GraphCopy
 from .graph_utils import graph_modules, num_nodes, op_histogram
 from .interface import TRANSFORMS, GraphState, Stages, TransformError, TransformRegistry, check_order
@@ -58,7 +58,10 @@ class PipelineStepper:
         probe_shape: tuple = (2, 16),
         on_snapshot: Sequence[SnapshotHook] = (),
         registry: TransformRegistry = TRANSFORMS,
+        dist: Optional[DistInfo] = None,
     ):
+        """``dist``: this process's rank in a sharded run (``workbench.parallel`` makes it); None:
+        world size 1."""
         self.loaded = loaded
         self.registry = registry
         self.entries: List[PipelineEntry] = (
@@ -74,7 +77,8 @@ class PipelineStepper:
         self.limits = RuntimeLimits(max_batch_size=max_batch_size,
                                     max_seq_len=max_seq_len or min(int(max_pos), 4096),
                                     max_num_tokens=max_num_tokens, page_size=page_size)
-        self.ctx = PipelineContext(spec=loaded.spec, loaded=loaded, device=device, dtype=dtype, limits=self.limits)
+        self.ctx = PipelineContext(spec=loaded.spec, loaded=loaded, device=device, dtype=dtype, limits=self.limits,
+                                   dist=dist or DistInfo())
         self.record_graphs = snapshots
         if numerics is None:
             numerics = loaded.num_parameters < NUMERICS_DEFAULT_MAX_PARAMS

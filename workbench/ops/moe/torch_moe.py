@@ -31,7 +31,8 @@ def _combine(
     """``sum_j routing_weights[t, j] * expert_{selected[t, j]}(x[t])`` -> [*x.shape].
 
     x [..., H] (flattened to [T, H]); selected_experts/routing_weights [T, k]. Only experts that
-    received tokens run. The per-slot results are summed over ``k`` in slot order.
+    received tokens run. The per-slot results are summed over ``k`` in slot order. An expert id of
+    -1 (``torch_moe_local_experts``: an expert another rank holds) contributes nothing here.
     """
     hidden = x.shape[-1]
     xt = x.reshape(-1, hidden)
@@ -40,6 +41,8 @@ def _combine(
     out_dtype = torch.promote_types(x.dtype, weights.dtype)
     slots = xt.new_zeros(*sel.shape, hidden, dtype=out_dtype)  # [T, k, H]
     for e in sel.unique().tolist():
+        if e < 0:
+            continue
         tok, slot = torch.nonzero(sel == e, as_tuple=True)
         slots[tok, slot] = expert_fn(int(e), xt[tok]) * weights[tok, slot, None]
     return slots.sum(dim=1).to(x.dtype).reshape(x.shape)
@@ -99,6 +102,20 @@ def torch_moe_fused(
 @torch_moe_fused.register_fake
 def _torch_moe_fused_fake(x, selected_experts, routing_weights, w1_w3_stacked, w2_stacked, act_fn="silu"):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("workbench::torch_moe_local_experts", mutates_args=())
+def torch_moe_local_experts(selected_experts: torch.Tensor, first_expert: int, num_local: int) -> torch.Tensor:
+    """Expert parallelism: global expert ids [T, k] -> this rank's local ids, or -1 for an expert
+    another rank holds (experts ``first_expert .. first_expert + num_local - 1`` live here)."""
+    local = selected_experts - first_expert
+    keep = (local >= 0) & (local < num_local)
+    return torch.where(keep, local, torch.full_like(local, -1))
+
+
+@torch_moe_local_experts.register_fake
+def _torch_moe_local_experts_fake(selected_experts, first_expert, num_local):
+    return torch.empty_like(selected_experts)
 
 
 @torch.library.custom_op("workbench::torch_moe_dense_mlp", mutates_args=())

@@ -20,6 +20,7 @@
     quantize_moe        quantize_fp8_moe, quantize_finegrained_fp8_moe, quantize_nvfp4_moe, quantize_mxfp4_moe
     quant_swiglu        match_nvfp4_swiglu_pattern, match_finegrained_fp8_swiglu_pattern
     hidden_states       detect_hidden_states_for_capture
+    sharding            detect_sharding, sharding_transform_executor
     load_weights        load_weights
     fuse_gemms          fuse_gemms
     fuse_kernels        fuse_rmsnorm, fuse_rope, fuse_swiglu
@@ -46,6 +47,7 @@ the attention matchers), ``matcher/`` (patterns), ``graph_utils``, ``graph_copy`
 
 from . import attention, cleanup, export, hidden_states, layout, moe, norms, rope, swiglu  # noqa: F401
 from . import quant_swiglu, quantization, quantize_bmm, quantize_from_graph, quantize_moe  # noqa: F401
+from . import sharding  # noqa: F401
 from . import load_weights  # noqa: F401
 from . import fuse_causal_conv, fuse_gemms, fuse_kernels, linear_layout, multi_stream  # noqa: F401
 from . import cache_alloc, cached_attention, cached_residual_add, gather_logits, transformers_mode  # noqa: F401
