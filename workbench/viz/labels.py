@@ -108,6 +108,8 @@ def node_label(node: fx.Node, show_provenance: bool = False, prefix: str = "") -
         lines.append(short_op(node))
     if node.op != "output":
         lines.append(node_shape(node) or MISSING)
+    if node.meta.get("sharding"):  # what this rank holds (sharding_transform_executor)
+        lines.append("shard: " + node.meta["sharding"])
     if show_provenance:
         lines.extend(provenance_lines(node))
     return join_lines(lines)

@@ -84,10 +84,27 @@ def node_kind(node: fx.Node) -> str:
     return node.op
 
 
+# Border of a node the sharding stage cut (node.meta["sharding"] starts with the kind).
+SHARD_BORDER = {
+    "column": "#1565c0", "row": "#2e7d32", "column+row": "#00838f", "vocab": "#6a1b9a", "expert": "#ef6c00",
+    "all_reduce": "#c62828", "all_gather": "#c62828",
+}
+
+
+def shard_kind(node: fx.Node) -> str:
+    """The sharding kind written on ``node`` (``""`` when the sharding stage left it whole)."""
+    label = node.meta.get("sharding") or ""
+    return label.split(" ", 1)[0]
+
+
 def node_style(node: fx.Node) -> Dict[str, str]:
-    """Graphviz attributes (fill, shape, border) for ``node`` by its kind."""
+    """Graphviz attributes (fill, shape, border) for ``node`` by its kind; nodes the sharding stage
+    cut get a thick border in the colour of their split (``SHARD_BORDER``)."""
     kind = node_kind(node)
     attrs = {"style": "filled", **KIND_STYLE.get(kind, {})}
     if "fillcolor" not in attrs:
         attrs["fillcolor"] = op_color(op_name(node))
+    border = SHARD_BORDER.get(shard_kind(node))
+    if border:
+        attrs.update(color=border, penwidth="3", style="filled,bold")
     return attrs

@@ -318,6 +318,10 @@ class Detector:
             elif _is(n, *ELEMENTWISE):
                 inside.append(n)
                 stack.extend(a for a in n.args if isinstance(a, fx.Node))
+            elif inside and _is(n, operator.getitem, aten.split.Tensor, aten.split_with_sizes.default,
+                                aten.chunk.default, aten.slice.Tensor):
+                raise NotShardable(f"the MLP into {closing.name} splits one projection ({op_name(n)}): fused "
+                                   "gate/up projections are not split yet")
             else:
                 return None
         if not openings:
