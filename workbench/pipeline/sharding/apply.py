@@ -68,7 +68,7 @@ def _local_shape(shape: Sequence[int], cut: TensorCut) -> Tuple[int, ...]:
 
 
 def _cut_tensor(gm: fx.GraphModule, node: fx.Node, cut: TensorCut) -> None:
-    attr = node.args[cut.arg_index]
+    attr = node.args[cut.arg_index] if isinstance(cut.arg_index, int) else node.kwargs[cut.arg_index]
     whole = fetch_attr(gm, attr.target)
     if not whole.is_meta:
         raise RuntimeError(f"{attr.target} already holds real weights: sharding must run before load_weights "

@@ -74,6 +74,11 @@ def _nbytes(node: fx.Node) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
+def _arg(node: fx.Node, index) -> fx.Node:
+    """A node argument by position, or by keyword (``sinks``)."""
+    return node.args[index] if isinstance(index, int) else node.kwargs[index]
+
+
 def _width(ranges: Sequence[Range]) -> int:
     return sum(b - a for a, b in ranges)
 
@@ -122,7 +127,7 @@ class Detector:
         for cut in cuts:
             node = by_name[cut.node]
             for t in cut.tensors:
-                v = node.args[t.arg_index].meta.get("val")
+                v = _arg(node, t.arg_index).meta.get("val")
                 if not isinstance(v, torch.Tensor):
                     continue
                 whole += v.numel() * v.element_size()
@@ -131,25 +136,81 @@ class Detector:
         return whole, local
 
     # ------------------------------------------------------------------ attention
-    def _back_to_linear(self, start: fx.Node, path: List[fx.Node]) -> fx.Node:
-        cur = start
-        while True:
+    def _back_to_linear(self, start: fx.Node, path: List[fx.Node], heads: int) -> fx.Node:
+        """The one linear ``start`` (a Q/K/V input of attention) comes from, walking back over ops
+        that act on each head alone; they are appended to ``path``. Partial rotary (slice the head
+        dim, rotate a part, concatenate) and casts are per-head; an operand without the head axis
+        (cos/sin tables) is shared by all heads and not walked."""
+        linears: Set[fx.Node] = set()
+        stack, seen = [start], set()
+        while stack:
+            cur = stack.pop()
+            if cur in seen:
+                continue
+            seen.add(cur)
             if linear_op(cur) is not None:
-                return cur
-            if _is(cur, *PASS_THROUGH):
-                path.append(cur)
-                cur = cur.args[0]
+                linears.add(cur)
+                continue
+            path.append(cur)
+            if _is(cur, *PASS_THROUGH) or (_is(cur, aten.slice.Tensor) and self._last_dim(cur, cur.args[1])):
+                stack.append(cur.args[0])
+            elif _is(cur, aten.cat.default, aten.stack.default) and \
+                    self._trailing_dim(cur, cur.args[1] if len(cur.args) > 1 else 0):
+                stack.extend(cur.args[0])
+            elif (_is(cur, aten.flatten.using_ints) and self._trailing_dim(cur.args[0], cur.args[1])) or \
+                    (_is(cur, aten.unsqueeze.default) and self._trailing_dim(cur, cur.args[1])):
+                stack.append(cur.args[0])
+            elif _is(cur, operator.getitem) and _is(cur.args[0], aten.split.Tensor, aten.split_with_sizes.default,
+                                                     aten.chunk.default) \
+                    and self._trailing_dim(cur.args[0].args[0], cur.args[0].args[2] if len(cur.args[0].args) > 2 else 0):
+                path.append(cur.args[0])
+                stack.append(cur.args[0].args[0])
             elif _is(cur, operator.getitem) and isinstance(cur.args[0], fx.Node) \
                     and op_name(cur.args[0]).startswith("workbench.torch_rope"):
                 rope = cur.args[0]
-                path += [cur, rope]
-                cur = rope.args[cur.args[1]]
+                path.append(rope)
+                seen.add(rope)
+                stack.append(rope.args[cur.args[1]])
             elif _is(cur, wb.torch_rmsnorm.default, wb.torch_l2norm.default) and self._per_head(cur):
-                path.append(cur)
-                cur = cur.args[0]
+                stack.append(cur.args[0])
+            elif _is(cur, aten.type_as.default):
+                stack.append(cur.args[0])
+            elif _is(cur, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.div.Tensor):
+                for a in cur.args:
+                    if isinstance(a, fx.Node) and self._has_heads(a, heads):
+                        stack.append(a)
             else:
                 what = op_name(cur) if isinstance(cur, fx.Node) else type(cur).__name__
                 raise NotShardable(f"{start.name} does not come from a linear through per-head ops (found {what})")
+        if len(linears) != 1:
+            raise NotShardable(f"{start.name} comes from {len(linears)} projections, not one")
+        path[:] = list(dict.fromkeys(path))
+        return linears.pop()
+
+    @staticmethod
+    def _last_dim(node: fx.Node, dim: int) -> bool:
+        v = node.meta.get("val")
+        return v is not None and dim in (-1, v.dim() - 1)
+
+    @staticmethod
+    def _trailing_dim(node: fx.Node, dim: int) -> bool:
+        """``dim`` of ``node``'s value (or its input's, for ops that add a dim) lies after the
+        batch, sequence and head axes (dims 0-2 in either bsnd or bnsd)."""
+        v = node.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            return False
+        return (dim if dim >= 0 else dim + v.dim()) >= 3
+
+    @staticmethod
+    def _has_heads(node: fx.Node, heads: int) -> bool:
+        """Whether ``node`` carries the head axis (size ``heads`` at dim 1 or 2 of a 4-D value, or a
+        flat projection output); broadcast operands (size 1 there) do not."""
+        v = node.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            return False
+        if v.dim() >= 4:
+            return any(isinstance(d, int) and d == heads for d in (v.shape[1], v.shape[2]))
+        return v.dim() == 3 and isinstance(v.shape[-1], int) and v.shape[-1] % heads == 0 and v.shape[-1] > heads
 
     @staticmethod
     def _per_head(norm: fx.Node) -> bool:
@@ -185,7 +246,8 @@ class Detector:
             raise NotShardable(f"layout {attn.kwargs.get('layout')} (only bsnd attention is split)")
         q, k, v = attn.args[:3]
         paths = {name: [] for name in "qkv"}
-        lins = {name: self._back_to_linear(x, paths[name]) for name, x in zip("qkv", (q, k, v))}
+        lins = {name: self._back_to_linear(x, paths[name], int(x.meta["val"].shape[2]))
+                for name, x in zip("qkv", (q, k, v))}
         if len({lins["q"], lins["k"], lins["v"]}) < 3:
             raise NotShardable("Q, K and V come from one fused projection (split after it): not split yet")
         out_path: List[fx.Node] = []
@@ -208,8 +270,10 @@ class Detector:
                 self.column(lins["v"], rules["v"], [(g0 * v_dim, g1 * v_dim)]),
                 self.row(o_lin, linear_op(o_lin), [(h0 * v_dim, h1 * v_dim)])]
         sinks = attn.kwargs.get("sinks")
-        if isinstance(sinks, fx.Node):
-            raise NotShardable("attention sinks are per-head weights of the attention op: not split yet")
+        if isinstance(sinks, fx.Node):  # one learned logit per query head: cut with the heads
+            if sinks.op != "get_attr":
+                raise NotShardable("attention sinks are computed, not a weight: not split")
+            cuts.append(NodeCut(attn.name, "column", (TensorCut("sinks", sinks.target, 0, ((h0, h1),)),)))
         fixes = []
         for name, nheads, local in (("q", heads, h1 - h0), ("k", kv_heads, g1 - g0), ("v", kv_heads, g1 - g0)):
             fixes += self._fix_heads(paths[name], nheads, local, last=False)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 Range = Tuple[int, int]
 
@@ -48,7 +48,7 @@ class TensorCut:
     """What this rank keeps of one graph tensor: ``ranges`` along ``dim`` (concatenated in order),
     or zeros of that shape (``zero``: a row-parallel bias on ranks > 0)."""
 
-    arg_index: int  # position of the get_attr in the node's args
+    arg_index: Union[int, str]  # position of the get_attr in the node's args, or its keyword
     target: str  # the graph attribute the node reads now
     dim: int
     ranges: Tuple[Range, ...]
