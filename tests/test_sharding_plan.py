@@ -150,3 +150,17 @@ def test_render_marks_sharded_nodes(tiny_llama):
     src = render_snapshot(wb.snapshot("sharding_transform_executor")).source
     assert "shard: column q heads 0-1" in src and "shard: all_reduce over 2 ranks" in src
     assert "#c62828" in src  # the collectives' border
+
+
+def test_sharded_layer_render_and_report(tiny_llama, tmp_path):
+    from workbench.viz.report import write_report
+    from workbench.viz.sharding import render_sharded_layer
+
+    wb = sharded(tiny_llama)
+    src = render_sharded_layer(wb.snapshot("sharding_transform_executor")).source
+    assert "rank 0 of 2: layer" in src and "shard: row q heads 0-1" in src and "torch_dist_all_reduce" in src
+    html = write_report(wb, tmp_path).read_text()
+    assert "Sharding plan: rank 0 of 2" in html and "q heads 2-3, kv heads 1" in html
+    assert 'id="sharding-graph"' in html
+    with pytest.raises(ValueError, match="holds no applied sharding plan"):
+        render_sharded_layer(wb.snapshot("detect_sharding"))

@@ -25,6 +25,7 @@ from .diff import NEW_CHANGES, GraphDiff, diff_snapshots
 from .diff_view import render_diff
 from .render import render_snapshot, snapshot_svg_name, to_svg
 from .select import GraphTooLargeError
+from .sharding import plan_frame, plan_of, render_sharded_layer
 
 MAX_DIFF_ROWS = 500
 DIFF_HOPS = (2, 0)  # context around a diff picture; less when the picture would be too large
@@ -199,6 +200,33 @@ def _section(snap: Snapshot, prev: Optional[Snapshot], nav: str, diff: Optional[
 </section>"""
 
 
+def _sharding_html(snaps: List[Snapshot], out: Path) -> str:
+    """The plan table and one sharded layer's render, when the run was sharded."""
+    applied = [s for s in snaps if plan_of(s) is not None and plan_of(s).applied and s.module is not None]
+    if not applied:
+        return ""
+    snap = applied[0]
+    plan = plan_of(snap)
+    whole, local = plan.bytes()
+    table = plan_frame(plan).to_html(index=False, classes="plan", border=0, na_rep="")
+    try:
+        svg = to_svg(render_sharded_layer(snap))
+        (out / "svg" / "sharded_layer.svg").write_text(svg, encoding="utf-8")
+        picture = (f'<div class="graph" id="sharding-graph">{inline_svg(svg, "sharding-")}</div>'
+                   '<p><a href="svg/sharded_layer.svg">open the SVG</a></p>')
+    except (ValueError, GraphTooLargeError) as e:
+        picture = f'<p class="note">no layer render: {_e(e)}</p>'
+    return f"""
+<section id="sharding">
+<h2>Sharding plan: rank {plan.rank} of {plan.world_size}</h2>
+<p>{len(plan.sharded)} regions split, {len(plan.regions) - len(plan.sharded)} replicated; the split regions' weights:
+{whole / 2**20:.2f} MiB whole, {local / 2**20:.2f} MiB on this rank.</p>
+<div class="scroll">{table}</div>
+<h3>One sharded layer (borders: blue column, green row, red collectives)</h3>
+{picture}
+</section>"""
+
+
 def write_report(stepper: Any, out_dir: Union[str, Path], *, title: Optional[str] = None) -> Path:
     """Write ``out_dir/index.html`` (+ ``out_dir/svg/*.svg``) for ``stepper``'s snapshots.
 
@@ -249,6 +277,7 @@ def write_report(stepper: Any, out_dir: Union[str, Path], *, title: Optional[str
 {error_html}
 <h2>Pipeline</h2>
 {_pipeline_table(snaps)}
+{_sharding_html(snaps, out)}
 <h2>Time, nodes, memory</h2>
 <div class="chart">{chart}</div>
 {''.join(sections)}
