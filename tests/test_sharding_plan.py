@@ -76,6 +76,8 @@ def test_llama_plan_and_rewrite(tiny_llama, rank):
     details = wb.snapshot("sharding_transform_executor").info.details
     whole, local = details["sharded_weight_bytes"], details["sharded_weight_bytes_this_rank"]
     assert local == whole // 2
+    load = wb.snapshot("load_weights").info.details
+    assert load["bytes_made"] >= local  # the shards are the rank's own copies, not views of the eager model
 
 
 def test_sharded_graph_cannot_run_without_a_process_group(tiny_llama):

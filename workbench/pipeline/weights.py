@@ -276,6 +276,7 @@ class Placement:
     tensors: int = 0
     bytes: int = 0  # bytes the graph holds afterwards (each storage once)
     bytes_copied: int = 0  # bytes that had to be copied to reach the device
+    bytes_made: int = 0  # bytes a declared conversion made (a rank's weight shards, repacked checkpoints)
     bound_from_source: int = 0  # meta tensors replaced by the eager model's tensors
     bound_by_binding: List[str] = field(default_factory=list)  # made per record_tensor_binding
     moved: List[str] = field(default_factory=list)  # names copied across devices (first few)
@@ -284,9 +285,9 @@ class Placement:
 
     def summary(self) -> str:
         mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-        shared = self.bytes - self.bytes_copied
-        bound = (f"; {len(self.bound_by_binding)} made from the quantized checkpoint or by a declared "
-                 "conversion") if self.bound_by_binding else ""
+        shared = self.bytes - self.bytes_copied - self.bytes_made
+        bound = (f"; {len(self.bound_by_binding)} tensors ({mib(self.bytes_made)}) made from the quantized "
+                 "checkpoint or by a declared conversion (a rank's shards)") if self.bound_by_binding else ""
         return (f"{self.tensors} tensors, {mib(self.bytes)} on {self.device}: {mib(self.bytes_copied)} copied, "
                 f"{mib(shared)} shared with the eager model or checkpoint{bound}; {self.device_args_retargeted} "
                 "nodes retargeted from device=meta")
@@ -294,7 +295,8 @@ class Placement:
     def details(self) -> Dict[str, Any]:
         return {"summary": self.summary(),
             "device": self.device, "tensors": self.tensors, "bytes": self.bytes,
-            "bytes_copied": self.bytes_copied, "bytes_shared": self.bytes - self.bytes_copied,
+            "bytes_copied": self.bytes_copied, "bytes_made": self.bytes_made,
+            "bytes_shared": self.bytes - self.bytes_copied - self.bytes_made,
             "bound_from_source": self.bound_from_source, "moved_examples": self.moved[:5],
             "bound_by_binding": len(self.bound_by_binding), "binding_examples": self.bound_by_binding[:5],
             "device_args_retargeted": self.device_args_retargeted,
@@ -335,6 +337,9 @@ def place_weights(gm: fx.GraphModule, source: Optional[Mapping], device: torch.d
     out = Placement(device=str(device))
     memo: Dict[int, torch.Tensor] = {}  # id(original graph tensor) -> placed tensor (keeps ties)
     seen_storage: set = set()
+    made: set = set()  # storages a binding's conversion allocated (not the source's own tensor)
+    source_storages = {_storage(v) for v in (source.values() if source is not None else ())
+                       if isinstance(v, torch.Tensor) and not v.is_meta}
     for name, t in attrs.items():
         if id(t) not in memo:
             real = resolver(name) if t.is_meta else t
@@ -347,6 +352,8 @@ def place_weights(gm: fx.GraphModule, source: Optional[Mapping], device: torch.d
                 placed = real.detach().to(device)
                 out.bytes_copied += placed.numel() * placed.element_size()
                 out.moved.append(name)
+            elif t.is_meta and name in resolver.bindings and _storage(placed) not in source_storages:
+                made.add(_storage(placed))
             if isinstance(t, torch.nn.Parameter) and not isinstance(placed, torch.nn.Parameter):
                 placed = torch.nn.Parameter(placed, requires_grad=False)
             memo[id(t)] = placed
@@ -356,6 +363,7 @@ def place_weights(gm: fx.GraphModule, source: Optional[Mapping], device: torch.d
         if key not in seen_storage:
             seen_storage.add(key)
             out.bytes += placed.untyped_storage().nbytes()
+            out.bytes_made += placed.untyped_storage().nbytes() if key in made else 0
     out.tensors = len(memo)
     trace = gm.meta.get(TRACE_DEVICE_KEY)
     for old in {"meta", *( [trace] if trace else [] )}:
@@ -364,6 +372,10 @@ def place_weights(gm: fx.GraphModule, source: Optional[Mapping], device: torch.d
     out.values_retargeted = retarget_values(gm, device)
     gm.meta[TRACE_DEVICE_KEY + "_loaded_on"] = str(device)
     return out
+
+
+def _storage(t: torch.Tensor) -> Tuple[torch.device, int]:
+    return (t.device, t.untyped_storage().data_ptr())
 
 
 def _on(t: torch.Tensor, device: torch.device) -> bool:
