@@ -49,6 +49,16 @@ class Workbench(PipelineStepper):
     >>> wb.table()           # per-transform matches, time, memory, numerics
     """
 
+    def __new__(cls, *args: Any, world_size: int = 1, **kwargs: Any):
+        """``Workbench(..., world_size=N)`` with N > 1 is a ``workbench.parallel.ShardedWorkbench``:
+        N rank processes, each with this class (a subclass too) at world size 1 plus ``dist``, run the
+        pipeline in lockstep on ``torch.distributed``; world size 1 is this class, in this process."""
+        if world_size != 1:
+            from .parallel import ShardedWorkbench
+
+            return ShardedWorkbench(*args, world_size=world_size, workbench_class=cls, **kwargs)
+        return super().__new__(cls)
+
     def __init__(
         self,
         model: Union[str, LoadedModel] = "smollm2",
@@ -61,19 +71,31 @@ class Workbench(PipelineStepper):
         seed: int = 0,
         gguf_weights: str = "keep",
         custom_models: bool = True,
+        world_size: int = 1,
+        worker_imports: Sequence[str] = (),
         **kwargs: Any,
     ):
-        """``gguf_weights`` (GGUF models such as smollm2): ``"keep"`` the file's quantized weights
+        """``world_size`` > 1: see ``__new__`` (a ``ShardedWorkbench``; it also takes
+        ``dist_timeout_s`` and ``start_method``). ``worker_imports``: modules to import first (user
+        transforms register there); with world_size > 1 every rank imports them too.
+        ``gguf_weights`` (GGUF models such as smollm2): ``"keep"`` the file's quantized weights
         (int4/int8 ops) or ``"dequantize"`` them to fp32. ``custom_models``: export the custom
         canonical-op model registered for the config class (``workbench.models.custom``), if any,
         instead of the HF class (HF's eager model stays the numerics reference either way). ``kwargs`` go to ``PipelineStepper``: ``max_batch_size``, ``max_seq_len``,
         ``max_num_tokens``, ``page_size`` (the runtime limits), ``numerics``, ``snapshots``,
         ``probe_shape``, ``on_snapshot``, ``entries``, ``registry``."""
+        if world_size != 1:  # only reached by calling __init__ directly: __new__ dispatched already
+            raise ValueError(f"{type(self).__name__}.__init__ builds one process (world_size=1); create "
+                             f"{type(self).__name__}(..., world_size={world_size}) for a sharded run")
+        if worker_imports:
+            from .parallel.worker import import_modules
+
+            import_modules([worker_imports] if isinstance(worker_imports, str) else worker_imports)
         # Everything the caller gave, so that with_options() can build the same Workbench again.
         self.options: Dict[str, Any] = dict(model=model, dtype=dtype, device=device, yaml_extra=yaml_extra,
                                             overrides=overrides, debug_visualize_dir=debug_visualize_dir,
                                             seed=seed, gguf_weights=gguf_weights, custom_models=custom_models,
-                                            **kwargs)
+                                            worker_imports=worker_imports, **kwargs)
         # Check what can be checked before any weight is loaded: a typo should fail in milliseconds.
         device = resolve_device(device)
         registry = kwargs.pop("registry", TRANSFORMS)
@@ -147,3 +169,8 @@ class Workbench(PipelineStepper):
         runner = runner_for(self.module, self.ctx)
         return generate(runner, prompts, tokenizer=tokenizer, vocab_size=self.ctx.vocab_size,
                         max_new_tokens=max_new_tokens, **kwargs)
+
+
+# help(Workbench) and notebook tooltips: __init__'s parameters, not __new__'s (*args, world_size, **kwargs).
+Workbench.__signature__ = inspect.signature(Workbench.__init__).replace(
+    parameters=list(inspect.signature(Workbench.__init__).parameters.values())[1:])

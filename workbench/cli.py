@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from typing import List, Optional
@@ -50,37 +51,112 @@ def format_table(stepper) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from .parallel.group import torchrun_env
+
+    ranks = torchrun_env()
+    if ranks is not None:  # started by torchrun: this process is one rank, in-process
+        return _run_under_torchrun(args, *ranks)
     from .api import Workbench
 
+    world_size = args.world_size or 1
+    options = dict(dtype=args.dtype, device=args.device, yaml_extra=args.yaml_extra, overrides=args.set,
+                   debug_visualize_dir=args.debug_visualize_dir, numerics=False if args.no_numerics else None,
+                   gguf_weights=args.gguf_weights, worker_imports=args.worker_import)
+    if world_size > 1:  # N rank processes behind one ShardedWorkbench; this process prints
+        options.update(world_size=world_size, dist_timeout_s=args.dist_timeout)
     t0 = time.perf_counter()
-    wb = Workbench(
-        args.model, dtype=args.dtype, yaml_extra=args.yaml_extra, overrides=args.set,
-        debug_visualize_dir=args.debug_visualize_dir,
-        numerics=False if args.no_numerics else None, gguf_weights=args.gguf_weights,
-    )
-    load_s = time.perf_counter() - t0
-    print(f"model: {wb.loaded!r} (loaded in {load_s:.1f}s)")
+    wb = Workbench(args.model, **options)
+    try:
+        load_s = time.perf_counter() - t0
+        where = f", world size {world_size} ({wb.start_method})" if world_size > 1 else ""
+        print(f"model: {_model_description(wb)} (loaded in {load_s:.1f}s{where})")
+        return _run_and_print(wb, args, print)
+    finally:
+        if world_size > 1:
+            wb.close()
+
+
+def _run_under_torchrun(args: argparse.Namespace, rank: int, world_size: int, local_rank: int) -> int:
+    """One rank of ``torchrun --nproc-per-node N -m workbench.cli run ...``: join the group with
+    ``env://``, run the same pipeline as every other rank in this process; rank 0 prints, every rank
+    writes its report and renders (ranks > 0 under ``rank<r>/``)."""
+    from .parallel.group import GroupSpec, backend_for, destroy_group, init_group, rank_device
+    from .parallel.worker import build_rank_workbench, import_modules
+
+    if args.world_size and args.world_size != world_size:
+        raise InputError(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={world_size}: "
+                         "leave --world-size out under torchrun (its --nproc-per-node decides)")
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+    import_modules(args.worker_import)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    dist = init_group(rank, GroupSpec(world_size, "env://", backend_for(args.device), args.dist_timeout),
+                      rank_device(args.device, local_rank))
+    try:
+        t0 = time.perf_counter()
+        from .api import Workbench
+
+        wb = build_rank_workbench(Workbench, dict(
+            model=args.model, dtype=args.dtype, device=args.device, yaml_extra=args.yaml_extra, overrides=args.set,
+            debug_visualize_dir=args.debug_visualize_dir, numerics=False if args.no_numerics else None,
+            gguf_weights=args.gguf_weights), dist, local_rank)
+        say(f"model: {wb.loaded!r} (loaded in {time.perf_counter() - t0:.1f}s, torchrun rank 0 of {world_size})")
+        return _run_and_print(wb, args, say, rank=rank)
+    finally:
+        destroy_group()
+
+
+def _is_sharded(wb) -> bool:
+    """A ``ShardedWorkbench``: the model lives in the rank processes, this process only holds summaries."""
+    from .parallel import ShardedWorkbench
+
+    return isinstance(wb, ShardedWorkbench)
+
+
+def _model_description(wb) -> str:
+    return wb.model_description if _is_sharded(wb) else repr(wb.loaded)
+
+
+def _report_dir(out_dir: str, rank: int) -> str:
+    """Rank 0 writes where the user said; other ranks (their graphs differ once sharded) in ``rank<r>/``."""
+    return out_dir if rank == 0 else os.path.join(out_dir, f"rank{rank}")
+
+
+def _write_reports(wb, out_dir: str, rank: int) -> List[str]:
+    """The HTML report(s): a ``ShardedWorkbench`` has every rank write its own; a one-process
+    ``Workbench`` (a torchrun rank included) writes its own."""
+    if _is_sharded(wb):
+        return [str(wb.report(_report_dir(out_dir, r), rank=r)) for r in range(wb.world_size)]
+    from .viz.report import write_report
+
+    return [str(write_report(wb, _report_dir(out_dir, rank)))]
+
+
+def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
+    """Run the pipeline, print the table (via ``say``: a no-op on torchrun ranks > 0), write the
+    report, generate. Every rank calls this in step: the pipeline and generation have collectives."""
     try:
         wb.run()
     finally:
-        # A failing transform still leaves a table and a report of everything before it.
-        print(format_table(wb))
-        if args.report:
-            from .viz.report import write_report
-
-            print(f"report: {write_report(wb, args.report)}")
-    print(f"pipeline: {len(wb.snapshots)} transforms in {wb.total_time():.2f}s")
+        # A failing transform still leaves a table and a report of everything before it (a sharded
+        # run whose ranks were brought down keeps its table; its reports died with the ranks).
+        say(format_table(wb))
+        if args.report and not (_is_sharded(wb) and wb.closed):
+            for path in _write_reports(wb, args.report, rank):
+                say(f"report: {path}")
+    say(f"pipeline: {len(wb.snapshots)} transforms in {wb.total_time():.2f}s")
     for snap in wb.snapshots:  # attention left without a KV cache: say which nodes and why, loudly
         left = snap.info.details.get("uncached_attention")
         if left:
-            print(f"warning: {snap.key}: {len(left)} attention node(s) left uncached, generate re-runs the whole "
-                  "sequence every step (set insert_cached_attention.require_cached_attention=true to make this an error):")
+            say(f"warning: {snap.key}: {len(left)} attention node(s) left uncached, generate re-runs the whole "
+                "sequence every step (set insert_cached_attention.require_cached_attention=true to make this an error):")
             for name, why in left.items():
-                print(f"  {name}: {why}")
+                say(f"  {name}: {why}")
     if args.debug_visualize_dir:
-        print(f"renders: {args.debug_visualize_dir}")
+        say(f"renders: {args.debug_visualize_dir}")
     if args.max_new_tokens > 0:
-        _generate(wb, args.prompt, args.max_new_tokens)
+        _generate(wb, args.prompt, args.max_new_tokens, say)
     return 0
 
 
@@ -90,22 +166,30 @@ def prompt_token_ids(prompt: str, vocab_size: int) -> list:
     return [b % vocab_size for b in prompt.encode("utf-8")] or [0]
 
 
-def _generate(wb, prompt: str, max_new_tokens: int) -> None:
+def _generate(wb, prompt: str, max_new_tokens: int, say=print) -> None:
     """The end of `workbench run`: answer ``prompt`` with the compiled model (greedy)."""
-    if wb.loaded.tokenizer is None:
-        ids = prompt_token_ids(prompt, wb.ctx.vocab_size)
-        print(f"prompt: {prompt!r} as token ids {ids} ({wb.loaded.spec} has no tokenizer: UTF-8 bytes mod vocab)")
+    if _is_sharded(wb):
+        has_tokenizer, vocab_size = wb.has_tokenizer, wb.vocab_size
+    else:
+        has_tokenizer, vocab_size = wb.loaded.tokenizer is not None, wb.ctx.vocab_size
+    if not has_tokenizer:
+        ids = prompt_token_ids(prompt, vocab_size)
+        say(f"prompt: {prompt!r} as token ids {ids} ({_spec_of(wb)} has no tokenizer: UTF-8 bytes mod vocab)")
         out = wb.generate([ids], max_new_tokens=max_new_tokens)
     else:
-        print(f"prompt: {prompt}")
+        say(f"prompt: {prompt}")
         out = wb.generate(prompt, max_new_tokens=max_new_tokens)
     result = out.results[0]
     if result.error is not None:
-        print(f"output: error: {result.error}")
+        say(f"output: error: {result.error}")
     elif result.text is not None:
-        print(f"output: {result.text}")
-    print(f"tokens: {result.token_ids}")
-    print(f"generate: {out.stats}")
+        say(f"output: {result.text}")
+    say(f"tokens: {result.token_ids}")
+    say(f"generate: {out.stats}")
+
+
+def _spec_of(wb) -> str:
+    return wb.options["model"] if _is_sharded(wb) else wb.loaded.spec
 
 
 def cmd_transforms(args: argparse.Namespace) -> int:
@@ -184,6 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"after the pipeline, generate an answer to this prompt (default: {DEFAULT_PROMPT!r})")
     r.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
                    help="tokens to generate for --prompt (0: do not generate)")
+    r.add_argument("--device", default="cpu", help="cpu | cuda (with --world-size N: rank r on cuda:r, NCCL)")
+    r.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="run N ranks on torch.distributed (gloo on CPU, NCCL on CUDA); rank 0 prints. "
+                        "Under torchrun leave it out: torchrun's WORLD_SIZE decides")
+    r.add_argument("--dist-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds a rank waits in a collective for its peers before failing (default 300)")
+    r.add_argument("--worker-import", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first, in every rank (transforms it registers become usable; repeatable)")
     r.set_defaults(func=cmd_run)
     t = sub.add_parser("transforms", help="list registered transforms, stages and config fields")
     t.set_defaults(func=cmd_transforms)
@@ -212,9 +304,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001 - the CLI prints one clear line, not a traceback
+        from .parallel.launcher import RankError
         from .pipeline.interface import TransformError
 
-        if isinstance(e, TransformError):
+        if isinstance(e, (TransformError, RankError)):  # a rank's error carries its traceback in the text
             print(f"error: {e}", file=sys.stderr)
             return 1
         raise
