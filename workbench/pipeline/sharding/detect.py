@@ -470,7 +470,8 @@ class Detector:
             elif _is(n, aten.embedding.default, wb.torch_int8_embedding.default):
                 self.regions.append(Region("embedding", None, (n.name,), False,
                                            "replicated: every rank holds the whole table (no vocab-parallel "
-                                           "embedding)", global_bytes=_nbytes(n.args[0])))
+                                           "embedding)",
+                                           global_bytes=sum(_nbytes(a) for a in n.all_input_nodes if a.op == "get_attr")))
         order = {"embedding": 0, "lm_head": 2}
         regions = sorted(self.regions, key=lambda r: (order.get(r.kind, 1), r.layer if r.layer is not None else -1))
         return ShardingPlan(self.W, self.rank, self.group, tuple(regions))
