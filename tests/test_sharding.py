@@ -82,3 +82,12 @@ def test_sharded_numerics_probe_matches_eager(pair):
         for s in wb.snapshot(key).ranks:
             assert s.numerics is not None and s.numerics.ok, (key, s.numerics)
             assert s.numerics.rmse_ratio < 1e-5, (key, s.numerics.rmse_ratio)
+
+
+def test_render_one_sharded_layer_on_each_rank(pair):
+    model, _, wb, _ = pair
+    if model != "tiny:llama":
+        pytest.skip("one model is enough for the render")
+    for rank, heads in ((0, "q heads 0-1"), (1, "q heads 2-3")):
+        src = wb.render_layer(rank=rank).source
+        assert f"rank {rank} of 2" in src and f"shard: column {heads}" in src and "torch_dist_all_reduce" in src

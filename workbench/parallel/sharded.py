@@ -288,6 +288,16 @@ class ShardedWorkbench:
         self.snapshot(key)  # not run yet: fail here with the usual message
         return graphviz.Source(self._one(rank, "render", key, **kwargs))
 
+    def render_layer(self, layer: Optional[int] = None, rank: int = 0,
+                     key: str = "sharding_transform_executor", **kwargs: Any):
+        """One sharded layer of ``rank``'s graph after ``key`` (``workbench.viz.sharding.
+        render_sharded_layer``): its cut nodes labelled with what that rank holds, and the
+        collectives. ``layer`` None: the first layer with a split region."""
+        import graphviz
+
+        self.snapshot(key)
+        return graphviz.Source(self._one(rank, "render_layer", key, layer, **kwargs))
+
     def report(self, out_dir: Union[str, Path], rank: int = 0, **kwargs: Any) -> Path:
         """``rank`` writes its HTML report (``workbench.viz.report.write_report``) to ``out_dir``."""
         return Path(self._one(rank, "report", str(Path(out_dir).resolve()), **kwargs))

@@ -115,6 +115,7 @@ class RankServer:
             "configure": self.wb.configure,
             "generate": self.generate,
             "render": self.render,
+            "render_layer": self.render_layer,
             "report": self.report,
             "plan": self.plan,
             "memory": self.memory,
@@ -154,6 +155,11 @@ class RankServer:
         from ..viz.render import render_snapshot
 
         return render_snapshot(self.wb.snapshot(key), **kwargs).source
+
+    def render_layer(self, key: str, layer: Optional[int] = None, **kwargs: Any) -> str:
+        from ..viz.sharding import render_sharded_layer
+
+        return render_sharded_layer(self.wb.snapshot(key), layer, **kwargs).source
 
     def report(self, out_dir: str, **kwargs: Any) -> str:
         from ..viz.report import write_report

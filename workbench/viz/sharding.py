@@ -45,13 +45,14 @@ def render_sharded_layer(snap: Snapshot, layer: Optional[int] = None, hops: int 
     if plan is None or not plan.applied:
         raise ValueError(f"snapshot {snap.key} holds no applied sharding plan: render the snapshot of "
                          "sharding_transform_executor (or a later one) of a sharded run")
+    if layer is None:
+        layer = next((r.layer for r in plan.sharded if r.layer is not None), None)
     names = set(sharded_layer_nodes(plan, layer))
     if not names:
         raise ValueError("the plan shards no layer (only the LM head, or nothing): nothing to draw")
     graph_names = {n.name for n in snap.graph.nodes}
     region = [n for n in names if n in graph_names]
-    title = (f"rank {plan.rank} of {plan.world_size}: layer {layer if layer is not None else 'first sharded'} "
-             f"after {snap.key}")
+    title = f"rank {plan.rank} of {plan.world_size}: layer {layer} after {snap.key}"
     return render_graph(snap.module, region=region, hops=hops, title=title)
 
 

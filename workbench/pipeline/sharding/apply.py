@@ -163,7 +163,8 @@ def apply_plan(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, Any]:
             counts["shape_literals_fixed"] += 1
         if region.local_experts is not None:
             dropped += _localize_experts(gm, region, by_name)
-            by_name[region.local_experts[0]].meta[SHARDING_META] = f"expert {region.per_rank[plan.rank]}"
+            held = region.per_rank[plan.rank].replace("experts ", "")
+            by_name[region.local_experts[0]].meta[SHARDING_META] = f"expert {held} here"
         if region.collective is not None:
             _insert_collective(gm, region, plan, by_name)
             counts[region.collective[1]] += 1
