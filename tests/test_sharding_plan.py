@@ -166,3 +166,12 @@ def test_sharded_layer_render_and_report(tiny_llama, tmp_path):
     assert 'id="sharding-graph"' in html
     with pytest.raises(ValueError, match="holds no applied sharding plan"):
         render_sharded_layer(wb.snapshot("detect_sharding"))
+
+
+def test_per_expert_lists_keep_this_ranks_experts():
+    """split_moe_fused_for_sharding's list form: the MoE node keeps rank 1's 2 experts of 4."""
+    wb = sharded("tiny:qwen3_moe", rank=1, overrides={"split_moe_fused_for_sharding.enabled": True})
+    node = [n for n in wb.module.graph.nodes if n.target is torch.ops.workbench.torch_moe.default][0]
+    assert [len(node.args[i]) for i in (3, 4, 5)] == [2, 2, 2]
+    assert all("_2" in w.target or "_3" in w.target for w in node.args[3])
+    assert wb.snapshot("sharding_transform_executor").info.details["expert_tensors_dropped"] == 12
