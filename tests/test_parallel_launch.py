@@ -194,6 +194,8 @@ def test_cli_world_size_2_prints_table_and_text_once(tiny_llama_done, tmp_path):
     assert len([line for line in out.splitlines() if line.split()[1:3] == ["export", "export_to_gm"]]) == 1
     assert out.count("\npipeline: ") == 1 and out.count("\ntokens: ") == 1 and out.count("\ngenerate: ") == 1
     assert "world size 2" in out
+    assert out.count("sharding plan (2 ranks") == 1  # printed once, by rank 0
+    assert "mha        sharded" in out and "r1: q heads 2-3, kv heads 1" in out
     ids = prompt_token_ids(DEFAULT_PROMPT, tiny_llama_done.ctx.vocab_size)
     expected = tiny_llama_done.generate([ids], max_new_tokens=8).token_ids[0]
     assert f"\ntokens: {expected}\n" in out

@@ -146,6 +146,9 @@ def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
             for path in _write_reports(wb, args.report, rank):
                 say(f"report: {path}")
     say(f"pipeline: {len(wb.snapshots)} transforms in {wb.total_time():.2f}s")
+    plan = _plan_rows(wb)
+    if plan:
+        say(format_plan(plan))
     for snap in wb.snapshots:  # attention left without a KV cache: say which nodes and why, loudly
         left = snap.info.details.get("uncached_attention")
         if left:
@@ -158,6 +161,45 @@ def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
     if args.max_new_tokens > 0:
         _generate(wb, args.prompt, args.max_new_tokens, say)
     return 0
+
+
+def _plan_rows(wb) -> list:
+    if _is_sharded(wb):
+        return [] if wb.closed else wb.plan()
+    plan = getattr(wb.ctx, "sharding", None)
+    return plan.rows() if plan is not None else []
+
+
+def _layer_ranges(layers: list) -> str:
+    if not layers or layers[0] is None:
+        return "-"
+    spans, start, prev = [], layers[0], layers[0]
+    for x in layers[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+        start = prev = x
+    return ",".join(spans)
+
+
+def format_plan(rows: list) -> str:
+    """The sharding plan: regions that split alike on one line, with the layers they cover."""
+    ranks = [k for k in rows[0] if k.startswith("rank ")]
+    groups: dict = {}
+    for r in rows:
+        key = (r["region"], r["split"], r["how"], *(r[k] for k in ranks))
+        g = groups.setdefault(key, [[], 0, 0])
+        g[0].append(r["layer"])
+        g[1] += r["weight bytes"]
+        g[2] += r.get("bytes on rank 0", 0)
+    mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
+    lines = [f"sharding plan ({len(ranks)} ranks; weight bytes whole -> on rank 0):"]
+    for (region, split, how, *held), (layers, whole, local) in groups.items():
+        per_rank = " | ".join(f"r{i}: {h}" for i, h in enumerate(held))
+        lines.append(f"  layers {_layer_ranges(layers):>6}  {region:<10} {split:<10} {how}  [{per_rank}]  "
+                     f"{mib(whole)} -> {mib(local)}")
+    return "\n".join(lines)
 
 
 def prompt_token_ids(prompt: str, vocab_size: int) -> list:
