@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= --durations=25  # the slowest tests, printed after every run: where the suite's time goes
 
-.PHONY: demo test install system-deps clean wheelhouse gpu-check
+.PHONY: demo test install bytecode system-deps clean wheelhouse gpu-check
 
 install: system-deps $(STAMP)
 
@@ -42,7 +42,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m workbench.ops.cpu_kernels  # build the C++ CPU kernels once (cached; ~10 s)
 	@touch $@
 
-demo: install
+# Byte-compile the package up front: with PYTHONDONTWRITEBYTECODE set (as on this project's
+# machines) Python never caches its own .pyc files, and compiling workbench on every start costs
+# ~1 s of a `workbench run` (measured: imports 5.2 -> 4.1 s). Unchanged files are skipped.
+bytecode:
+	@$(PY) -m compileall -q workbench >/dev/null
+
+demo: install bytecode
 	$(VENV)/bin/workbench run --model smollm2
 
 # Every notebook and cookbook runs as tests too (nbval: each cell must execute without error; the
@@ -52,7 +58,7 @@ TEST_PATHS ?= tests notebooks cookbooks
 NBVAL_ARGS ?= --nbval-lax --nbval-current-env
 
 # pytest exits 5 when it collected nothing: that must never pass silently.
-test: install
+test: install bytecode
 	@set +e; $(PY) -m pytest -q $(NBVAL_ARGS) $(TEST_PATHS) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; exit $$rc
 
