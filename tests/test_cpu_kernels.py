@@ -29,7 +29,7 @@ def int4_weight(n: int, k: int, g: torch.Generator):
     return q, s, o
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 70])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 70, 100])  # 100: the packed formats' dense (tile + BLAS) path
 def test_linear_kernels_equal_the_references_at_every_row_count(rows):
     g = torch.Generator().manual_seed(rows)
     n, k = 200, 576
