@@ -314,6 +314,13 @@ class ShardedWorkbench:
         replies = self._group.request(range(self.world_size), "memory", (), {}, self._on_snapshot)
         return pd.DataFrame([replies[r][0] for r in range(self.world_size)])
 
+    def ui(self):
+        """The notebook panel steps one process's pipeline; it does not drive ranks yet."""
+        raise NotImplementedError(
+            "the notebook panel (wb.ui()) drives a one-process Workbench, not the ranks of a sharded run: "
+            "use wb.table(), wb.plan(), wb.render_layer(rank=...), wb.memory() here, or Workbench(model).ui() "
+            "for the panel on one process")
+
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Stop the ranks (idempotent). Snapshots stay readable."""
