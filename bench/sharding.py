@@ -37,9 +37,11 @@ def collective_ms(prof) -> float:
 
 
 def rank_main(rank: int, world_size: int, init_method: str, args, out_path: str) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     from workbench import Workbench
-    from workbench.parallel.group import GroupSpec, backend_for, destroy_group, init_group, rank_device
+    from workbench.parallel.group import (GroupSpec, backend_for, destroy_group, init_group, rank_device,
+                                          threads_per_rank)
+
+    torch.set_num_threads(threads_per_rank(world_size))
 
     device = rank_device(args.device, rank)
     dist = None

@@ -59,9 +59,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .api import Workbench
 
     world_size = args.world_size or 1
-    options = dict(dtype=args.dtype, device=args.device, yaml_extra=args.yaml_extra, overrides=args.set,
-                   debug_visualize_dir=args.debug_visualize_dir, numerics=False if args.no_numerics else None,
-                   gguf_weights=args.gguf_weights, worker_imports=args.worker_import)
+    options = dict(_workbench_options(args), worker_imports=args.worker_import)
     if world_size > 1:  # N rank processes behind one ShardedWorkbench; this process prints
         options.update(world_size=world_size, dist_timeout_s=args.dist_timeout)
     t0 = time.perf_counter()
@@ -76,11 +74,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             wb.close()
 
 
+def _workbench_options(args: argparse.Namespace) -> dict:
+    """The ``Workbench`` keyword arguments `workbench run` takes from its command line."""
+    return dict(dtype=args.dtype, device=args.device, yaml_extra=args.yaml_extra, overrides=args.set,
+                debug_visualize_dir=args.debug_visualize_dir, numerics=False if args.no_numerics else None,
+                gguf_weights=args.gguf_weights)
+
+
 def _run_under_torchrun(args: argparse.Namespace, rank: int, world_size: int, local_rank: int) -> int:
     """One rank of ``torchrun --nproc-per-node N -m workbench.cli run ...``: join the group with
     ``env://``, run the same pipeline as every other rank in this process; rank 0 prints, every rank
     writes its report and renders (ranks > 0 under ``rank<r>/``)."""
-    from .parallel.group import GroupSpec, backend_for, destroy_group, init_group, rank_device
+    from .parallel.group import GroupSpec, backend_for, destroy_group, init_group, rank_device, threads_per_rank
     from .parallel.worker import build_rank_workbench, import_modules
 
     if args.world_size and args.world_size != world_size:
@@ -88,7 +93,7 @@ def _run_under_torchrun(args: argparse.Namespace, rank: int, world_size: int, lo
                          "leave --world-size out under torchrun (its --nproc-per-node decides)")
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+    torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     import_modules(args.worker_import)
     say = print if rank == 0 else (lambda *a, **k: None)
     dist = init_group(rank, GroupSpec(world_size, "env://", backend_for(args.device), args.dist_timeout),
@@ -97,10 +102,7 @@ def _run_under_torchrun(args: argparse.Namespace, rank: int, world_size: int, lo
         t0 = time.perf_counter()
         from .api import Workbench
 
-        wb = build_rank_workbench(Workbench, dict(
-            model=args.model, dtype=args.dtype, device=args.device, yaml_extra=args.yaml_extra, overrides=args.set,
-            debug_visualize_dir=args.debug_visualize_dir, numerics=False if args.no_numerics else None,
-            gguf_weights=args.gguf_weights), dist, local_rank)
+        wb = build_rank_workbench(Workbench, dict(model=args.model, **_workbench_options(args)), dist, local_rank)
         say(f"model: {wb.loaded!r} (loaded in {time.perf_counter() - t0:.1f}s, torchrun rank 0 of {world_size})")
         return _run_and_print(wb, args, say, rank=rank)
     finally:

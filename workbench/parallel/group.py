@@ -49,6 +49,11 @@ class GroupSpec:
             raise ValueError(f"dist_timeout_s must be > 0 seconds, got {self.timeout_s}")
 
 
+def threads_per_rank(ranks_on_this_machine: int) -> int:
+    """torch threads for one rank: the machine's cores shared evenly by the ranks running on it."""
+    return max(1, (os.cpu_count() or 1) // max(1, ranks_on_this_machine))
+
+
 def backend_for(device: Union[str, torch.device]) -> str:
     """NCCL for CUDA devices, gloo for everything else."""
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
@@ -143,5 +148,5 @@ def torchrun_env(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[
     return rank, world_size, local_rank
 
 
-__all__ = ["GroupSpec", "FileRendezvous", "DEFAULT_DIST_TIMEOUT_S", "backend_for", "rank_device", "check_devices",
+__all__ = ["threads_per_rank", "GroupSpec", "FileRendezvous", "DEFAULT_DIST_TIMEOUT_S", "backend_for", "rank_device", "check_devices",
            "init_group", "destroy_group", "torchrun_env"]

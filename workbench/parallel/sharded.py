@@ -9,6 +9,7 @@ after the ranks are gone.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
-from .group import DEFAULT_DIST_TIMEOUT_S, FileRendezvous, GroupSpec, backend_for, check_devices
+from .group import DEFAULT_DIST_TIMEOUT_S, FileRendezvous, GroupSpec, backend_for, check_devices, threads_per_rank
 from .launcher import RankError, RankGroup, mp_context
 from .summaries import ShardedSnapshot, SnapshotMerger, sharded_table
 from .worker import RankLaunch, import_modules
@@ -106,14 +107,14 @@ class ShardedWorkbench:
         self.options = validate_options(workbench_class, model, options)
         check_devices(self.options["device"], world_size)
         start_method = mp_context(start_method).get_start_method()  # an unknown method fails here
-        # Checked now (a bad timeout), completed with the rendezvous below: nothing is made before it.
+        # Checked now (a bad timeout), given its rendezvous below: nothing is made before the check.
         group = GroupSpec(world_size, "env://", backend_for(self.options["device"]), float(dist_timeout_s))
         self._snapshots: List[ShardedSnapshot] = []
         self._merger = SnapshotMerger(world_size)
         self.last_error: Optional[str] = None
         rendezvous = FileRendezvous()  # RankGroup's finalizer removes it
-        group = GroupSpec(world_size, rendezvous.init_method, group.backend, group.timeout_s)
-        threads = max(1, (os.cpu_count() or 1) // world_size)
+        group = dataclasses.replace(group, init_method=rendezvous.init_method)
+        threads = threads_per_rank(world_size)
         launches = [RankLaunch(rank=r, group=group, workbench_class=workbench_class, options=self.options,
                                worker_imports=self.worker_imports,
                                sys_path=tuple(sys.path), cwd=os.getcwd(), environ=dict(os.environ),

@@ -25,7 +25,7 @@ from .diff import NEW_CHANGES, GraphDiff, diff_snapshots
 from .diff_view import render_diff
 from .render import render_snapshot, snapshot_svg_name, to_svg
 from .select import GraphTooLargeError
-from .sharding import plan_frame, plan_of, render_sharded_layer
+from .sharding import plan_of, render_sharded_layer
 
 MAX_DIFF_ROWS = 500
 DIFF_HOPS = (2, 0)  # context around a diff picture; less when the picture would be too large
@@ -208,7 +208,7 @@ def _sharding_html(snaps: List[Snapshot], out: Path) -> str:
     snap = applied[0]
     plan = plan_of(snap)
     whole, local = plan.bytes()
-    table = plan_frame(plan).to_html(index=False, classes="plan", border=0, na_rep="")
+    table = plan.table().to_html(index=False, classes="plan", border=0, na_rep="")
     try:
         svg = to_svg(render_sharded_layer(snap))
         (out / "svg" / "sharded_layer.svg").write_text(svg, encoding="utf-8")

@@ -15,9 +15,6 @@ import graphviz
 from ..pipeline.snapshot import Snapshot
 from .render import render_graph
 
-ACCEPTED_KEYS = ("sharding_transform_executor",)
-
-
 def plan_of(snap: Snapshot) -> Any:
     """The sharding plan recorded with ``snap`` (None when the run was not sharded)."""
     return getattr(snap.context, "sharding", None) if snap.context is not None else None
@@ -56,11 +53,4 @@ def render_sharded_layer(snap: Snapshot, layer: Optional[int] = None, hops: int 
     return render_graph(snap.module, region=region, hops=hops, title=title)
 
 
-def plan_frame(plan: Any):
-    """The plan as a pandas DataFrame (one row per region)."""
-    import pandas as pd
-
-    return pd.DataFrame(plan.rows())
-
-
-__all__ = ["plan_of", "render_sharded_layer", "sharded_layer_nodes", "plan_frame"]
+__all__ = ["plan_of", "render_sharded_layer", "sharded_layer_nodes"]

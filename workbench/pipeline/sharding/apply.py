@@ -12,6 +12,7 @@ a new attribute ``<name>_shard`` instead, so the other reader keeps the whole te
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -20,7 +21,7 @@ import torch.fx as fx
 from ..graph_weights import fake_value, fetch_attr, release_weights
 from ..matcher.rewrite import annotate_new_nodes
 from ..weights import WEIGHT_VIEWS_KEY, TensorBinding, record_tensor_binding, tensor_bindings
-from .plan import Region, ShardingPlan, TensorCut
+from .plan import Region, ShardingPlan, TensorCut, width
 
 wb = torch.ops.workbench
 SHARDING_META = "sharding"  # node.meta label: split kind and what this rank holds (renders read it)
@@ -63,11 +64,12 @@ def _binding(gm: fx.GraphModule, source: str, cut: TensorCut) -> TensorBinding:
 
 def _local_shape(shape: Sequence[int], cut: TensorCut) -> Tuple[int, ...]:
     out = list(shape)
-    out[cut.dim] = sum(b - a for a, b in cut.ranges)
+    out[cut.dim] = width(cut.ranges)
     return tuple(out)
 
 
-def _cut_tensor(gm: fx.GraphModule, node: fx.Node, cut: TensorCut) -> None:
+def _cut_tensor(gm: fx.GraphModule, node: fx.Node, cut: TensorCut, readers: Counter) -> None:
+    """Cut ``node``'s tensor argument; ``readers`` counts the get_attr nodes per target (kept up to date)."""
     attr = node.args[cut.arg_index] if isinstance(cut.arg_index, int) else node.kwargs[cut.arg_index]
     whole = fetch_attr(gm, attr.target)
     if not whole.is_meta:
@@ -79,8 +81,7 @@ def _cut_tensor(gm: fx.GraphModule, node: fx.Node, cut: TensorCut) -> None:
     owner_path, _, name = attr.target.rpartition(".")
     owner = gm.get_submodule(owner_path) if owner_path else gm
     binding = _binding(gm, cut.target, cut)  # before the attribute changes: it reads earlier bindings
-    shared = any(u is not node for u in attr.users) or \
-        sum(1 for n in gm.graph.nodes if n.op == "get_attr" and n.target == attr.target) > 1
+    shared = any(u is not node for u in attr.users) or readers[attr.target] > 1
     if shared:  # another reader keeps the whole tensor: cut into a new attribute
         new_name, i = f"{name}_shard", 1
         while hasattr(owner, new_name):
@@ -92,6 +93,7 @@ def _cut_tensor(gm: fx.GraphModule, node: fx.Node, cut: TensorCut) -> None:
         target = f"{owner_path}.{new_name}" if owner_path else new_name
         with gm.graph.inserting_before(node):
             new_attr = gm.graph.get_attr(target)
+        readers[target] += 1
         node.replace_input_with(attr, new_attr)
         attr = new_attr
     else:
@@ -146,15 +148,16 @@ def _localize_experts(gm: fx.GraphModule, region: Region, by_name: Dict[str, fx.
 def apply_plan(gm: fx.GraphModule, plan: ShardingPlan) -> Dict[str, Any]:
     """Cut the weights, fix literal head counts, remap experts and insert the collectives."""
     by_name = {n.name: n for n in gm.graph.nodes}
+    readers = Counter(n.target for n in gm.graph.nodes if n.op == "get_attr")
     dropped: List[str] = []
     counts = {"tensors_cut": 0, "shape_literals_fixed": 0, "all_reduce": 0, "all_gather": 0}
     for region in plan.sharded:
         for cut in region.cuts:
             node = by_name[cut.node]
             for t in cut.tensors:
-                _cut_tensor(gm, node, t)
+                _cut_tensor(gm, node, t, readers)
                 counts["tensors_cut"] += 1
-            node.meta[SHARDING_META] = f"{cut.kind} " + "; ".join(region.per_rank[plan.rank:plan.rank + 1])
+            node.meta[SHARDING_META] = f"{cut.kind} {region.per_rank[plan.rank]}"
         for name, index, value in region.shape_fixes:
             node = by_name[name]
             shape = list(node.args[1])

@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from ..graph_utils import op_name
 from .linear_ops import LinearOp, features, linear_op
-from .plan import NodeCut, Range, Region, ShardingPlan, TensorCut, fmt_range, split_evenly
+from .plan import NodeCut, Range, Region, ShardingPlan, TensorCut, fmt_range, split_evenly, width
 
 aten, wb = torch.ops.aten, torch.ops.workbench
 
@@ -79,10 +79,6 @@ def _arg(node: fx.Node, index) -> fx.Node:
     return node.args[index] if isinstance(index, int) else node.kwargs[index]
 
 
-def _width(ranges: Sequence[Range]) -> int:
-    return sum(b - a for a, b in ranges)
-
-
 class Detector:
     def __init__(self, gm: fx.GraphModule, world_size: int, rank: int, group_name: str,
                  dims: Sequence[str] = ("tp", "ep"), layers: Optional[Sequence[str]] = None):
@@ -90,6 +86,7 @@ class Detector:
         self.dims, self.layers = set(dims), set(layers) if layers is not None else None
         self.claimed: Set[fx.Node] = set()
         self.regions: List[Region] = []
+        self.by_name: Dict[str, fx.Node] = {n.name: n for n in gm.graph.nodes}  # detection never edits the graph
 
     def wanted(self, kind: str) -> bool:
         dim = "ep" if kind == "moe" else "tp"
@@ -131,7 +128,7 @@ class Detector:
                 if not isinstance(v, torch.Tensor):
                     continue
                 whole += v.numel() * v.element_size()
-                frac = _width(t.ranges) / v.shape[t.dim]
+                frac = width(t.ranges) / v.shape[t.dim]
                 local += int(v.numel() * v.element_size() * frac)
         return whole, local
 
@@ -152,7 +149,7 @@ class Detector:
                 linears.add(cur)
                 continue
             path.append(cur)
-            if _is(cur, *PASS_THROUGH) or (_is(cur, aten.slice.Tensor) and self._last_dim(cur, cur.args[1])):
+            if _is(cur, *PASS_THROUGH) or (_is(cur, aten.slice.Tensor) and self._trailing_dim(cur, cur.args[1])):
                 stack.append(cur.args[0])
             elif _is(cur, aten.cat.default, aten.stack.default) and \
                     self._trailing_dim(cur, cur.args[1] if len(cur.args) > 1 else 0):
@@ -186,11 +183,6 @@ class Detector:
             raise NotShardable(f"{start.name} comes from {len(linears)} projections, not one")
         path[:] = list(dict.fromkeys(path))
         return linears.pop()
-
-    @staticmethod
-    def _last_dim(node: fx.Node, dim: int) -> bool:
-        v = node.meta.get("val")
-        return v is not None and dim in (-1, v.dim() - 1)
 
     @staticmethod
     def _trailing_dim(node: fx.Node, dim: int) -> bool:
@@ -393,18 +385,17 @@ class Detector:
         widths = {features(n)[1] for n in openings}
         if len(widths) != 1:
             raise NotShardable(f"opening linears of different widths {sorted(widths)}")
-        width = widths.pop()
-        align = max([linear_op(closing).align(closing)] + [1])
-        ranges = split_evenly(width, self.W, align)
+        inter = widths.pop()
+        ranges = split_evenly(inter, self.W, linear_op(closing).align(closing))
         if min(b - a for a, b in ranges) <= 0:
-            raise NotShardable(f"intermediate width {width} is too small for {self.W} ranks")
+            raise NotShardable(f"intermediate width {inter} is too small for {self.W} ranks")
         rows = ranges[self.rank]
         cuts = [self.column(n, linear_op(n), [rows]) for n in openings] + [self.row(closing, linear_op(closing), [rows])]
         nodes = [*openings, *inside, closing]
         self._check_private(nodes, allowed_outside={closing})
         whole, local = self.bytes_of(cuts, nodes)
         return Region("mlp", _layer_of(nodes), tuple(n.name for n in nodes), True,
-                      f"intermediate {width}: {len(openings)} column, 1 row + all_reduce",
+                      f"intermediate {inter}: {len(openings)} column, 1 row + all_reduce",
                       tuple(f"features {fmt_range(r)}" for r in ranges), tuple(cuts),
                       collective=(closing.name, "all_reduce"), global_bytes=whole, local_bytes=local)
 
@@ -416,15 +407,15 @@ class Detector:
                   for i, k in ((4, "gate_bias"), (5, "up_bias"), (6, "down_bias"))]
         if any(b is not None for b in biases):
             raise NotShardable("swiglu with biases is not split yet")
-        width = int(gate.meta["val"].shape[0])
-        ranges = split_evenly(width, self.W)
+        inter = int(gate.meta["val"].shape[0])
+        ranges = split_evenly(inter, self.W)
         rows = ranges[self.rank]
         cut = NodeCut(node.name, "column+row", (TensorCut(1, gate.target, 0, (rows,)),
                                                 TensorCut(2, up.target, 0, (rows,)),
                                                 TensorCut(3, down.target, 1, (rows,))))
         whole, local = self.bytes_of([cut], [node])
         return Region("mlp", _layer_of([node]), (node.name,), True,
-                      f"swiglu intermediate {width}: gate/up column, down row + all_reduce",
+                      f"swiglu intermediate {inter}: gate/up column, down row + all_reduce",
                       tuple(f"features {fmt_range(r)}" for r in ranges), (cut,),
                       collective=(node.name, "all_reduce"), global_bytes=whole, local_bytes=local)
 
@@ -442,8 +433,7 @@ class Detector:
         if region is None:
             return
         self.regions.append(region)
-        by_name = {n.name: n for n in self.gm.graph.nodes}
-        self.claimed.update(by_name[x] for x in region.nodes)
+        self.claimed.update(self.by_name[x] for x in region.nodes)
 
     def detect(self, vocab: int) -> ShardingPlan:
         g = self.gm.graph

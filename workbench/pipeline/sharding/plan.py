@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 Range = Tuple[int, int]
 
@@ -37,6 +37,11 @@ def split_evenly(n: int, parts: int, align: int = 1) -> List[Range]:
         out.append((start, stop))
         start = stop
     return out
+
+
+def width(ranges: Sequence[Range]) -> int:
+    """Elements covered by ``ranges`` (what a cut keeps along its dim)."""
+    return sum(b - a for a, b in ranges)
 
 
 def fmt_range(r: Range) -> str:
@@ -129,19 +134,6 @@ class ShardingPlan:
 
         return pd.DataFrame(self.rows())
 
-    def node_labels(self) -> Dict[str, str]:
-        """node name -> short label for renders: the split kind and what this rank holds."""
-        out: Dict[str, str] = {}
-        for r in self.regions:
-            if not r.shard:
-                continue
-            for cut in r.cuts:
-                held = ", ".join(f"{t.dim}:[{';'.join(fmt_range(x) for x in t.ranges)}]" for t in cut.tensors[:1])
-                out[cut.node] = f"{cut.kind} {held}"
-            if r.collective:
-                out.setdefault(r.collective[0], "")
-        return out
-
     def summary(self) -> Dict[str, Any]:
         whole, local = self.bytes()
         return {"world_size": self.world_size, "rank": self.rank, "sharded": self.counts(),
@@ -153,4 +145,4 @@ class ShardingPlan:
         return dataclasses.replace(self, applied=True)
 
 
-__all__ = ["ShardingPlan", "Region", "NodeCut", "TensorCut", "split_evenly", "fmt_range", "Range"]
+__all__ = ["ShardingPlan", "Region", "NodeCut", "TensorCut", "split_evenly", "fmt_range", "width", "Range"]

@@ -35,7 +35,7 @@ class DetectShardingConfig(TransformConfig):
     )
 
 
-def _single_rank(gm, ctx):
+def _single_rank(gm):
     return nothing_to_do(gm, "world size 1: nothing to shard (Workbench(..., world_size=N), "
                              "`workbench run --world-size N` or torchrun start N ranks)")
 
@@ -49,7 +49,7 @@ class DetectSharding(Transform):
 
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         if not ctx.dist.sharded:
-            return _single_rank(gm, ctx)
+            return _single_rank(gm)
         plan = detect_plan(gm, world_size=ctx.dist.world_size, rank=ctx.dist.rank, group_name=ctx.dist.group_name,
                            vocab_size=ctx.vocab_size, dims=self.config.sharding_dims, layers=self.config.shard_layers)
         ctx.sharding = plan
@@ -73,7 +73,7 @@ class ShardingTransformExecutor(Transform):
 
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         if not ctx.dist.sharded:
-            return _single_rank(gm, ctx)
+            return _single_rank(gm)
         plan = ctx.sharding
         if plan is None:
             return nothing_to_do(gm, "no sharding plan: enable detect_sharding before this transform")
