@@ -20,6 +20,7 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
 #include <optional>
+#include <vector>
 #include <c10/util/Half.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -31,70 +32,166 @@ constexpr int kMaxTile = 8;  // rows of x per pass over W (accumulators live in 
 
 inline float h2f(const at::Half h) { return static_cast<float>(h); }
 
+// A weight format gives, per row n and block b of 32 weights, the 32 codes as two 16-lane float
+// vectors (codes(): q for the packed formats, the weights themselves for fp32) and, for the packed
+// formats, the block's scale. The tile multiplies codes by x, scales the block's sum once and adds
+// the offsets' share at the end:
+//     sum_k w_k x_k = sum_b d_b * (sum_{k in b} q_k x_k) + sum_g m_g * (sum_{k in g} x_k)
+// so per 32 weights a pass issues two conversions and three FMAs, where decoding each weight
+// (q * d + m) first cost four FMAs.
 struct Q4 {
+  static constexpr bool kScaled = true, kOffsets = true;
   const uint8_t* q; const at::Half* s; const at::Half* o; int64_t K, groups, group;
-  // weights [32*b, 32*b+32) of row n into lo (first 16) and hi (last 16)
-  inline void decode(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (K / 2) + b * 16));
-    const __m512i w = _mm512_cvtepu8_epi32(bytes);
-    const int64_t g = n * groups + (b * 32) / group;
-    const __m512 d = _mm512_set1_ps(h2f(s[g])), m = _mm512_set1_ps(h2f(o[g]));
-    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15))), d, m);
-    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4)), d, m);
+  inline void codes(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (K / 2) + b * 16)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
   }
+  const at::Half* scales(int64_t n) const { return s + n * groups; }
+  const at::Half* offsets(int64_t n) const { return o + n * groups; }
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(q + n * (K / 2)); }
+  int64_t row_bytes() const { return K / 2; }
 };
 
 struct Q8 {
+  static constexpr bool kScaled = true, kOffsets = false;
   const int8_t* q; const at::Half* s; int64_t K, groups, group;
-  inline void decode(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
+  inline void codes(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
     const int8_t* p = q + n * K + b * 32;
-    const __m512 d = _mm512_set1_ps(h2f(s[n * groups + (b * 32) / group]));
-    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))), d);
-    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))), d);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
   }
+  const at::Half* scales(int64_t n) const { return s + n * groups; }
+  const at::Half* offsets(int64_t) const { return nullptr; }
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(q + n * K); }
+  int64_t row_bytes() const { return K; }
 };
 
 struct F32 {
-  const float* w; int64_t K;
-  inline void decode(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
+  static constexpr bool kScaled = false, kOffsets = false;
+  const float* w; int64_t K, groups, group;  // one group of K: no scales
+  inline void codes(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
     const float* p = w + n * K + b * 32;
     lo = _mm512_loadu_ps(p);
     hi = _mm512_loadu_ps(p + 16);
   }
+  const at::Half* scales(int64_t) const { return nullptr; }
+  const at::Half* offsets(int64_t) const { return nullptr; }
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(w + n * K); }
+  int64_t row_bytes() const { return K * 4; }
 };
 
-// y[m0:m0+T, n] for rows n in [n0, n1): one pass over those rows of W.
-template <int T, class W>
-void tile(const W& wt, const float* x, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
-  const int64_t blocks = K / 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    __m512 acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m512 lo, hi;
-      wt.decode(n, b, lo, hi);
-      for (int t = 0; t < T; ++t) {
-        const float* xr = x + (m0 + t) * K + b * 32;
-        acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[t]);
-        acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[t]);
-      }
-    }
-    for (int t = 0; t < T; ++t) y[(m0 + t) * N + n] = _mm512_reduce_add_ps(acc[t]);
+constexpr int64_t kPrefetchPasses = 2;  // how far ahead (in passes of R rows) weights are prefetched
+constexpr int64_t kChunk = 64;  // groups whose scales and offsets are widened to fp32 at a time
+
+#define WB_INLINE inline __attribute__((always_inline))
+
+// fp16 [G] -> float [G], 16 at a time (the tail masked)
+WB_INLINE void widen(const at::Half* h, float* out, int64_t G) {
+  for (int64_t g = 0; g < G; g += 16) {
+    const __mmask16 k = G - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - g)) - 1);
+    _mm512_mask_storeu_ps(out + g, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + g)));
   }
 }
 
+// sum_g a[g] * b[g] over G values, as a 16-lane partial sum added into acc
+WB_INLINE __m512 dot_into(const float* a, const float* b, int64_t G, __m512 acc) {
+  for (int64_t g = 0; g < G; g += 16) {
+    const __mmask16 k = G - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - g)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + g), _mm512_maskz_loadu_ps(k, b + g), acc);
+  }
+  return acc;
+}
+
+// y[m0:m0+T, n..n+R) for R rows of W from n: one pass over those rows. Several rows at once keep
+// independent FMA chains in flight (one chain waits on the FMA's 4-cycle latency every block) and
+// share each load of x; a row of K = 576 is only 18 blocks, so the per-row work around the loop
+// (widening scales, reductions) is kept to a few vector instructions per 16 groups.
+// xsum: sum of x over each group, [M, groups] (the offsets' share).
+template <int T, int R, class W>
+WB_INLINE void rows_pass(const W& wt, const float* x, const float* xsum, float* y, int64_t K, int64_t N, int64_t m0,
+                         int64_t n) {
+  const int64_t blocks = K / 32, per_group = wt.group / 32;
+  __m512 acc[R][T][2], off[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t][0] = acc[r][t][1] = off[r][t] = _mm512_setzero_ps();
+  // The R rows are read interleaved, which the hardware prefetchers follow worse than one row after
+  // another (a 28 MB int8 LM head streamed at half the speed): the rows kPrefetchPasses passes ahead
+  // are prefetched explicitly, a few cache lines per block.
+  const char* ahead = wt.row(n + kPrefetchPasses * R);
+  const int64_t span = R * wt.row_bytes(), step = ((span / blocks + 63) / 64) * 64;
+  // one block of 32 weights of every row, its scale (packed formats) from d(r)
+  auto block = [&](int64_t b, auto d) __attribute__((always_inline)) {
+    for (int64_t o = b * step, e = std::min(span, o + step); o < e; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+    __m512 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) wt.codes(n + r, b, lo[r], hi[r]);
+    for (int t = 0; t < T; ++t) {
+      const float* xr = x + (m0 + t) * K + b * 32;
+      const __m512 xl = _mm512_loadu_ps(xr), xh = _mm512_loadu_ps(xr + 16);
+      for (int r = 0; r < R; ++r) {
+        if constexpr (W::kScaled) {
+          const __m512 part = _mm512_fmadd_ps(lo[r], xl, _mm512_mul_ps(hi[r], xh));
+          acc[r][t][0] = _mm512_fmadd_ps(part, _mm512_set1_ps(d(r)), acc[r][t][0]);
+        } else {
+          acc[r][t][0] = _mm512_fmadd_ps(lo[r], xl, acc[r][t][0]);
+          acc[r][t][1] = _mm512_fmadd_ps(hi[r], xh, acc[r][t][1]);
+        }
+      }
+    }
+  };
+  if constexpr (!W::kScaled) {
+    for (int64_t b = 0; b < blocks; ++b) block(b, [](int) { return 1.f; });
+  } else {
+    for (int64_t g0 = 0; g0 < wt.groups; g0 += kChunk) {
+      const int64_t G = std::min(kChunk, wt.groups - g0);
+      alignas(64) float d[R][kChunk];
+      for (int r = 0; r < R; ++r) widen(wt.scales(n + r) + g0, d[r], G);
+      if constexpr (W::kOffsets) {
+        alignas(64) float m[kChunk];
+        for (int r = 0; r < R; ++r) {
+          widen(wt.offsets(n + r) + g0, m, G);
+          for (int t = 0; t < T; ++t) off[r][t] = dot_into(m, xsum + (m0 + t) * wt.groups + g0, G, off[r][t]);
+        }
+      }
+      if (per_group == 1) {  // group = 32 (Q4_1, Q8_0): a scale per block, no index arithmetic
+        for (int64_t j = 0; j < G; ++j) block(g0 + j, [&](int r) { return d[r][j]; });
+      } else {
+        for (int64_t j = 0; j < G; ++j)
+          for (int64_t b = (g0 + j) * per_group, e = b + per_group; b < e; ++b) block(b, [&](int r) { return d[r][j]; });
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t)
+      y[(m0 + t) * N + n + r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]), off[r][t]));
+}
+
+// y[m0:m0+T, n] for rows n in [n0, n1): four rows of W per pass at T = 1, two at T <= 3, one above
+// (the accumulators, 2*R*T, must stay in registers).
+template <int T, class W>
+void tile(const W& wt, const float* x, const float* xsum, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0,
+          int64_t n1) {
+  int64_t n = n0;
+  if constexpr (T == 1)
+    for (; n + 4 <= n1; n += 4) rows_pass<T, 4>(wt, x, xsum, y, K, N, m0, n);
+  if constexpr (T <= 3)
+    for (; n + 2 <= n1; n += 2) rows_pass<T, 2>(wt, x, xsum, y, K, N, m0, n);
+  for (; n < n1; ++n) rows_pass<T, 1>(wt, x, xsum, y, K, N, m0, n);
+}
+
 template <class W>
-void run_rows(const W& wt, const float* x, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+void run_rows(const W& wt, const float* x, const float* xsum, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
+              int64_t n1) {
   for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
     switch (std::min<int64_t>(kMaxTile, M - m0)) {
-      case 1: tile<1>(wt, x, y, K, N, m0, n0, n1); break;
-      case 2: tile<2>(wt, x, y, K, N, m0, n0, n1); break;
-      case 3: tile<3>(wt, x, y, K, N, m0, n0, n1); break;
-      case 4: tile<4>(wt, x, y, K, N, m0, n0, n1); break;
-      case 5: tile<5>(wt, x, y, K, N, m0, n0, n1); break;
-      case 6: tile<6>(wt, x, y, K, N, m0, n0, n1); break;
-      case 7: tile<7>(wt, x, y, K, N, m0, n0, n1); break;
-      default: tile<8>(wt, x, y, K, N, m0, n0, n1); break;
+      case 1: tile<1>(wt, x, xsum, y, K, N, m0, n0, n1); break;
+      case 2: tile<2>(wt, x, xsum, y, K, N, m0, n0, n1); break;
+      case 3: tile<3>(wt, x, xsum, y, K, N, m0, n0, n1); break;
+      case 4: tile<4>(wt, x, xsum, y, K, N, m0, n0, n1); break;
+      case 5: tile<5>(wt, x, xsum, y, K, N, m0, n0, n1); break;
+      case 6: tile<6>(wt, x, xsum, y, K, N, m0, n0, n1); break;
+      case 7: tile<7>(wt, x, xsum, y, K, N, m0, n0, n1); break;
+      default: tile<8>(wt, x, xsum, y, K, N, m0, n0, n1); break;
     }
   }
 }
@@ -107,9 +204,15 @@ at::Tensor launch(const W& wt, const at::Tensor& x2, int64_t N) {
   at::Tensor y = at::empty({M, N}, x2.options());
   const float* x = x2.data_ptr<float>();
   float* out = y.data_ptr<float>();
+  std::vector<float> xsum;  // [M, groups]: sum of x over each group (the offsets' share)
+  if constexpr (W::kOffsets) {
+    xsum.assign(M * wt.groups, 0.f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xsum[m * wt.groups + k / wt.group] += x[m * K + k];
+  }
   const int64_t grain = std::max<int64_t>(16, 8192 / std::max<int64_t>(1, K / 32));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t b = n0; b < n1; b += 64) run_rows(wt, x, out, M, K, N, b, std::min(n1, b + 64));
+    for (int64_t b = n0; b < n1; b += 64) run_rows(wt, x, xsum.data(), out, M, K, N, b, std::min(n1, b + 64));
   });
   return y;
 }
@@ -135,6 +238,24 @@ at::Tensor finish(at::Tensor y, const at::Tensor& x, int64_t N, const std::optio
 constexpr int64_t kKernelRows = 16;
 constexpr int64_t kQuantKernelRows = 96;
 
+// The 32 weights of block b of row n as floats (q * d + m): what the BLAS path multiplies.
+template <class W>
+inline void decode(const W& wt, int64_t n, int64_t b, __m512& lo, __m512& hi) {
+  wt.codes(n, b, lo, hi);
+  if constexpr (W::kScaled) {
+    const int64_t g = b * 32 / wt.group;
+    const __m512 d = _mm512_set1_ps(h2f(wt.scales(n)[g]));
+    if constexpr (W::kOffsets) {
+      const __m512 m = _mm512_set1_ps(h2f(wt.offsets(n)[g]));
+      lo = _mm512_fmadd_ps(lo, d, m);
+      hi = _mm512_fmadd_ps(hi, d, m);
+    } else {
+      lo = _mm512_mul_ps(lo, d);
+      hi = _mm512_mul_ps(hi, d);
+    }
+  }
+}
+
 template <class W>
 at::Tensor dense(const W& wt, const at::Tensor& x2, int64_t N) {
   const int64_t K = x2.size(1), blocks = K / 32;
@@ -147,7 +268,7 @@ at::Tensor dense(const W& wt, const at::Tensor& x2, int64_t N) {
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t b = 0; b < blocks; ++b) {
           __m512 lo, hi;
-          wt.decode(n0 + r, b, lo, hi);
+          decode(wt, n0 + r, b, lo, hi);
           _mm512_storeu_ps(t + r * K + b * 32, lo);
           _mm512_storeu_ps(t + r * K + b * 32 + 16, hi);
         }
@@ -199,7 +320,7 @@ at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   if (!ok || x.numel() / x.size(-1) > kKernelRows) return at::linear(x, weight, bias);
   const at::Tensor x2 = flat(x);
   const int64_t N = weight.size(0);
-  F32 wt{weight.data_ptr<float>(), x2.size(1)};
+  F32 wt{weight.data_ptr<float>(), x2.size(1), 1, x2.size(1)};
   return finish(launch(wt, x2, N), x, N, bias);
 }
 
