@@ -120,6 +120,11 @@ def test_linear_kernels_refuse_bad_layouts_with_the_reason():
     (3, 4, 2, 32, None, None, False),
     (2, 8, 2, 64, 5, None, True),
     (2, 4, 4, 16, None, 30.0, False),
+    # the vectorised head dims (64, 128): query groups of 6 and 7 heads (chunks of 6 / 3 heads in
+    # registers), soft-capping, window and sinks on them
+    (2, 12, 2, 128, None, 30.0, False),
+    (3, 14, 2, 64, 20, None, True),
+    (3, 9, 3, 64, None, None, False),  # 38 and 21 keys: blocks of 16 and tails
 ])
 def test_cached_attention_kernel_equals_the_reference_on_decode_steps(b, hq, hkv, d, window, cap, sinks):
     g = torch.Generator().manual_seed(b * 100 + hq)

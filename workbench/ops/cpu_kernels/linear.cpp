@@ -41,6 +41,7 @@ inline float h2f(const at::Half h) { return static_cast<float>(h); }
 // (q * d + m) first cost four FMAs.
 struct Q4 {
   static constexpr bool kScaled = true, kOffsets = true;
+  static constexpr int kRowsPerPass = 4;  // at one row of x (see tile)
   const uint8_t* q; const at::Half* s; const at::Half* o; int64_t K, groups, group;
   inline void codes(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
     const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (K / 2) + b * 16)));
@@ -55,6 +56,7 @@ struct Q4 {
 
 struct Q8 {
   static constexpr bool kScaled = true, kOffsets = false;
+  static constexpr int kRowsPerPass = 4;
   const int8_t* q; const at::Half* s; int64_t K, groups, group;
   inline void codes(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
     const int8_t* p = q + n * K + b * 32;
@@ -69,6 +71,9 @@ struct Q8 {
 
 struct F32 {
   static constexpr bool kScaled = false, kOffsets = false;
+  // one row at a time: fp32 rows are memory-bound streams (2.3 KB at K = 576), which interleaving
+  // four of them made 33 % slower (smollm2's fp32 layers at bs 1: 10.7 -> 14.2 ms)
+  static constexpr int kRowsPerPass = 1;
   const float* w; int64_t K, groups, group;  // one group of K: no scales
   inline void codes(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
     const float* p = w + n * K + b * 32;
@@ -122,7 +127,8 @@ WB_INLINE void rows_pass(const W& wt, const float* x, const float* xsum, float* 
   const int64_t span = R * wt.row_bytes(), step = ((span / blocks + 63) / 64) * 64;
   // one block of 32 weights of every row, its scale (packed formats) from d(r)
   auto block = [&](int64_t b, auto d) __attribute__((always_inline)) {
-    for (int64_t o = b * step, e = std::min(span, o + step); o < e; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+    if constexpr (R > 1)
+      for (int64_t o = b * step, e = std::min(span, o + step); o < e; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
     __m512 lo[R], hi[R];
     for (int r = 0; r < R; ++r) wt.codes(n + r, b, lo[r], hi[r]);
     for (int t = 0; t < T; ++t) {
@@ -172,9 +178,9 @@ template <int T, class W>
 void tile(const W& wt, const float* x, const float* xsum, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0,
           int64_t n1) {
   int64_t n = n0;
-  if constexpr (T == 1)
+  if constexpr (T == 1 && W::kRowsPerPass >= 4)
     for (; n + 4 <= n1; n += 4) rows_pass<T, 4>(wt, x, xsum, y, K, N, m0, n);
-  if constexpr (T <= 3)
+  if constexpr (T <= 3 && W::kRowsPerPass >= 2)
     for (; n + 2 <= n1; n += 2) rows_pass<T, 2>(wt, x, xsum, y, K, N, m0, n);
   for (; n < n1; ++n) rows_pass<T, 1>(wt, x, xsum, y, K, N, m0, n);
 }
