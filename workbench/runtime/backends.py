@@ -136,7 +136,7 @@ def compile_options(device: torch.device) -> Dict[str, Any]:
 
     * ``cpp_wrapper``: the wrapper is C++ (kernels called without the Python interpreter; SmolLM2
       Q4_1 bs=1 on 2 cores, one process, runners alternated: 14.6 -> 13.1 ms a token);
-    * no guards on the module's own attributes (``L['self']...``: ~1100 type/tensor checks per call,
+    * no guards on the module's own attributes (``self._modules[...]``: ~1100 type/tensor checks a call,
       on weights that this compiled copy alone owns and that no step replaces -- a pipeline that
       changes weights re-runs ``compile_model``, which compiles again). Guards on the inputs (shapes,
       the one-row specialisation) stay.
@@ -148,7 +148,8 @@ def compile_options(device: torch.device) -> Dict[str, Any]:
 
 
 def _skip_module_attribute_guards(entries: List[Any]) -> List[bool]:
-    return [not entry.name.startswith("L['self']") for entry in entries]
+    # the module is named ``self`` (torch 2.13: "self._modules[...]") or ``L['self']`` (older names)
+    return [not entry.name.startswith(("self.", "self[", "L['self']")) for entry in entries]
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
