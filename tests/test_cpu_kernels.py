@@ -167,6 +167,13 @@ def test_elementwise_kernels_equal_the_references():
         for got, ref in zip(W.cpu_rope_with_explicit_cos_sin(qq, kk, cos, sin, dim),
                             W.torch_rope_with_explicit_cos_sin(qq, kk, cos, sin, dim)):
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    # q/k as slices of one fused QKV output (read through their strides, results contiguous)
+    qkv = torch.randn(2, 5, 15 * 64, generator=g)
+    qs, ks = qkv[..., :576].view(2, 5, 9, 64), qkv[..., 576:768].view(2, 5, 3, 64)
+    for got, ref in zip(W.cpu_rope_with_explicit_cos_sin(qs, ks, cos, sin, 2),
+                        W.torch_rope_with_explicit_cos_sin(qs.contiguous(), ks.contiguous(), cos, sin, 2)):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        assert got.is_contiguous()
     h = torch.randn(3, 2 * 1536, generator=g) * 6  # silu over both signs, large and small
     torch.testing.assert_close(W.cpu_silu_and_mul(h), W.torch_silu_and_mul(h), atol=1e-5, rtol=1e-5)
     d = h.double()[:, :20]  # no kernel for fp64 or odd widths: the reference answers

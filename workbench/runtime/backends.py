@@ -23,7 +23,7 @@ calls ``build``: everything that knows about runners lives here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -84,7 +84,7 @@ class CompileBackend(Backend):
         fn = inlined = req.module
         if self.torch_compile:
             inlined, counts = inlined_copy(req.module)
-            fn = torch.compile(inlined, dynamic=True, options=compile_options(req.device))
+            fn = torch.compile(inlined, dynamic=True, options=compile_options(req.device, cache_inputs=req.caches))
             details["inlined_ops"] = counts
         cfg = req.cache_config
         if not self.cuda_graphs:
@@ -130,26 +130,36 @@ def inlined_copy(gm: fx.GraphModule) -> Tuple[fx.GraphModule, Dict[str, int]]:
     return copy, inline_canonical_ops(copy)
 
 
-def compile_options(device: torch.device) -> Dict[str, Any]:
+def compile_options(device: torch.device, cache_inputs: Iterable[str] = ()) -> Dict[str, Any]:
     """Inductor options of the torch.compile backends. On CPU a decode step is a few hundred calls of
     small kernels, so the per-call cost of the generated wrapper is the step's overhead:
 
     * ``cpp_wrapper``: the wrapper is C++ (kernels called without the Python interpreter; SmolLM2
       Q4_1 bs=1 on 2 cores, one process, runners alternated: 14.6 -> 13.1 ms a token);
-    * no guards on the module's own attributes (``self._modules[...]``: ~1100 type/tensor checks a call,
-      on weights that this compiled copy alone owns and that no step replaces -- a pipeline that
-      changes weights re-runs ``compile_model``, which compiles again). Guards on the inputs (shapes,
-      the one-row specialisation) stay.
+    * no guards on the module's own attributes (``self._modules[...]``: ~1100 type/tensor checks a
+      call, on weights that this compiled copy alone owns and that no step replaces -- a pipeline that
+      changes weights re-runs ``compile_model``, which compiles again) nor on ``cache_inputs``, the
+      cache tensors the runner passes, the same ones every step, for the runner's life. Guards on
+      the step's own inputs (token ids, positions, page table: shapes, the one-row specialisation) stay.
 
     CUDA keeps the defaults (its steps replay CUDA graphs, where the wrapper runs once per capture)."""
     if torch.device(device).type != "cpu":
         return {}
-    return {"cpp_wrapper": True, "guard_filter_fn": _skip_module_attribute_guards}
+    static = frozenset(cache_inputs)
+
+    def keep(entries: List[Any]) -> List[bool]:
+        # the module is named ``self`` (torch 2.13: "self._modules[...]"), ``L['self']`` in older names
+        return [not (e.name.startswith(("self.", "self[", "L['self']")) or _input_name(e.name) in static)
+                for e in entries]
+
+    return {"cpp_wrapper": True, "guard_filter_fn": keep}
 
 
-def _skip_module_attribute_guards(entries: List[Any]) -> List[bool]:
-    # the module is named ``self`` (torch 2.13: "self._modules[...]") or ``L['self']`` (older names)
-    return [not entry.name.startswith(("self.", "self[", "L['self']")) for entry in entries]
+def _input_name(guard_name: str) -> str:
+    """``k_cache_0`` of a guard on the input ``k_cache_0`` (named bare or ``L['k_cache_0']``)."""
+    if guard_name.startswith("L['"):
+        return guard_name[3:].split("'", 1)[0]
+    return guard_name.split(".", 1)[0].split("[", 1)[0]
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:

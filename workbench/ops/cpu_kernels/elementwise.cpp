@@ -65,11 +65,14 @@ inline void rotate(const float* x, const float* c, const float* s, float* o, int
 }
 
 at::Tensor rope_one(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t unsqueeze_dim) {
-  // x [b, n, s, d] (unsqueeze_dim 1) or [b, s, n, d] (2); cos/sin [b, s, d] (b may be 1: broadcast)
-  const at::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
-  at::Tensor out = at::empty_like(xc);
+  // x [b, n, s, d] (unsqueeze_dim 1) or [b, s, n, d] (2); cos/sin [b, s, d] (b may be 1: broadcast).
+  // x is read through its strides (q/k are usually slices of one fused QKV output: copying them
+  // contiguous first cost a copy per call); only the head dim must be dense. The result is contiguous.
+  const at::Tensor xc = x.stride(3) == 1 ? x : x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  at::Tensor out = at::empty(xc.sizes(), xc.options());
   const int64_t B = xc.size(0), d = xc.size(3);
   const int64_t S = unsqueeze_dim == 1 ? xc.size(2) : xc.size(1), N = unsqueeze_dim == 1 ? xc.size(1) : xc.size(2);
+  const int64_t sb = xc.stride(0), ss = xc.stride(unsqueeze_dim == 1 ? 2 : 1), sn = xc.stride(unsqueeze_dim == 1 ? 1 : 2);
   const int64_t cb = cc.size(0) == 1 ? 0 : S * d;
   const float* xp = xc.data_ptr<float>();
   const float* cp = cc.data_ptr<float>();
@@ -79,7 +82,7 @@ at::Tensor rope_one(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
     for (int64_t t = 0; t < S; ++t)
       for (int64_t n = 0; n < N; ++n) {
         const int64_t off = unsqueeze_dim == 1 ? ((b * N + n) * S + t) * d : ((b * S + t) * N + n) * d;
-        rotate(xp + off, cp + b * cb + t * d, sp + b * cb + t * d, op + off, d);
+        rotate(xp + b * sb + t * ss + n * sn, cp + b * cb + t * d, sp + b * cb + t * d, op + off, d);
       }
   return out;
 }
