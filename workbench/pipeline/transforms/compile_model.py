@@ -33,9 +33,9 @@ if set(CompileBackendName.__args__) != set(COMPILE_BACKENDS.names()):  # the con
 CUDA_BACKENDS = tuple(b.name for b in COMPILE_BACKENDS if b.cuda_graphs)
 # ``backend: auto``. CPU: torch-simple, chosen for the time to an answer, not for peak decode speed:
 # with the C++ kernels every op of a step is one kernel call, and what Inductor adds (SmolLM2 bs=1,
-# bench/decode.py, one run on the project's 2-core machine: Q4_1 68.7 -> 77.0 tok/s, fp32 36.1 -> 51.6)
-# costs 30-50 s of compilation in the pipeline plus a recompile at the first prefill (~50 s in
-# `workbench run`), i.e. minutes before the first token of a demo. Set torch-compile for long runs.
+# bench/decode.py, one run on the project's 2-core machine, 2026-11-24: Q4_1 68.9 -> 105.1 tok/s,
+# fp32 46.4 -> 47.5) costs 2-4 min of C++ compilation the first time (7-8 s from Inductor's cache),
+# i.e. minutes before the first token of a first demo. Set torch-compile for long runs.
 # CUDA: CUDA graphs when the cached attention can be captured, else the plain graph.
 AUTO_COMPILE = {"cpu": "torch-simple"}
 
