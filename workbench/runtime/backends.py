@@ -140,7 +140,9 @@ def compile_options(device: torch.device, cache_inputs: Iterable[str] = ()) -> D
       call, on weights that this compiled copy alone owns and that no step replaces -- a pipeline that
       changes weights re-runs ``compile_model``, which compiles again) nor on ``cache_inputs``, the
       cache tensors the runner passes, the same ones every step, for the runner's life. Guards on
-      the step's own inputs (token ids, positions, page table: shapes, the one-row specialisation) stay.
+      the step's own inputs (token ids, positions, page table: shapes, the one-row specialisation) stay;
+    * no size/alignment asserts on every input (~430 weights) and op output per call: ``self_check``
+      compares the compiled runner with the plain graph after every build instead.
 
     CUDA keeps the defaults (its steps replay CUDA graphs, where the wrapper runs once per capture)."""
     if torch.device(device).type != "cpu":
@@ -152,8 +154,6 @@ def compile_options(device: torch.device, cache_inputs: Iterable[str] = ()) -> D
         return [not (e.name.startswith(("self.", "self[", "L['self']")) or _input_name(e.name) in static)
                 for e in entries]
 
-    # size/alignment asserts: a check of every input and op output per call (~430 weights among them);
-    # ``self_check`` compares the compiled runner with the plain graph after every build instead
     return {"cpp_wrapper": True, "guard_filter_fn": keep, "size_asserts": False, "alignment_asserts": False}
 
 

@@ -1,8 +1,8 @@
 // CPU kernels for decode-shaped linears: y[M, N] = x[M, K] @ W[N, K]^T with W kept as stored.
 //
-// Three weight formats, one loop: the kernel walks W once per tile of up to 8 rows of x,
-// decoding 32 weights at a time into two 16-lane float vectors and FMA-ing them into
-// one accumulator per x row. Memory traffic is the weight bytes (4.5-5 bits per weight for int4),
+// Three weight formats, one loop: the kernel walks W once per tile of up to 8 rows of x (and up to
+// four rows of W at a time), turning 32 codes at a time into two 16-lane float vectors, multiplying
+// them by x and scaling each block's sum once (see rows_pass). Memory traffic is the weight bytes (4.5-5 bits per weight for int4),
 // so a batch-1 decode step streams the 4-bit model instead of a 32-bit copy of it.
 //
 //   int4 (q4):  qweight uint8 [N, K/2], scales/offsets fp16 [N, K/group]; per run of 32 weights
@@ -25,6 +25,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 #include <immintrin.h>
+
+#include "vec_math.h"
 
 namespace {
 
@@ -88,8 +90,6 @@ struct F32 {
 
 constexpr int64_t kPrefetchPasses = 2;  // how far ahead (in passes of R rows) weights are prefetched
 constexpr int64_t kChunk = 64;  // groups whose scales and offsets are widened to fp32 at a time
-
-#define WB_INLINE inline __attribute__((always_inline))
 
 // fp16 [G] -> float [G], 16 at a time (the tail masked)
 WB_INLINE void widen(const at::Half* h, float* out, int64_t G) {
@@ -214,7 +214,8 @@ at::Tensor launch(const W& wt, const at::Tensor& x2, int64_t N) {
   if constexpr (W::kOffsets) {
     xsum.assign(M * wt.groups, 0.f);
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) xsum[m * wt.groups + k / wt.group] += x[m * K + k];
+      for (int64_t g = 0; g < wt.groups; ++g)
+        for (int64_t k = g * wt.group; k < (g + 1) * wt.group; ++k) xsum[m * wt.groups + g] += x[m * K + k];
   }
   const int64_t grain = std::max<int64_t>(16, 8192 / std::max<int64_t>(1, K / 32));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {

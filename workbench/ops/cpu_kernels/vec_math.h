@@ -2,6 +2,9 @@
 #pragma once
 #include <immintrin.h>
 
+// small helpers the compiler must inline into the kernels' inner loops
+#define WB_INLINE inline __attribute__((always_inline))
+
 // exp(x) for x <= 0 (softmax after subtracting the maximum), 16 lanes: x = n ln2 + r, |r| <= ln2/2,
 // exp(r) by a degree-6 polynomial (relative error ~2e-7, below fp32 rounding of the sum), times 2^n.
 static inline __m512 exp_nonpositive(__m512 x) {
