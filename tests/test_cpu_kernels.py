@@ -142,6 +142,35 @@ def test_cached_attention_kernel_equals_the_reference_on_decode_steps(b, hq, hkv
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # the new k/v written to the same slots
 
 
+@pytest.mark.parametrize("threads", [2, 5])
+@pytest.mark.parametrize("pos, hq, hkv, d, window, cap, sinks", [
+    ([255], 9, 3, 64, None, None, False),  # SmolLM2 at 256 keys: the keys split into chunks
+    ([300, 6], 4, 1, 128, None, 30.0, True),  # a short sequence next to a long one: empty chunks
+    ([200], 8, 2, 64, 70, None, True),  # the window's keys split, sinks joined at the merge
+    ([180, 90], 6, 2, 32, None, None, False),  # the head dim without a vectorised path
+])
+def test_cached_attention_kernel_splits_long_contexts_into_key_chunks(pos, hq, hkv, d, window, cap, sinks, threads):
+    """Few (sequence, KV head) pairs with long contexts: each pair's keys are shared out to the
+    threads in chunks whose partial softmax sums are merged; the result must equal the reference's."""
+    g = torch.Generator().manual_seed(len(pos) * 1000 + hq + d)
+    b, pages, page_size = len(pos), 48, 16
+    kc, vc = torch.randn(pages, page_size, hkv, d, generator=g), torch.randn(pages, page_size, hkv, d, generator=g)
+    kc2, vc2 = kc.clone(), vc.clone()
+    table = torch.randperm(pages, generator=g)[: b * 20].view(b, 20).int()
+    q, k, v = (torch.randn(1, b, h, d, generator=g) for h in (hq, hkv, hkv))
+    meta = (torch.ones(b, dtype=torch.int32), torch.tensor(pos).int(), table, 0, d ** -0.5, window, cap,
+            torch.randn(hq, generator=g) if sinks else None)
+    ref = W.torch_cached_attention(q, k, v, kc, vc, *meta)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = W.cpu_cached_attention(q, k, v, kc2, vc2, *meta)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
 def test_cached_attention_kernel_hands_prefill_and_other_dtypes_to_the_reference():
     g = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(1, 7, 4, 32, generator=g), torch.randn(1, 7, 2, 32, generator=g), torch.randn(1, 7, 2, 32, generator=g)

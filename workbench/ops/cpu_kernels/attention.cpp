@@ -82,8 +82,14 @@ WB_INLINE __m512 sum16(const __m512* a) {
 
 // scores[r, j] = (q_r . k_j) * scale for the rep query heads sharing one KV head, head dim 16 * DZ;
 // keys[j] points at key j. Sixteen keys at a time, their dot products summed together by sum16.
+//
+// In a decode step the keys and values come from DRAM (the layer's weights streamed through the
+// caches since this layer last ran), one 64-byte line per 16 floats at scattered page slots. The
+// first query head's pass therefore prefetches the next block of keys and this block's values
+// (read by head_values right after), so the loads overlap instead of waiting one by one.
 template <int DZ>
-void head_scores(const float* q, int64_t rep, int64_t L, const float* const* keys, float* scores, float scale) {
+void head_scores(const float* q, int64_t rep, int64_t L, const float* const* keys, const float* const* values,
+                 float* scores, float scale) {
   constexpr int64_t D = 16 * DZ;
   const __m512 vs = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < rep; ++r) {
@@ -92,6 +98,13 @@ void head_scores(const float* q, int64_t rep, int64_t L, const float* const* key
     float* sr = scores + r * L;
     int64_t j = 0;
     for (; j + 16 <= L; j += 16) {
+      if (r == 0) {
+        const int64_t ahead = std::min<int64_t>(16, L - j - 16);
+        for (int64_t i = 0; i < ahead; ++i)
+          for (int z = 0; z < DZ; ++z) _mm_prefetch(reinterpret_cast<const char*>(keys[j + 16 + i] + 16 * z), _MM_HINT_T0);
+        for (int i = 0; i < 16; ++i)
+          for (int z = 0; z < DZ; ++z) _mm_prefetch(reinterpret_cast<const char*>(values[j + i] + 16 * z), _MM_HINT_T1);
+      }
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) {
         const float* kp = keys[j + i];
@@ -141,6 +154,11 @@ void all_head_values(const float* probs, const float* inv, int64_t rep, int64_t 
     }
   }
 }
+
+// Below this many multiply-adds a decode step runs as one task: forking costs more than it saves.
+constexpr int64_t kMinParallelWork = 100000;
+// A key chunk shared out to a thread holds at least this many keys; at most kMaxChunks per pair.
+constexpr int64_t kMinChunkKeys = 32, kMaxChunks = 64;
 
 // probs[0:n] = exp(scores - max) in place; returns their sum
 inline float softmax_numerators(float* s, int64_t n, float max) {
@@ -216,23 +234,46 @@ at::Tensor cpu_cached_attention(const at::Tensor& q, const at::Tensor& k, const 
   const int64_t rep = Hq / Hkv;
   const float fscale = static_cast<float>(scale);
   const float cap = logit_cap.has_value() ? static_cast<float>(*logit_cap) : 0.f;
-  int64_t work = 0;
-  for (int64_t b = 0; b < B; ++b) work += (pos[b] + 1) * Hq * (D + Dv);
-  // One task per (sequence, KV head); split over threads only when there is enough to share.
-  const int64_t grain = work < 500000 ? B * Hkv : 1;
+  // Work items: (sequence, KV head, key chunk). A decode step of one sequence has only Hkv
+  // (sequence, head) pairs -- 3 for SmolLM2 -- and its keys and values come from DRAM (the weights
+  // streamed since the last layer evicted them), so the keys of each pair are also split into
+  // chunks the threads share (flash-decoding): each chunk leaves its own max, sum of exponentials
+  // and unnormalised output, merged below. Small steps stay one task (a fork costs more).
+  int64_t work = 0, max_len = 0;
+  for (int64_t b = 0; b < B; ++b) work += (pos[b] + 1) * Hq * (D + Dv), max_len = std::max<int64_t>(max_len, pos[b] + 1);
+  const int64_t threads = at::get_num_threads();
+  const int64_t pairs = B * Hkv;
+  int64_t chunks = 1;
+  if (work >= kMinParallelWork && threads > 1 && pairs < 2 * threads)
+    chunks = std::clamp<int64_t>(std::min<int64_t>((2 * threads + pairs - 1) / pairs, max_len / kMinChunkKeys), 1,
+                                 kMaxChunks);
+  const int64_t tasks = pairs * chunks;
+  const int64_t grain = work < kMinParallelWork ? tasks : 1;
+  // per task: rep unnormalised outputs [rep, Dv], and per query head its max and sum of exponentials
+  std::vector<float> part_o(chunks > 1 ? tasks * rep * Dv : 0), part_m(tasks * rep), part_l(tasks * rep);
   // head dims with a vectorised path (sixteen keys per step, values into register accumulators)
   const int DZ = (D == Dv && (D == 64 || D == 128)) ? static_cast<int>(D / 16) : 0;
-  at::parallel_for(0, B * Hkv, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores;
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores, ones(rep, 1.f);
     std::vector<const float*> keys, values;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / Hkv, g = t % Hkv, last = pos[b];
-      const int64_t first = sliding_window.has_value() ? std::max<int64_t>(0, last - *sliding_window + 1) : 0;
-      const int64_t L = last - first + 1;
-      float* ob = o + (b * Hq + g * rep) * Dv;
+      const int64_t pair = t / chunks, c = t % chunks, b = pair / Hkv, g = pair % Hkv, last = pos[b];
+      const int64_t first_key = sliding_window.has_value() ? std::max<int64_t>(0, last - *sliding_window + 1) : 0;
+      const int64_t n = last - first_key + 1;
+      // this chunk's keys: [first, first + L)
+      const int64_t first = first_key + n * c / chunks, L = first_key + n * (c + 1) / chunks - first;
+      float* ob = chunks > 1 ? part_o.data() + t * rep * Dv : o + (b * Hq + g * rep) * Dv;
+      float* mb = part_m.data() + t * rep;
+      float* lb = part_l.data() + t * rep;
+      if (L == 0) {  // more chunks than keys (a sequence much shorter than the longest)
+        std::fill(mb, mb + rep, -std::numeric_limits<float>::infinity());
+        std::fill(lb, lb + rep, 0.f);
+        std::fill(ob, ob + rep * Dv, 0.f);
+        continue;
+      }
       const float* qb = qp + (b * Hq + g * rep) * D;
       scores.resize(rep * L);
-      // where each key/value of the sequence lives (pages walked once, no division per key)
+      // where each key/value of the chunk lives (pages walked once, no division per key)
       keys.resize(L);
       values.resize(L);
       for (int64_t j = 0, page = first / page_size, slot = first % page_size; j < L; ++j, ++slot) {
@@ -242,9 +283,9 @@ at::Tensor cpu_cached_attention(const at::Tensor& q, const at::Tensor& k, const 
         values[j] = vcache + phys * vpage_stride + slot * Hkv * Dv + g * Dv;
       }
       if (DZ == 4) {
-        head_scores<4>(qb, rep, L, keys.data(), scores.data(), fscale);
+        head_scores<4>(qb, rep, L, keys.data(), values.data(), scores.data(), fscale);
       } else if (DZ == 8) {
-        head_scores<8>(qb, rep, L, keys.data(), scores.data(), fscale);
+        head_scores<8>(qb, rep, L, keys.data(), values.data(), scores.data(), fscale);
       } else {  // scores[r, j]: each key is read once for the `rep` query heads that share it
         for (int64_t j = 0; j < L; ++j)
           for (int64_t r = 0; r < rep; ++r) scores[r * L + j] = dot(qb + r * D, keys[j], D) * fscale;
@@ -256,22 +297,46 @@ at::Tensor cpu_cached_attention(const at::Tensor& q, const at::Tensor& k, const 
         float* sr = scores.data() + r * L;
         float m = sr[0];
         for (int64_t j = 1; j < L; ++j) m = std::max(m, sr[j]);
-        if (sink != nullptr) m = std::max(m, sink[g * rep + r]);
+        if (sink != nullptr && chunks == 1) m = std::max(m, sink[g * rep + r]);
         float denom = softmax_numerators(sr, L, m);
-        if (sink != nullptr) denom += std::exp(sink[g * rep + r] - m);  // joins the normaliser only
+        if (sink != nullptr && chunks == 1) denom += std::exp(sink[g * rep + r] - m);  // joins the normaliser only
+        mb[r] = m, lb[r] = denom;
         inv[r] = 1.f / denom;
       }
+      // one chunk: normalised output in place; several: unnormalised partials, merged below
+      const float* scale_by = chunks == 1 ? inv.data() : ones.data();
       if (DZ == 4) {
-        all_head_values<4>(scores.data(), inv.data(), rep, L, values.data(), ob);
+        all_head_values<4>(scores.data(), scale_by, rep, L, values.data(), ob);
       } else if (DZ == 8) {
-        all_head_values<8>(scores.data(), inv.data(), rep, L, values.data(), ob);
+        all_head_values<8>(scores.data(), scale_by, rep, L, values.data(), ob);
       } else {
         for (int64_t r = 0; r < rep; ++r) std::fill(ob + r * Dv, ob + (r + 1) * Dv, 0.f);
         for (int64_t j = 0; j < L; ++j)  // each value read once
-          for (int64_t r = 0; r < rep; ++r) axpy(ob + r * Dv, scores[r * L + j] * inv[r], values[j], Dv);
+          for (int64_t r = 0; r < rep; ++r) axpy(ob + r * Dv, scores[r * L + j] * scale_by[r], values[j], Dv);
       }
     }
   });
+  if (chunks > 1) {
+    // out = sum_c e^(m_c - M) o_c / (sum_c e^(m_c - M) l_c [+ e^(sink - M)]),  M = max(m_c [, sink])
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      const int64_t b = pair / Hkv, g = pair % Hkv;
+      for (int64_t r = 0; r < rep; ++r) {
+        float M = sink != nullptr ? sink[g * rep + r] : -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < chunks; ++c) M = std::max(M, part_m[(pair * chunks + c) * rep + r]);
+        float denom = sink != nullptr ? std::exp(sink[g * rep + r] - M) : 0.f;
+        float w[kMaxChunks];
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t t = pair * chunks + c;
+          w[c] = part_l[t * rep + r] > 0.f ? std::exp(part_m[t * rep + r] - M) : 0.f;
+          denom += w[c] * part_l[t * rep + r];
+        }
+        float* dst = o + (b * Hq + g * rep + r) * Dv;
+        std::fill(dst, dst + Dv, 0.f);
+        for (int64_t c = 0; c < chunks; ++c)
+          if (w[c] > 0.f) axpy(dst, w[c] / denom, part_o.data() + ((pair * chunks + c) * rep + r) * Dv, Dv);
+      }
+    }
+  }
   return out;
 }
 
