@@ -64,7 +64,7 @@ def placeholder_values(gm: fx.GraphModule) -> List[Any]:
 
 
 @contextlib.contextmanager
-def symbolic_fake_mode(mode) -> Iterator[None]:
+def symbolic_fake_mode(mode, cache: bool = True) -> Iterator[None]:
     """Enter a graph's fake mode so that ops on its symbolic-shaped values work on every torch.
 
     The Python dispatcher routes composite ops (``aten.linear`` -> matmul ...) through their
@@ -72,9 +72,22 @@ def symbolic_fake_mode(mode) -> Iterator[None]:
     composites, which call ``numel()`` on symbolic sizes ("Cannot call numel() on tensor with
     symbolic sizes/strides"); torch 2.13 takes the symbolic path either way. Every place that
     evaluates graph ops on fake values goes through here.
+
+    ``cache=False`` turns the fake mode's dispatch cache off inside (restored on exit): rebuilding a
+    cached output with symbolic sizes (``empty_strided`` + ``set_``, sympy on every size) costs
+    more than running the op's meta function -- ~5x for the views and splits of a rewrite, whose
+    repeated layers hit the cache -- while whole-graph passes over many new values (moving every
+    value to the load device) gain from it.
     """
-    with mode, enable_python_dispatcher():
-        yield
+    old = getattr(mode, "cache_enabled", None)
+    if not cache and old is not None:
+        mode.cache_enabled = False
+    try:
+        with mode, enable_python_dispatcher():
+            yield
+    finally:
+        if old is not None:
+            mode.cache_enabled = old
 
 
 def run_shape_prop(gm: fx.GraphModule) -> None:

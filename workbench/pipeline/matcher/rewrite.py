@@ -101,30 +101,59 @@ def propagate_fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> bool:
                 return False
             node.meta["val"] = node.target(*args, **kwargs)
             continue
-        with symbolic_fake_mode(mode):
+        with symbolic_fake_mode(mode, cache=_cache_pays(node.target)):
             node.meta["val"] = node.target(*args, **kwargs)
     return True
 
 
-def repropagate_users(gm: fx.GraphModule, roots: Sequence[fx.Node]) -> bool:
+_CACHE_PAYS: dict = {}
+
+
+def _cache_pays(target: Any) -> bool:
+    """Whether the fake mode's dispatch cache saves time on ``target`` with symbolic shapes.
+
+    Not for view ops (a cache hit rebuilds the aliasing output through ``set_``, with sympy on every
+    size: a transpose or split costs 2-5x its meta function) nor for our custom ops (their fake
+    functions are one ``empty_like``; hashing the symbolic arguments costs more). It does for
+    elementwise and composite ops (``mul``, ``silu``, ``reshape``), whose meta functions do
+    symbolic stride arithmetic a hit skips. Measured on smollm2's pipeline: its transforms ~0.4 s
+    less in all (fuse_gemms, match_*_layout, insert_cached_attention), every value identical."""
+    pays = _CACHE_PAYS.get(target)
+    if pays is None:
+        pays = True
+        if isinstance(target, torch._ops.OpOverload):
+            view = any(r.alias_info is not None for r in target._schema.returns)
+            composite = torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd")
+            pays = not ((view and not composite) or target.namespace != "aten")
+        _CACHE_PAYS[target] = pays
+    return pays
+
+
+def repropagate_users(gm: fx.GraphModule, roots: Sequence[fx.Node],
+                      known: Optional[Mapping[fx.Node, Any]] = None) -> bool:
     """Re-derive ``meta['val']`` downstream of ``roots`` (nodes whose values a rewrite changed, e.g.
     in strides) in graph order, stopping wherever a recomputed value equals the recorded one.
 
     A local alternative to a whole-graph shape propagation (~1 s on a 30-layer model): a fused GEMM
     changes the strides of the split outputs and of the views reading them, and nothing past the next
-    copying op. Returns False when a value cannot be derived (the caller then reports stale shapes).
+    copying op. ``known``: values the caller already derived from the new inputs for some of these
+    nodes (taken as they are instead of running the op again). Returns False when a value cannot be
+    derived (the caller then reports stale shapes).
     """
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
     heap = [(index[u], u.name, u) for r in roots for u in r.users]
     heapq.heapify(heap)
     seen = set()
+    known = known or {}
     while heap:
         _, _, node = heapq.heappop(heap)
         if node in seen or node.op != "call_function":
             continue
         seen.add(node)
         old = node.meta.get("val")
-        if not propagate_fake_values(gm, [node]):
+        if node in known:
+            node.meta["val"] = known[node]
+        elif not propagate_fake_values(gm, [node]):
             return False
         if _same_value(old, node.meta.get("val")):
             continue

@@ -90,22 +90,21 @@ def linear_groups(gm: fx.GraphModule) -> List[List[fx.Node]]:
     return [group for buckets in by_input.values() for group in buckets.values() if len(group) >= 2]
 
 
-def _viewable(node: fx.Node) -> bool:
-    """Whether ``aten.view`` node ``node`` can run on its (new, strided) input's fake value."""
+def _view_value(node: fx.Node) -> Optional[torch.Tensor]:
+    """The fake value of ``aten.view`` node ``node`` run on its (new, strided) input's fake value;
+    None when the view cannot be taken there."""
     src = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
     if not isinstance(src, torch.Tensor):
-        return False
+        return None
     mode = detect_fake_mode([src])
     shape = fx.node.map_arg(node.args[1], lambda a: a.meta.get("val"))
     try:
         if mode is None:
-            src.view(shape)
-        else:
-            with symbolic_fake_mode(mode):
-                src.view(shape)
-        return True
+            return node.target(src, shape)
+        with symbolic_fake_mode(mode, cache=False):  # a view: cheaper uncached (matcher._cache_pays)
+            return node.target(src, shape)
     except Exception:  # noqa: BLE001 - any failure means "not provably a view"
-        return False
+        return None
 
 
 def split_outputs(gm: fx.GraphModule, fused: fx.Node, sizes: Sequence[int], old: Sequence[fx.Node]) -> List[fx.Node]:
@@ -125,14 +124,22 @@ def split_outputs(gm: fx.GraphModule, fused: fx.Node, sizes: Sequence[int], old:
     return new
 
 
-def fix_views(gm: fx.GraphModule, outputs: Sequence[fx.Node]) -> int:
-    """Turn ``aten.view`` users of strided split outputs that cannot be views into reshapes."""
+def fix_views(gm: fx.GraphModule, outputs: Sequence[fx.Node],
+              values: Optional[Dict[fx.Node, Any]] = None) -> int:
+    """Turn ``aten.view`` users of strided split outputs that cannot be views into reshapes.
+
+    ``values``: where to put the fake value of each view that stays one (computed to decide it), so
+    that ``repropagate_users`` does not derive it a second time."""
     n = 0
     for out in outputs:
         for user in list(out.users):
-            if user.target is aten.view.default and not _viewable(user):
-                user.target = aten.reshape.default
-                n += 1
+            if user.target is aten.view.default:
+                value = _view_value(user)
+                if value is None:
+                    user.target = aten.reshape.default
+                    n += 1
+                elif values is not None:
+                    values[user] = value
     return n
 
 
@@ -167,10 +174,12 @@ def fuse_linear_group(gm: fx.GraphModule, group: Sequence[fx.Node]) -> Dict[str,
         g.erase_node(node)
     new_nodes = [n for n in g.nodes if n not in before]
     annotate_new_nodes(gm, new_nodes, names, anchor=first)
-    reshaped = fix_views(gm, outputs[1:])
+    views: Dict[fx.Node, Any] = {}
+    reshaped = fix_views(gm, outputs[1:], views)
     originals = [n.target for nodes in tensor_groups for n in nodes]
     return {"fused": names, "weight": targets[0], "sizes": sizes, "new_bytes": new_bytes,
-            "originals": originals, "views_made_reshapes": reshaped, "outputs": outputs[1:]}
+            "originals": originals, "views_made_reshapes": reshaped, "outputs": outputs[1:],
+            "view_values": views}
 
 
 @register("fuse_gemms")
@@ -195,7 +204,9 @@ class FuseGemms(Transform):
         }
         # The split outputs have other strides than the linears they replace: re-derive the values
         # downstream of them (locally; a whole-graph propagation would cost the next transform ~1 s).
-        shapes_valid = repropagate_users(gm, [o for d in done for o in d["outputs"]]) if done else False
+        # The views fix_views kept were derived on the new inputs there: not derived again.
+        known = {node: v for d in done for node, v in d["view_values"].items()}
+        shapes_valid = repropagate_users(gm, [o for d in done for o in d["outputs"]], known) if done else False
         return gm, TransformInfo(num_matches=len(done), is_clean=not done, has_valid_shapes=shapes_valid,
                                  details=details)
 
