@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -64,12 +65,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         options.update(world_size=world_size, dist_timeout_s=args.dist_timeout)
     t0 = time.perf_counter()
     wb = Workbench(args.model, **options)
+    # This process runs one pipeline and exits: what is alive now (torch, transformers, the loaded
+    # model; ~700k objects for smollm2) stays alive to the end. Frozen, it is left out of the
+    # collector's full passes, which otherwise walk all of it: smollm2's pipeline, in process,
+    # 3 full passes took 0.72 s of 9.5 s, 0.32-0.36 s frozen (5 smaller passes).
+    gc.freeze()
     try:
         load_s = time.perf_counter() - t0
         where = f", world size {world_size} ({wb.start_method})" if world_size > 1 else ""
         print(f"model: {_model_description(wb)} (loaded in {load_s:.1f}s{where})")
         return _run_and_print(wb, args, print)
     finally:
+        gc.unfreeze()  # shutdown collects as usual (frozen, Triton's bindings report leaks at exit)
         if world_size > 1:
             wb.close()
 
