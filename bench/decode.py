@@ -21,6 +21,11 @@ GEMV bandwidth (matrix bytes / t of a large ``torch.mv``), both measured here fi
 use the bytes of their GGUF file's tensors. "x best peer" compares with the fastest peer at the
 benchmark's dtype (llama.cpp on the packaged 4-bit GGUF is shown but not counted).
 
+On CPU with smollm2 the run ends with alternated bs 1 rounds (``--paired-rounds``): llama.cpp and the
+workbench's torch-compile rows timed back to back, the ratio taken within each round, then the
+median over rounds. This machine's memory bandwidth drifts by tens of percent within minutes, so
+the table's rows, timed minutes apart, can differ by the machine's state as much as by the engines.
+
 ``shape:<name>`` models are random weights of a real model's config (no download, no GGUF): the
 GPU benchmarks use them. llama.cpp rows need ``llama-cpp-python`` (extra ``llamacpp``) and a GGUF file
 (``smollm2`` only; CPU only; batch 1): the packaged Q4_1 file, and an F32 copy of it written once
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import gc
 import platform
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -165,6 +171,9 @@ def main() -> None:
                     "int8: activations rounded per block of 32, as llama.cpp)")
     ap.add_argument("--no-hf-compile", action="store_true", help="skip HF static cache + torch.compile")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--paired-rounds", type=int, default=5,
+                    help="smollm2 on CPU: rounds of llama.cpp and workbench torch-compile alternated at bs 1 "
+                    "(fp32 vs F32, Q4_1 vs Q4_1); the ratios are taken per round (0: skip)")
     ap.add_argument("--hf-graph-loop", action=argparse.BooleanOptionalAction, default=None,
                     help="also time HF's model in a hand-written compiled decode loop (CUDA graphs on a GPU; "
                     "default: on with CUDA)")
@@ -242,6 +251,10 @@ def main() -> None:
                                     extra_overrides={"linear_weight_layout.int4_activations": act})
     print_table(rows, step_bytes, copy_bw, gemv_bw)
     print_q4_ratios(rows)
+    if (args.paired_rounds and resolve_spec(spec).kind == "gguf" and dtype == torch.float32 and device.type == "cpu"
+            and llama_cpp_unavailable(spec, prompts[1][:1] if 1 in prompts else [[1]], device) is None):
+        print_paired_rounds(spec, prompts.get(1) or [prompts[args.batch_sizes[0]][0]], args.new_tokens,
+                            args.paired_rounds, device)
     print("command: " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]))
 
 
@@ -288,6 +301,49 @@ def print_table(rows: List[Row], step_bytes: int, copy_bw: float, gemv_bw: float
               " the graph replay with CUDA graphs; the rest is host time):")
         for r in profiled:
             print(f"  {r.name:36s} bs {r.batch:3d}: {format_step_profile(r.step_ms)}")
+
+
+def print_paired_rounds(spec: str, prompts: List[List[int]], new: int, rounds: int, device: torch.device) -> None:
+    """bs 1 head to head, alternated: each round times llama.cpp F32, workbench fp32, llama.cpp Q4_1 and
+    the workbench Q4_1 rows (torch-compile) one after the other (best of 2 each), and the ratios are
+    taken within the round. This VM's memory bandwidth drifts by 30 % within minutes; rows timed
+    minutes apart (the table above) compare states as much as engines, a round compares within one."""
+    src = resolve_spec(spec).path
+    f32 = float32_gguf(src)
+    overrides = {"initialize_cache.max_batch_size": 1, "initialize_cache.max_seq_len": len(prompts[0]) + new,
+                 "compile_model.backend": "torch-compile"}
+    runs = {"fp32": Workbench(load_model(spec, device=device, gguf_weights="dequantize"), device=device,
+                              numerics=False, overrides=overrides)}
+    q4 = load_model(spec, device=device)
+    for act in ("fp32", "int8"):
+        runs[f"Q4_1 {'exact' if act == 'fp32' else 'int8 act'}"] = Workbench(
+            q4, device=device, numerics=False, overrides={**overrides, "linear_weight_layout.int4_activations": act})
+    for wb in runs.values():
+        wb.run()
+        wb.generate(prompts, max_new_tokens=4, stop_token_ids=[])
+
+    def rate(wb) -> float:
+        return max(wb.generate(prompts, max_new_tokens=new, stop_token_ids=[]).stats.decode_tokens_per_s
+                   for _ in range(2))
+
+    ratios: Dict[str, List[float]] = {k: [] for k in runs}
+    print(f"\nbs 1, alternated rounds (tok/s; ratio within the round), {rounds} rounds:")
+    for i in range(rounds):
+        l32 = llama_cpp_decode_rate(f32, prompts, new, repeats=2)
+        w = {"fp32": rate(runs["fp32"])}
+        lq = llama_cpp_decode_rate(src, prompts, new, repeats=2)
+        for k in runs:
+            if k != "fp32":
+                w[k] = rate(runs[k])
+        for k, v in w.items():
+            ratios[k].append(v / (l32 if k == "fp32" else lq))
+        print(f"  round {i + 1}: llama.cpp F32 {l32:6.1f}  workbench fp32 {w['fp32']:6.1f} ({w['fp32'] / l32:.2f}x) | "
+              f"llama.cpp Q4_1 {lq:6.1f}  " + "  ".join(f"workbench {k} {v:6.1f} ({v / lq:.2f}x)"
+                                                       for k, v in w.items() if k != "fp32"))
+    for k, r in ratios.items():
+        peer = "llama.cpp F32" if k == "fp32" else "llama.cpp Q4_1"
+        print(f"workbench {k} torch-compile bs 1: median {statistics.median(r):.2f}x {peer} "
+              f"(rounds {min(r):.2f}-{max(r):.2f}x)")
 
 
 def print_q4_ratios(rows: List[Row]) -> None:

@@ -176,15 +176,15 @@ def llama_cpp_unavailable(spec: str, prompts: List[List[int]], device: torch.dev
     return None
 
 
-def llama_cpp_decode_rate(path: Path, prompts: List[List[int]], new: int) -> float:
+def llama_cpp_decode_rate(path: Path, prompts: List[List[int]], new: int, repeats: int = 3) -> float:
     """Decode tokens/s of llama.cpp on a GGUF file: greedy, ``new`` tokens after the prompt, tokens
-    2..new over the time between the first and the last (best of 3)."""
+    2..new over the time between the first and the last (best of ``repeats``)."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(path), n_ctx=len(prompts[0]) + new + 8, n_threads=torch.get_num_threads(),
                 verbose=False)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(repeats):
         llm.reset()
         stamps = []
         for i, _tok in enumerate(llm.generate(prompts[0], top_k=1, temp=0.0, reset=True)):
