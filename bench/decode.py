@@ -118,6 +118,12 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     return total
 
 
+def best_decode_rate(wb, prompts: List[List[int]], new: int, repeats: int) -> float:
+    """Best decode tokens/s of ``repeats`` greedy generate runs (no stop token)."""
+    return max(wb.generate(prompts, max_new_tokens=new, stop_token_ids=[]).stats.decode_tokens_per_s
+               for _ in range(repeats))
+
+
 def workbench_rates(loaded, device: torch.device, batches: List[int], prompts: Dict[int, List[List[int]]],
                     new: int, backends: List[str], repeats: int = 2, label: str = "workbench",
                     step_bytes: Optional[int] = None, peer_dtype: bool = True,
@@ -144,8 +150,7 @@ def workbench_rates(loaded, device: torch.device, batches: List[int], prompts: D
             setup = time.perf_counter() - t0
             for b in batches:
                 wb.generate(prompts[b][:1], max_new_tokens=4, stop_token_ids=[])  # warm-up
-                best = max(wb.generate(prompts[b], max_new_tokens=new, stop_token_ids=[]).stats.decode_tokens_per_s
-                           for _ in range(repeats))
+                best = best_decode_rate(wb, prompts[b], new, repeats)
                 # one more, profiled run (its synchronisations would cost the timed ones their overlap)
                 prof = wb.generate(prompts[b], max_new_tokens=new, stop_token_ids=[], profile_steps=True)
                 rows.append(Row(f"{label} {backend}", b, best, f"setup {setup:.0f}s" if b == batches[0] else "",
@@ -240,6 +245,7 @@ def main() -> None:
     for b in args.batch_sizes:
         rows += llama_cpp_rows(spec, dtype, prompts[b], args.new_tokens, device)
     rows += workbench_rates(loaded, device, args.batch_sizes, prompts, args.new_tokens, backends)
+    q4 = None  # set below for smollm2 on CPU at fp32; the alternated rounds reuse it
     if resolve_spec(spec).kind == "gguf" and dtype == torch.float32 and device.type == "cpu":
         del model
         gc.collect()
@@ -251,10 +257,9 @@ def main() -> None:
                                     extra_overrides={"linear_weight_layout.int4_activations": act})
     print_table(rows, step_bytes, copy_bw, gemv_bw)
     print_q4_ratios(rows)
-    if (args.paired_rounds and resolve_spec(spec).kind == "gguf" and dtype == torch.float32 and device.type == "cpu"
-            and llama_cpp_unavailable(spec, prompts[1][:1] if 1 in prompts else [[1]], device) is None):
-        print_paired_rounds(spec, prompts.get(1) or [prompts[args.batch_sizes[0]][0]], args.new_tokens,
-                            args.paired_rounds, device)
+    one = prompts.get(1) or [prompts[args.batch_sizes[0]][0]]  # the bs 1 prompt
+    if args.paired_rounds and q4 is not None and llama_cpp_unavailable(spec, one, device) is None:
+        print_paired_rounds(spec, loaded, q4, one, args.new_tokens, args.paired_rounds, device)
     print("command: " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]))
 
 
@@ -303,7 +308,8 @@ def print_table(rows: List[Row], step_bytes: int, copy_bw: float, gemv_bw: float
             print(f"  {r.name:36s} bs {r.batch:3d}: {format_step_profile(r.step_ms)}")
 
 
-def print_paired_rounds(spec: str, prompts: List[List[int]], new: int, rounds: int, device: torch.device) -> None:
+def print_paired_rounds(spec: str, fp32, q4, prompts: List[List[int]], new: int, rounds: int,
+                        device: torch.device) -> None:
     """bs 1 head to head, alternated: each round times llama.cpp F32, workbench fp32, llama.cpp Q4_1 and
     the workbench Q4_1 rows (torch-compile) one after the other (best of 2 each), and the ratios are
     taken within the round. This VM's memory bandwidth drifts by 30 % within minutes; rows timed
@@ -312,9 +318,7 @@ def print_paired_rounds(spec: str, prompts: List[List[int]], new: int, rounds: i
     f32 = float32_gguf(src)
     overrides = {"initialize_cache.max_batch_size": 1, "initialize_cache.max_seq_len": len(prompts[0]) + new,
                  "compile_model.backend": "torch-compile"}
-    runs = {"fp32": Workbench(load_model(spec, device=device, gguf_weights="dequantize"), device=device,
-                              numerics=False, overrides=overrides)}
-    q4 = load_model(spec, device=device)
+    runs = {"fp32": Workbench(fp32, device=device, numerics=False, overrides=overrides)}
     for act in ("fp32", "int8"):
         runs[f"Q4_1 {'exact' if act == 'fp32' else 'int8 act'}"] = Workbench(
             q4, device=device, numerics=False, overrides={**overrides, "linear_weight_layout.int4_activations": act})
@@ -322,19 +326,15 @@ def print_paired_rounds(spec: str, prompts: List[List[int]], new: int, rounds: i
         wb.run()
         wb.generate(prompts, max_new_tokens=4, stop_token_ids=[])
 
-    def rate(wb) -> float:
-        return max(wb.generate(prompts, max_new_tokens=new, stop_token_ids=[]).stats.decode_tokens_per_s
-                   for _ in range(2))
-
     ratios: Dict[str, List[float]] = {k: [] for k in runs}
     print(f"\nbs 1, alternated rounds (tok/s; ratio within the round), {rounds} rounds:")
     for i in range(rounds):
         l32 = llama_cpp_decode_rate(f32, prompts, new, repeats=2)
-        w = {"fp32": rate(runs["fp32"])}
+        w = {"fp32": best_decode_rate(runs["fp32"], prompts, new, 2)}
         lq = llama_cpp_decode_rate(src, prompts, new, repeats=2)
         for k in runs:
             if k != "fp32":
-                w[k] = rate(runs[k])
+                w[k] = best_decode_rate(runs[k], prompts, new, 2)
         for k, v in w.items():
             ratios[k].append(v / (l32 if k == "fp32" else lq))
         print(f"  round {i + 1}: llama.cpp F32 {l32:6.1f}  workbench fp32 {w['fp32']:6.1f} ({w['fp32'] / l32:.2f}x) | "

@@ -397,38 +397,14 @@ def _has_device(value: Any, device_type: str) -> bool:
     return False
 
 
-def _fetch_module_attr(gm: torch.nn.Module, target: str) -> Any:
-    """``fetch_attr`` without ``nn.Module.__getattr__`` on the common path (submodules, parameters,
-    buffers are looked up in their dicts); anything else falls back to ``getattr``."""
-    obj: Any = gm
-    for atom in target.split("."):
-        if isinstance(obj, torch.nn.Module):
-            d = obj.__dict__
-            if atom in d:
-                obj = d[atom]
-                continue
-            found = False
-            for store in (d["_parameters"], d["_buffers"], d["_modules"]):
-                if atom in store:
-                    obj, found = store[atom], True
-                    break
-            if found:
-                continue
-        if not hasattr(obj, atom):
-            raise RuntimeError(f"Node referenced nonexistent target {target}")
-        obj = getattr(obj, atom)
-    return obj
-
-
 def _run_bound(gm: fx.GraphModule, resolve: Callable[[str], torch.Tensor], device: torch.device, args) -> Any:
     """Runs a graph from before ``weight_load``: meta attributes come from ``resolve``, and
     ``device=meta`` arguments of ``call_function`` nodes become ``device``. The graph module is not
     modified.
 
     What ``fx.Interpreter(gm, garbage_collect_values=True).run`` does for these graphs (each value is
-    dropped after its last use), in one plain loop: the interpreter's per-node dispatch, context
-    managers and attribute walks through ``nn.Module.__getattr__`` cost ~20 us a node, ~25 ms per
-    probe of a 1,400-node graph (~18 ms of it saved). Whether a node carries a meta device is checked
+    dropped after its last use), in one plain loop: the interpreter's per-node dispatch and context
+    managers cost ~20 us a node, ~25 ms per probe of a 1,400-node graph (~18 ms of it saved). Whether a node carries a meta device is checked
     on its own arguments (no tensors in them), and only such nodes' values are mapped, instead of
     mapping every call's materialized arguments. Same ops on the same values: bitwise-equal logits.
     """
@@ -456,7 +432,7 @@ def _run_bound(gm: fx.GraphModule, resolve: Callable[[str], torch.Tensor], devic
                     a, k = fx.node.map_aggregate((a, k), retarget)
                 value = target(*a, **k)
             elif op == "get_attr":
-                value = _fetch_module_attr(gm, target)
+                value = fetch_attr(gm, target)
                 if isinstance(value, torch.Tensor):
                     if value.is_meta:
                         value = resolve(target)
@@ -477,7 +453,7 @@ def _run_bound(gm: fx.GraphModule, resolve: Callable[[str], torch.Tensor], devic
                 value = getattr(a[0], target)(*a[1:], **k)
             elif op == "call_module":
                 a, k = fx.node.map_arg((node.args, node.kwargs), fetch)
-                value = _fetch_module_attr(gm, target)(*a, **k)
+                value = fetch_attr(gm, target)(*a, **k)
             elif op == "output":
                 return graph.process_outputs(fx.node.map_arg(node.args[0], fetch))
             else:

@@ -85,9 +85,10 @@ class CompileBackend(Backend):
         if self.torch_compile:
             inlined, counts = inlined_copy(req.module)
             if req.device.type == "cpu":
-                # the cache tensors are the same ones, of the same sizes, for the runner's life: with
-                # their sizes symbolic (dynamic=True) Dynamo's shape guards re-checked every cache's
-                # sizes and strides against each other on every call (~2,600 Python comparisons)
+                # the cache tensors are the same ones, of the same sizes, for the runner's life. With
+                # their sizes symbolic (dynamic=True) Dynamo's shape guards compared every cache's sizes
+                # and strides with the others' (smollm2: 2,626 comparisons in the logged guard
+                # functions, 106 with the caches static); compile_options drops their tensor guards
                 for cache in req.caches.values():
                     torch._dynamo.mark_static(cache)
             fn = torch.compile(inlined, dynamic=True, options=compile_options(req.device, cache_inputs=req.caches))

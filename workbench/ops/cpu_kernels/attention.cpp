@@ -254,7 +254,9 @@ at::Tensor cpu_cached_attention(const at::Tensor& q, const at::Tensor& k, const 
   // head dims with a vectorised path (sixteen keys per step, values into register accumulators)
   const int DZ = (D == Dv && (D == 64 || D == 128)) ? static_cast<int>(D / 16) : 0;
   at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores, ones(rep, 1.f);
+    // inv[r]: what the values' sum is scaled by -- 1 / the softmax denominator for one chunk; 1 for
+    // several, whose unnormalised partials are merged below
+    std::vector<float> scores, inv(rep);
     std::vector<const float*> keys, values;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t pair = t / chunks, c = t % chunks, b = pair / Hkv, g = pair % Hkv, last = pos[b];
@@ -292,7 +294,6 @@ at::Tensor cpu_cached_attention(const at::Tensor& q, const at::Tensor& k, const 
       }
       if (cap > 0.f)
         for (float& s : scores) s = cap * std::tanh(s / cap);
-      std::vector<float> inv(rep);
       for (int64_t r = 0; r < rep; ++r) {
         float* sr = scores.data() + r * L;
         float m = sr[0];
@@ -301,18 +302,16 @@ at::Tensor cpu_cached_attention(const at::Tensor& q, const at::Tensor& k, const 
         float denom = softmax_numerators(sr, L, m);
         if (sink != nullptr && chunks == 1) denom += std::exp(sink[g * rep + r] - m);  // joins the normaliser only
         mb[r] = m, lb[r] = denom;
-        inv[r] = 1.f / denom;
+        inv[r] = chunks == 1 ? 1.f / denom : 1.f;
       }
-      // one chunk: normalised output in place; several: unnormalised partials, merged below
-      const float* scale_by = chunks == 1 ? inv.data() : ones.data();
       if (DZ == 4) {
-        all_head_values<4>(scores.data(), scale_by, rep, L, values.data(), ob);
+        all_head_values<4>(scores.data(), inv.data(), rep, L, values.data(), ob);
       } else if (DZ == 8) {
-        all_head_values<8>(scores.data(), scale_by, rep, L, values.data(), ob);
+        all_head_values<8>(scores.data(), inv.data(), rep, L, values.data(), ob);
       } else {
         for (int64_t r = 0; r < rep; ++r) std::fill(ob + r * Dv, ob + (r + 1) * Dv, 0.f);
         for (int64_t j = 0; j < L; ++j)  // each value read once
-          for (int64_t r = 0; r < rep; ++r) axpy(ob + r * Dv, scores[r * L + j] * scale_by[r], values[j], Dv);
+          for (int64_t r = 0; r < rep; ++r) axpy(ob + r * Dv, scores[r * L + j] * inv[r], values[j], Dv);
       }
     }
   });
