@@ -182,7 +182,9 @@ def test_cached_bad_metadata_is_rejected():
 # one child process started with it (``python tests/test_ops_causal_conv.py --interpret``), which
 # prints {case: "ok" | traceback}; each entry becomes its own pytest result (as test_triton_norm_rope).
 # Tolerance: the kernel accumulates the same k fp32 products as the torch decode rows, in another
-# order; 1e-5 as above (bf16: the output's own rounding, 1e-2).
+# order; 1e-5 as above. bf16: the kernel sums in fp32 and rounds once, so it is held to the fp32 op
+# on the same bf16 inputs within one bf16 ulp (2^-7 relative); the torch op on bf16 rounds its
+# intermediates too (measured: off by thousands of ulps where the taps cancel), so it is no reference.
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TRITON_CASES = ["schedule_k4_silu", "schedule_k2_none_no_bias", "schedule_k1", "schedule_300_channels",
@@ -195,21 +197,23 @@ def _triton_schedule(k, activation, bias=True, c=6):
     assert err < TOL["atol"], err
 
 
-def _decode_only_against_torch(dtype=torch.float32, tol=1e-5):
+def _decode_only_against_torch(dtype=torch.float32, seed=0):
     """A decode-only step (the CUDA-graph path: no host read of the metadata): outputs and every
     state row equal the torch op's; a fresh row (input_pos 0) on a NaN slot ignores the slot."""
     c, k = 40, 4
-    w, b = (t.to(dtype) for t in _weights(c, k))
-    state = torch.randn(6, c, k - 1).to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    w, b = (t.to(dtype) for t in _weights(c, k, seed=seed))
+    state = torch.randn(6, c, k - 1, generator=g).to(dtype)
     state[2] = float("nan")
-    x = torch.randn(1, 3, c).to(dtype)
+    x = torch.randn(1, 3, c, generator=g).to(dtype)
     meta = (torch.ones(3, dtype=torch.int32), torch.tensor([4, 0, 7], dtype=torch.int32),
             torch.tensor([0, 2, 5], dtype=torch.int32))
-    ref_state, tri_state = state.clone(), state.clone()
-    ref = wb.torch_cached_causal_conv1d(x, w, b, *meta, 0, ref_state, activation="silu")
+    ref_state, tri_state = state.float(), state.clone()
+    ref = wb.torch_cached_causal_conv1d(x.float(), w.float(), b.float(), *meta, 0, ref_state, activation="silu")
     out = wb.triton_cached_causal_conv1d(x, w, b, *meta, 0, tri_state, activation="silu")
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(tri_state, ref_state, atol=0, rtol=0, equal_nan=True)  # a copy: exact
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-6, rtol=2.0 ** -7)
+    torch.testing.assert_close(out.float(), ref, **tol)
+    torch.testing.assert_close(tri_state.float(), ref_state, atol=0, rtol=0, equal_nan=True)  # a copy: exact
     assert torch.isfinite(tri_state[2]).all()
 
 
@@ -225,7 +229,7 @@ def _interpreter_checks() -> dict:
         "schedule_k1": lambda: _triton_schedule(1, "silu"),
         "schedule_300_channels": lambda: _triton_schedule(4, "silu", c=300),  # two channel blocks
         "decode_only_matches_torch": _decode_only_against_torch,
-        "bf16_decode": lambda: _decode_only_against_torch(torch.bfloat16, 1e-2),
+        "bf16_decode": lambda: [_decode_only_against_torch(torch.bfloat16, seed) for seed in range(20)],
         "lfm2_generate_with_triton_backend": _lfm2_generate_with_triton_backend,
     }
 

@@ -35,9 +35,12 @@ from workbench.ops.triton_support import HAS_TRITON
 
 def run_checks(checks: Dict[str, Callable[[], object]]) -> Dict[str, str]:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run the child with TRITON_INTERPRET=1"
+    import torch
+
     results = {}
     for name, fn in checks.items():
         try:
+            torch.manual_seed(0)  # each case sees the same random inputs on every run, in any order
             fn()
             results[name] = "ok"
         except Exception:  # report every case, not just the first failure
