@@ -1,5 +1,7 @@
 """export_to_gm on every tiny arch and on SmolLM2: logits equal to HF eager, dynamic batch/seq."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -126,3 +128,29 @@ def test_exported_graph_runs_at_every_batch_and_sequence_size(tiny_llama):
     batch = make_batch(512, 1, 1, seed=5)
     pre = wb.forward(*batch.args, at="export_to_gm")
     torch.testing.assert_close(pre, eager(*batch.args), rtol=0, atol=1e-5)
+
+
+class _LiteralInForward(torch.nn.Module):
+    """Uses a tensor literal made on its input's device, as transformers 5.17's eager mask does
+    (``torch.where(mask, torch.tensor(0.0, device=mask.device), min)``)."""
+
+    def forward(self, x):
+        return torch.where(x > 0, torch.tensor(0.5, device=x.device), -1.0)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_tensor_literals_on_cpu_patch_keeps_the_literals_value_in_a_meta_trace(on):
+    patch = EXPORT_PATCHES["tensor_literals_on_cpu"]
+    assert patch.enabled_by_default
+    mod = _LiteralInForward()
+    x = torch.randn(4, device="meta")
+    with (patch.enter(mod) if on else contextlib.nullcontext()):
+        gm = torch.export.export(mod, (x,), strict=False).module()
+    constants = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+    assert len(constants) == 1 and constants[0].shape == ()
+    if on:  # a real CPU 0-dim tensor: the graph runs once its inputs are real, on any device
+        assert constants[0].device.type == "cpu" and constants[0].item() == 0.5
+        real = torch.tensor([1.0, -2.0, 3.0, 0.0])
+        assert gm(real).tolist() == [0.5, -1.0, 0.5, -1.0]
+    else:  # the value is lost: what the patch is for
+        assert constants[0].is_meta

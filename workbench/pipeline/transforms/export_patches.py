@@ -40,6 +40,25 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
+class _TensorLiteralsOnCPU(torch.overrides.TorchFunctionMode):
+    """``torch.tensor(<python number>, device=meta)`` made on CPU instead: 0-dim only, the one shape a
+    CPU tensor may mix with tensors of another device in."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.tensor and args and isinstance(args[0], (bool, int, float)):
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "meta":
+                kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _tensor_literals_on_cpu(model: torch.nn.Module) -> Iterator[None]:
+    with _TensorLiteralsOnCPU():
+        yield
+
+
 def _module_patch_enter(patch: ModulePatch) -> Callable[[torch.nn.Module], ContextManager]:
     return lambda model: swap_forwards(model, patch)
 
@@ -59,6 +78,16 @@ EXPORT_PATCHES: Dict[str, ExportPatch] = {
             "Export with the model in eval mode (no dropout), restoring its mode afterwards.",
             True,
             _eval_mode,
+        ),
+        ExportPatch(
+            "tensor_literals_on_cpu",
+            "Make torch.tensor(<python numbers>, device=meta) on CPU while tracing on meta: export lifts "
+            "such literals into graph constants, and made on meta their values would be lost (e.g. "
+            "transformers 5.17's eager mask, torch.where(mask, torch.tensor(0.0, device=mask.device), "
+            "min)). A 0-dim CPU constant mixes with tensors of any device, so the graph stays "
+            "device-neutral and the numbers survive.",
+            True,
+            _tensor_literals_on_cpu,
         ),
     ]
 }
