@@ -33,6 +33,11 @@ def test_config_fields_and_validation():
         cfg(backend="torch-simple", cuda_graphs=True)
     with pytest.raises(ValueError):
         cfg(backend="torch-simple", num_batched_inputs=0)
+    assert cfg(backend="torch-compile").static_decode_batch_sizes is None  # the backend's default: [1]
+    assert cfg(backend="torch-compile", static_decode_batch_sizes=[2, 1, 2]).static_decode_batch_sizes == [1, 2]
+    assert cfg(backend="torch-compile", static_decode_batch_sizes=[]).static_decode_batch_sizes == []
+    with pytest.raises(ValueError, match="must be positive batch sizes"):
+        cfg(backend="torch-compile", static_decode_batch_sizes=[0])
 
 
 def test_default_batch_sizes_are_dense_then_coarse_up_to_the_cache_limit():
@@ -102,6 +107,36 @@ def test_torch_compile_generates_the_same_tokens_as_torch_simple(wb):
         assert greedy(wb) == ref
     finally:
         wb.configure("compile_model", backend="torch-simple")
+        wb.run()
+
+
+def test_torch_compile_runs_single_sequence_decode_through_a_static_graph(wb):
+    """bs-1 decode steps skip Dynamo (static_decode.py); other steps and batch sizes go through
+    torch.compile; the tokens are torch-simple's either way."""
+    one, three = [PROMPTS[1]], PROMPTS
+    ref_one, ref_three = wb.generate(one, max_new_tokens=12, stop_token_ids=[]).token_ids, greedy(wb)
+    wb.configure("compile_model", backend="torch-compile")
+    try:
+        wb.run()
+        details = wb.snapshots[-1].info.details
+        assert details["static_decode_batch_sizes"] == [1]
+        assert details["static_decode_check_max_abs_diff"] < 1e-4
+        static = wb.ctx.runner.static_decode
+        assert static.calls == 0
+        assert wb.generate(one, max_new_tokens=12, stop_token_ids=[]).token_ids == ref_one
+        assert static.calls == 11  # 12 tokens: the first from the prefill step, 11 decode steps
+        assert greedy(wb) == ref_three  # 3 sequences decode together: no static graph for bs 3
+        assert static.calls == 11
+        wb.configure("compile_model", static_decode_batch_sizes=[])
+        wb.run()
+        assert wb.ctx.runner.static_decode is None
+        assert "static_decode_batch_sizes" not in wb.snapshots[-1].info.details
+        wb.configure("compile_model", static_decode_batch_sizes=[1, 10_000])
+        with pytest.raises(TransformError, match=r"static_decode_batch_sizes \[10000\] exceed the KV cache's "
+                                                 r"max_batch_size=\d+; lower them or raise"):
+            wb.run()
+    finally:
+        wb.configure("compile_model", backend="torch-simple", static_decode_batch_sizes=None)
         wb.run()
 
 

@@ -46,6 +46,7 @@ class BuildRequest:
     cuda_graph_batch_sizes: Optional[List[int]] = None
     piecewise_enabled: bool = False
     piecewise_num_tokens: Optional[List[int]] = None
+    static_decode_batch_sizes: Optional[List[int]] = None  # None: the backend's default
 
 
 @dataclass
@@ -96,7 +97,11 @@ class CompileBackend(Backend):
         cfg = req.cache_config
         if not self.cuda_graphs:
             runner = CompiledRunner(req.module, req.caches, cfg, req.device, fn)
-            if min(cfg.max_batch_size, 2) != 1:
+            static = static_decode_sizes(req, self.torch_compile)
+            if static:
+                options = {k: v for k, v in compile_options(req.device).items() if k != "guard_filter_fn"}
+                details.update(runner.add_static_decode(inlined, static, options))
+            elif min(cfg.max_batch_size, 2) != 1:
                 # compile the single-sequence decode here (a guard of cpu_linear_wxt's one-row path
                 # gives it its own graph), not in the user's first generate
                 runner.scratch_decode_logits(1)
@@ -126,6 +131,22 @@ class CompileBackend(Backend):
         pieces = PiecewiseGraphs(gm, buckets, use_cuda_graphs=True, compile_pieces=self.torch_compile)
         details.update(piecewise_num_tokens=pieces.buckets, piecewise_captured_pieces=pieces.num_captured_pieces)
         return pieces
+
+
+def static_decode_sizes(req: BuildRequest, torch_compile: bool) -> List[int]:
+    """The decode batch sizes that get a static graph called without Dynamo (``static_decode``):
+    torch-compile on CPU only (CUDA steps replay CUDA graphs, where Dynamo's per-call cost is paid
+    once per capture); ``None`` asks for batch size 1, where that cost weighs the most."""
+    sizes = req.static_decode_batch_sizes
+    if not torch_compile or req.device.type != "cpu":
+        return []
+    if sizes is None:
+        sizes = [1]
+    too_big = [b for b in sizes if b > req.cache_config.max_batch_size]
+    if too_big:
+        raise ValueError(f"static_decode_batch_sizes {too_big} exceed the KV cache's max_batch_size="
+                         f"{req.cache_config.max_batch_size}; lower them or raise initialize_cache.max_batch_size")
+    return sorted(set(sizes))
 
 
 def inlined_copy(gm: fx.GraphModule) -> Tuple[fx.GraphModule, Dict[str, int]]:

@@ -30,6 +30,7 @@ from .kv_cache import KVCacheConfig, PageAllocator
 from .piecewise import PiecewiseGraphs
 from .runner import CachedRunner
 from .scheduler import Scheduler, Step
+from .static_decode import StaticDecodeGraphs
 
 logger = logging.getLogger("workbench.runtime")
 
@@ -59,10 +60,18 @@ class CompiledRunner(CachedRunner):
             self.fn = fn
         self.scratch_page = cfg.num_pages - 1
         self.piecewise = piecewise
+        self.static_decode: Optional[StaticDecodeGraphs] = None  # set by the backend that builds them
 
     def forward(self, step: Step, sched: Scheduler) -> torch.Tensor:
-        """Steps that fit a piecewise token bucket run piecewise, the rest through ``fn``."""
+        """Steps that fit a piecewise token bucket run piecewise, decode steps of a batch size with
+        a static decode graph run that graph, the rest through ``fn``."""
         bucket = self.piecewise.bucket(step.num_tokens) if self.piecewise is not None else None
+        if bucket is None and self.static_decode is not None and step.num_prefill == 0:
+            self.set_step(step, sched)
+            inputs = self._inputs()
+            graph = self.static_decode.lookup(inputs)
+            with torch.no_grad():
+                return self.static_decode(graph, inputs) if graph is not None else self.fn(*inputs)
         if bucket is None:
             return super().forward(step, sched)
         self.set_step(step, sched)
@@ -105,6 +114,24 @@ class CompiledRunner(CachedRunner):
         with torch.no_grad():
             out = (fn or self.fn)(*self._inputs())
         return out[0, :batch_size].float().clone()
+
+    def add_static_decode(self, module: torch.nn.Module, batch_sizes: Sequence[int],
+                          options: Mapping[str, Any]) -> Dict[str, Any]:
+        """Compile ``module`` for decode steps of each of ``batch_sizes`` (``static_decode``) and
+        check each graph against ``self.module`` on a scratch decode step; returns the facts."""
+        self.set_scratch_decode(min(batch_sizes))
+        positions = [i for i, (n, v) in enumerate(zip(self.input_names, self._inputs()))
+                     if n not in self.caches and isinstance(v, torch.Tensor)]
+        graphs = StaticDecodeGraphs(positions)
+        diffs = {}
+        for b in sorted(set(batch_sizes)):
+            self.set_scratch_decode(b)
+            graphs.add(module, self._inputs(), b, options)
+            got = self.scratch_decode_logits(b, fn=lambda *inputs: graphs(graphs.lookup(inputs), inputs))
+            diffs[b] = float((got - self.scratch_decode_logits(b, fn=self.module)).abs().max())
+        graphs.calls = 0  # counts the steps that ran a static graph, not these checks
+        self.static_decode = graphs
+        return {"static_decode_batch_sizes": sorted(diffs), "static_decode_check_max_abs_diff": max(diffs.values())}
 
 
 class CudaGraphRunner(CompiledRunner):

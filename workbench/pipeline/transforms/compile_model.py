@@ -67,6 +67,12 @@ class CompileModelConfig(TransformConfig):
         default=None, ge=1, description="The number of batched inputs to use for CUDA graphs. If unset, "
         "infer it from runtime inputs by excluding explicit cache/resource inputs.",
     )
+    static_decode_batch_sizes: Optional[List[int]] = Field(
+        default=None, description="torch-compile on CPU: decode steps of exactly these batch sizes run a "
+        "static-shape Inductor graph called without Dynamo (no guards, no Python frame around the C++ "
+        "wrapper: ~0.7 ms a token less on SmolLM2), each compiled here and checked against the graph. "
+        "Other steps go through torch.compile. None: [1]; []: off. Ignored by the other backends.",
+    )
     piecewise_enabled: bool = Field(
         default=False, description="Enable piecewise CUDA graph for prefill/mixed batches (dual-mode)."
     )
@@ -83,6 +89,13 @@ class CompileModelConfig(TransformConfig):
         if not v or any(int(x) < 1 for x in v):
             raise ValueError(f"must be a non-empty list of positive integers, got {v}")
         return sorted(set(int(x) for x in v))
+
+    @field_validator("static_decode_batch_sizes")
+    @classmethod
+    def _positive_or_empty(cls, v: Optional[List[int]]) -> Optional[List[int]]:
+        if v is not None and any(int(x) < 1 for x in v):
+            raise ValueError(f"must be positive batch sizes ([] turns static decode graphs off), got {v}")
+        return v if v is None else sorted(set(int(x) for x in v))
 
     @model_validator(mode="after")
     def _cuda_fields_need_a_cuda_backend(self) -> "CompileModelConfig":
@@ -174,7 +187,7 @@ class CompileModel(Transform):
         built = backend.build(BuildRequest(
             module=gm, caches=ctx.cache.tensors, cache_config=cfg, device=ctx.device,
             cuda_graph_batch_sizes=c.cuda_graph_batch_sizes, piecewise_enabled=c.piecewise_enabled,
-            piecewise_num_tokens=c.piecewise_num_tokens))
+            piecewise_num_tokens=c.piecewise_num_tokens, static_decode_batch_sizes=c.static_decode_batch_sizes))
         details.update(built.details)
         if built.allocates_cuda_memory:  # e.g. CUDA-graph pools: memory the stepper must not flag
             details[EXPECTED_MEM_CHANGE] = built.allocates_cuda_memory
