@@ -179,6 +179,9 @@ def main() -> None:
     ap.add_argument("--paired-rounds", type=int, default=5,
                     help="smollm2 on CPU: rounds of llama.cpp and workbench torch-compile alternated at bs 1 "
                     "(fp32 vs F32, Q4_1 vs Q4_1); the ratios are taken per round (0: skip)")
+    ap.add_argument("--paired-dynamo", action="store_true",
+                    help="in the alternated rounds, also time fp32 and Q4_1 exact with every decode step "
+                    "through Dynamo (compile_model.static_decode_batch_sizes=[]): the static graph's effect")
     ap.add_argument("--hf-graph-loop", action=argparse.BooleanOptionalAction, default=None,
                     help="also time HF's model in a hand-written compiled decode loop (CUDA graphs on a GPU; "
                     "default: on with CUDA)")
@@ -259,7 +262,7 @@ def main() -> None:
     print_q4_ratios(rows)
     one = prompts.get(1) or [prompts[args.batch_sizes[0]][0]]  # the bs 1 prompt
     if args.paired_rounds and q4 is not None and llama_cpp_unavailable(spec, one, device) is None:
-        print_paired_rounds(spec, loaded, q4, one, args.new_tokens, args.paired_rounds, device)
+        print_paired_rounds(spec, loaded, q4, one, args.new_tokens, args.paired_rounds, device, args.paired_dynamo)
     print("command: " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]))
 
 
@@ -309,7 +312,7 @@ def print_table(rows: List[Row], step_bytes: int, copy_bw: float, gemv_bw: float
 
 
 def print_paired_rounds(spec: str, fp32, q4, prompts: List[List[int]], new: int, rounds: int,
-                        device: torch.device) -> None:
+                        device: torch.device, dynamo_too: bool = False) -> None:
     """bs 1 head to head, alternated: each round times llama.cpp F32, workbench fp32, llama.cpp Q4_1 and
     the workbench Q4_1 rows (torch-compile) one after the other (best of 2 each), and the ratios are
     taken within the round. This VM's memory bandwidth drifts by 30 % within minutes; rows timed
@@ -322,6 +325,11 @@ def print_paired_rounds(spec: str, fp32, q4, prompts: List[List[int]], new: int,
     for act in ("fp32", "int8"):
         runs[f"Q4_1 {'exact' if act == 'fp32' else 'int8 act'}"] = Workbench(
             q4, device=device, numerics=False, overrides={**overrides, "linear_weight_layout.int4_activations": act})
+    if dynamo_too:  # the same pipelines with no static decode graph: every step through Dynamo
+        no_static = {**overrides, "compile_model.static_decode_batch_sizes": []}
+        runs["fp32 dynamo"] = Workbench(fp32, device=device, numerics=False, overrides=no_static)
+        runs["Q4_1 exact dynamo"] = Workbench(
+            q4, device=device, numerics=False, overrides={**no_static, "linear_weight_layout.int4_activations": "fp32"})
     for wb in runs.values():
         wb.run()
         wb.generate(prompts, max_new_tokens=4, stop_token_ids=[])
@@ -330,20 +338,25 @@ def print_paired_rounds(spec: str, fp32, q4, prompts: List[List[int]], new: int,
     print(f"\nbs 1, alternated rounds (tok/s; ratio within the round), {rounds} rounds:")
     for i in range(rounds):
         l32 = llama_cpp_decode_rate(f32, prompts, new, repeats=2)
-        w = {"fp32": best_decode_rate(runs["fp32"], prompts, new, 2)}
+        w = {k: best_decode_rate(runs[k], prompts, new, 2) for k in runs if k.startswith("fp32")}
         lq = llama_cpp_decode_rate(src, prompts, new, repeats=2)
         for k in runs:
-            if k != "fp32":
+            if not k.startswith("fp32"):
                 w[k] = best_decode_rate(runs[k], prompts, new, 2)
         for k, v in w.items():
-            ratios[k].append(v / (l32 if k == "fp32" else lq))
-        print(f"  round {i + 1}: llama.cpp F32 {l32:6.1f}  workbench fp32 {w['fp32']:6.1f} ({w['fp32'] / l32:.2f}x) | "
-              f"llama.cpp Q4_1 {lq:6.1f}  " + "  ".join(f"workbench {k} {v:6.1f} ({v / lq:.2f}x)"
-                                                       for k, v in w.items() if k != "fp32"))
+            ratios[k].append(v / (l32 if k.startswith("fp32") else lq))
+        print(f"  round {i + 1}: llama.cpp F32 {l32:6.1f}  " + "  ".join(
+            f"workbench {k} {v:6.1f} ({v / l32:.2f}x)" for k, v in w.items() if k.startswith("fp32")) +
+            f" | llama.cpp Q4_1 {lq:6.1f}  " + "  ".join(
+            f"workbench {k} {v:6.1f} ({v / lq:.2f}x)" for k, v in w.items() if not k.startswith("fp32")))
     for k, r in ratios.items():
-        peer = "llama.cpp F32" if k == "fp32" else "llama.cpp Q4_1"
+        peer = "llama.cpp F32" if k.startswith("fp32") else "llama.cpp Q4_1"
         print(f"workbench {k} torch-compile bs 1: median {statistics.median(r):.2f}x {peer} "
               f"(rounds {min(r):.2f}-{max(r):.2f}x)")
+    for base in ("fp32", "Q4_1 exact") if dynamo_too else ():
+        r = [a / b for a, b in zip(ratios[base], ratios[f"{base} dynamo"])]
+        print(f"workbench {base}: static decode graph vs every step through Dynamo: median {statistics.median(r):.3f}x "
+              f"(rounds {min(r):.3f}-{max(r):.3f}x)")
 
 
 def print_q4_ratios(rows: List[Row]) -> None:
