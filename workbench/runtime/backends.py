@@ -97,14 +97,18 @@ class CompileBackend(Backend):
         cfg = req.cache_config
         if not self.cuda_graphs:
             runner = CompiledRunner(req.module, req.caches, cfg, req.device, fn)
+            if min(cfg.max_batch_size, 2) != 1:
+                # compile the single-sequence decode here (a guard of cpu_linear_wxt's one-row path
+                # gives it its own graph), not in the user's first generate. With a static bs-1
+                # graph this Dynamo graph goes unused, but Dynamo's later graphs depend on the sizes
+                # it has seen: without this call first, the first prefill of one sequence and the
+                # first of several each compiled their own graph (smollm2 on 2 cores, cold caches:
+                # +60 s in the first generate calls, TORCH_LOGS=recompiles)
+                runner.scratch_decode_logits(1)
             static = static_decode_sizes(req, self.torch_compile)
             if static:
                 options = {k: v for k, v in compile_options(req.device).items() if k != "guard_filter_fn"}
                 details.update(runner.add_static_decode(inlined, static, options))
-            elif min(cfg.max_batch_size, 2) != 1:
-                # compile the single-sequence decode here (a guard of cpu_linear_wxt's one-row path
-                # gives it its own graph), not in the user's first generate
-                runner.scratch_decode_logits(1)
             details.update(self_check(runner, req.module, replay=False))
             return Built(runner, details)
         sizes = req.cuda_graph_batch_sizes or default_batch_sizes(cfg.max_batch_size)
