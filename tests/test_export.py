@@ -154,3 +154,25 @@ def test_tensor_literals_on_cpu_patch_keeps_the_literals_value_in_a_meta_trace(o
         assert gm(real).tolist() == [0.5, -1.0, 0.5, -1.0]
     else:  # the value is lost: what the patch is for
         assert constants[0].is_meta
+
+
+class _LiteralCausalMask(torch.nn.Module):
+    """transformers 5.17's eager mask: where(k_pos <= q_pos, torch.tensor(0.0), finfo.min)."""
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1], device=x.device)
+        causal = (pos[None, :] <= pos[:, None])[None, None]
+        return torch.where(causal, torch.tensor(0.0, device=x.device), torch.finfo(torch.float32).min)
+
+
+def test_a_causal_mask_built_with_a_lifted_literal_is_classified_causal():
+    from workbench.pipeline.attention_masks import MaskKind, classify_mask
+
+    mod = _LiteralCausalMask()
+    x = torch.randn(2, 6, device="meta")
+    dims = ({1: torch.export.Dim.DYNAMIC(min=2, max=64)},)
+    with EXPORT_PATCHES["tensor_literals_on_cpu"].enter(mod):
+        gm = torch.export.export(mod, (x,), dynamic_shapes=dims, strict=False).module()
+    mask = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    seq = next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"].shape[1]
+    assert classify_mask(mask, seq) == MaskKind(is_causal=True)

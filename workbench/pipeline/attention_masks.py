@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.fx as fx
 
+from .graph_weights import fetch_attr
 from .matcher import same_size
 
 aten = torch.ops.aten
@@ -68,6 +69,21 @@ def _visible(m: torch.Tensor) -> Optional[torch.Tensor]:
     return m == 0
 
 
+def _literal(node: fx.Node) -> Optional[torch.Tensor]:
+    """The value of a ``get_attr`` that reads a real 0-dim tensor that is not a parameter, else
+    None. Export registers the literals it lifts as buffers; traced on meta, the model's own
+    buffers are meta (value unknown: None), so what is real there is a literal the trace made."""
+    gm = node.graph.owning_module
+    if gm is None:
+        return None
+    value = fetch_attr(gm, node.target)
+    if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+        return None
+    if value.is_meta or value.dim() != 0:
+        return None
+    return value.cpu()
+
+
 def classify_mask(mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
     """Decide whether ``mask`` ([b|1, h|1, s, s]) only encodes causality, by probing it.
 
@@ -88,6 +104,12 @@ def classify_mask(mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
     try:
         for n in nodes:
             if n.op == "placeholder":
+                continue
+            if n.op == "get_attr":  # a literal export lifted (transformers 5.17: torch.tensor(0.0))
+                value = _literal(n)
+                if value is None:
+                    return None
+                env[n] = value
                 continue
             if n.op != "call_function":
                 return None
