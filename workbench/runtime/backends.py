@@ -101,14 +101,13 @@ class CompileBackend(Backend):
                 # compile the single-sequence decode here (a guard of cpu_linear_wxt's one-row path
                 # gives it its own graph), not in the user's first generate. With a static bs-1
                 # graph this Dynamo graph goes unused, but Dynamo's later graphs depend on the sizes
-                # it has seen: without this call first, the first prefill of one sequence and the
-                # first of several each compiled their own graph (smollm2 on 2 cores, cold caches:
-                # +60 s in the first generate calls, TORCH_LOGS=recompiles)
+                # it has seen: without this call first, the one-sequence prefill's graph came out
+                # specialised to one sequence and the first prefill of several compiled one more
+                # (smollm2 Q4_1 on 2 cores, cold caches: +60 s, TORCH_LOGS=recompiles)
                 runner.scratch_decode_logits(1)
             static = static_decode_sizes(req, self.torch_compile)
             if static:
-                options = {k: v for k, v in compile_options(req.device).items() if k != "guard_filter_fn"}
-                details.update(runner.add_static_decode(inlined, static, options))
+                details.update(runner.add_static_decode(inlined, static, inductor_options(req.device)))
             details.update(self_check(runner, req.module, replay=False))
             return Built(runner, details)
         sizes = req.cuda_graph_batch_sizes or default_batch_sizes(cfg.max_batch_size)
@@ -186,7 +185,15 @@ def compile_options(device: torch.device, cache_inputs: Iterable[str] = ()) -> D
         return [not (e.name.startswith(("self.", "self[", "L['self']")) or _input_name(e.name) in static)
                 for e in entries]
 
-    return {"cpp_wrapper": True, "guard_filter_fn": keep, "size_asserts": False, "alignment_asserts": False}
+    return {**inductor_options(device), "guard_filter_fn": keep}
+
+
+def inductor_options(device: torch.device) -> Dict[str, Any]:
+    """The Inductor config part of ``compile_options`` (what a graph compiled without Dynamo, as the
+    static decode graphs are, takes): the C++ wrapper, no size/alignment asserts; CPU only."""
+    if torch.device(device).type != "cpu":
+        return {}
+    return {"cpp_wrapper": True, "size_asserts": False, "alignment_asserts": False}
 
 
 def _input_name(guard_name: str) -> str:

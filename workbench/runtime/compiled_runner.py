@@ -119,14 +119,14 @@ class CompiledRunner(CachedRunner):
                           options: Mapping[str, Any]) -> Dict[str, Any]:
         """Compile ``module`` for decode steps of each of ``batch_sizes`` (``static_decode``) and
         check each graph against ``self.module`` on a scratch decode step; returns the facts."""
-        self.set_scratch_decode(min(batch_sizes))
-        positions = [i for i, (n, v) in enumerate(zip(self.input_names, self._inputs()))
-                     if n not in self.caches and isinstance(v, torch.Tensor)]
-        graphs = StaticDecodeGraphs(positions)
-        diffs = {}
+        graphs, diffs = None, {}
         for b in sorted(set(batch_sizes)):
             self.set_scratch_decode(b)
-            graphs.add(module, self._inputs(), b, options)
+            inputs = self._inputs()
+            if graphs is None:  # keyed by the shapes of the step's tensors (the caches never change)
+                graphs = StaticDecodeGraphs([i for i, (n, v) in enumerate(zip(self.input_names, inputs))
+                                             if n not in self.caches and isinstance(v, torch.Tensor)])
+            graphs.add(module, inputs, options)
             got = self.scratch_decode_logits(b, fn=lambda *inputs: graphs(graphs.lookup(inputs), inputs))
             diffs[b] = float((got - self.scratch_decode_logits(b, fn=self.module)).abs().max())
         graphs.calls = 0  # counts the steps that ran a static graph, not these checks

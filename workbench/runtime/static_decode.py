@@ -28,7 +28,6 @@ class StaticDecodeGraph:
     """One batch size's compiled step: ``fn(*tensor inputs)``; the ints it was compiled with are
     constants inside it."""
 
-    batch_size: int
     fn: Callable[..., Any]
     baked_ints: Tuple[Tuple[int, int], ...]  # (input position, value)
     tensor_positions: Tuple[int, ...]  # the inputs passed on, in order
@@ -48,12 +47,12 @@ class StaticDecodeGraphs:
     def key(self, inputs: Sequence[Any]) -> Shapes:
         return tuple(tuple(inputs[i].shape) for i in self.key_positions)
 
-    def add(self, module: fx.GraphModule, inputs: List[Any], batch_size: int, options: Mapping[str, Any]) -> None:
-        """Compile ``module`` for exactly ``inputs`` (a decode step of ``batch_size`` sequences)."""
+    def add(self, module: fx.GraphModule, inputs: List[Any], options: Mapping[str, Any]) -> None:
+        """Compile ``module`` for exactly ``inputs`` (the inputs of one decode step)."""
         gm, baked, positions = _static_copy(module, inputs)
         with torch.no_grad():
             fn = torch._inductor.compile(gm, [inputs[i] for i in positions], options=dict(options))
-        self.graphs[self.key(inputs)] = StaticDecodeGraph(batch_size, fn, baked, positions, _rebuild(module))
+        self.graphs[self.key(inputs)] = StaticDecodeGraph(fn, baked, positions, _rebuild(module))
 
     def lookup(self, inputs: Sequence[Any]) -> Optional[StaticDecodeGraph]:
         """The graph compiled for these inputs' shapes and ints, or None."""
