@@ -137,7 +137,8 @@ def test_backend_choice_errors():
 
 def test_flashinfer_refuses_shapes_it_has_no_kernels_for():
     from workbench.ops.backends import ATTENTION_BACKENDS as BACKENDS
-    from workbench.pipeline.transforms.cached_attention import _check_shapes
+    from workbench.pipeline.attention_backend import unsupported_layers
+    from workbench.pipeline.transforms.cached_attention import layer_shapes
 
     fi = BACKENDS["flashinfer"]
     assert "head_dim 16" in fi.unsupported(16, 16, torch.bfloat16, False)
@@ -145,13 +146,14 @@ def test_flashinfer_refuses_shapes_it_has_no_kernels_for():
     assert "sinks" in fi.unsupported(128, 128, torch.float16, True)
     assert fi.unsupported(64, 64, torch.bfloat16, False) is None
     assert BACKENDS["triton"].unsupported(16, 16, torch.float32, False) is None  # pads any head dim
-    # On a graph: tiny:llama (head_dim 16) is refused for every layer, naming what to use instead.
+    # On a graph: tiny:llama (head_dim 16, fp32) is refused for every layer, for both reasons.
     bench = Workbench("tiny:llama", numerics=False)
     bench.run_to("linear_weight_layout")
     gm = bench.snapshot("linear_weight_layout").module
     nodes = [n for n in gm.graph.nodes if n.target is torch.ops.workbench.torch_attention.default]
-    with pytest.raises(ValueError, match=r"does not support this model: head_dim 16 .*layers \[0, 1\].*'torch' or 'cpu' or 'triton'"):
-        _check_shapes(fi, nodes)
+    refused = unsupported_layers(fi, layer_shapes(nodes))
+    assert len(refused) == 1 and list(refused.values()) == [[0, 1]]
+    assert "head_dim 16" in next(iter(refused))
 
 
 def test_uncacheable_attention_is_refused():

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 import torch
 
 from .models import LoadedModel, load_model
-from .models.devices import resolve_device
+from .models.devices import AUTO, model_device, resolve_device
 from .pipeline.config import apply_global_field, resolve_pipeline
 from .pipeline.interface import TRANSFORMS
 from .pipeline.stepper import PipelineStepper
@@ -63,8 +63,8 @@ class Workbench(PipelineStepper):
         self,
         model: Union[str, LoadedModel] = "smollm2",
         *,
-        dtype: Union[str, torch.dtype] = "float32",
-        device: Union[str, torch.device] = "cpu",
+        dtype: Union[str, torch.dtype] = "auto",
+        device: Union[str, torch.device] = "auto",
         yaml_extra: Sequence[Union[str, Mapping[str, Any]]] = (),
         overrides: Union[Mapping[str, Any], Iterable[str]] = (),
         debug_visualize_dir: Optional[str] = None,
@@ -75,7 +75,11 @@ class Workbench(PipelineStepper):
         worker_imports: Sequence[str] = (),
         **kwargs: Any,
     ):
-        """``world_size`` > 1: see ``__new__`` (a ``ShardedWorkbench``; it also takes
+        """``device``: ``"auto"`` (default) is CUDA when torch sees a GPU, else the CPU; ``"cpu"`` /
+        ``"cuda"`` ask for one (a ``LoadedModel`` with ``"auto"``: the device its weights are on).
+        ``dtype``: ``"auto"`` (default) is bfloat16 on CUDA, float32 on the CPU (ignored for a ``LoadedModel``,
+        which has its dtype).
+        ``world_size`` > 1: see ``__new__`` (a ``ShardedWorkbench``; it also takes
         ``dist_timeout_s`` and ``start_method``). ``worker_imports``: modules to import first (user
         transforms register there); with world_size > 1 every rank imports them too.
         ``gguf_weights`` (GGUF models such as smollm2): ``"keep"`` the file's quantized weights
@@ -97,6 +101,8 @@ class Workbench(PipelineStepper):
                                             seed=seed, gguf_weights=gguf_weights, custom_models=custom_models,
                                             worker_imports=worker_imports, **kwargs)
         # Check what can be checked before any weight is loaded: a typo should fail in milliseconds.
+        if isinstance(model, LoadedModel) and str(device).strip().lower() == AUTO:
+            device = model_device(model.model)  # "auto" with a loaded model: where its weights are
         device = resolve_device(device)
         registry = kwargs.pop("registry", TRANSFORMS)
         entries = kwargs.pop("entries", None) or resolve_pipeline(yaml_extra, overrides, registry)

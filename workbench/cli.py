@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the pipeline on a model and print the per-transform table")
     r.add_argument("--model", default="smollm2", help="smollm2 | tiny:<arch> | HF dir | cached HF id")
-    r.add_argument("--dtype", default="float32")
+    r.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
     r.add_argument("--gguf-weights", choices=("keep", "dequantize"), default="keep",
                    help="GGUF models: keep the file's 4/8-bit weights (default) or dequantize them to fp32")
     r.add_argument("--yaml-extra", action="append", default=[], metavar="FILE",
@@ -319,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"after the pipeline, generate an answer to this prompt (default: {DEFAULT_PROMPT!r})")
     r.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
                    help="tokens to generate for --prompt (0: do not generate)")
-    r.add_argument("--device", default="cpu", help="cpu | cuda (with --world-size N: rank r on cuda:r, NCCL)")
+    r.add_argument("--device", default="auto", help="auto (CUDA when a GPU is visible, else CPU) | cpu | cuda "
+                   "(with --world-size N: rank r on cuda:r, NCCL)")
     r.add_argument("--world-size", type=int, default=None, metavar="N",
                    help="run N ranks on torch.distributed (gloo on CPU, NCCL on CUDA); rank 0 prints. "
                         "Under torchrun leave it out: torchrun's WORLD_SIZE decides")

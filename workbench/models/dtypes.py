@@ -24,12 +24,21 @@ DTYPE_ALIASES: dict[str, torch.dtype] = {
 _ALLOWED = frozenset(DTYPE_ALIASES.values())
 
 
-def resolve_dtype(x: torch.dtype | str) -> torch.dtype:
-    """Return the ``torch.dtype`` for ``x`` (a dtype, or a string such as ``"bf16"``).
+def auto_dtype(device: torch.device | str) -> torch.dtype:
+    """What ``dtype="auto"`` means on ``device``: bfloat16 on CUDA (what GPU kernels -- FlashInfer,
+    tensor cores -- are built for), float32 elsewhere (the CPU kernels' and HF eager's reference)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def resolve_dtype(x: torch.dtype | str, device: torch.device | str = "cpu") -> torch.dtype:
+    """Return the ``torch.dtype`` for ``x`` (a dtype, or a string such as ``"bf16"``; ``"auto"``:
+    ``auto_dtype(device)``).
 
     Strings are case-insensitive and may carry a ``torch.`` prefix. Raises ``ValueError``
     naming the accepted spellings for anything else (including non-floating dtypes).
     """
+    if isinstance(x, str) and x.strip().lower() == "auto":
+        return auto_dtype(device)
     if isinstance(x, torch.dtype):
         if x not in _ALLOWED:
             raise ValueError(f"unsupported model dtype {x}; use one of float32, bfloat16, float16")
@@ -40,5 +49,5 @@ def resolve_dtype(x: torch.dtype | str) -> torch.dtype:
             return DTYPE_ALIASES[key]
     raise ValueError(
         f"unknown dtype {x!r}; accepted: torch.float32/bfloat16/float16 or one of the strings "
-        + ", ".join(repr(k) for k in DTYPE_ALIASES)
+        + ", ".join(repr(k) for k in ("auto", *DTYPE_ALIASES))
     )

@@ -190,8 +190,8 @@ def _load_gguf_file(path: Path, weights: str, dtype: torch.dtype, device: torch.
 
 def load_model(
     spec: str,
-    dtype: torch.dtype | str = torch.float32,
-    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = "auto",
+    device: str | torch.device = "auto",
     seed: int = 0,
     *,
     tiny_registry: Mapping | None = None,
@@ -200,6 +200,8 @@ def load_model(
 ) -> LoadedModel:
     """Load the model named by ``spec`` (see ``workbench.models.spec`` for the forms).
 
+    ``device``: ``"auto"`` (the default) is CUDA when torch sees a GPU, else the CPU; ``dtype``:
+    ``"auto"`` (the default) is bfloat16 on CUDA, float32 on the CPU.
     ``seed`` only matters for ``tiny:<arch>`` (random weights); ``tiny_registry`` lets you
     resolve ``tiny:`` names against your own registry instead of the default one.
     ``gguf_weights`` (GGUF files, e.g. ``smollm2``): ``"keep"`` the file's 4/8-bit weights as they
@@ -215,8 +217,8 @@ def load_model(
     if gguf_weights not in ("keep", "dequantize"):
         raise ModelSpecError(f"gguf_weights must be 'keep' (quantized weights as stored) or 'dequantize' "
                              f"(fp32), got {gguf_weights!r}")
-    dtype = resolve_dtype(dtype)
     device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     resolved: ResolvedSpec = resolve_spec(spec, tiny_registry)
     tokenizer = checkpoint = None
     with hf_offline():

@@ -37,16 +37,17 @@ _ATT, _NORM, _ROPE, _MLP = ("workbench.ops.attention", "workbench.ops.normalizat
 TRITON_NEEDS = "triton and a CUDA GPU (or TRITON_INTERPRET=1 for CPU tensors)"
 FLASHINFER_NEEDS = "a CUDA GPU and the flashinfer package (pip install flashinfer-python)"
 CPU_KERNELS_NEED = "an x86 CPU with AVX-512, g++ and ninja (the workbench's C++ CPU kernels, built on first use)"
-# What an unset ``insert_cached_attention.backend`` resolves to, in order, per device type.
-ATTENTION_AUTO = {"cpu": ("cpu", "torch"), "cuda": ("torch",)}
+# What an unset (``auto``) ``insert_cached_attention.backend`` tries, in order, per device type: the
+# first that runs there and serves every layer's shape. On CUDA the two that CUDA graphs capture
+# come first (FlashInfer where installed and the shapes fit, else Triton); the host-syncing torch
+# reference is the last resort.
+ATTENTION_AUTO = {"cpu": ("cpu", "torch"), "cuda": ("flashinfer", "triton", "torch")}
 
 
 @dataclass(frozen=True)
 class AttentionBackend(OpBackend):
-    """A paged cached-attention op. ``cuda_graph_safe``: never reads step metadata on the host, so
-    a CUDA graph can capture it (``compile_model``'s CUDA-graph backends require that)."""
-
-    cuda_graph_safe: bool = False
+    """A paged cached-attention op. Whether a CUDA graph can capture it is the op's own declaration
+    (``workbench.ops.capture``: the host-syncing ones are tagged ``cudagraph_unsafe``)."""
 
     def unsupported(self, head_dim: int, v_head_dim: int, dtype: torch.dtype, has_sinks: bool) -> Optional[str]:
         """Why this backend cannot take a layer of this shape (None: it can), from the op module's
@@ -56,14 +57,12 @@ class AttentionBackend(OpBackend):
 
 
 ATTENTION_BACKENDS: BackendRegistry[AttentionBackend] = BackendRegistry("attention", [
-    AttentionBackend("torch", "nothing beyond PyTorch", f"{_ATT}.torch_cached_attention", "torch_cached_attention",
-                     cuda_graph_safe=False),
-    AttentionBackend("cpu", CPU_KERNELS_NEED, _CPU, "cpu_cached_attention",
-                     cuda_graph_safe=False),
+    AttentionBackend("torch", "nothing beyond PyTorch", f"{_ATT}.torch_cached_attention", "torch_cached_attention"),
+    AttentionBackend("cpu", CPU_KERNELS_NEED, _CPU, "cpu_cached_attention"),
     AttentionBackend("triton", "triton and a CUDA GPU (or TRITON_INTERPRET=1 on CPU)",
-                     f"{_ATT}.triton_cached_attention", "triton_cached_attention", cuda_graph_safe=True),
+                     f"{_ATT}.triton_cached_attention", "triton_cached_attention"),
     AttentionBackend("flashinfer", FLASHINFER_NEEDS, f"{_ATT}.flashinfer_cached_attention",
-                     "flashinfer_cached_attention", cuda_graph_safe=True),
+                     "flashinfer_cached_attention"),
 ], default="torch")
 
 

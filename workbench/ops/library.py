@@ -16,33 +16,42 @@ graphs traced through it keep the op as one node.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional, Tuple
 
 import torch
+
+from .capture import host_sync_tags
 
 # One fragment for every op defined here; kept alive for the process (dropping it unregisters them).
 _LIB = torch.library.Library("workbench", "FRAGMENT")
 
 
-def define_op(schema: str, impl: Callable, fake: Callable):
+def _tags(name: str, host_sync: Optional[str]) -> Tuple[torch.Tag, ...]:
+    return host_sync_tags(f"workbench::{name}", host_sync) if host_sync else ()
+
+
+def define_op(schema: str, impl: Callable, fake: Callable, host_sync: Optional[str] = None):
     """Define ``workbench::<schema>``, run by ``impl``, with fake (meta) implementation ``fake``.
 
     ``schema``: the op's signature, e.g. ``"torch_rmsnorm(Tensor input, Tensor weight, float eps) -> Tensor"``
-    (mutated inputs marked ``Tensor(a!)``). Returns ``torch.ops.workbench.<name>``.
+    (mutated inputs marked ``Tensor(a!)``). ``host_sync``: why the op reads device values on the
+    host, if it does (a CUDA graph cannot capture it: ``workbench.ops.capture``). Returns
+    ``torch.ops.workbench.<name>``.
     """
     name = schema.split("(", 1)[0].strip()
-    _LIB.define(schema)
+    _LIB.define(schema, tags=_tags(name, host_sync))
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"workbench::{name}", fake, lib=_LIB)
     return getattr(torch.ops.workbench, name)
 
 
-def declare_op(schema: str, fake: Callable):
+def declare_op(schema: str, fake: Callable, host_sync: Optional[str] = None):
     """Declare ``workbench::<schema>`` with only its fake implementation: the kernels come from
     compiled code (``workbench.ops.cpu_kernels``) registered for their dispatch keys when it loads.
-    Declared at import so graphs that name the op trace and propagate shapes on any machine."""
+    Declared at import so graphs that name the op trace and propagate shapes on any machine.
+    ``host_sync``: as for ``define_op``."""
     name = schema.split("(", 1)[0].strip()
-    _LIB.define(schema)
+    _LIB.define(schema, tags=_tags(name, host_sync))
     torch.library.register_fake(f"workbench::{name}", fake, lib=_LIB)
     return getattr(torch.ops.workbench, name)
 

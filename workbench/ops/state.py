@@ -31,6 +31,12 @@ import torch
 
 # the metadata a cached stateful op takes after its positional args, in this order
 STATE_METADATA_ARGS = ("seq_lens", "input_pos", "slot_idx", "num_prefill")
+# Why the cached state ops stay out of CUDA graphs (``workbench.ops.capture``): the torch references
+# loop over seq_lens on the host; the Triton ops read nothing on the host in decode-only steps, but
+# their capture has not been run on a GPU yet, so they are kept out until it has.
+STATE_HOST_SYNC = "reads seq_lens on the host (.tolist()) to walk each sequence"
+TRITON_STATE_HOST_SYNC = ("prefill steps read seq_lens on the host; capture of its decode-only steps has not been "
+                          "verified on a GPU")
 
 
 @dataclass(frozen=True)

@@ -54,21 +54,27 @@ def threads_per_rank(ranks_on_this_machine: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, ranks_on_this_machine))
 
 
+def _device(device: Union[str, torch.device]) -> torch.device:
+    from ..models.devices import resolve_device  # "auto" included
+
+    return resolve_device(device)
+
+
 def backend_for(device: Union[str, torch.device]) -> str:
     """NCCL for CUDA devices, gloo for everything else."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+    return "nccl" if _device(device).type == "cuda" else "gloo"
 
 
 def rank_device(device: Union[str, torch.device], local_rank: int) -> torch.device:
     """The device one rank computes on: ``cuda:<local rank>`` when the user asked for CUDA (any
     index: every rank takes its own GPU), the asked device otherwise."""
-    device = torch.device(device)
+    device = _device(device)
     return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 
 def check_devices(device: Union[str, torch.device], world_size: int) -> None:
     """Fail before any rank starts when the machine cannot give every rank its device."""
-    device = torch.device(device)
+    device = _device(device)
     if device.type != "cuda":
         return
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0

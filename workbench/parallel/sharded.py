@@ -43,13 +43,13 @@ def workbench_option_names(workbench_class: type) -> set:
     return (own | stepper) - {"self", "kwargs", "loaded"} - set(_LAUNCH_OPTIONS)
 
 
-def validate_options(workbench_class: type, model: Any, options: Mapping[str, Any]) -> Dict[str, Any]:
+def validate_options(workbench_class: type, model: Any, options: Mapping[str, Any], world_size: int = 1) -> Dict[str, Any]:
     """Check in the parent, in milliseconds, what would otherwise fail in every rank after a model load:
     unknown options, the device, the pipeline (``yaml_extra`` / ``overrides`` typos). Returns the
     options the ranks get (``model`` as a spec string, paths made absolute). An unwritable
     ``debug_visualize_dir`` is reported by the ranks as they start (``Workbench`` checks it there)."""
     from ..models import LoadedModel
-    from ..models.devices import resolve_device
+    from ..models.devices import AUTO, auto_device, resolve_device
     from ..pipeline.config import resolve_pipeline
     from ..pipeline.interface import TRANSFORMS
 
@@ -66,7 +66,9 @@ def validate_options(workbench_class: type, model: Any, options: Mapping[str, An
         logger.info("world_size>1: each rank loads %s from its spec (the LoadedModel passed is not sent)", model.spec)
         model = model.spec
     out["model"] = model
-    out["device"] = str(resolve_device(out.get("device", "cpu")))
+    device = out.get("device", AUTO)
+    # "auto" for N ranks: CUDA only when every rank gets a GPU of its own
+    out["device"] = str(auto_device(world_size) if str(device).strip().lower() == AUTO else resolve_device(device))
     # A one-shot iterable of overrides is read once here; the ranks get the same list.
     if "overrides" in out and not isinstance(out["overrides"], Mapping):
         out["overrides"] = list(out["overrides"])
@@ -104,7 +106,7 @@ class ShardedWorkbench:
         self.workbench_class = workbench_class
         self.worker_imports = tuple([worker_imports] if isinstance(worker_imports, str) else worker_imports)
         import_modules(self.worker_imports)  # before validation: their transforms are in the pipeline
-        self.options = validate_options(workbench_class, model, options)
+        self.options = validate_options(workbench_class, model, options, world_size)
         check_devices(self.options["device"], world_size)
         start_method = mp_context(start_method).get_start_method()  # an unknown method fails here
         # Checked now (a bad timeout), given its rendezvous below: nothing is made before the check.

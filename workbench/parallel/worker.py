@@ -75,7 +75,7 @@ def options_for_rank(options: Mapping[str, Any], rank: int, local_rank: int) -> 
     was asked for), and ``debug_visualize_dir`` as given on rank 0, ``<dir>/rank<r>`` on the others
     (their graphs differ once sharded)."""
     out = dict(options)
-    out["device"] = rank_device(out.get("device", "cpu"), local_rank)
+    out["device"] = rank_device(out.get("device", "auto"), local_rank)
     if out.get("debug_visualize_dir") and rank > 0:
         out["debug_visualize_dir"] = str(Path(out["debug_visualize_dir"]) / f"rank{rank}")
     return out

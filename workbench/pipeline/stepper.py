@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, U
 
 import torch
 
+from ..models.devices import model_device
 from ..models.export_contract import CausalLMLogits, ProbeBatch, make_batch
 from . import transforms as _transforms  # noqa: F401  (registers every transform)
 from .config import ConfigError, PipelineEntry, resolve_pipeline
@@ -139,7 +140,7 @@ class PipelineStepper:
 
     def reference_logits(self) -> torch.Tensor:
         if self._reference is None:
-            where = _device_of(self._eager)
+            where = model_device(self._eager)
             with torch.no_grad():
                 ref = self._eager(*(a.to(where) for a in self.probe.args))
             self._reference = ref.to(self.ctx.device)
@@ -358,12 +359,6 @@ class PipelineStepper:
 
     def total_time(self) -> float:
         return sum(s.times.total for s in self.snapshots)
-
-
-def _device_of(mod: torch.nn.Module) -> torch.device:
-    for t in [*mod.parameters(), *mod.buffers()]:
-        return t.device
-    return torch.device("cpu")
 
 
 __all__ = ["PipelineStepper", "Stages", "TransformError", "ConfigError"]

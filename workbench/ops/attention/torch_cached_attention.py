@@ -302,9 +302,11 @@ def cached_attention_fake(q, k, v, *_metadata, **_options):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
-def define_cached_attention(name: str, impl):
-    """Register ``workbench::<name>`` with the shared cached-attention schema and fake."""
-    return define_op(name + CACHED_ATTENTION_ARGS, impl, cached_attention_fake)
+def define_cached_attention(name: str, impl, host_sync: Optional[str] = None):
+    """Register ``workbench::<name>`` with the shared cached-attention schema and fake (``host_sync``:
+    why it cannot be captured in a CUDA graph, if it cannot)."""
+    return define_op(name + CACHED_ATTENTION_ARGS, impl, cached_attention_fake, host_sync=host_sync)
 
 
-define_cached_attention("torch_cached_attention", torch_cached_attention)
+define_cached_attention("torch_cached_attention", torch_cached_attention,
+                        host_sync="reads seq_lens and input_pos on the host (.tolist()) to slice each sequence")

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..library import define_op
-from ..state import StateSpec, StatefulOp, check_step_metadata, initial_states, register_stateful_op
+from ..state import STATE_HOST_SYNC, StateSpec, StatefulOp, check_step_metadata, initial_states, register_stateful_op
 
 #: Activations the conv kernels can apply in registers (``fuse_causal_conv_activation``).
 ACTIVATIONS = {None: None, "silu": F.silu}
@@ -154,7 +154,8 @@ CACHED_CONV_ARGS = (
 # ``define_op`` (a Library kernel) rather than ``custom_op``: a mutating custom_op pays ~50-80 us of
 # Python argument handling per call, more than a decode step's conv itself (see library.py).
 torch_cached_causal_conv1d = define_op("torch_cached_causal_conv1d" + CACHED_CONV_ARGS,
-                                       cached_causal_conv1d_reference, cached_causal_conv1d_fake)
+                                       cached_causal_conv1d_reference, cached_causal_conv1d_fake,
+                                       host_sync=STATE_HOST_SYNC)
 
 
 def _conv_state_shape(args) -> tuple:

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from ..library import define_op
+from ..state import TRITON_STATE_HOST_SYNC
 from ..triton_support import triton_available as is_available
 from .causal_conv import (
     CACHED_CONV_ARGS, cached_causal_conv1d_fake, check_cached_conv_args, check_conv_args, prefill_rows,
@@ -133,6 +134,7 @@ def triton_cached_causal_conv1d(
 
 
 triton_cached_causal_conv1d_op = define_op("triton_cached_causal_conv1d" + CACHED_CONV_ARGS,
-                                           triton_cached_causal_conv1d, cached_causal_conv1d_fake)
+                                           triton_cached_causal_conv1d, cached_causal_conv1d_fake,
+                                           host_sync=TRITON_STATE_HOST_SYNC)
 
 __all__ = ["triton_cached_causal_conv1d", "triton_cached_causal_conv1d_op", "decode_rows_triton", "is_available"]

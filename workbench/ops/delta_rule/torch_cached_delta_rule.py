@@ -24,7 +24,7 @@ from typing import List, Optional
 import torch
 
 from ..library import define_op
-from ..state import StateSpec, StatefulOp, check_step_metadata, initial_states, register_stateful_op
+from ..state import STATE_HOST_SYNC, StateSpec, StatefulOp, check_step_metadata, initial_states, register_stateful_op
 from .delta_rule_math import check_delta_rule_args, chunked_delta_rule, delta_rule_step, prepare
 from .torch_delta_rule import OPTIONS, delta_rule_output_like
 
@@ -137,8 +137,9 @@ CACHED_PLAIN_ARGS = (f"(Tensor q, Tensor k, Tensor v, Tensor beta, {_METADATA}, 
 # ``define_op`` (a Library kernel) rather than ``custom_op``: a mutating custom_op pays ~50-80 us of
 # Python argument handling per call (see library.py), once per linear-attention layer and step.
 torch_cached_gated_delta_rule = define_op("torch_cached_gated_delta_rule" + CACHED_GATED_ARGS, _cached_gated,
-                                          cached_gated_fake)
-torch_cached_delta_rule = define_op("torch_cached_delta_rule" + CACHED_PLAIN_ARGS, _cached_plain, cached_plain_fake)
+                                          cached_gated_fake, host_sync=STATE_HOST_SYNC)
+torch_cached_delta_rule = define_op("torch_cached_delta_rule" + CACHED_PLAIN_ARGS, _cached_plain, cached_plain_fake,
+                                    host_sync=STATE_HOST_SYNC)
 
 
 def state_shape(args) -> tuple:

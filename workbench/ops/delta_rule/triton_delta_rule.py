@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from ..library import define_op
+from ..state import TRITON_STATE_HOST_SYNC
 from ..triton_support import triton_available as is_available
 from .delta_rule_math import L2NORM_EPS, check_delta_rule_args
 from .torch_cached_delta_rule import (
@@ -165,8 +166,9 @@ def _plain(q, k, v, beta, seq_lens, input_pos, slot_idx, num_prefill, delta_stat
 
 
 triton_cached_gated_delta_rule = define_op("triton_cached_gated_delta_rule" + CACHED_GATED_ARGS, _gated,
-                                           cached_gated_fake)
-triton_cached_delta_rule = define_op("triton_cached_delta_rule" + CACHED_PLAIN_ARGS, _plain, cached_plain_fake)
+                                           cached_gated_fake, host_sync=TRITON_STATE_HOST_SYNC)
+triton_cached_delta_rule = define_op("triton_cached_delta_rule" + CACHED_PLAIN_ARGS, _plain, cached_plain_fake,
+                                     host_sync=TRITON_STATE_HOST_SYNC)
 
 __all__ = ["triton_cached_gated_delta_rule", "triton_cached_delta_rule", "decode_rows_triton", "kernel",
            "is_available"]

@@ -141,6 +141,7 @@ CACHED_MLA_SCHEMA = (
     "Tensor(a!) mla_cache, Tensor seq_lens, Tensor input_pos, Tensor page_table, SymInt num_prefill, "
     "float scale) -> Tensor"
 )
-torch_cached_mla_op = define_op(CACHED_MLA_SCHEMA, torch_cached_mla, _torch_cached_mla_fake)
+torch_cached_mla_op = define_op(CACHED_MLA_SCHEMA, torch_cached_mla, _torch_cached_mla_fake,
+                                host_sync="reads seq_lens and input_pos on the host (.tolist())")
 
 __all__ = ["torch_cached_mla", "torch_cached_mla_op", "gather_latents", "CACHED_MLA_SCHEMA"]

@@ -13,6 +13,10 @@ from typing import Callable, List
 import torch
 import torch.nn.functional as F
 
+from ..capture import host_sync_tags
+
+# why the MoE ops that dispatch tokens to experts cannot be captured in a CUDA graph
+MOE_HOST_SYNC = "runs only the experts that got tokens: reads them on the host (unique().tolist(), nonzero)"
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
@@ -48,7 +52,7 @@ def _combine(
     return slots.sum(dim=1).to(x.dtype).reshape(x.shape)
 
 
-@torch.library.custom_op("workbench::torch_moe", mutates_args=())
+@torch.library.custom_op("workbench::torch_moe", mutates_args=(), tags=host_sync_tags("workbench::torch_moe", MOE_HOST_SYNC))
 def torch_moe(
     x: torch.Tensor,
     selected_experts: torch.Tensor,
@@ -76,7 +80,7 @@ def _torch_moe_fake(x, selected_experts, routing_weights, w1_weight, w2_weight, 
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("workbench::torch_moe_fused", mutates_args=())
+@torch.library.custom_op("workbench::torch_moe_fused", mutates_args=(), tags=host_sync_tags("workbench::torch_moe_fused", MOE_HOST_SYNC))
 def torch_moe_fused(
     x: torch.Tensor,
     selected_experts: torch.Tensor,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..library import define_op
-from ..moe.torch_moe import _act, _combine
+from ..moe.torch_moe import MOE_HOST_SYNC, _act, _combine
 from .codecs import fp8_block_dequantize, mxfp4_dequantize, nvfp4_dequantize
 from .fp8 import fp8_group_qdq, fp8_qdq
 from .nvfp4 import NVFP4_BLOCK, nvfp4_qdq
@@ -51,7 +51,7 @@ def fp8_moe(x, selected_experts, routing_weights, w1_w3, w2, w1_w3_input_scale, 
 torch_fp8_moe = define_op(
     "torch_fp8_moe(Tensor x, Tensor selected_experts, Tensor routing_weights, Tensor w1_w3, Tensor w2, "
     "Tensor w1_w3_input_scale, Tensor w2_input_scale, Tensor w1_w3_weight_scale, Tensor w2_weight_scale, "
-    "str act_fn=\"silu\") -> Tensor", fp8_moe, _moe_fake)
+    "str act_fn=\"silu\") -> Tensor", fp8_moe, _moe_fake, host_sync=MOE_HOST_SYNC)
 
 
 # ------------------------------------------------------------------------------- fine-grained FP8
@@ -89,7 +89,7 @@ def finegrained_fp8_moe(x, selected_experts, routing_weights, w1_w3, w2, w1_w3_w
 torch_finegrained_fp8_moe = define_op(
     "torch_finegrained_fp8_moe(Tensor x, Tensor selected_experts, Tensor routing_weights, Tensor w1_w3, "
     "Tensor w2, Tensor w1_w3_weight_scale_inv, Tensor w2_weight_scale_inv, str act_fn=\"silu\", "
-    "int block_n=128, int block_k=128) -> Tensor", finegrained_fp8_moe, _moe_fake)
+    "int block_n=128, int block_k=128) -> Tensor", finegrained_fp8_moe, _moe_fake, host_sync=MOE_HOST_SYNC)
 
 
 # ------------------------------------------------------------------------------------------ NVFP4
@@ -109,7 +109,7 @@ def nvfp4_moe(x, selected_experts, routing_weights, w1_w3, w2, w1_w3_weight_scal
 torch_nvfp4_moe = define_op(
     "torch_nvfp4_moe(Tensor x, Tensor selected_experts, Tensor routing_weights, Tensor w1_w3, Tensor w2, "
     "Tensor w1_w3_weight_scale, Tensor w2_weight_scale, Tensor w1_w3_weight_scale_2, Tensor w2_weight_scale_2, "
-    "Tensor w1_w3_input_scale, Tensor w2_input_scale, str act_fn=\"silu\") -> Tensor", nvfp4_moe, _moe_fake)
+    "Tensor w1_w3_input_scale, Tensor w2_input_scale, str act_fn=\"silu\") -> Tensor", nvfp4_moe, _moe_fake, host_sync=MOE_HOST_SYNC)
 
 
 # ------------------------------------------------------------------------------------------ MXFP4
@@ -133,4 +133,4 @@ def mxfp4_moe(x, selected_experts, routing_weights, w1_w3_blocks, w1_w3_scales, 
 torch_mxfp4_moe = define_op(
     "torch_mxfp4_moe(Tensor x, Tensor selected_experts, Tensor routing_weights, Tensor w1_w3_blocks, "
     "Tensor w1_w3_scales, Tensor? w1_w3_bias, Tensor w2_blocks, Tensor w2_scales, Tensor? w2_bias, "
-    "str act_fn=\"silu\") -> Tensor", mxfp4_moe, _moe_fake)
+    "str act_fn=\"silu\") -> Tensor", mxfp4_moe, _moe_fake, host_sync=MOE_HOST_SYNC)

@@ -24,7 +24,7 @@ from typing import List, Optional
 import torch
 
 from ..library import define_op
-from ..state import StateSpec, StatefulOp, check_step_metadata, initial_states, register_stateful_op
+from ..state import STATE_HOST_SYNC, StateSpec, StatefulOp, check_step_metadata, initial_states, register_stateful_op
 from .ssd import discretize_dt, heads_from_groups, ssd_chunked, ssm_step
 from .ssm_scan import SSM_OPTIONS, check_ssm_args
 
@@ -115,7 +115,8 @@ CACHED_SSM_ARGS = (
 
 # ``define_op`` (a Library kernel) rather than ``custom_op``: a mutating custom_op pays ~50-80 us of
 # Python argument handling per call (see library.py), a decode step calls this once per SSM layer.
-torch_cached_ssm_op = define_op("torch_cached_ssm" + CACHED_SSM_ARGS, torch_cached_ssm, cached_ssm_fake)
+torch_cached_ssm_op = define_op("torch_cached_ssm" + CACHED_SSM_ARGS, torch_cached_ssm, cached_ssm_fake,
+                                host_sync=STATE_HOST_SYNC)
 
 
 def _ssm_state_shape(args) -> tuple:

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from ..library import define_op
+from ..state import TRITON_STATE_HOST_SYNC
 from ..triton_support import triton_available as is_available
 from .cached_ssm_scan import CACHED_SSM_ARGS, cached_ssm_fake, check_cached_ssm_args, prefill_rows
 from .ssm_scan import check_ssm_args
@@ -155,6 +156,7 @@ def triton_cached_ssm(
     return out
 
 
-triton_cached_ssm_op = define_op("triton_cached_ssm" + CACHED_SSM_ARGS, triton_cached_ssm, cached_ssm_fake)
+triton_cached_ssm_op = define_op("triton_cached_ssm" + CACHED_SSM_ARGS, triton_cached_ssm, cached_ssm_fake,
+                                 host_sync=TRITON_STATE_HOST_SYNC)
 
 __all__ = ["triton_cached_ssm", "triton_cached_ssm_op", "decode_rows_triton", "is_available", "kernel"]

@@ -16,8 +16,10 @@ works unchanged (that is how the numerics probe runs). Allocation happens later
 (``initialize_cache``): this transform only declares ``CacheSpec``s (``ctx.cache.declare``).
 
 Backends: ``workbench.ops.backends.ATTENTION_BACKENDS`` (``torch`` reference, CPU and GPU;
-``triton``: GPU, or CPU under ``TRITON_INTERPRET=1``; ``flashinfer``: GPU only, optional extra),
-picked when the transform runs, each with a reason when it cannot run or cannot take the shape.
+``cpu``: the C++ kernel; ``triton``: GPU, or CPU under ``TRITON_INTERPRET=1``; ``flashinfer``: GPU
+only, optional extra), picked when the transform runs (``pipeline.attention_backend``: ``auto`` takes
+the first that runs on the device and serves every layer), each with a reason when it cannot run or
+cannot take the shape.
 """
 
 from __future__ import annotations
@@ -29,9 +31,8 @@ import torch
 import torch.fx as fx
 
 from ... import ops  # noqa: F401  (registers torch.ops.workbench)
-from ...ops.backends import ATTENTION_BACKENDS, AttentionBackend
 from ...runtime.interface import PAGED, CacheSpec
-from ..attention_backend import InsertCachedAttentionConfig, resolve_backend
+from ..attention_backend import InsertCachedAttentionConfig, LayerShape, resolve_backend
 from ..interface import Transform, TransformInfo, register
 from ..cache_inputs import cache_input, metadata_inputs
 from ..graph_utils import require_tensor_meta
@@ -109,22 +110,14 @@ def rewrite_attention(
     return k_spec, v_spec
 
 
-def _check_shapes(backend: AttentionBackend, nodes: List[fx.Node]) -> None:
-    """Refuse, naming the layers and what to pick instead, shapes the backend cannot serve."""
-    refused: Dict[str, List[int]] = {}
+def layer_shapes(nodes: List[fx.Node]) -> List[LayerShape]:
+    """Each canonical attention node's shape facts, as the backends' ``unsupported`` hooks take them."""
+    shapes = []
     for layer, node in enumerate(nodes):
         args = dict(named_args(node))
         qv, vv = require_tensor_meta(args["query"]), require_tensor_meta(args["value"])
-        why = backend.unsupported(int(qv.shape[-1]), int(vv.shape[-1]), qv.dtype, args["sinks"] is not None)
-        if why:
-            refused.setdefault(why, []).append(layer)
-    if refused:
-        what = "; ".join(f"{why} (layers {layers[:4]}{'...' if len(layers) > 4 else ''})" for why, layers in refused.items())
-        others = [n for n in ATTENTION_BACKENDS.names() if n != backend.name]
-        raise ValueError(
-            f"attention backend '{backend.name}' does not support this model: {what}. Use backend "
-            f"{' or '.join(repr(n) for n in others)} (insert_cached_attention.backend=...)."
-        )
+        shapes.append(LayerShape(layer, int(qv.shape[-1]), int(vv.shape[-1]), qv.dtype, args["sinks"] is not None))
+    return shapes
 
 
 # Attention spelled in ops the cache cannot serve, and why each is left (see ``uncached_attention``).
@@ -216,8 +209,8 @@ class InsertCachedAttention(Transform):
                 + ". Canonicalize them in the pattern_matcher stage, or disable insert_cached_attention "
                 "(and the cache stage) to run the model uncached.")
         device = ctx.device
-        backend, op = resolve_backend(self.config.backend, device)
-        _check_shapes(ATTENTION_BACKENDS.get(backend), nodes)  # all layers, before the graph changes
+        # every layer's shape is checked before the graph changes
+        backend, op, chosen = resolve_backend(self.config.backend, device, layer_shapes(nodes))
         meta = metadata_inputs(gm, device)
         specs: List[CacheSpec] = []
         for layer, node in enumerate(nodes):
@@ -225,7 +218,7 @@ class InsertCachedAttention(Transform):
         gm.graph.lint()
         gm.recompile()
         details = {
-            "backend": backend, "layers": len(nodes),
+            "backend": backend, "chosen": chosen, "layers": len(nodes),
             "kv_heads": sorted({s.shape[0] for s in specs}), "head_dim": sorted({s.shape[1] for s in specs}),
             "new_inputs": ["seq_lens", "input_pos", "page_table", "num_prefill"] + [s.name for s in specs],
         }

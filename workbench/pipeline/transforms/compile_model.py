@@ -6,20 +6,20 @@ running it); what changes is the *runner* ``generate`` uses, built here and hand
 transform's snapshot time and memory delta. The backends (``torch-simple``, ``torch-compile``,
 ``torch-cudagraph``, ``torch-opt``) and everything they know about runners live in
 ``workbench.runtime.backends`` (``COMPILE_BACKENDS``); this transform looks the backend up, checks
-what only the pipeline knows -- a cache was allocated, the cached-attention backend the graph calls
-can be captured in a CUDA graph -- and calls its ``build``.
+what only the pipeline knows -- a cache was allocated, every node of the graph can be captured in a
+CUDA graph (``workbench.ops.capture``: each op declares whether it reads device values on the host)
+-- and calls its ``build``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import List, Literal, Optional, Tuple, Union
+from typing import List, Literal, Mapping, Optional, Tuple, Union
 
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from ...ops.backends import ATTENTION_BACKENDS
-from ...ops.state import stateful_ops
+from ...ops.capture import capture_blockers, summarize_blockers
 from ...runtime.interface import COMPILE_BACKENDS, BuildRequest, is_cached_module, module_input_names
 from ..interface import Transform, TransformConfig, TransformInfo, register
 from ..memory import EXPECTED_MEM_CHANGE
@@ -36,29 +36,35 @@ CUDA_BACKENDS = tuple(b.name for b in COMPILE_BACKENDS if b.cuda_graphs)
 # bench/decode.py, one run on the project's 2-core machine, 2026-11-24: Q4_1 68.9 -> 105.1 tok/s,
 # fp32 46.4 -> 47.5) costs 2-4 min of C++ compilation the first time (7-8 s from Inductor's cache),
 # i.e. minutes before the first token of a first demo. Set torch-compile for long runs.
-# CUDA: CUDA graphs when the cached attention can be captured, else the plain graph.
+# CUDA: CUDA graphs whenever every node of the graph can be captured (``workbench.ops.capture``),
+# else the plain graph, saying which nodes keep the graphs out.
 AUTO_COMPILE = {"cpu": "torch-simple"}
 
 
-def resolve_auto(device: torch.device, attention: Optional[str]) -> Tuple[str, str]:
-    """(backend, why) for ``backend: auto`` on ``device`` with the graph's attention backend."""
+def resolve_auto(device: torch.device, blockers: Mapping[str, str]) -> Tuple[str, str]:
+    """(backend, why) for ``backend: auto`` on ``device``, given the graph's ``capture_blockers``."""
     device = torch.device(device)
     if device.type in AUTO_COMPILE:
         name = AUTO_COMPILE[device.type]
         return name, f"auto on {device.type}: {name} (fastest decode measured there)"
     if device.type == "cuda":
-        if attention is not None and ATTENTION_BACKENDS.get(attention).cuda_graph_safe:
-            return "torch-cudagraph", f"auto on cuda: torch-cudagraph ('{attention}' attention can be captured)"
-        return "torch-simple", (f"auto on cuda: torch-simple (the '{attention}' attention cannot be captured in a "
-                                "CUDA graph; use insert_cached_attention.backend=triton for torch-cudagraph)")
+        if not blockers:
+            return "torch-cudagraph", "auto on cuda: torch-cudagraph (every node of the graph can be captured)"
+        return "torch-simple", (f"auto on cuda: torch-simple (no CUDA graphs: {summarize_blockers(blockers)}; "
+                                f"{CAPTURE_HINT})")
     return "torch-simple", f"auto on {device.type}: torch-simple"
+
+
+# what a user can change when some node cannot be captured
+CAPTURE_HINT = ("cached attention captures with insert_cached_attention.backend=triton or flashinfer; "
+                "MoE dispatch and per-sequence state ops run outside CUDA graphs")
 
 
 class CompileModelConfig(TransformConfig):
     backend: Union[Literal["auto"], CompileBackendName] = Field(
         default="auto", description="The backend to use for compiling the model; 'auto': the fastest for the "
-        "device (CPU: torch-simple over the C++ kernels; CUDA: torch-cudagraph when the attention backend can be captured, else "
-        "torch-simple), reported in the snapshot's details.")
+        "device (CPU: torch-simple over the C++ kernels; CUDA: torch-cudagraph when every node of the graph can be "
+        "captured, else torch-simple), reported in the snapshot's details.")
     cuda_graph_batch_sizes: Optional[List[int]] = Field(
         default=None, description="The batch sizes to use for CUDA graphs. None: 1, 2, 4, 8, 16, 24, 32, "
         "48, 64, ... up to the KV cache's max_batch_size.",
@@ -119,28 +125,6 @@ def batched_input_count(gm: torch.nn.Module, cache_keys) -> int:
     return sum(1 for n in module_input_names(gm) if n not in cache_keys)
 
 
-def attention_backend_of(gm: torch.nn.Module, declared: Optional[str]) -> Optional[str]:
-    """The cached-attention backend the graph calls: as the cache stage declared it, else found by
-    op identity in the graph (a graph built by hand)."""
-    if declared is not None:
-        return declared
-    graphs = [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
-    targets = {n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"}
-    for backend in ATTENTION_BACKENDS:
-        if any(getattr(t, "_schema", None) is not None and t.name().endswith(f"::{backend.op_name}") for t in targets):
-            return backend.name
-    return None
-
-
-def cached_state_ops_in(gm: torch.nn.Module) -> List[str]:
-    """Cached per-sequence-state ops the graph calls (conv / SSM / delta rule): their torch references
-    read sequence lengths on the host, so CUDA graphs cannot capture them yet."""
-    cached = {q for op in stateful_ops().values() for q in op.cached.values()}
-    graphs = [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
-    found = {getattr(n.target, "_schema", None) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
-    return sorted({s.name for s in found if s is not None and s.name in cached})
-
-
 @register("compile_model")
 class CompileModel(Transform):
     """Build the runner ``generate`` uses: plain graph, torch.compile, CUDA graphs, or both."""
@@ -150,21 +134,22 @@ class CompileModel(Transform):
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         c: CompileModelConfig = self.config
         name, chosen = c.backend, f"{c.backend} (requested)"
-        state_ops = cached_state_ops_in(gm)
+        # nodes a CUDA graph cannot capture (only CUDA runs graphs: elsewhere a CUDA-graph backend is
+        # refused below as unavailable)
+        blockers = capture_blockers(gm) if torch.device(ctx.device).type == "cuda" else {}
         if name == "auto":
-            name, chosen = resolve_auto(ctx.device, attention_backend_of(gm, ctx.cache.attention_backend))
-            if state_ops and COMPILE_BACKENDS.get(name).cuda_graphs:
-                name, chosen = "torch-simple", (f"auto on {ctx.device.type}: torch-simple (the state-cache ops "
-                                                f"{state_ops} cannot be captured in CUDA graphs)")
+            name, chosen = resolve_auto(ctx.device, blockers)
         backend = COMPILE_BACKENDS.get(name)
-        if state_ops and backend.cuda_graphs:
-            raise RuntimeError(f"{name} cannot capture the per-sequence state ops {state_ops}: their kernels read "
-                               "sequence lengths on the host. Use backend 'torch-simple' or 'torch-compile'.")
         why = backend.unavailable_reason(ctx.device)
         if why is not None:
             raise RuntimeError(f"{why}. Use backend 'torch-simple' or 'torch-compile' here, or run the pipeline "
                                "with device='cuda' on a GPU machine.")
+        if backend.cuda_graphs and blockers:
+            raise RuntimeError(f"{name} cannot capture this graph in CUDA graphs: {summarize_blockers(blockers)}. "
+                               f"Use backend 'torch-simple' or 'torch-compile' ({CAPTURE_HINT}).")
         details = {"backend": name, "chosen": chosen}
+        if blockers:
+            details["capture_blockers"] = dict(blockers)
         if not backend.torch_compile and not backend.cuda_graphs:
             ctx.runner = None  # generate builds the plain runner for the graph
             return gm, TransformInfo(num_matches=0, details=details)
@@ -177,13 +162,6 @@ class CompileModel(Transform):
             raise ValueError(f"num_batched_inputs={c.num_batched_inputs}, but the graph has {batched} batched "
                              f"inputs (tokens, positions and step metadata); leave it unset to infer it")
         details["num_batched_inputs"] = batched
-        if backend.cuda_graphs:
-            attention = attention_backend_of(gm, ctx.cache.attention_backend)
-            if attention is not None and not ATTENTION_BACKENDS.get(attention).cuda_graph_safe:
-                raise RuntimeError(
-                    f"{name} cannot capture the '{attention}' cached attention: that backend reads sequence "
-                    "lengths on the host. Set insert_cached_attention.backend to 'triton' (or 'flashinfer') "
-                    "for CUDA graphs")
         built = backend.build(BuildRequest(
             module=gm, caches=ctx.cache.tensors, cache_config=cfg, device=ctx.device,
             cuda_graph_batch_sizes=c.cuda_graph_batch_sizes, piecewise_enabled=c.piecewise_enabled,

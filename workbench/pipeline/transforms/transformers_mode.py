@@ -30,7 +30,7 @@ from pydantic import Field
 from ...runtime.interface import METADATA_INPUTS, PAGED, TOKEN_INPUTS, CacheSpec
 from ..interface import Transform, TransformConfig, TransformInfo, register
 from ..context import PipelineOrderError
-from ..attention_backend import InsertCachedAttentionConfig, resolve_backend
+from ..attention_backend import InsertCachedAttentionConfig, LayerShape, resolve_backend
 
 CACHED_IMPL = "workbench_cached"
 DETECT_IMPL = "workbench_detect"
@@ -209,12 +209,14 @@ class HFReplaceCachedAttn(Transform):
         if not layers:
             raise PipelineOrderError("transformers_replace_cached_attn needs the attention layers that "
                                      "detect_hf_attn_layers records: run detect_hf_attn_layers before it")
-        backend, op = resolve_backend(self.config.backend, ctx.device)
+        shapes = [LayerShape(l.index, l.head_dim, l.v_head_dim, ctx.dtype, l.has_sinks) for l in layers]
+        backend, op, chosen = resolve_backend(self.config.backend, ctx.device, shapes)
         _register()
         wrapper = HFCachedLM(model, layers, op, backend)
         ctx.cache.declare(cache_specs(layers), ctx.dtype, ctx.limits.page_size)
         ctx.cache.attention_backend = backend
-        return wrapper, TransformInfo(num_matches=len(layers), details={"backend": backend, "layers": len(layers)})
+        return wrapper, TransformInfo(num_matches=len(layers), details={"backend": backend, "chosen": chosen,
+                                                                        "layers": len(layers)})
 
 
 def transformers_mode_entries(backend: str = "torch", **cache_fields: Any):
