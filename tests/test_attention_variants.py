@@ -230,21 +230,27 @@ def test_cached_generation_equals_hf(arch, backend):
         assert result.token_ids == _hf_greedy(loaded.model, prompt, NEW), (arch, backend, len(prompt))
 
 
-def test_flashinfer_refuses_sinks_naming_the_backends_that_serve_them():
-    """FlashInfer has no attention sinks: insert_cached_attention's shape check refuses gpt-oss
-    before rewriting anything, naming the alternatives. A shape FlashInfer otherwise takes (head_dim
-    64, bf16), so sinks are the reason; checked without a GPU: the check only reads the graph."""
+def test_flashinfer_refuses_sinks_naming_the_backends_that_serve_them(monkeypatch):
+    """FlashInfer has no attention sinks: the backend choice refuses gpt-oss before rewriting
+    anything, naming the alternatives that run here. A shape FlashInfer otherwise takes (head_dim
+    64, bf16), so sinks are the reason; checked without a GPU (FlashInfer's availability faked: the
+    check only reads the graph)."""
+    import importlib
+
     from workbench.ops.backends import ATTENTION_BACKENDS
-    from workbench.pipeline.transforms.cached_attention import _attention_nodes, _check_shapes
+    from workbench.pipeline.attention_backend import resolve_backend, unsupported_layers
+    from workbench.pipeline.transforms.cached_attention import _attention_nodes, layer_shapes
 
     bench = Workbench(load_variant("gpt_oss", dtype="bfloat16", head_dim=64), numerics=False)
     bench.run_to("match_attention_layout")
     nodes = _attention_nodes(bench.module)
     assert len(nodes) == 2
+    fi = importlib.import_module("workbench.ops.attention.flashinfer_cached_attention")
+    monkeypatch.setattr(fi, "is_available", lambda device=None: (True, "faked"))
     with pytest.raises(ValueError) as err:
-        _check_shapes(ATTENTION_BACKENDS.get("flashinfer"), nodes)
+        resolve_backend("flashinfer", torch.device("cpu"), layer_shapes(nodes))
     msg = str(err.value)
     assert "does not support this model: attention sinks (not supported by this backend) (layers [0, 1])" in msg
-    assert "Use backend 'torch' or 'cpu' or 'triton'" in msg
-    for name in ("torch", "cpu", "triton"):  # the backends named instead do take sinks
-        _check_shapes(ATTENTION_BACKENDS.get(name), nodes)
+    assert "Use backend 'torch'" in msg
+    for name in ("torch", "cpu", "triton"):  # the backends that do take sinks
+        assert unsupported_layers(ATTENTION_BACKENDS.get(name), layer_shapes(nodes)) == {}

@@ -266,23 +266,31 @@ def _tiny_llama_head_dim(head_dim: int):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_flashinfer_pipeline_generates_the_torch_backends_tokens(head_dim):
-    """FlashInfer attention and RMSNorm through the whole pipeline on a GPU (bf16), against the torch
-    backends on the same weights; the first FlashInfer calls JIT-compile (timed apart in gpu_check)."""
+def test_flashinfer_is_the_gpu_default_and_replays_cuda_graphs(head_dim):
+    """On a GPU with FlashInfer, the defaults (device/dtype/attention/compile auto) pick FlashInfer
+    attention and CUDA graphs; the tokens match the torch backends on the same weights (bf16), and
+    decode steps replay the captured graphs. The first FlashInfer calls JIT-compile (gpu_check's
+    flashinfer-jit step builds them first)."""
     from workbench.ops.flashinfer_support import flashinfer_available
     from workbench.models import load_model
 
     ok, why = flashinfer_available("cuda")
     if not ok:
         pytest.skip(why)
-    loaded = load_model("tiny:llama", device="cuda", dtype="bfloat16", tiny_registry=_tiny_llama_head_dim(head_dim))
+    loaded = load_model("tiny:llama", tiny_registry=_tiny_llama_head_dim(head_dim))  # auto: cuda, bf16
+    assert next(loaded.model.parameters()).dtype is torch.bfloat16
     prompts = [[i + 1, i + 5, i + 9, 7] for i in range(3)]
-    ref = Workbench(loaded, device="cuda", numerics=False)
+    ref = Workbench(loaded, numerics=False, overrides={"insert_cached_attention.backend": "torch",
+                                                       "fuse_rmsnorm.backend": "torch",
+                                                       "compile_model.backend": "torch-simple"})
     want = ref.generate(prompts, max_new_tokens=16, stop_token_ids=[]).token_ids
-    fi = Workbench(loaded, device="cuda", overrides={"insert_cached_attention.backend": "flashinfer",
-                                                     "fuse_rmsnorm.backend": "flashinfer"})
+    fi = Workbench(loaded, overrides={"fuse_rmsnorm.backend": "flashinfer", "initialize_cache.max_batch_size": 8})
     got = fi.generate(prompts, max_new_tokens=16, stop_token_ids=[]).token_ids
     assert fi.snapshot("insert_cached_attention").info.details["backend"] == "flashinfer"
+    assert fi.snapshot("compile_model").info.details["backend"] == "torch-cudagraph"
+    assert fi.ctx.runner.replays > 0 and fi.snapshot("compile_model").info.details["check_max_abs_diff"] < 5e-2
     assert fi.snapshot("resize_kv_cache").numerics.rmse_ratio < 2e-2
     same = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y))
     assert same >= 0.9 * 48, (got, want)  # bf16: an argmax near-tie may flip late tokens
+    fi.configure("compile_model", backend="torch-simple")  # FlashInfer planned per step, no graphs
+    assert fi.generate(prompts, max_new_tokens=16, stop_token_ids=[]).token_ids == got

@@ -47,7 +47,11 @@ ATTENTION_AUTO = {"cpu": ("cpu", "torch"), "cuda": ("flashinfer", "triton", "tor
 @dataclass(frozen=True)
 class AttentionBackend(OpBackend):
     """A paged cached-attention op. Whether a CUDA graph can capture it is the op's own declaration
-    (``workbench.ops.capture``: the host-syncing ones are tagged ``cudagraph_unsafe``)."""
+    (``workbench.ops.capture``: the host-syncing ones are tagged ``cudagraph_unsafe``).
+    ``step_planner``: the name of a class in the op's module that plans each step on the host
+    (``workbench.ops.step_plan``), for kernels that need one (FlashInfer); empty: none."""
+
+    step_planner: str = ""
 
     def unsupported(self, head_dim: int, v_head_dim: int, dtype: torch.dtype, has_sinks: bool) -> Optional[str]:
         """Why this backend cannot take a layer of this shape (None: it can), from the op module's
@@ -62,7 +66,7 @@ ATTENTION_BACKENDS: BackendRegistry[AttentionBackend] = BackendRegistry("attenti
     AttentionBackend("triton", "triton and a CUDA GPU (or TRITON_INTERPRET=1 on CPU)",
                      f"{_ATT}.triton_cached_attention", "triton_cached_attention"),
     AttentionBackend("flashinfer", FLASHINFER_NEEDS, f"{_ATT}.flashinfer_cached_attention",
-                     "flashinfer_cached_attention"),
+                     "flashinfer_cached_attention", step_planner="FlashInferPlanner"),
 ], default="torch")
 
 

@@ -70,12 +70,13 @@ class CompiledRunner(CachedRunner):
             self.set_step(step, sched)
             inputs = self._inputs()
             graph = self.static_decode.lookup(inputs)
-            with torch.no_grad():
+            with torch.no_grad(), self.planned():
                 return self.static_decode(graph, inputs) if graph is not None else self.fn(*inputs)
         if bucket is None:
             return super().forward(step, sched)
         self.set_step(step, sched)
-        return self.piecewise(self.padded_inputs(bucket), step.num_tokens)
+        with self.planned():
+            return self.piecewise(self.padded_inputs(bucket), step.num_tokens)
 
     def padded_inputs(self, num_tokens: int) -> List[Any]:
         """The module's inputs with the token inputs widened to ``num_tokens`` (the rows past the
@@ -91,7 +92,7 @@ class CompiledRunner(CachedRunner):
         self.seq_info.set_batch([list(range(1, num_tokens + 1))], [0], [[self.scratch_page]], num_prefill=1,
                                 slots=[self.cfg.scratch_slot],
                                 page_size=self.cfg.page_size)
-        with torch.no_grad():
+        with torch.no_grad(), self.planned():
             if fn is not None:
                 out = fn(*self._inputs())
             else:
@@ -111,7 +112,7 @@ class CompiledRunner(CachedRunner):
     def scratch_decode_logits(self, batch_size: int, fn: Optional[Callable[..., Any]] = None) -> torch.Tensor:
         """Logits [B, V] of a scratch decode step through ``fn`` (default: this runner's forward)."""
         self.set_scratch_decode(batch_size)
-        with torch.no_grad():
+        with torch.no_grad(), self.planned():
             out = (fn or self.fn)(*self._inputs())
         return out[0, :batch_size].float().clone()
 
@@ -164,14 +165,17 @@ class CudaGraphRunner(CompiledRunner):
         for b in sorted(self.batch_sizes, reverse=True):  # largest first: smaller ones reuse its pool
             self.set_scratch_decode(b)
             inputs = self._inputs()
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream), torch.no_grad():
-                for _ in range(2):  # warm-up off the capture (lazy init, autotuning, compilation)
-                    self.fn(*inputs)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool), torch.no_grad():
-                out = self.fn(*inputs)
+            # one planned step for warm-up and capture: ops that plan on the host (FlashInfer) plan
+            # in the warm-up, outside the capture, and the captured kernels read those plans
+            with self.planned(graph_batch=b):
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream), torch.no_grad():
+                    for _ in range(2):  # warm-up off the capture (lazy init, autotuning, compilation)
+                        self.fn(*inputs)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+                    out = self.fn(*inputs)
             self.graphs[b], self.outputs[b] = graph, out
         torch.cuda.synchronize(self.device)
 
@@ -183,8 +187,14 @@ class CudaGraphRunner(CompiledRunner):
         """Logits [B, V] of a scratch decode step replayed from the graph captured for B's bucket."""
         b = self.bucket(batch_size)
         self.set_scratch_decode(b)
-        self.graphs[b].replay()
+        self._replay(b)
         return self.outputs[b][0, :batch_size].float().clone()
+
+    def _replay(self, b: int) -> None:
+        """Replay the graph of batch size ``b`` on the step in ``seq_info`` (planned first: the
+        replay calls no op, so host-planned kernels get this step's plan here)."""
+        with self.planned(graph_batch=b):
+            self.graphs[b].replay()
 
     def forward(self, step: Step, sched: Scheduler) -> torch.Tensor:
         b = len(step.items)
@@ -198,7 +208,7 @@ class CudaGraphRunner(CompiledRunner):
         pages = [sched.pages(r) for r, _ in step.items] + [[self.scratch_page]] * (padded - b)
         slots = [sched.slot(r) for r, _ in step.items] + [self.cfg.scratch_slot] * (padded - b)
         self.seq_info.set_batch(tokens, pos, pages, num_prefill=0, page_size=self.cfg.page_size, slots=slots)
-        self.graphs[padded].replay()
+        self._replay(padded)
         self.replays += 1
         return self.outputs[padded][:, :padded]
 

@@ -13,10 +13,12 @@ Both run eagerly today; a ``torch.compile`` or CUDA-graph runner slots in here w
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Mapping
+from contextlib import nullcontext
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
+from ..ops.step_plan import planned, planners_for
 from .kv_cache import PAGED, SLOT, KVCacheConfig, PageAllocator
 from .scheduler import Scheduler, Step
 from .sequence_info import LAST_TOKEN_INPUT, SequenceInfo, is_cached_module, module_input_names
@@ -56,6 +58,15 @@ class CachedRunner:
         self.slot_states = [t for n, t in self.caches.items() if n in slot_names]
         # gather_logits_before_lm_head: the module returns one row per sequence, not per token
         self.gathers_last_tokens = LAST_TOKEN_INPUT in self.input_names
+        # ops that plan each step on the host (FlashInfer attention): this runner's own planners
+        self.planners = planners_for(module, self.device)
+
+    def planned(self, graph_batch: Optional[int] = None):
+        """Context for one forward (or the replay of the graph of ``graph_batch``) of the step in
+        ``seq_info``: plans it on this runner's planners, which the ops then find."""
+        if not self.planners:
+            return nullcontext()
+        return planned(self.planners, self.seq_info.host_step(), graph_batch)
 
     def scheduler(self) -> Scheduler:
         """A fresh scheduler over all pages: nothing from an earlier ``generate`` leaks in."""
@@ -87,7 +98,7 @@ class CachedRunner:
         """Logits of the step's flattened tokens [1, T, V], or of each sequence's last token
         [1, B, V] for a module that gathers before the LM head."""
         self.set_step(step, sched)
-        with torch.no_grad():
+        with torch.no_grad(), self.planned():
             return self.fn(*self._inputs())
 
     def step(self, step: Step, sched: Scheduler) -> torch.Tensor:

@@ -19,7 +19,7 @@ mixed batches. The tensors are views into buffers allocated once at their maximu
 addresses never change between steps -- the precondition for capturing the graph in a CUDA graph
 (which would additionally pad T and B to a few bucket sizes).
 
-Depends on torch only: the pipeline's cache transforms and the runtime both use it.
+Depends on torch and ``ops.step_plan`` only: the pipeline's cache transforms and the runtime both use it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+
+from ..ops.step_plan import HostStep
 
 TOKEN_INPUTS = ("input_ids", "position_ids")
 METADATA_INPUTS = ("seq_lens", "input_pos", "page_table", "num_prefill")
@@ -56,6 +58,8 @@ class SequenceInfo:
         self.num_seqs = self.num_tokens = self.num_prefill = 0
         self.seq_lens: List[int] = []
         self.input_pos: List[int] = []
+        self.pages: List[List[int]] = []
+        self.page_size = 1
 
     @classmethod
     def from_config(cls, cfg, device: torch.device | str = "cpu") -> "SequenceInfo":
@@ -120,6 +124,11 @@ class SequenceInfo:
         self._slot_idx[:b].copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
         self.num_seqs, self.num_tokens, self.num_prefill = b, t_total, num_prefill
         self.seq_lens, self.input_pos = lens, list(input_pos)
+        self.pages, self.page_size = [list(p) for p in pages], page_size
+
+    def host_step(self) -> HostStep:
+        """The current step's layout as the host knows it (what ops that plan on the host read)."""
+        return HostStep.from_lists(self.seq_lens, self.input_pos, self.pages, self.page_size, self.num_prefill)
 
     def inputs(self) -> Dict[str, Any]:
         """Graph inputs by name for the current step (views of the fixed buffers)."""

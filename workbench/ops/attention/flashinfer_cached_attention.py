@@ -1,35 +1,49 @@
 """``workbench::flashinfer_cached_attention``: the cached attention op on FlashInfer's paged kernels.
 
 Same signature and semantics as ``torch_cached_attention`` (see that module for shapes). GPU only
-and an optional extra (``pip install flashinfer-python``): the op is always registered, so graphs
-that use it stay loadable and printable everywhere; ``is_available()`` says whether it can run
-here and, if not, what is missing; ``unsupported()`` which layer shapes it cannot take (head dims
-other than 64/128/256, fp32, sinks). ``insert_cached_attention(backend="flashinfer")`` asks both
-before it rewrites anything.
+and an optional extra (``pip install flashinfer-python``; written against 0.6.18.post1): the op is
+always registered, so graphs that use it stay loadable and printable everywhere; ``is_available()``
+says whether it can run here and, if not, what is missing; ``unsupported()`` which layer shapes it
+cannot take (head dims other than 64/128/256, K/V head dims that differ, fp32, sinks).
+``insert_cached_attention`` asks both before it rewrites anything, and the op itself refuses such a
+call up front, naming the backends that can serve it.
 
-Mapping to FlashInfer (NHD layout, separate K and V page pools, exactly our cache layout):
+One call, per layer:
 
-* ``append_paged_kv_cache`` writes the step's k/v at ``input_pos .. input_pos + seq_lens - 1``;
-* ``BatchPrefillWithPagedKVCacheWrapper`` handles every sequence of the step (decode is the
-  ``qo_len == 1`` case), causal with bottom-right alignment as in our reference;
-* ``sliding_window = w`` keeps ``q - k < w``, FlashInfer's ``window_left = w - 1``;
-* ``logit_cap`` is FlashInfer's ``logits_soft_cap``. Attention sinks are not supported here.
+* the step's new k/v are written into the page pools with plain tensor indexing computed on the
+  device (``write_kv``: no host read, any head dim, any cache dtype);
+* attention runs through ``BatchPrefillWithPagedKVCacheWrapper`` (backend ``fa2``: one kernel
+  family for prefill, decode and mixed steps, any GQA group; decode is the ``qo_len == 1`` case),
+  NHD layout with separate K and V pools -- exactly our cache layout -- causal, bottom-right
+  aligned as in our reference; ``sliding_window = w`` is FlashInfer's ``window_left = w - 1``,
+  ``logit_cap`` its ``logits_soft_cap``.
 
-The plan is rebuilt on every call (per layer): simple and correct; sharing one plan across the
-layers of a step is the obvious optimisation once this backend is measured on a GPU.
+FlashInfer's ``plan()`` computes the kernels' work partition on the host from the step's lengths
+and pages; it cannot run under CUDA-graph capture, and a replay never calls the op. So plans live
+in a ``FlashInferPlanner`` that the runtime owns and drives (``workbench.ops.step_plan``): it plans
+once per step -- shared by every layer with the same (heads, head dim, window, cap, scale, dtypes) --
+from the host's own copy of the step layout, with one wrapper per captured decode batch size in
+CUDA-graph mode (fixed-address index buffers, re-planned before each replay). Called outside a
+runner (numerics probe, tests) the op plans from its metadata tensors itself: a device -> host read,
+refused under capture with a message saying how to capture it.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+import threading
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..flashinfer_support import flashinfer_attention_unsupported
+from ..flashinfer_support import FLASHINFER_DTYPES, flashinfer_attention_unsupported
 from ..flashinfer_support import flashinfer_available as is_available  # noqa: F401  (public per-op name)
-from .torch_cached_attention import define_cached_attention
+from ..step_plan import HostStep, active_planner
+from .torch_cached_attention import define_cached_attention, token_layout, write_kv
 
-_WORKSPACE_BYTES = 128 * 2**20
+_WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace (split-KV scratch)
+_KERNELS = "fa2"  # FlashInfer's FA2 kernels: sm80+, one JIT family for every step kind
+OTHER_BACKENDS = "'triton' or 'torch'"
 
 
 def unsupported(head_dim: int, v_head_dim: int, dtype: torch.dtype, has_sinks: bool = False) -> Optional[str]:
@@ -38,68 +52,181 @@ def unsupported(head_dim: int, v_head_dim: int, dtype: torch.dtype, has_sinks: b
     return flashinfer_attention_unsupported(head_dim, v_head_dim, dtype, has_sinks)
 
 
-class _Workspaces:
-    """FlashInfer's scratch buffer, one per device, allocated on first use and then reused.
+@dataclass(frozen=True)
+class PlanKey:
+    """What one FlashInfer plan serves: every layer with these values shares it in a step."""
 
-    An explicit object owned by this module rather than a bare dict so the one piece of state
-    this backend keeps is named and documented; it only caches an allocation.
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    window_left: int  # -1: no window
+    logits_soft_cap: Optional[float]
+    sm_scale: float
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+
+
+def host_indices(step: HostStep) -> Tuple[torch.Tensor, ...]:
+    """FlashInfer's CSR description of ``step`` on the host, all int32: (qo_indptr [B+1],
+    kv_indptr [B+1], kv_indices [pages in use], last_page_len [B]). Sequence i's keys are its
+    ``input_pos + seq_len`` cached tokens, on its first ``ceil(kv_len / page_size)`` pages."""
+    ps = step.page_size
+    kv_lens = [p + n for p, n in zip(step.input_pos, step.seq_lens)]
+    used = [-(-n // ps) for n in kv_lens]
+    qo_indptr, kv_indptr = [0], [0]
+    for n, u in zip(step.seq_lens, used):
+        qo_indptr.append(qo_indptr[-1] + n)
+        kv_indptr.append(kv_indptr[-1] + u)
+    indices = [page for pages, u in zip(step.pages, used) for page in pages[:u]]
+    last = [(n - 1) % ps + 1 for n in kv_lens]
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    return as_i32(qo_indptr), as_i32(kv_indptr), as_i32(indices), as_i32(last)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class FlashInferPlanner:
+    """The FlashInfer wrappers of one runner and their plans for the current step.
+
+    ``begin(step, graph_batch)`` starts a step (``graph_batch``: the decode batch size of the CUDA
+    graph being captured or replayed; None: an eager forward). ``wrapper(key, max_pages)``, called
+    by the op for each layer, returns the wrapper for ``key`` planned for this step -- created and
+    planned on first use, never during capture (warm-up runs first). Replays do not call the op,
+    so ``begin`` re-plans every wrapper the graph of ``graph_batch`` captured.
     """
 
-    def __init__(self) -> None:
-        self._buffers: Dict[torch.device, torch.Tensor] = {}
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._workspace: Optional[torch.Tensor] = None  # shared: only used inside one run()
+        self._wrappers: Dict[Tuple[Optional[int], PlanKey], object] = {}  # (graph batch, key) -> wrapper
+        self._planned: Dict[Tuple[Optional[int], PlanKey], int] = {}  # -> step id it was planned for
+        self._step: Optional[HostStep] = None
+        self._step_id = 0
+        self._graph_batch: Optional[int] = None
+        self._indices: Optional[Tuple[torch.Tensor, ...]] = None  # host_indices of the step, made once
+        self.plans = 0  # plan() calls so far (tests read it: once per step and key, not per layer)
 
-    def get(self, device: torch.device) -> torch.Tensor:
-        if device not in self._buffers:
-            self._buffers[device] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        return self._buffers[device]
+    @property
+    def step(self) -> Optional[HostStep]:
+        return self._step
+
+    def begin(self, step: HostStep, graph_batch: Optional[int]) -> None:
+        if graph_batch is not None and len(step.seq_lens) != graph_batch:
+            raise ValueError(f"a step of {len(step.seq_lens)} sequences cannot replay the graph of batch size "
+                             f"{graph_batch} (pad the step to it first)")
+        self._step, self._graph_batch, self._indices = step, graph_batch, None
+        self._step_id += 1
+        if graph_batch is not None:
+            for slot, w in self._wrappers.items():
+                if slot[0] == graph_batch:
+                    self._plan(w, slot)
+
+    def wrapper(self, key: PlanKey, max_pages_per_seq: int):
+        if self._step is None:
+            raise RuntimeError("FlashInferPlanner.wrapper before begin(): the runner plans each step first")
+        slot = (self._graph_batch, key)
+        w = self._wrappers.get(slot)
+        if w is None:
+            self._refuse_under_capture(key, "first seen")
+            w = self._wrappers[slot] = self._new_wrapper(key, max_pages_per_seq)
+        if self._planned.get(slot) != self._step_id:
+            self._refuse_under_capture(key, "not planned for this step")
+            self._plan(w, slot)
+        return w
+
+    def _refuse_under_capture(self, key: PlanKey, what: str) -> None:
+        if _capturing():
+            raise RuntimeError(f"flashinfer_cached_attention: a layer configuration {what} during CUDA-graph "
+                               f"capture ({key}); FlashInfer plans on the host, so the runner must run the step "
+                               "once outside capture (warm-up) before capturing it")
+
+    def _new_wrapper(self, key: PlanKey, max_pages_per_seq: int):
+        import flashinfer
+
+        if self._workspace is None:
+            self._workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        b = self._graph_batch
+        if b is None:
+            return flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend=_KERNELS)
+        # CUDA-graph mode: the index buffers sit at fixed addresses the captured kernels read;
+        # plan() copies each step's indices into them (sized for b sequences of the longest length)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.empty(b + 1, **i32),
+            paged_kv_indptr_buf=torch.empty(b + 1, **i32),
+            paged_kv_indices_buf=torch.empty(b * max_pages_per_seq, **i32),
+            paged_kv_last_page_len_buf=torch.empty(b, **i32), backend=_KERNELS)
+
+    def _plan(self, w, slot: Tuple[Optional[int], PlanKey]) -> None:
+        key = slot[1]
+        if self._indices is None:
+            self._indices = host_indices(self._step)  # host tensors: plan() reads them without a sync
+        qo_indptr, kv_indptr, kv_indices, last_page_len = self._indices
+        w.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads=key.num_qo_heads,
+               num_kv_heads=key.num_kv_heads, head_dim_qk=key.head_dim, page_size=key.page_size, causal=True,
+               sm_scale=key.sm_scale, window_left=key.window_left, logits_soft_cap=key.logits_soft_cap,
+               q_data_type=key.q_dtype, kv_data_type=key.kv_dtype)
+        self._planned[slot] = self._step_id
+        self.plans += 1
 
 
-WORKSPACES = _Workspaces()
+# Calls outside a runner (numerics probe, tests): one planner per thread and device, re-planned
+# whenever the step read from the metadata tensors changes. A cache of FlashInfer's workspaces,
+# not state anything else reads.
+_UNMANAGED = threading.local()
 
 
-def paged_kv_indices(seq_lens, input_pos, page_table, page_size: int):
-    """FlashInfer's CSR page description: (kv_indptr [B+1], kv_indices [nnz], last_page_len [B],
-    kv_lens [B]), all int32 on the metadata's device."""
-    kv_lens = (input_pos + seq_lens).int()
-    n_pages = (kv_lens + page_size - 1) // page_size  # [B]
-    kv_indptr = torch.zeros(kv_lens.numel() + 1, dtype=torch.int32, device=kv_lens.device)
-    kv_indptr[1:] = torch.cumsum(n_pages, 0)
-    cols = torch.arange(page_table.shape[1], device=kv_lens.device)
-    used = cols[None, :] < n_pages[:, None]  # [B, max_pages]
-    kv_indices = page_table[: kv_lens.numel()][used].int()
-    last_page_len = ((kv_lens - 1) % page_size + 1).int()
-    return kv_indptr, kv_indices, last_page_len, kv_lens
+def _unmanaged_planner(device: torch.device, step: HostStep) -> FlashInferPlanner:
+    planners = _UNMANAGED.__dict__.setdefault("planners", {})
+    planner = planners.get(device)
+    if planner is None:
+        planner = planners[device] = FlashInferPlanner(device)
+    if planner.step != step:
+        planner.begin(step, None)
+    return planner
+
+
+def _refusal(q, k, v, k_cache, v_cache, sinks) -> Optional[str]:
+    """Why FlashInfer cannot serve this call (None: it can)."""
+    why = unsupported(q.shape[-1], v.shape[-1], q.dtype, sinks is not None)
+    if why is None and k_cache.dtype not in FLASHINFER_DTYPES:
+        why = f"KV cache dtype {str(k_cache.dtype).replace('torch.', '')} (FlashInfer takes float16 or bfloat16)"
+    if why is None and (q.shape[2] % k.shape[2] or v_cache.dtype != k_cache.dtype):
+        why = f"{q.shape[2]} query heads over {k.shape[2]} KV heads, caches {k_cache.dtype}/{v_cache.dtype}"
+    return why
 
 
 def flashinfer_cached_attention(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, scale,
                                 sliding_window=None, logit_cap=None, sinks=None) -> torch.Tensor:
     """FlashInfer paged attention under the shared cached-attention schema (``torch_cached_attention``)."""
-    ok, why = is_available(q.device)
+    why = _refusal(q, k, v, k_cache, v_cache, sinks)
+    if why is not None:
+        raise ValueError(f"flashinfer_cached_attention cannot serve this call: {why}. Use the {OTHER_BACKENDS} "
+                         "cached attention backend (insert_cached_attention.backend=triton).")
+    ok, missing = is_available(q.device)
     if not ok:
-        raise RuntimeError(f"flashinfer_cached_attention cannot run: {why}")
-    if sinks is not None:
-        raise NotImplementedError("flashinfer_cached_attention: attention sinks are not supported; use backend torch or triton")
-    import flashinfer
-
-    page_size = k_cache.shape[1]
-    hq, hkv, d = q.shape[2], k.shape[2], q.shape[3]
-    t = q.shape[1]
-    kv_indptr, kv_indices, last_page_len, kv_lens = paged_kv_indices(seq_lens, input_pos, page_table, page_size)
-    qo_indptr = torch.zeros_like(kv_indptr)
-    qo_indptr[1:] = torch.cumsum(seq_lens.int(), 0)
-    batch_indices, positions = flashinfer.get_batch_indices_positions(qo_indptr, kv_lens, t)
-    flashinfer.append_paged_kv_cache(
-        k[0], v[0], batch_indices, positions, (k_cache, v_cache), kv_indices, kv_indptr,
-        last_page_len, kv_layout="NHD",
-    )
-    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(WORKSPACES.get(q.device), "NHD")
-    wrapper.plan(
-        qo_indptr, kv_indptr, kv_indices, last_page_len, hq, hkv, d, page_size, causal=True,
-        sm_scale=scale, window_left=-1 if sliding_window is None else sliding_window - 1,
-        logits_soft_cap=logit_cap or 0.0, q_data_type=q.dtype, kv_data_type=k_cache.dtype,
-    )
-    out = wrapper.run(q[0], (k_cache, v_cache))  # [T, Hq, Dv]
+        raise RuntimeError(f"flashinfer_cached_attention cannot run: {missing}. Use the {OTHER_BACKENDS} backend.")
+    t, page_size = q.shape[1], k_cache.shape[1]
+    seq_idx, pos = token_layout(seq_lens, input_pos, t)
+    write_kv(k[0], v[0], k_cache, v_cache, seq_idx, pos, page_table)
+    planner = active_planner("flashinfer")
+    if planner is None:
+        if _capturing():
+            raise RuntimeError("flashinfer_cached_attention is being captured in a CUDA graph outside the workbench "
+                               "runtime: FlashInfer plans each step on the host before a replay. Capture it through "
+                               "compile_model (torch-cudagraph), whose runner plans every step.")
+        planner = _unmanaged_planner(q.device, HostStep.from_device(seq_lens, input_pos, page_table, page_size,
+                                                                    int(num_prefill)))
+    key = PlanKey(q.shape[2], k.shape[2], q.shape[3], page_size, -1 if sliding_window is None else int(sliding_window) - 1,
+                  float(logit_cap) if logit_cap else None, float(scale), q.dtype, k_cache.dtype)
+    out = planner.wrapper(key, page_table.shape[1]).run(q[0].contiguous(), (k_cache, v_cache))  # [T, Hq, Dv]
     return out.to(q.dtype).unsqueeze(0)
 
 
 define_cached_attention("flashinfer_cached_attention", flashinfer_cached_attention)
+
+__all__ = ["flashinfer_cached_attention", "FlashInferPlanner", "PlanKey", "host_indices", "unsupported",
+           "is_available"]

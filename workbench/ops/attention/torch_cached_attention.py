@@ -41,12 +41,15 @@ import torch.nn.functional as F
 from ..library import define_op
 
 
-def token_layout(seq_lens: torch.Tensor, input_pos: torch.Tensor):
-    """Per flattened token: (sequence index [T], logical position [T]), both int64."""
+def token_layout(seq_lens: torch.Tensor, input_pos: torch.Tensor, num_tokens: int):
+    """Per flattened token: (sequence index [T], logical position [T]), both int64, for the step's
+    ``num_tokens`` = T tokens. Computed on the device with no host read (token t belongs to the
+    first sequence whose cumulative length exceeds t), so a CUDA graph can capture it."""
     lens = seq_lens.long()
-    seq_idx = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
-    starts = torch.cumsum(lens, 0) - lens  # first flattened token of each sequence
-    offset = torch.arange(seq_idx.numel(), device=lens.device) - starts[seq_idx]
+    ends = torch.cumsum(lens, 0)  # [B]: one past each sequence's last flattened token
+    tokens = torch.arange(num_tokens, device=lens.device)
+    seq_idx = torch.searchsorted(ends, tokens, right=True)
+    offset = tokens - (ends - lens)[seq_idx]
     return seq_idx, input_pos.long()[seq_idx] + offset
 
 
@@ -240,7 +243,7 @@ def torch_cached_attention(
     if num_prefill == 0:  # decode only: token i is sequence i, at its input_pos
         seq_idx, pos = torch.arange(len(lens), device=q.device), input_pos.long()
     else:
-        seq_idx, pos = token_layout(seq_lens, input_pos)
+        seq_idx, pos = token_layout(seq_lens, input_pos, q.shape[1])
     write_kv(k[0], v[0], k_cache, v_cache, seq_idx, pos, page_table)
 
     out = q.new_empty(*q.shape[:-1], v.shape[-1])  # [1, T, Hq, Dv]

@@ -96,7 +96,7 @@ def torch_cached_mla(
     r = compressed_kv.shape[-1]
     device = q_nope.device
     # Write: one [r + dr] row per new token.
-    seq_idx, pos = token_layout(seq_lens, input_pos)
+    seq_idx, pos = token_layout(seq_lens, input_pos, compressed_kv.shape[1])
     page_size = mla_cache.shape[1]
     pages = page_table.long()[seq_idx, pos // page_size]
     mla_cache[pages, pos % page_size] = torch.cat([compressed_kv[0], kpe[0, :, 0]], dim=-1).to(mla_cache.dtype)

@@ -5,8 +5,11 @@ so graphs that use it stay loadable and printable everywhere; ``is_available()``
 run here and, if not, what is missing. ``fuse_rmsnorm(backend="flashinfer")`` refuses to pick it
 when it cannot run, naming the missing piece.
 
-Contract: input [..., H], weight [H] of the *same dtype* as input -> [..., H]. FlashInfer takes
-2-D rows, so leading dims are flattened. One difference from the canonical op in half precision:
+Contract: input [..., H] in float16 or bfloat16, weight [H] of the *same dtype* -> [..., H].
+FlashInfer takes 2-D rows, so leading dims are flattened. float32 is refused: flashinfer-python
+0.6.18's CUDA norm kernel is built for half precision only (its CuTe DSL path lists fp32, but that
+path needs the nvidia-cutlass-dsl libraries, which a GPU machine without network may not have), so
+``fuse_rmsnorm`` leaves fp32 norms canonical and the op refuses them, naming the backends that run. One difference from the canonical op in half precision:
 FlashInfer multiplies the weight in fp32 and rounds once, where HF rounds the normalised row to
 the input dtype first and then rounds the product again (<= 1 ulp apart). In fp32 both agree.
 ``fuse_rmsnorm`` only swaps nodes whose input and weight dtypes are equal.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..flashinfer_support import FLASHINFER_DTYPES
 from ..flashinfer_support import flashinfer_available as is_available  # noqa: F401  (public per-op name)
 
 
@@ -26,6 +30,9 @@ def flashinfer_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float) ->
     if not ok:
         raise RuntimeError(f"flashinfer_rmsnorm cannot run: {why}. Use the 'torch' or 'triton' "
                            "RMSNorm backend (fuse_rmsnorm.backend=...).")
+    if input.dtype not in FLASHINFER_DTYPES:
+        raise ValueError(f"flashinfer_rmsnorm takes float16 or bfloat16, got {input.dtype}: use the 'triton' or "
+                         "'torch' RMSNorm backend (fuse_rmsnorm.backend=...) for this model")
     if weight.dtype != input.dtype:
         raise ValueError(f"flashinfer_rmsnorm needs weight dtype == input dtype, got "
                          f"{weight.dtype} and {input.dtype}")

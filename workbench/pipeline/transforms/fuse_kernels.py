@@ -33,6 +33,7 @@ from ... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ..interface import Transform, TransformConfig, register, rewrite_info
 
 from ...ops.backends import pick_fusion_backend
+from ...ops.flashinfer_support import FLASHINFER_DTYPES
 from ..graph_weights import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights
 from ..graph_utils import tensor_meta
 from ..matcher import annotate_new_nodes, erase_dead, named_args
@@ -74,6 +75,8 @@ def _rmsnorm_refusal(backend: str, node: fx.Node) -> Optional[str]:
         return "no fake value on input/weight (run shape propagation first)"
     if w.dim() != 1 or w.shape[0] != x.shape[-1]:
         return f"weight shape {list(w.shape)} is not [hidden]"
+    if backend == "flashinfer" and x.dtype not in FLASHINFER_DTYPES:
+        return f"flashinfer takes float16 or bfloat16, not {x.dtype}"
     if backend == "flashinfer" and w.dtype != x.dtype:
         return f"flashinfer needs weight dtype == input dtype ({w.dtype} vs {x.dtype})"
     return None
