@@ -4,12 +4,28 @@
     .venv/bin/python bench/decode.py --batch-sizes 1 --no-hf-compile
     python bench/decode.py --device cuda --dtype bfloat16 --model shape:smollm2   # GPU, random weights
     python bench/decode.py --device cuda --dtype bfloat16 --model shape:llama3-8b --batch-sizes 1
+    python bench/decode.py --model shape:smollm2 --no-hf-eager --no-hf-compile --no-hf-graph-loop \\
+        --no-llama-cpp --backends auto                     # the workbench rows only
 
-HF peers: eager ``generate``; ``generate`` with a static cache and HF's own compile of the decode
-step; on CUDA also HF's model in our own greedy loop, one ``torch.compile(mode="reduce-overhead")``
-decode step per token (CUDA graphs). Each compiled row's note says whether Inductor skipped CUDA
-graphs. Every workbench row also gets one profiled run: the median decode step split into host
-time (scheduling, input preparation and launch, sampling) and device time.
+Output: every row is printed (flushed) the moment it is measured, one fixed-width line
+``row <name> bs <B> <tok/s> tok/s  <note>`` ("-" where nothing was measured: a skipped or failed
+row), so a run killed at any moment shows every row it measured. The summary table with the ratios
+follows once all rows are in; a ratio whose peer did not run prints "-".
+
+HF peers, each switched off by its flag: eager ``generate`` (``--no-hf-eager``); ``generate`` with a
+static cache and HF's own compile of the decode step (``--no-hf-compile``); HF's model in our own
+greedy loop, one ``torch.compile(mode="reduce-overhead")`` decode step per token (CUDA graphs;
+``--hf-graph-loop/--no-hf-graph-loop``, default on with CUDA). Each compiled row's note says whether
+Inductor skipped CUDA graphs. llama.cpp rows: ``--no-llama-cpp``. With every peer off only the
+workbench rows run.
+
+Workbench rows: one per compile backend of ``--backends`` (on CUDA by default ``auto`` first, then
+the explicit ones). Attention is left to the pipeline's ``auto`` (on CUDA FlashInfer where installed
+and the shape fits, else Triton; on CPU the C++ kernel) unless ``--attention`` names one; each row's
+note says which attention backend the pipeline chose and why, and an ``auto`` row also which compile
+backend ``auto`` resolved to (CUDA graphs when the graph can be captured). Every workbench row also
+gets one profiled run: the median decode step split into host time (scheduling, input preparation
+and launch, sampling) and device time.
 
 Every row runs in this one process on the same weights: B prompts of ``--prompt-len`` random tokens,
 ``--new-tokens`` greedy tokens each (no stop token). Decode tokens/s counts only decode steps:
@@ -21,15 +37,17 @@ GEMV bandwidth (matrix bytes / t of a large ``torch.mv``), both measured here fi
 use the bytes of their GGUF file's tensors. "x best peer" compares with the fastest peer at the
 benchmark's dtype (llama.cpp on the packaged 4-bit GGUF is shown but not counted).
 
-On CPU with smollm2 the run ends with alternated bs 1 rounds (``--paired-rounds``): llama.cpp and the
-workbench's torch-compile rows timed back to back, the ratio taken within each round, then the
-median over rounds. This machine's memory bandwidth drifts by tens of percent within minutes, so
-the table's rows, timed minutes apart, can differ by the machine's state as much as by the engines.
+On CPU with smollm2 the run ends with alternated bs 1 rounds (``--paired-rounds``; not with
+``--no-llama-cpp``): llama.cpp and the workbench's torch-compile rows timed back to back, the ratio
+taken within each round, then the median over rounds. This machine's memory bandwidth drifts by tens
+of percent within minutes, so the table's rows, timed minutes apart, can differ by the machine's
+state as much as by the engines.
 
 ``shape:<name>`` models are random weights of a real model's config (no download, no GGUF): the
-GPU benchmarks use them. llama.cpp rows need ``llama-cpp-python`` (extra ``llamacpp``) and a GGUF file
-(``smollm2`` only; CPU only; batch 1): the packaged Q4_1 file, and an F32 copy of it written once
-(the same weights the workbench's fp32 model holds); otherwise the row says why it is skipped.
+GPU benchmarks use them. llama.cpp rows and the Q4_1 rows need a GGUF model (``smollm2`` only);
+llama.cpp also needs ``llama-cpp-python`` (extra ``llamacpp``), the CPU and batch 1: it runs the
+packaged Q4_1 file, and an F32 copy of it written once (the same weights the workbench's fp32 model
+holds); otherwise its row says why it is skipped.
 """
 
 from __future__ import annotations
@@ -40,30 +58,20 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_peers import (float32_gguf, gguf_tensor_bytes, hf_decode_rate, hf_graph_decode_rate,  # noqa: E402
                           hf_greedy_tokens, llama_cpp_decode_rate, llama_cpp_unavailable, SHAPES)
-from workbench.runtime.generate import format_step_profile  # noqa: E402
+from decode_rows import print_q4_ratios, print_table, Row, RowLog  # noqa: E402
 
 from workbench import Workbench, load_model  # noqa: E402
 from workbench.models import resolve_spec  # noqa: E402
 
-
-@dataclass
-class Row:
-    name: str
-    batch: int
-    tok_s: Optional[float]
-    note: str = ""
-    step_bytes: Optional[int] = None  # weight bytes a decode step reads, when not the model's
-    peer_dtype: bool = True  # runs the benchmark's dtype: counts as a peer for "x best peer"
-    step_ms: Optional[Dict[str, float]] = None  # workbench rows: median decode-step split (profiled run)
+LLAMA_CPP = "llama.cpp (llama-cpp-python)"
 
 
 def sync(device: torch.device) -> None:
@@ -124,40 +132,85 @@ def best_decode_rate(wb, prompts: List[List[int]], new: int, repeats: int) -> fl
                for _ in range(repeats))
 
 
+def pipeline_choices(wb, backend: str) -> str:
+    """What the pipeline chose where the bench leaves it the choice: the attention backend (its
+    ``auto`` depends on the device, what is installed and every layer's shape) and, for compile
+    backend ``auto``, what that resolved to (on CUDA: CUDA graphs only when the graph can be captured)."""
+    # details: "backend" the name, "chosen" why ("auto on cuda: triton (passed over: flashinfer: ...)")
+    attention = wb.snapshot("insert_cached_attention").info.details
+    notes = [f"attention {attention['backend']} [{attention['chosen']}]" if "backend" in attention
+             else f"attention not cached ({wb.snapshot('insert_cached_attention').info.skip_reason})"]
+    if backend == "auto":
+        compiled = wb.snapshot("compile_model").info.details
+        notes.append(f"compile {compiled['backend']} [{compiled['chosen']}]")
+    return "; ".join(notes)
+
+
 def workbench_rates(loaded, device: torch.device, batches: List[int], prompts: Dict[int, List[List[int]]],
                     new: int, backends: List[str], repeats: int = 2, label: str = "workbench",
                     step_bytes: Optional[int] = None, peer_dtype: bool = True,
-                    extra_overrides: Optional[Dict[str, object]] = None) -> List[Row]:
+                    extra_overrides: Optional[Dict[str, object]] = None) -> Iterator[Row]:
     """One pipeline; the compile backend is switched by configure (only the compile stage re-runs).
-    Best of ``repeats`` generate runs per batch size (HF rows: best of 2 as well)."""
+    Best of ``repeats`` generate runs per batch size (HF rows: best of 2 as well). Yields each row
+    as soon as it is measured."""
     max_b = max(batches)
-    max_len = len(prompts[max_b][0]) + new
     overrides = {
         "initialize_cache.max_batch_size": max_b,
-        "initialize_cache.max_seq_len": max_len,
+        "initialize_cache.max_seq_len": len(prompts[max_b][0]) + new,
         "resize_kv_cache.cpu_budget_bytes": 4 * 2**30,
         **(extra_overrides or {}),
     }
-    if device.type == "cuda":
-        overrides["insert_cached_attention.backend"] = "triton"
     wb = Workbench(loaded, device=device, numerics=False, overrides=overrides)
-    rows = []
     for backend in backends:
+        name = f"{label} {backend}"
         try:
             wb.configure("compile_model", backend=backend)
             t0 = time.perf_counter()
             wb.run()
-            setup = time.perf_counter() - t0
+            setup, choices = time.perf_counter() - t0, pipeline_choices(wb, backend)
             for b in batches:
                 wb.generate(prompts[b][:1], max_new_tokens=4, stop_token_ids=[])  # warm-up
                 best = best_decode_rate(wb, prompts[b], new, repeats)
                 # one more, profiled run (its synchronisations would cost the timed ones their overlap)
                 prof = wb.generate(prompts[b], max_new_tokens=new, stop_token_ids=[], profile_steps=True)
-                rows.append(Row(f"{label} {backend}", b, best, f"setup {setup:.0f}s" if b == batches[0] else "",
-                                step_bytes=step_bytes, peer_dtype=peer_dtype, step_ms=prof.stats.decode_step_ms))
+                note = f"setup {setup:.0f}s; {choices}" if b == batches[0] else choices
+                yield Row(name, b, best, note, step_bytes=step_bytes, peer_dtype=peer_dtype,
+                          step_ms=prof.stats.decode_step_ms)
         except Exception as e:  # noqa: BLE001 - a failing backend is a row, not the end of the run
-            rows.append(Row(f"{label} {backend}", 0, None, f"failed: {type(e).__name__}: {str(e)[:200]}"))
-    return rows
+            yield Row(name, 0, None, f"failed: {type(e).__name__}: {str(e)[:200]}")
+
+
+def hf_rows(model, prompts: Dict[int, List[List[int]]], device: torch.device,
+            args: argparse.Namespace) -> Iterator[Row]:
+    """The HF peers the flags leave on, each row yielded as soon as it is measured."""
+    batches, new = args.batch_sizes, args.new_tokens
+    if args.no_hf_eager:
+        yield Row("HF generate eager", 0, None, "skipped (--no-hf-eager)")
+    else:
+        for b in batches:
+            yield Row("HF generate eager", b, *hf_decode_rate(model, prompts[b], new, device))
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    if args.no_hf_compile:
+        yield Row("HF static cache + HF compile", 0, None, "skipped (--no-hf-compile)")
+    else:
+        for b in batches:
+            try:
+                rate, note = hf_decode_rate(model, prompts[b], new, device, compile_mode=mode)
+                yield Row(f"HF static cache + HF compile({mode})", b, rate, note)
+            except Exception as e:  # noqa: BLE001
+                yield Row(f"HF static cache + HF compile({mode})", b, None, f"failed: {str(e)[:200]}")
+        torch._dynamo.reset()
+    if args.hf_graph_loop or (args.hf_graph_loop is None and device.type == "cuda"):
+        ref = hf_greedy_tokens(model, prompts[batches[0]][0], new, device)
+        for b in batches:
+            name = f"HF model, own decode loop, compile({mode})"
+            try:
+                rate, note = hf_graph_decode_rate(model, prompts[b], new, device, mode,
+                                                  check_tokens=ref if b == batches[0] else None)
+                yield Row(name, b, rate, note)
+            except Exception as e:  # noqa: BLE001
+                yield Row(name, b, None, f"failed: {type(e).__name__}: {str(e)[:200]}")
+            torch._dynamo.reset()
 
 
 def main() -> None:
@@ -170,11 +223,19 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--backends", nargs="+", default=None,
-                    help="workbench compile backends (default: every one this device runs)")
+                    help="workbench compile backends, 'auto' included (default: every one this device runs; "
+                    "on CUDA auto first)")
+    ap.add_argument("--attention", default=None,
+                    help="insert_cached_attention.backend for the workbench rows (default: the pipeline's auto)")
     ap.add_argument("--q4-activations", nargs="+", choices=["fp32", "int8"], default=["fp32", "int8"],
                     help="Q4_1 rows: linear_weight_layout.int4_activations values to run (fp32: exact; "
                     "int8: activations rounded per block of 32, as llama.cpp)")
+    ap.add_argument("--no-hf-eager", action="store_true", help="skip HF generate eager")
     ap.add_argument("--no-hf-compile", action="store_true", help="skip HF static cache + torch.compile")
+    ap.add_argument("--hf-graph-loop", action=argparse.BooleanOptionalAction, default=None,
+                    help="also time HF's model in a hand-written compiled decode loop (CUDA graphs on a GPU; "
+                    "default: on with CUDA)")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows and the alternated rounds")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--paired-rounds", type=int, default=5,
                     help="smollm2 on CPU: rounds of llama.cpp and workbench torch-compile alternated at bs 1 "
@@ -182,10 +243,8 @@ def main() -> None:
     ap.add_argument("--paired-dynamo", action="store_true",
                     help="in the alternated rounds, also time fp32 and Q4_1 exact with every decode step "
                     "through Dynamo (compile_model.static_decode_batch_sizes=[]): the static graph's effect")
-    ap.add_argument("--hf-graph-loop", action=argparse.BooleanOptionalAction, default=None,
-                    help="also time HF's model in a hand-written compiled decode loop (CUDA graphs on a GPU; "
-                    "default: on with CUDA)")
     args = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # the header lines too reach a log before a kill
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -193,18 +252,21 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    spec = args.model
-    if spec.startswith("shape:"):
+    spec, gguf = args.model, None  # gguf: the model's GGUF file, which the llama.cpp and Q4_1 rows need
+    if spec.startswith("shape:"):  # not a spec resolve_spec knows: a config of decode_peers.SHAPES
         name = spec.split(":", 1)[1]
         if name not in SHAPES:
             sys.exit(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
         loaded = load_model(f"tiny:{name}", dtype=dtype, device=device, tiny_registry=SHAPES)
     else:
+        resolved = resolve_spec(spec)
+        gguf = resolved.path if resolved.kind == "gguf" else None
         # a GGUF model at the benchmark's dtype: its weights dequantized (the Q4_1 rows load it as stored)
         loaded = load_model(spec, dtype=dtype, device=device, gguf_weights="dequantize")
     model = loaded.model.eval()
-    backends = args.backends or (["torch-simple", "torch-compile", "torch-cudagraph", "torch-opt"]
+    backends = args.backends or (["auto", "torch-simple", "torch-compile", "torch-cudagraph", "torch-opt"]
                                  if device.type == "cuda" else ["torch-simple", "torch-compile"])
+    attention = {"insert_cached_attention.backend": args.attention} if args.attention else {}
 
     gen = torch.Generator().manual_seed(0)
     vocab = int(loaded.config.vocab_size)
@@ -218,106 +280,61 @@ def main() -> None:
     print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s, GEMV bandwidth {gemv_bw / 1e9:.1f} GB/s, "
           f"weights read per decode step {step_bytes / 2**20:.0f} MiB")
 
-    rows: List[Row] = []
-    for b in args.batch_sizes:
-        rows.append(Row("HF generate eager", b, *hf_decode_rate(model, prompts[b], args.new_tokens, device)))
-    if args.no_hf_compile:
-        rows.append(Row("HF static cache + HF compile", 0, None, "skipped (--no-hf-compile)"))
-    else:
-        mode = "reduce-overhead" if device.type == "cuda" else "default"
-        for b in args.batch_sizes:
-            try:
-                rate, note = hf_decode_rate(model, prompts[b], args.new_tokens, device, compile_mode=mode)
-                rows.append(Row(f"HF static cache + HF compile({mode})", b, rate, note))
-            except Exception as e:  # noqa: BLE001
-                rows.append(Row(f"HF static cache + HF compile({mode})", b, None, f"failed: {str(e)[:200]}"))
-        torch._dynamo.reset()
-    if args.hf_graph_loop or (args.hf_graph_loop is None and device.type == "cuda"):
-        mode = "reduce-overhead" if device.type == "cuda" else "default"
-        ref = hf_greedy_tokens(model, prompts[args.batch_sizes[0]][0], args.new_tokens, device)
-        for b in args.batch_sizes:
-            name = f"HF model, own decode loop, compile({mode})"
-            try:
-                rate, note = hf_graph_decode_rate(model, prompts[b], args.new_tokens, device, mode,
-                                                  check_tokens=ref if b == args.batch_sizes[0] else None)
-                rows.append(Row(name, b, rate, note))
-            except Exception as e:  # noqa: BLE001
-                rows.append(Row(name, b, None, f"failed: {type(e).__name__}: {str(e)[:200]}"))
-            torch._dynamo.reset()
+    log = RowLog()
+    log.add_all(hf_rows(model, prompts, device, args))
     gc.collect()
-    for b in args.batch_sizes:
-        rows += llama_cpp_rows(spec, dtype, prompts[b], args.new_tokens, device)
-    rows += workbench_rates(loaded, device, args.batch_sizes, prompts, args.new_tokens, backends)
+    if args.no_llama_cpp:
+        log.add(Row(LLAMA_CPP, 0, None, "skipped (--no-llama-cpp)"))
+    else:
+        for b in args.batch_sizes:
+            log.add_all(llama_cpp_rows(spec, gguf, dtype, prompts[b], args.new_tokens, device))
+    log.add_all(workbench_rates(loaded, device, args.batch_sizes, prompts, args.new_tokens, backends,
+                                extra_overrides=attention))
     q4 = None  # set below for smollm2 on CPU at fp32; the alternated rounds reuse it
-    if resolve_spec(spec).kind == "gguf" and dtype == torch.float32 and device.type == "cpu":
+    if gguf is not None and dtype == torch.float32 and device.type == "cpu":
         del model
         gc.collect()
         q4 = load_model(spec, device=device)  # the file's own Q4_1/Q8_0 weights, kept quantized
         for act in args.q4_activations:  # linear_weight_layout.int4_activations: exact, or llama.cpp's int8
             label = "workbench int4 (Q4_1)" + (", int8 act" if act == "int8" else "")
-            rows += workbench_rates(q4, device, args.batch_sizes, prompts, args.new_tokens, backends, label=label,
-                                    step_bytes=q4.parameter_bytes, peer_dtype=False,
-                                    extra_overrides={"linear_weight_layout.int4_activations": act})
-    print_table(rows, step_bytes, copy_bw, gemv_bw)
-    print_q4_ratios(rows)
+            log.add_all(workbench_rates(q4, device, args.batch_sizes, prompts, args.new_tokens, backends,
+                                        label=label, step_bytes=q4.parameter_bytes, peer_dtype=False,
+                                        extra_overrides={**attention, "linear_weight_layout.int4_activations": act}))
+    print_table(log.rows, step_bytes, copy_bw, gemv_bw)
+    print_q4_ratios(log.rows)
     one = prompts.get(1) or [prompts[args.batch_sizes[0]][0]]  # the bs 1 prompt
-    if args.paired_rounds and q4 is not None and llama_cpp_unavailable(spec, one, device) is None:
-        print_paired_rounds(spec, loaded, q4, one, args.new_tokens, args.paired_rounds, device, args.paired_dynamo)
+    if (args.paired_rounds and q4 is not None and not args.no_llama_cpp
+            and llama_cpp_unavailable(spec, one, device) is None):
+        print_paired_rounds(gguf, loaded, q4, one, args.new_tokens, args.paired_rounds, device, args.paired_dynamo)
     print("command: " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]))
 
 
-def llama_cpp_rows(spec: str, dtype: torch.dtype, prompts: List[List[int]], new: int,
-                   device: torch.device) -> List[Row]:
-    """llama.cpp on the packaged GGUF (its own 4-bit dtype: shown, not a like-for-like peer) and on
-    an F32 copy of it (the same weights as the workbench's fp32 model)."""
-    b, name = len(prompts), "llama.cpp (llama-cpp-python)"
+def llama_cpp_rows(spec: str, gguf: Optional[Path], dtype: torch.dtype, prompts: List[List[int]], new: int,
+                   device: torch.device) -> Iterator[Row]:
+    """llama.cpp on the packaged GGUF ``gguf`` (its own 4-bit dtype: shown, not a like-for-like peer)
+    and on an F32 copy of it (the same weights as the workbench's fp32 model)."""
+    b = len(prompts)
     why = llama_cpp_unavailable(spec, prompts, device)
     if why is not None:
-        return [Row(name, b, None, why)]
-    rows, src = [], resolve_spec(spec).path
+        yield Row(LLAMA_CPP, b, None, why)
+        return
     if dtype == torch.float32:
-        f32 = float32_gguf(src)
-        rows.append(Row(f"{name} F32", b, llama_cpp_decode_rate(f32, prompts, new),
-                        f"{f32.name}: the same fp32 weights", gguf_tensor_bytes(f32)))
+        f32 = float32_gguf(gguf)
+        yield Row(f"{LLAMA_CPP} F32", b, llama_cpp_decode_rate(f32, prompts, new),
+                  f"{f32.name}: the same fp32 weights", gguf_tensor_bytes(f32))
     else:
-        rows.append(Row(f"{name} F32", b, None, f"skipped: the benchmark runs {dtype}, the F32 copy is fp32"))
-    rows.append(Row(f"{name} packaged", b, llama_cpp_decode_rate(src, prompts, new),
-                    f"{src.name}: 4-bit, not counted as a peer", gguf_tensor_bytes(src), peer_dtype=False))
-    return rows
+        yield Row(f"{LLAMA_CPP} F32", b, None, f"skipped: the benchmark runs {dtype}, the F32 copy is fp32")
+    yield Row(f"{LLAMA_CPP} packaged", b, llama_cpp_decode_rate(gguf, prompts, new),
+              f"{gguf.name}: 4-bit, not counted as a peer", gguf_tensor_bytes(gguf), peer_dtype=False)
 
 
-def print_table(rows: List[Row], step_bytes: int, copy_bw: float, gemv_bw: float) -> None:
-    eager = {r.batch: r.tok_s for r in rows if r.name == "HF generate eager" and r.tok_s}
-    peers = {}
-    for r in rows:
-        if r.tok_s and r.peer_dtype and not r.name.startswith("workbench"):
-            peers[r.batch] = max(peers.get(r.batch, 0.0), r.tok_s)
-    print(f"\n{'':44s} {'batch':>5s} {'tok/s':>9s} {'x HF eager':>10s} {'x best peer':>11s} "
-          f"{'copy BW':>8s} {'GEMV BW':>8s}  note")
-    for r in rows:
-        if r.tok_s is None:
-            print(f"{r.name:44s} {r.batch or '':>5} {'-':>9s} {'':10s} {'':11s} {'':8s} {'':8s}  {r.note}")
-            continue
-        achieved = (r.step_bytes or step_bytes) * r.tok_s / r.batch
-        ratio = r.tok_s / eager[r.batch] if r.batch in eager else float("nan")
-        peer = r.tok_s / peers[r.batch] if r.batch in peers else float("nan")
-        print(f"{r.name:44s} {r.batch:5d} {r.tok_s:9.1f} {ratio:10.2f} {peer:11.2f} {achieved / copy_bw:8.0%} "
-              f"{achieved / gemv_bw:8.0%}  {r.note}")
-    profiled = [r for r in rows if r.step_ms]
-    if profiled:
-        print("\nper decode step, median ms (a separate profiled run; 'gpu' = CUDA-event time of the runner call,"
-              " the graph replay with CUDA graphs; the rest is host time):")
-        for r in profiled:
-            print(f"  {r.name:36s} bs {r.batch:3d}: {format_step_profile(r.step_ms)}")
-
-
-def print_paired_rounds(spec: str, fp32, q4, prompts: List[List[int]], new: int, rounds: int,
+def print_paired_rounds(src: Path, fp32, q4, prompts: List[List[int]], new: int, rounds: int,
                         device: torch.device, dynamo_too: bool = False) -> None:
     """bs 1 head to head, alternated: each round times llama.cpp F32, workbench fp32, llama.cpp Q4_1 and
     the workbench Q4_1 rows (torch-compile) one after the other (best of 2 each), and the ratios are
     taken within the round. This VM's memory bandwidth drifts by 30 % within minutes; rows timed
-    minutes apart (the table above) compare states as much as engines, a round compares within one."""
-    src = resolve_spec(spec).path
+    minutes apart (the table above) compare states as much as engines, a round compares within one.
+    ``src``: the packaged GGUF file."""
     f32 = float32_gguf(src)
     overrides = {"initialize_cache.max_batch_size": 1, "initialize_cache.max_seq_len": len(prompts[0]) + new,
                  "compile_model.backend": "torch-compile"}
@@ -357,16 +374,6 @@ def print_paired_rounds(spec: str, fp32, q4, prompts: List[List[int]], new: int,
         r = [a / b for a, b in zip(ratios[base], ratios[f"{base} dynamo"])]
         print(f"workbench {base}: static decode graph vs every step through Dynamo: median {statistics.median(r):.3f}x "
               f"(rounds {min(r):.3f}-{max(r):.3f}x)")
-
-
-def print_q4_ratios(rows: List[Row]) -> None:
-    """The 4-bit comparison: workbench on the file's own Q4_1 weights vs llama.cpp on the same file."""
-    ref = {r.batch: r.tok_s for r in rows if r.name.endswith(" packaged") and r.tok_s}
-    q4 = [r for r in rows if r.name.startswith("workbench int4") and r.tok_s]
-    for r in q4:
-        if r.batch in ref:
-            print(f"{r.name} bs {r.batch}: {r.tok_s:.1f} tok/s = {r.tok_s / ref[r.batch]:.2f}x llama.cpp Q4_1 "
-                  f"({ref[r.batch]:.1f} tok/s)")
 
 
 if __name__ == "__main__":
