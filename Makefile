@@ -67,13 +67,21 @@ test: install bytecode
 # project's missing pure-Python dependencies and FlashInfer as wheels, downloaded here first:
 #   make wheelhouse                  (where pip works; into $(WHEELHOUSE), ignored by git)
 #   make gpu-check OUT=<dir>         (on the GPU machine: GPU tests + GPU decode bench -> <dir>)
+# gpu-check runs GPU_CHECK_STEPS in order inside GPU_CHECK_BUDGET seconds (wheel install included), each
+# step under its own limit (env 30, flashinfer-jit 90, tests 210, bench-smollm2 75, bench-llama3 75:
+# 480 in all); at its limit a step's process group is killed and summary.md says so. Opt-in steps:
+# bench-peers (HF static cache + compile, HF graph loop; 300 s) and export (tools/export_report.py;
+# 240 s): add them to GPU_CHECK_STEPS and raise the budget. GPU_CHECK_ARGS passes the rest, e.g.
+# '--limit tests=300 --workers 8 --test-timeout 60 --pytest-args "-m gpu tests/test_generate.py"'.
+# <dir> gets summary.md (current from the start), env.json, tests.log, failures.txt, steps.log, bench.log.
 # Versions are pinned: FlashInfer 0.6.18.post1 and its four non-torch dependencies import under
 # torch 2.11 (measured on an H100); pydantic/gguf/graphviz as this project's CPU venv has them.
 WHEELHOUSE ?= .whl
 WHEEL_PY ?= 3.12
 GPU_PY ?= python3
 GPU_SITE ?= /tmp/workbench-gpu-site
-GPU_CHECK_STEPS ?= env,export,flashinfer-jit,tests,bench-smollm2,bench-llama3
+GPU_CHECK_STEPS ?= env,flashinfer-jit,tests,bench-smollm2,bench-llama3
+GPU_CHECK_BUDGET ?= 480
 OUT ?= gpu-check-out
 WHEELS := pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
           gguf==0.19.0 graphviz==0.21 \
@@ -89,7 +97,7 @@ wheelhouse:
 
 gpu-check:
 	$(GPU_PY) tools/gpu_check.py --out $(OUT) --wheelhouse $(WHEELHOUSE) --site $(GPU_SITE) \
-	  --steps $(GPU_CHECK_STEPS) $(GPU_CHECK_ARGS)
+	  --steps $(GPU_CHECK_STEPS) --budget $(GPU_CHECK_BUDGET) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
