@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -26,18 +28,51 @@ logger = logging.getLogger("workbench")
 _STEPPER_ARGS = frozenset(inspect.signature(PipelineStepper.__init__).parameters) - {"self", "loaded"}
 
 
-def ensure_writable_dir(path: Union[str, Path], what: str) -> Path:
-    """Create ``path`` if needed and check it takes files, before any work is spent on writing there."""
+# Free space for renders and reports: below the first a directory is refused (nothing useful fits:
+# tiny:llama's report is ~8 MiB, its renders ~11 MiB; a real model's are larger), below the second a
+# warning says they may not fit.
+MIN_FREE_BYTES = 1 << 20
+LOW_FREE_BYTES = 64 << 20
+
+
+def ensure_writable_dir(path: Union[str, Path], what: str, *, min_free: int = 0, low_free: int = 0) -> Path:
+    """Create ``path`` if needed and check it takes files, before any work is spent on writing there.
+
+    An empty probe file still fits on a full disk, so with ``min_free`` the free space is checked
+    too (refused below ``min_free`` bytes, a warning below ``low_free``): a report that cannot fit
+    should be said before the pipeline, not after it."""
     p = Path(path)
     try:
         p.mkdir(parents=True, exist_ok=True)
         probe = p / ".workbench-write-check"
         probe.write_text("")
         probe.unlink()
+        free = shutil.disk_usage(p).free if min_free or low_free else None
     except OSError as e:
         raise InputError(f"{what} {str(p)!r} cannot be written ({type(e).__name__}: {e.strerror or e}); "
                          "pick a directory you can write to") from None
+    if free is not None and free < min_free:
+        raise InputError(f"{what} {str(p)!r} is on a full disk ({free / 2**20:.1f} MiB free); "
+                         "free some space or pick a directory on another disk")
+    if free is not None and free < low_free:
+        logger.warning("%s %r: only %.0f MiB free on its disk, and renders and reports take tens of MiB "
+                       "for a real model: they may not fit (free some space or pick another directory)",
+                       what, str(p), free / 2**20)
     return p
+
+
+@dataclass
+class RenderFailure:
+    """A ``debug_visualize_dir`` render that could not be written: the pipeline went on without it."""
+
+    index: int  # the snapshot's
+    key: str
+    error: str  # "OSError: [Errno 28] No space left on device"
+    fix: str  # what to do about it
+
+    @property
+    def message(self) -> str:
+        return f"render of #{self.index:02d} {self.key} failed ({self.error}); {self.fix}"
 
 
 class Workbench(PipelineStepper):
@@ -107,12 +142,16 @@ class Workbench(PipelineStepper):
         registry = kwargs.pop("registry", TRANSFORMS)
         entries = kwargs.pop("entries", None) or resolve_pipeline(yaml_extra, overrides, registry)
         if debug_visualize_dir is not None:
-            ensure_writable_dir(debug_visualize_dir, "debug_visualize_dir")
+            ensure_writable_dir(debug_visualize_dir, "debug_visualize_dir", min_free=MIN_FREE_BYTES,
+                                low_free=LOW_FREE_BYTES)
             entries = apply_global_field(entries, "debug_visualize_dir", debug_visualize_dir)
+            self._say_how_renders_are_written(debug_visualize_dir, kwargs.get("dist"))
         loaded = model if isinstance(model, LoadedModel) else load_model(
             model, dtype=dtype, device=device, seed=seed, gguf_weights=gguf_weights, custom_models=custom_models
         )
         super().__init__(loaded, entries=entries, device=device, registry=registry, **kwargs)
+        # Renders that failed (disk full, a permission change, a bug in viz): the pipeline goes on.
+        self.render_failures: List[RenderFailure] = []
         self.on_snapshot.append(self._visualize)
 
     def with_options(self, **changes: Any) -> "Workbench":
@@ -141,17 +180,40 @@ class Workbench(PipelineStepper):
 
         return WorkbenchPanel(self)
 
+    @staticmethod
+    def _say_how_renders_are_written(out_dir: str, dist: Any) -> None:
+        """Without graphviz's ``dot`` the renders are Graphviz sources: say so once, before the model
+        loads (rank 0 only in a sharded run: one line, not one per rank)."""
+        if dist is not None and getattr(dist, "rank", 0) != 0:
+            return
+        try:
+            from .viz.outputs import dot_available, renders_notice, warn_once
+        except ImportError:  # said by _visualize, with the reason
+            return
+        if not dot_available():
+            warn_once("renders-no-dot", renders_notice(out_dir))
+
     def _visualize(self, snap: Snapshot) -> None:
-        """Write the snapshot's render when its transform has ``debug_visualize_dir`` set."""
+        """Write the snapshot's render when its transform has ``debug_visualize_dir`` set.
+
+        A render is a debugging aid: one that fails is recorded in ``render_failures`` and warned
+        about once, and the pipeline goes on (minutes of pipeline are not lost to a full disk)."""
         out_dir = snap.config.debug_visualize_dir
         if not out_dir or snap.module is None:
             return
         try:
-            from .viz.render import write_snapshot_svg
+            from .viz.outputs import explain_failure, write_snapshot_render
         except ImportError as e:  # viz is optional at this layer; say so instead of failing
             logger.warning("debug_visualize_dir set but workbench.viz is unavailable: %s", e)
             return
-        write_snapshot_svg(snap, out_dir)
+        try:
+            write_snapshot_render(snap, out_dir)
+        except Exception as e:  # noqa: BLE001 - any failure of a render must not end the pipeline
+            failure = RenderFailure(snap.index, snap.key, *explain_failure(e, "debug_visualize_dir"))
+            self.render_failures.append(failure)
+            if len(self.render_failures) == 1:
+                logger.warning("debug_visualize_dir %r: %s; the pipeline goes on (later failures are only "
+                               "recorded in render_failures)", str(out_dir), failure.message)
 
     # ------------------------------------------------------------------ generation (runtime)
     def generate(self, prompts: Any, max_new_tokens: int = 64, **kwargs: Any):

@@ -14,6 +14,12 @@ from .errors import InputError
 from .pipeline.config import ConfigError
 
 DEFAULT_PROMPT = "What is the capital of France?"
+RUN_EXIT_CODES = (
+    "exit status: 0 when the pipeline ran, the answer was printed and every output asked for was written; "
+    "1 when a --report or --debug-visualize-dir output failed after the pipeline (the answer is still "
+    "printed, then one 'error:' line says what failed and how to fix it), or on bad input or a failing "
+    "transform; 2 on a config error. Without graphviz's dot binary the report leaves its pictures out and "
+    "the renders are .dot sources (said up front; exit 0).")
 
 
 def _fmt_bytes(n: int) -> str:
@@ -51,6 +57,15 @@ def format_table(stepper) -> str:
     return "\n".join(out + notes)
 
 
+def _check_outputs(args: argparse.Namespace, rank: int = 0) -> None:
+    """An unwritable or full --report / --debug-visualize-dir, and a missing ``dot``, are said before
+    the model loads (``viz.run_outputs.check_outputs``), not found after minutes of pipeline."""
+    if args.report or args.debug_visualize_dir:  # only then: the check imports workbench.viz
+        from .viz.run_outputs import check_outputs
+
+        check_outputs(args.report, args.debug_visualize_dir, rank)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .parallel.group import torchrun_env
 
@@ -63,6 +78,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     options = dict(_workbench_options(args), worker_imports=args.worker_import)
     if world_size > 1:  # N rank processes behind one ShardedWorkbench; this process prints
         options.update(world_size=world_size, dist_timeout_s=args.dist_timeout)
+    _check_outputs(args)
     t0 = time.perf_counter()
     wb = Workbench(args.model, **options)
     # This process runs one pipeline and exits: what is alive now (torch, transformers, the loaded
@@ -103,6 +119,7 @@ def _run_under_torchrun(args: argparse.Namespace, rank: int, world_size: int, lo
     torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     import_modules(args.worker_import)
     say = print if rank == 0 else (lambda *a, **k: None)
+    _check_outputs(args, rank)
     dist = init_group(rank, GroupSpec(world_size, "env://", backend_for(args.device), args.dist_timeout),
                       rank_device(args.device, local_rank))
     try:
@@ -127,33 +144,31 @@ def _model_description(wb) -> str:
     return wb.model_description if _is_sharded(wb) else repr(wb.loaded)
 
 
-def _report_dir(out_dir: str, rank: int) -> str:
-    """Rank 0 writes where the user said; other ranks (their graphs differ once sharded) in ``rank<r>/``."""
-    return out_dir if rank == 0 else os.path.join(out_dir, f"rank{rank}")
+def _table_and_report(wb, args: argparse.Namespace, say, rank: int) -> List[str]:
+    """Print the table, write the report(s); returns the report failures as lines (see run_outputs)."""
+    say(format_table(wb))
+    if not args.report or (_is_sharded(wb) and wb.closed):
+        return []
+    from .viz.run_outputs import write_reports
 
-
-def _write_reports(wb, out_dir: str, rank: int) -> List[str]:
-    """The HTML report(s): a ``ShardedWorkbench`` has every rank write its own; a one-process
-    ``Workbench`` (a torchrun rank included) writes its own."""
-    if _is_sharded(wb):
-        return [str(wb.report(_report_dir(out_dir, r), rank=r)) for r in range(wb.world_size)]
-    from .viz.report import write_report
-
-    return [str(write_report(wb, _report_dir(out_dir, rank)))]
+    return write_reports(wb, args.report, range(wb.world_size) if _is_sharded(wb) else [rank], say,
+                         sharded=_is_sharded(wb))
 
 
 def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
     """Run the pipeline, print the table (via ``say``: a no-op on torchrun ranks > 0), write the
-    report, generate. Every rank calls this in step: the pipeline and generation have collectives."""
+    report, generate. Every rank calls this in step: the pipeline and generation have collectives.
+
+    The answer comes first: a report or render that failed is one ``error:`` line after it, and
+    the exit code is 1 (the user asked for that output and did not get it)."""
     try:
         wb.run()
-    finally:
+    except BaseException:
         # A failing transform still leaves a table and a report of everything before it (a sharded
         # run whose ranks were brought down keeps its table; its reports died with the ranks).
-        say(format_table(wb))
-        if args.report and not (_is_sharded(wb) and wb.closed):
-            for path in _write_reports(wb, args.report, rank):
-                say(f"report: {path}")
+        _say_failures(_table_and_report(wb, args, say, rank))
+        raise
+    failures = _table_and_report(wb, args, say, rank)
     say(f"pipeline: {len(wb.snapshots)} transforms in {wb.total_time():.2f}s")
     plan = _plan_rows(wb)
     if plan:
@@ -166,10 +181,24 @@ def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
             for name, why in left.items():
                 say(f"  {name}: {why}")
     if args.debug_visualize_dir:
-        say(f"renders: {args.debug_visualize_dir}")
+        from .viz.outputs import dot_available
+
+        say(f"renders: {args.debug_visualize_dir}" + ("" if dot_available() else " (Graphviz sources: no dot binary)"))
     if args.max_new_tokens > 0:
         _generate(wb, args.prompt, args.max_new_tokens, say)
-    return 0
+    if args.debug_visualize_dir:
+        from .viz.run_outputs import render_failures
+
+        failures += render_failures(wb, "--debug-visualize-dir", args.debug_visualize_dir)
+    _say_failures(failures)
+    return 1 if failures else 0
+
+
+def _say_failures(failures: List[str]) -> None:
+    if failures:
+        from .viz.run_outputs import say_failures
+
+        say_failures(failures)
 
 
 def _plan_rows(wb) -> list:
@@ -301,7 +330,8 @@ def _ann(a) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run the pipeline on a model and print the per-transform table")
+    r = sub.add_parser("run", help="run the pipeline on a model and print the per-transform table",
+                       epilog=RUN_EXIT_CODES)
     r.add_argument("--model", default="smollm2", help="smollm2 | tiny:<arch> | HF dir | cached HF id")
     r.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
     r.add_argument("--gguf-weights", choices=("keep", "dequantize"), default="keep",
@@ -311,9 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="KEY.FIELD=VALUE",
                    help="override one config field, e.g. export_to_gm.strict=true (repeatable)")
     r.add_argument("--debug-visualize-dir", default=None, metavar="DIR",
-                   help="render every snapshot to DIR/NN_<transform>.svg")
+                   help="render every snapshot to DIR/NN_<transform>.svg (.dot sources without graphviz's dot)")
     r.add_argument("--report", default=None, metavar="DIR",
-                   help="write a standalone HTML report to DIR/index.html")
+                   help="write a standalone HTML report to DIR/index.html (without graphviz's dot: no graph "
+                        "pictures); checked before the pipeline, a failure after it is one line and exit 1")
     r.add_argument("--no-numerics", action="store_true", help="skip the per-step numerics probe")
     r.add_argument("--prompt", default=DEFAULT_PROMPT,
                    help=f"after the pipeline, generate an answer to this prompt (default: {DEFAULT_PROMPT!r})")

@@ -8,8 +8,10 @@ node/edge look of ``draw.py``:
 * collapsed (``collapsed=True`` or ``expand=[k]``): one box per decoder layer (``collapse.py``);
 * region (``region=[names]``, ``hops=N``): a flat render of a neighbourhood.
 
-``write_snapshot_svg`` is what ``Workbench(debug_visualize_dir=...)`` calls after every step; it
-never refuses: a graph too large for a flat render is written collapsed.
+``snapshot_digraph`` is what ``Workbench(debug_visualize_dir=...)`` draws after every step
+(``outputs.write_snapshot_render`` writes it as SVG, or as its Graphviz source when ``dot`` is
+missing; ``write_snapshot_svg`` as SVG); it never refuses: a graph too large for a flat render is
+drawn collapsed.
 """
 
 from __future__ import annotations
@@ -99,13 +101,20 @@ def render_snapshot(snap: Snapshot, **kwargs) -> graphviz.Digraph:
     return render_graph(snap.module, **kwargs)
 
 
+class DotMissingError(RuntimeError):
+    """The graphviz ``dot`` binary is not on PATH: a picture cannot be laid out here (its source can).
+
+    A class of its own so that the writers that can do without pictures (the report, the
+    ``debug_visualize_dir`` renders) tell it from a real failure."""
+
+
 def to_svg(dot: graphviz.Digraph) -> str:
     """Lay out with ``dot`` and return the SVG text (needs the graphviz system package)."""
     try:
         # quiet: dot's layout-quality warnings ("unable to reclaim box space") are not errors.
         return dot.pipe(format="svg", encoding="utf-8", quiet=True)
     except graphviz.ExecutableNotFound as e:
-        raise RuntimeError(
+        raise DotMissingError(
             "the graphviz 'dot' binary is missing: install the Debian package 'graphviz' "
             "(`make system-deps`, or `apt-get install graphviz`)"
         ) from e
@@ -122,13 +131,16 @@ def snapshot_svg_name(snap: Snapshot) -> str:
     return f"{snap.index:02d}_{snap.key}.svg"
 
 
-def write_snapshot_svg(snap: Snapshot, out_dir: Union[str, Path], **kwargs) -> Path:
-    """Write ``out_dir/NN_<key>.svg``: flat when it fits the limit, otherwise collapsed."""
-    path = Path(out_dir) / snapshot_svg_name(snap)
+def snapshot_digraph(snap: Snapshot, **kwargs) -> graphviz.Digraph:
+    """``render_snapshot``, but never refused: flat when it fits the limit, otherwise collapsed."""
     try:
-        dot = render_snapshot(snap, **kwargs)
+        return render_snapshot(snap, **kwargs)
     except GraphTooLargeError:
         if kwargs.get("collapsed") or kwargs.get("expand") or kwargs.get("region") is not None:
             raise
-        dot = render_snapshot(snap, **{**kwargs, "collapsed": True})
-    return write_svg(dot, path)
+        return render_snapshot(snap, **{**kwargs, "collapsed": True})
+
+
+def write_snapshot_svg(snap: Snapshot, out_dir: Union[str, Path], **kwargs) -> Path:
+    """Write ``out_dir/NN_<key>.svg``: flat when it fits the limit, otherwise collapsed."""
+    return write_svg(snapshot_digraph(snap, **kwargs), Path(out_dir) / snapshot_svg_name(snap))

@@ -7,15 +7,22 @@ the collapsed graph render. SVGs are inlined (their ids prefixed per section so 
 and also written beside the report under ``svg/`` for opening full size. A small inline script
 records the rendered size of every graph in ``body[data-svg-sizes]``, which lets a headless
 browser test check that the graphs really render.
+
+Only the pictures need graphviz's ``dot`` binary. Without it (GPU machines often lack it) the report
+is still written, tables, numbers and chart, with a notice at the top and each graph's Graphviz
+source under ``dot/`` instead of its picture: the run's numbers are worth more than its drawings.
+``index.html`` is written whole or not at all (a temporary file renamed), so a disk that fills up
+mid-way leaves no truncated report that looks complete.
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import pandas as pd
 
@@ -23,7 +30,8 @@ from ..pipeline.snapshot import Snapshot
 from .charts import figure_png, memory_frame, plot_pipeline, timing_frame
 from .diff import NEW_CHANGES, GraphDiff, diff_snapshots
 from .diff_view import render_diff
-from .render import render_snapshot, snapshot_svg_name, to_svg
+from .outputs import dot_available, report_notice, report_notice_html, source_name, warn_once
+from .render import DotMissingError, render_snapshot, snapshot_svg_name, to_svg
 from .select import GraphTooLargeError
 from .sharding import plan_of, render_sharded_layer
 
@@ -62,6 +70,23 @@ _MEASURE_JS = """
 
 def _e(x: Any) -> str:
     return html.escape(str(x))
+
+
+class _Pictures:
+    """Lays out the report's pictures while ``dot`` is there; once it is not (missing from the start,
+    or gone mid-way), every later picture is left out instead of failing the report."""
+
+    def __init__(self) -> None:
+        self.enabled = dot_available()
+
+    def svg(self, digraph) -> Optional[str]:
+        if not self.enabled:
+            return None
+        try:
+            return to_svg(digraph)
+        except DotMissingError:
+            self.enabled = False
+            return None
 
 
 def inline_svg(svg: str, id_prefix: str) -> str:
@@ -106,7 +131,7 @@ def _pipeline_table(snaps: List[Snapshot]) -> str:
     return f'<table id="pipeline"><tr>{header}</tr>{"".join(rows)}</table>'
 
 
-def _diff_html(diff: GraphDiff, sid: str) -> str:
+def _diff_html(diff: GraphDiff, sid: str, pictures: _Pictures) -> str:
     parts = [f"<p><b>{_e(diff.summary())}</b></p>"]
     if diff.empty and diff.op_delta.empty:
         return parts[0]
@@ -119,18 +144,20 @@ def _diff_html(diff: GraphDiff, sid: str) -> str:
     parts.append('<h4>Changed nodes</h4><div class="scroll">'
                  + table.to_html(index=False, classes="diff-table") + "</div>")
     if not diff.empty:
-        parts.append(_diff_picture(diff, sid))
+        parts.append(_diff_picture(diff, sid, pictures))
     return "\n".join(parts)
 
 
-def _diff_picture(diff: GraphDiff, sid: str) -> str:
+def _diff_picture(diff: GraphDiff, sid: str, pictures: _Pictures) -> str:
     """The diff render with 2 hops of context, else with none, else a note saying why not."""
     for hops in DIFF_HOPS:
         try:
-            svg = to_svg(render_diff(diff, hops=hops))
+            svg = pictures.svg(render_diff(diff, hops=hops))
         except GraphTooLargeError as e:
             reason = str(e).splitlines()[0].split(", above")[0]
             continue
+        if svg is None:
+            return '<p class="note">no diff picture: the graphviz dot binary is missing</p>'
         return (f'<h4>Diff picture ({hops} hops of context)</h4>'
                 f'<div class="graph diff-graph" id="{sid}-diff">{inline_svg(svg, sid + "-diff-")}</div>')
     hint = " The collapsed graph below outlines the layers with new nodes." if diff.names(
@@ -166,7 +193,7 @@ def _nav(snap: Snapshot, prev: Optional[Snapshot], nxt: Optional[Snapshot]) -> s
 
 def _section(snap: Snapshot, prev: Optional[Snapshot], nav: str, diff: Optional[GraphDiff],
              svg: Optional[str], svg_file: Optional[str], timing: Dict[str, Any],
-             memory: Dict[str, Any]) -> str:
+             memory: Dict[str, Any], pictures: _Pictures) -> str:
     sid = _section_id(snap.index)
     n = snap.numerics
     numerics = {"probe": "off"} if n is None else (
@@ -174,13 +201,16 @@ def _section(snap: Snapshot, prev: Optional[Snapshot], nav: str, diff: Optional[
         {"max_abs": n.max_abs, "rmse_ratio": n.rmse_ratio, "top1_agreement": n.top1_agreement})
     mem_note = f'<p class="warn">unexpected memory change: {_e(snap.mem_warning)}</p>' if snap.mem_warning else ""
     if diff is not None:
-        changes = _diff_html(diff, sid)
+        changes = _diff_html(diff, sid, pictures)
     else:
         changes = _first_graph_html(snap) if prev is None else '<p class="note">no graph kept</p>'
     graph = '<p class="note">no graph kept for this snapshot</p>'
     if svg is not None:
         graph = (f'<div class="graph" id="{sid}-graph">{inline_svg(svg, sid + "-")}</div>'
                  f'<p><a href="{_e(svg_file)}">open the SVG</a></p>')
+    elif svg_file is not None:  # no dot here: the source, for a machine that has it
+        graph = (f'<p class="note">no picture: the graphviz dot binary is missing; its Graphviz source is '
+                 f'<a href="{_e(svg_file)}">{_e(svg_file)}</a> (<code>dot -Tsvg FILE -O</code>)</p>')
     return f"""
 <section class="step" id="{sid}" data-key="{_e(snap.key)}">
 <h2>#{snap.index:02d} {_e(snap.key)} <span class="stage">[{_e(snap.stage.value)}]</span>
@@ -200,7 +230,7 @@ def _section(snap: Snapshot, prev: Optional[Snapshot], nav: str, diff: Optional[
 </section>"""
 
 
-def _sharding_html(snaps: List[Snapshot], out: Path) -> str:
+def _sharding_html(snaps: List[Snapshot], out: Path, pictures: _Pictures) -> str:
     """The plan table and one sharded layer's render, when the run was sharded."""
     applied = [s for s in snaps if plan_of(s) is not None and plan_of(s).applied and s.module is not None]
     if not applied:
@@ -210,10 +240,14 @@ def _sharding_html(snaps: List[Snapshot], out: Path) -> str:
     whole, local = plan.bytes()
     table = plan.table().to_html(index=False, classes="plan", border=0, na_rep="")
     try:
-        svg = to_svg(render_sharded_layer(snap))
-        (out / "svg" / "sharded_layer.svg").write_text(svg, encoding="utf-8")
-        picture = (f'<div class="graph" id="sharding-graph">{inline_svg(svg, "sharding-")}</div>'
-                   '<p><a href="svg/sharded_layer.svg">open the SVG</a></p>')
+        svg = pictures.svg(render_sharded_layer(snap))
+        if svg is None:
+            picture = '<p class="note">no layer render: the graphviz dot binary is missing</p>'
+        else:
+            (out / "svg").mkdir(exist_ok=True)
+            (out / "svg" / "sharded_layer.svg").write_text(svg, encoding="utf-8")
+            picture = (f'<div class="graph" id="sharding-graph">{inline_svg(svg, "sharding-")}</div>'
+                       '<p><a href="svg/sharded_layer.svg">open the SVG</a></p>')
     except (ValueError, GraphTooLargeError) as e:
         picture = f'<p class="note">no layer render: {_e(e)}</p>'
     return f"""
@@ -227,17 +261,21 @@ def _sharding_html(snaps: List[Snapshot], out: Path) -> str:
 </section>"""
 
 
-def write_report(stepper: Any, out_dir: Union[str, Path], *, title: Optional[str] = None) -> Path:
+def write_report(stepper: Any, out_dir: Union[str, Path], *, title: Optional[str] = None,
+                 warn_no_dot: bool = True) -> Path:
     """Write ``out_dir/index.html`` (+ ``out_dir/svg/*.svg``) for ``stepper``'s snapshots.
 
     ``stepper`` is a ``Workbench``/``PipelineStepper`` (anything with ``.snapshots``); it is only
-    read. Returns the path of ``index.html``.
+    read. Returns the path of ``index.html``. Without graphviz's ``dot`` binary the pictures are left
+    out (the report says so at the top; ``out_dir/dot/*.dot`` hold the graphs' sources) and, unless
+    ``warn_no_dot`` is False (a caller that said so already), a warning says it once.
     """
     out = Path(out_dir)
-    (out / "svg").mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     snaps: List[Snapshot] = list(stepper.snapshots)
     model = getattr(stepper, "loaded", None)
     title = title or f"workbench report: {getattr(model, 'spec', None) or 'pipeline'}"
+    pictures = _Pictures()
 
     timing = timing_frame(snaps).drop(columns=["transform", "stage", "status"]).set_index("#")
     memory = memory_frame(snaps).drop(columns=["transform"]).set_index("#")
@@ -251,15 +289,10 @@ def write_report(stepper: Any, out_dir: Union[str, Path], *, title: Optional[str
             diff = diff_snapshots(prev, snap)
         svg, svg_file = None, None
         if snap.module is not None:
-            marks = _marks(diff)
-            svg = None if marks else svgs.get(id(snap.module))
-            svg = svg or to_svg(render_snapshot(snap, collapsed=True, marks=marks))
-            if not marks:
-                svgs[id(snap.module)] = svg
-            svg_file = f"svg/{snapshot_svg_name(snap)}"
-            (out / svg_file).write_text(svg, encoding="utf-8")
+            svg, svg_file = _graph_file(snap, _marks(diff), svgs, pictures, out)
         sections.append(_section(snap, prev, _nav(snap, prev, nxt), diff, svg, svg_file,
-                                 timing.loc[snap.index].to_dict(), memory.loc[snap.index].to_dict()))
+                                 timing.loc[snap.index].to_dict(), memory.loc[snap.index].to_dict(),
+                                 pictures))
 
     chart = ""
     if snaps:
@@ -268,16 +301,23 @@ def write_report(stepper: Any, out_dir: Union[str, Path], *, title: Optional[str
     total = sum(s.times.total for s in snaps)
     error = getattr(stepper, "last_error", None)
     error_html = f'<p class="warn">stopped at an error: {_e(error)}</p>' if error is not None else ""
+    sharding = _sharding_html(snaps, out, pictures)
+    no_dot_html = ""
+    if not pictures.enabled:
+        no_dot_html = f'<p class="warn" id="no-pictures">{_e(report_notice_html())}</p>'
+        if warn_no_dot:
+            warn_once("report-no-dot", report_notice())
     doc = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title><style>{_CSS}</style></head>
 <body id="top" data-num-steps="{len(snaps)}">
 <h1>{_e(title)}</h1>
+{no_dot_html}
 <p>model: {_e(model if model is not None else '?')} &middot; {len(snaps)} transforms &middot;
 {total:.2f} s in transforms</p>
 {error_html}
 <h2>Pipeline</h2>
 {_pipeline_table(snaps)}
-{_sharding_html(snaps, out)}
+{sharding}
 <h2>Time, nodes, memory</h2>
 <div class="chart">{chart}</div>
 {''.join(sections)}
@@ -285,5 +325,31 @@ def write_report(stepper: Any, out_dir: Union[str, Path], *, title: Optional[str
 </body></html>
 """
     path = out / "index.html"
-    path.write_text(doc, encoding="utf-8")
+    partial = out / ".index.html.partial"
+    try:
+        partial.write_text(doc, encoding="utf-8")
+        os.replace(partial, path)  # whole or not at all: a full disk leaves no truncated index.html
+    finally:
+        partial.unlink(missing_ok=True)
     return path
+
+
+def _graph_file(snap: Snapshot, marks: Dict[str, str], svgs: Dict[int, str], pictures: _Pictures,
+                out: Path) -> Tuple[Optional[str], str]:
+    """(svg, file) of the snapshot's collapsed render, written under ``out``: the SVG, or with no
+    ``dot`` (None, the Graphviz source's file) so that a machine with graphviz can still draw it."""
+    svg = None if marks else svgs.get(id(snap.module))
+    if svg is None:
+        digraph = render_snapshot(snap, collapsed=True, marks=marks)
+        svg = pictures.svg(digraph)
+        if svg is None:
+            (out / "dot").mkdir(exist_ok=True)
+            src_file = f"dot/{source_name(snap)}"
+            (out / src_file).write_text(digraph.source, encoding="utf-8")
+            return None, src_file
+    if not marks:
+        svgs[id(snap.module)] = svg
+    svg_file = f"svg/{snapshot_svg_name(snap)}"
+    (out / "svg").mkdir(exist_ok=True)
+    (out / svg_file).write_text(svg, encoding="utf-8")
+    return svg, svg_file
