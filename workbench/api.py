@@ -23,6 +23,8 @@ from .pipeline.interface import TRANSFORMS
 from .pipeline.stepper import PipelineStepper
 from .pipeline.snapshot import Snapshot
 from .errors import InputError
+from .answer import answer, backends_line
+from .runtime.generate import DEFAULT_PROMPT
 
 logger = logging.getLogger("workbench")
 _STEPPER_ARGS = frozenset(inspect.signature(PipelineStepper.__init__).parameters) - {"self", "loaded"}
@@ -237,6 +239,24 @@ class Workbench(PipelineStepper):
         runner = runner_for(self.module, self.ctx)
         return generate(runner, prompts, tokenizer=tokenizer, vocab_size=self.ctx.vocab_size,
                         max_new_tokens=max_new_tokens, **kwargs)
+
+
+    def backends_line(self) -> str:
+        """Where and how the finished pipeline runs, and why: device and dtype, the cached-attention
+        and compile backends with the reason each was chosen (one line)."""
+        return backends_line(self, self._where())
+
+    def _where(self) -> str:
+        return f"{self.ctx.device.type} {str(self.ctx.dtype).replace('torch.', '')}"
+
+    def answer(self, prompt: Any = DEFAULT_PROMPT, max_new_tokens: int = 32, **kwargs: Any):
+        """Run the compiled model on one prompt (greedy) and print which backends ran, the answer and
+        its speed -- the last cell of every notebook. A model without a tokenizer (``tiny:``) gets a
+        text prompt as UTF-8 byte ids. ``kwargs`` go to ``generate``; returns its ``GenerationOutput``."""
+        if not self.done:
+            self.run()
+        return answer(self, prompt, max_new_tokens, self._where(), self.loaded.tokenizer is not None,
+                      self.ctx.vocab_size, self.ctx.runner, **kwargs)
 
 
 # help(Workbench) and notebook tooltips: __init__'s parameters, not __new__'s (*args, world_size, **kwargs).

@@ -13,7 +13,8 @@ from typing import List, Optional
 from .errors import InputError
 from .pipeline.config import ConfigError
 
-DEFAULT_PROMPT = "What is the capital of France?"
+from .runtime.generate import DEFAULT_PROMPT  # noqa: F401  (re-exported: the CLI's default prompt)
+from .runtime.generate import text_prompt_ids as prompt_token_ids  # noqa: F401  (re-exported)
 RUN_EXIT_CODES = (
     "exit status: 0 when the pipeline ran, the answer was printed and every output asked for was written; "
     "1 when a --report or --debug-visualize-dir output failed after the pipeline (the answer is still "
@@ -240,12 +241,6 @@ def format_plan(rows: list) -> str:
     return "\n".join(lines)
 
 
-def prompt_token_ids(prompt: str, vocab_size: int) -> list:
-    """Token ids for a model without a tokenizer (the ``tiny:`` configs): the prompt's UTF-8 bytes
-    modulo the vocabulary, so the same prompt always gives the same ids."""
-    return [b % vocab_size for b in prompt.encode("utf-8")] or [0]
-
-
 def _generate(wb, prompt: str, max_new_tokens: int, say=print) -> None:
     """The end of `workbench run`: answer ``prompt`` with the compiled model (greedy)."""
     if _is_sharded(wb):
@@ -260,6 +255,7 @@ def _generate(wb, prompt: str, max_new_tokens: int, say=print) -> None:
         say(f"prompt: {prompt}")
         out = wb.generate(prompt, max_new_tokens=max_new_tokens)
     result = out.results[0]
+    say(f"ran: {wb.backends_line()}")
     if result.error is not None:
         say(f"output: error: {result.error}")
     elif result.text is not None:

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
+from ..answer import answer, backends_line
+from ..runtime.generate import DEFAULT_PROMPT
 from .group import DEFAULT_DIST_TIMEOUT_S, FileRendezvous, GroupSpec, backend_for, check_devices, threads_per_rank
 from .launcher import RankError, RankGroup, mp_context
 from .summaries import ShardedSnapshot, SnapshotMerger, sharded_table
@@ -282,6 +284,18 @@ class ShardedWorkbench:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
         return self._group.request([rank], command, args, kwargs, self._on_snapshot)[rank][0]
+
+    def backends_line(self) -> str:
+        """``Workbench.backends_line`` of rank 0, with the ranks' device."""
+        return backends_line(self, self._where())
+
+    def _where(self) -> str:
+        return f"{self.world_size} ranks on {self.options['device']}"
+
+    def answer(self, prompt: Any = DEFAULT_PROMPT, max_new_tokens: int = 32, **kwargs: Any):
+        """``Workbench.answer`` across the ranks: one greedy answer of the sharded compiled model,
+        printed with what ran (rank 0's backends) and tokens/s."""
+        return answer(self, prompt, max_new_tokens, self._where(), self.has_tokenizer, self.vocab_size, **kwargs)
 
     def render(self, key: str, rank: int = 0, **kwargs: Any):
         """``workbench.viz.render.render_snapshot`` of ``key``'s snapshot on ``rank``, as a

@@ -53,6 +53,17 @@ class GenerationResult:
     notes: List[str] = field(default_factory=list)
 
 
+# The question every quick run asks (``workbench run``, ``Workbench.answer``): SmolLM2 answers
+# "The capital of France is Paris."
+DEFAULT_PROMPT = "What is the capital of France?"
+
+
+def text_prompt_ids(prompt: str, vocab_size: int) -> List[int]:
+    """Token ids for a model without a tokenizer (the ``tiny:`` configs): the prompt's UTF-8 bytes
+    modulo the vocabulary, so the same prompt always gives the same ids."""
+    return [b % vocab_size for b in prompt.encode("utf-8")] or [0]
+
+
 @dataclass
 class GenerationStats:
     num_prompts: int = 0
