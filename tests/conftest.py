@@ -16,6 +16,18 @@ def seeded():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def cpu_unless_gpu_test(request, monkeypatch):
+    """``device="auto"`` is CUDA on a GPU machine; the CPU tests' numbers and tokens are fp32 CPU
+    ones, so there they resolve ``auto`` to the CPU. Tests marked ``gpu`` (and ``real_devices``,
+    which check ``auto`` itself) see the machine as it is."""
+    if request.node.get_closest_marker("gpu") or request.node.get_closest_marker("real_devices"):
+        return
+    import workbench.models.devices as devices
+
+    monkeypatch.setattr(devices, "auto_device", lambda min_gpus=1: torch.device("cpu"))
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2 with its GGUF weights dequantized to fp32: the model the HF-equivalence tests use."""

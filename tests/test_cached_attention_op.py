@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from triton_child import INTERPRETER_SKIP
 
 import workbench.ops  # noqa: F401
 from workbench.ops.attention.flashinfer_cached_attention import is_available as flashinfer_available
@@ -39,14 +40,16 @@ def _reference(q, k, v, i, **kw):
 
 
 def run_schedule(op, lens, chunks, kw, page_size=4, num_pages=64, dtype=torch.float32, seed=0, scattered=True,
-                 hq=4, hkv=2, d=8):
+                 hq=4, hkv=2, d=8, device="cpu"):
     """Feed sequences in steps; ``chunks[step][i]`` = new tokens of sequence i (0: not in this step).
+    The caches live on ``device`` for the whole schedule (the op writes them in place), and each
+    step's inputs are moved there.
 
     Returns the max abs error of every token against the whole-sequence reference.
     """
     q, k, v = _seqs(lens, hq=hq, hkv=hkv, d=d, dtype=dtype, seed=seed)
     hkv, d = k[0].shape[1:]
-    k_cache = torch.zeros(num_pages, page_size, hkv, d, dtype=dtype)
+    k_cache = torch.zeros(num_pages, page_size, hkv, d, dtype=dtype, device=device)
     v_cache = torch.zeros_like(k_cache)
     perm = (torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed + 1)).int() if scattered
             else torch.arange(num_pages, dtype=torch.int32))  # sequential: decode reads strided cache views
@@ -62,7 +65,10 @@ def run_schedule(op, lens, chunks, kw, page_size=4, num_pages=64, dtype=torch.fl
         sl = torch.tensor([step[i] for i in order], dtype=torch.int32)
         ip = torch.tensor([done[i] for i in order], dtype=torch.int32)
         cat = lambda xs: torch.cat([xs[i][done[i]: done[i] + step[i]] for i in order])[None]  # noqa: E731
-        out = op(cat(q), cat(k), cat(v), k_cache, v_cache, sl, ip, page_table[order], len(prefill), 0.3, **kw)
+        on = lambda t: t.to(device)  # noqa: E731
+        kw_on = {n: on(x) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+        out = op(on(cat(q)), on(cat(k)), on(cat(v)), k_cache, v_cache, on(sl), on(ip), on(page_table[order]),
+                 len(prefill), 0.3, **kw_on).cpu()
         assert out.shape == (1, int(sl.sum()), q[0].shape[1], d) and out.dtype == dtype
         off = 0
         for i in order:
@@ -225,11 +231,8 @@ FLASHINFER_VARIANTS = ["plain", "sliding_window", "logit_cap"]  # sinks: refused
 def test_flashinfer_cached_attention_matches_reference(variant, dtype=torch.bfloat16):
     """The real FlashInfer kernels (JIT-built on first use: tools/flashinfer_warmup.py builds these
     variants first in gpu_check), bf16, head dim 64, GQA 3, page size 16."""
-    def on_gpu(*a, **kw):
-        a = [x.cuda() if isinstance(x, torch.Tensor) else x for x in a]
-        return wb.flashinfer_cached_attention(*a, **kw).cpu()
-
-    err = run_schedule(on_gpu, LENS, SCHEDULE, VARIANTS[variant], page_size=16, dtype=dtype, hq=6, hkv=2, d=64)
+    err = run_schedule(wb.flashinfer_cached_attention, LENS, SCHEDULE, VARIANTS[variant], page_size=16,
+                       dtype=dtype, hq=6, hkv=2, d=64, device="cuda")
     assert err < 3e-2, err
 
 
@@ -237,7 +240,7 @@ def test_flashinfer_cached_attention_matches_reference(variant, dtype=torch.bflo
 
 
 @pytest.mark.skipif(not HAS_TRITON_OP, reason=TRITON_SKIP)
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.skipif(bool(INTERPRETER_SKIP), reason=INTERPRETER_SKIP)
 def test_triton_cached_attention_matches_uncached():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, __file__, "--triton-child"], env=env, capture_output=True, text=True, timeout=600)

@@ -146,9 +146,10 @@ def test_torch_compile_runs_single_sequence_decode_through_a_static_graph(wb):
 def test_cuda_graph_backends_generate_the_same_tokens_as_torch_simple(backend):
     from workbench.models import load_model
 
-    loaded = load_model("tiny:llama", device="cuda")
+    loaded = load_model("tiny:llama", device="cuda", dtype="float32")
     bench = Workbench(loaded, device="cuda", numerics=False, overrides={
-        "insert_cached_attention.backend": "triton", "initialize_cache.max_batch_size": 8})
+        "insert_cached_attention.backend": "triton", "initialize_cache.max_batch_size": 8,
+        "compile_model.backend": "torch-simple"})
     bench.run()
     ref = greedy(bench, 24)
     bench.configure("compile_model", backend=backend, cuda_graph_batch_sizes=[1, 2, 4])
@@ -169,7 +170,7 @@ def test_cuda_graph_backends_generate_the_same_tokens_as_torch_simple(backend):
 def test_cuda_graphs_refuse_the_host_syncing_torch_attention():
     from workbench.models import load_model
 
-    bench = Workbench(load_model("tiny:llama", device="cuda"), device="cuda", numerics=False,
+    bench = Workbench(load_model("tiny:llama", device="cuda", dtype="float32"), device="cuda", numerics=False,
                       overrides={"compile_model.backend": "torch-cudagraph",
                                  "insert_cached_attention.backend": "torch"})
     with pytest.raises(TransformError, match=r"cannot capture this graph.*torch_cached_attention: reads seq_lens"):

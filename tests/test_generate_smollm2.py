@@ -154,7 +154,7 @@ def _triton_child(new: int) -> None:
 
     torch.set_num_threads(1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    loaded = load_model("smollm2", device=device, gguf_weights="dequantize")
+    loaded = load_model("smollm2", device=device, dtype="float32", gguf_weights="dequantize")
     bench = Workbench(loaded, device=device, numerics=False, overrides={"insert_cached_attention.backend": "triton"})
     bench.run()
     out, _lens, mismatches = eight_prompts_vs_hf(bench, loaded.model, new)

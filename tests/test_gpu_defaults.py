@@ -126,6 +126,7 @@ def test_host_reading_aten_ops_and_unknown_callables_are_blockers():
         "not an exported graph: its ops cannot be checked for host reads"]
 
 
+@pytest.mark.real_devices
 def test_device_auto_is_cuda_when_a_gpu_is_visible(monkeypatch):
     from workbench.cli import build_parser
     from workbench.models.devices import resolve_device
@@ -140,6 +141,7 @@ def test_device_auto_is_cuda_when_a_gpu_is_visible(monkeypatch):
     assert (args.device, args.dtype) == ("auto", "auto")
 
 
+@pytest.mark.real_devices
 def test_workbench_and_load_model_default_to_auto():
     import inspect
 

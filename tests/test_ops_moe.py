@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from triton_child import INTERPRETER_SKIP
 import torch.nn.functional as F
 
 import workbench.ops  # noqa: F401
@@ -115,7 +116,7 @@ print('ok')
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.skipif(bool(INTERPRETER_SKIP), reason=INTERPRETER_SKIP)
 def test_triton_kernel_under_interpreter_matches_reference():
     # A subprocess: TRITON_INTERPRET must be set before triton is imported.
     env = {**os.environ, "TRITON_INTERPRET": "1"}

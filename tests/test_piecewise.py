@@ -122,8 +122,9 @@ def test_bad_uses_are_clear_errors(wb, tiny_llama):
 def test_piecewise_cuda_graphs_generate_the_same_tokens_as_torch_simple(backend):
     from workbench.models import load_model
 
-    bench = Workbench(load_model("tiny:llama", device="cuda"), device="cuda", numerics=False, overrides={
-        "insert_cached_attention.backend": "triton", "initialize_cache.max_batch_size": 8})
+    bench = Workbench(load_model("tiny:llama", device="cuda", dtype="float32"), device="cuda", numerics=False,
+                      overrides={"insert_cached_attention.backend": "triton", "initialize_cache.max_batch_size": 8,
+                                 "compile_model.backend": "torch-simple"})
     bench.run()
     ref = greedy(bench, 24)
     bench.configure("compile_model", backend=backend, cuda_graph_batch_sizes=[1, 2, 4], piecewise_enabled=True,

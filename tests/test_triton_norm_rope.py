@@ -25,6 +25,7 @@ import traceback
 
 import pytest
 import torch
+from triton_child import INTERPRETER_SKIP
 
 import workbench.ops  # noqa: F401  (registers the ops)
 
@@ -204,8 +205,8 @@ def _interpreter_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
+    if INTERPRETER_SKIP:
+        pytest.skip(INTERPRETER_SKIP)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True,
                          text=True, timeout=900)
@@ -242,7 +243,7 @@ def test_flashinfer_is_available_names_what_is_missing():
     if importlib.util.find_spec("flashinfer") is None:
         assert "flashinfer package is not installed" in why
     with pytest.raises(RuntimeError, match="flashinfer_rmsnorm cannot run"):
-        wb.flashinfer_rmsnorm(torch.randn(2, 8), torch.ones(8), 1e-6)
+        wb.flashinfer_rmsnorm(torch.randn(2, 8).bfloat16(), torch.ones(8).bfloat16(), 1e-6)
     if not torch.cuda.is_available():
         ok, why = fi_mod.is_available()
         assert not ok and "no CUDA GPU is visible" in why
@@ -347,11 +348,19 @@ def test_gpu_large_rows_and_cuda_graph():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not fi_mod.is_available("cuda")[0], reason=fi_mod.is_available("cuda")[1])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_flashinfer_rmsnorm(dtype):
     x = torch.randn(3, 5, 576, device="cuda", dtype=dtype)
     w = (torch.rand(576, device="cuda") + 0.5).to(dtype)
     _close(wb.flashinfer_rmsnorm(x, w, 1e-6), wb.torch_rmsnorm(x, w, 1e-6), dtype)
+
+
+def test_flashinfer_rmsnorm_refuses_fp32_naming_the_backends_that_run():
+    """FlashInfer 0.6.18's CUDA norm kernel is half precision only: refused before FlashInfer is
+    touched, on any machine."""
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="takes float16 or bfloat16.*'triton' or 'torch'"):
+        wb.flashinfer_rmsnorm(x, torch.ones(64), 1e-6)
 
 
 @pytest.mark.gpu
@@ -359,7 +368,7 @@ def test_gpu_flashinfer_rmsnorm(dtype):
 def test_gpu_default_pipeline_uses_triton_backends():
     from workbench import Workbench
 
-    w = Workbench("tiny:llama", device="cuda")
+    w = Workbench("tiny:llama", device="cuda", dtype="float32")  # the bound below is fp32's
     w.run_to("fuse_rope")
     snaps = {s.key: s for s in w.snapshots}
     assert snaps["fuse_rmsnorm"].info.details["backend"] == "triton"

@@ -65,9 +65,11 @@ def fp8_linear_reference(input: torch.Tensor, weight: torch.Tensor, input_scale:
 def fp8_linear(input, weight, input_scale, weight_scale, bias=None):
     if weight.dtype == torch.float8_e4m3fn and scaled_mm_applies(input, weight.shape[0], input.dtype):
         x_scale = _per_tensor(input_scale, "input_scale")
+        # fp32 out, bias added in fp32, one rounding to the input dtype: what the reference does
+        # (rounding the product first, then the sum, put bf16 results 2 ulps off)
         y = fp8_scaled_mm(to_fp8(input, x_scale), weight, x_scale, _per_tensor(weight_scale, "weight_scale"),
-                          input.dtype)
-        return y if bias is None else y + bias.to(y.dtype)
+                          torch.float32)
+        return (y if bias is None else y + bias.float()).to(input.dtype)
     return fp8_linear_reference(input, weight, input_scale, weight_scale, bias)
 
 
