@@ -123,6 +123,11 @@ class TransformInfo(BaseModel):
         )
 
 
+def nothing_to_do(gm: torch.fx.GraphModule, reason: str) -> Tuple[torch.fx.GraphModule, "TransformInfo"]:
+    """0 matches, with the reason shown in the table and the snapshot."""
+    return gm, TransformInfo(num_matches=0, skip_reason=reason)
+
+
 def rewrite_info(gm: torch.fx.GraphModule, n: int, details: Optional[Dict[str, Any]] = None):
     """The ``TransformInfo`` of a graph rewrite that made ``n`` changes (the one finisher every
     rewriting transform uses): the graph is linted and recompiled when it changed; it is clean

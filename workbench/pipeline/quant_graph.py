@@ -20,7 +20,7 @@ import torch.fx as fx
 from pydantic import Field
 
 from .graph_weights import fake_value, fetch_attr
-from .interface import TransformConfig, TransformInfo
+from .interface import TransformConfig, TransformInfo, nothing_to_do  # noqa: F401  (re-exported to the quantization family)
 from .matcher import annotate_new_nodes
 from .weights import TensorBinding, record_tensor_binding
 
@@ -37,11 +37,6 @@ def checkpoint_skip_reason(ctx, key: str, algos: Sequence[str]) -> Optional[str]
         return (f"the checkpoint is {cfg.quant_algo} (from {cfg.source}); {key} handles "
                 f"{' / '.join(algos)}: graph left unchanged")
     return None
-
-
-def nothing_to_do(gm: fx.GraphModule, reason: str) -> Tuple[fx.GraphModule, TransformInfo]:
-    """0 matches, with the reason shown in the table and the snapshot."""
-    return gm, TransformInfo(num_matches=0, skip_reason=reason)
 
 
 def scalar_fp32(t: torch.Tensor) -> torch.Tensor:

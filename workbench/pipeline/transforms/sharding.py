@@ -17,7 +17,7 @@ from pydantic import Field
 
 from ..interface import Transform, TransformConfig, TransformInfo, rewrite_info
 from ..interface import register
-from ..quant_graph import nothing_to_do
+from ..interface import nothing_to_do
 from ..sharding import apply_plan, detect_plan
 
 ShardLayer = Literal["mha", "mlp", "moe", "lm_head"]
