@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from workbench.pipeline.graph_utils import op_histogram
+from workbench.pipeline.graph.utils import op_histogram
 from workbench.pipeline.interface import TRANSFORMS, GraphState, Stages, TransformInfo
 from workbench.pipeline.matcher import (
     Pattern, PatternMatcher, automatic_dims, export_graph_module, traced_pattern,

@@ -132,15 +132,29 @@ def test_each_layer_imports_only_downwards():
             assert not any(d.startswith("workbench.widgets") for d in deps if name != "workbench.api"), name
 
 
-# export_to_gm's own helper modules (patches applied while tracing, layer stamping): one family.
-EXPORT_HELPERS = {"workbench.pipeline.transforms.export_patches", "workbench.pipeline.transforms.export_stamp"}
+def _family(module: str) -> str:
+    """``caches`` of ``workbench.pipeline.transforms.caches.attention`` ('' outside the families)."""
+    prefix = "workbench.pipeline.transforms."
+    return module[len(prefix):].split(".")[0] if module.startswith(prefix) else ""
 
 
 def test_transforms_import_no_other_transform_family():
-    """Families share code through the framework helpers (matcher, graph_weights...), never by
-    importing each other, so a key's behaviour lives in its own file."""
+    """Families share code through the framework (interface, graph/, matcher/, weights), never by
+    importing each other, so a key's behaviour lives in its own family package."""
     graph = _graph()
-    fam = "workbench.pipeline.transforms"
-    bad = [f"{a} -> {b}" for a, deps in graph.items() if a.startswith(fam + ".")
-           for b in deps if b.startswith(fam + ".") and b != a and b not in EXPORT_HELPERS]
+    bad = [f"{a} -> {b}" for a, deps in graph.items() if _family(a)
+           for b in deps if _family(b) and _family(b) != _family(a)]
     assert bad == [], bad
+
+
+def test_every_transform_lives_in_a_family_package():
+    """Discovered, not listed: each registered key's class is defined in a family package, and the
+    framework stays out of ``transforms/``."""
+    from workbench.pipeline.interface import TRANSFORMS
+    import workbench.pipeline.transforms  # noqa: F401  (discovers every family)
+
+    assert len(list(TRANSFORMS)) >= 60
+    homes = {key: cls.__module__ for key, cls in TRANSFORMS.items()}
+    assert all(_family(m) for m in homes.values()), {k: m for k, m in homes.items() if not _family(m)}
+    flat = sorted(p.name for p in (ROOT / "pipeline" / "transforms").glob("*.py"))
+    assert flat == ["__init__.py"], flat  # modules live in family packages

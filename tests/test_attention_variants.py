@@ -238,8 +238,8 @@ def test_flashinfer_refuses_sinks_naming_the_backends_that_serve_them(monkeypatc
     import importlib
 
     from workbench.ops.backends import ATTENTION_BACKENDS
-    from workbench.pipeline.attention_backend import resolve_backend, unsupported_layers
-    from workbench.pipeline.transforms.cached_attention import _attention_nodes, layer_shapes
+    from workbench.pipeline.transforms.caches.attention_backend import resolve_backend, unsupported_layers
+    from workbench.pipeline.transforms.caches.attention import _attention_nodes, layer_shapes
 
     bench = Workbench(load_variant("gpt_oss", dtype="bfloat16", head_dim=64), numerics=False)
     bench.run_to("match_attention_layout")

@@ -9,7 +9,7 @@ import torch
 from workbench import Workbench
 from workbench.pipeline.config import ConfigError
 from workbench.pipeline.interface import TransformError
-from workbench.pipeline.transforms.compile_model import CompileModelConfig
+from workbench.pipeline.transforms.compile.compile_model import CompileModelConfig
 from workbench.runtime.compiled_runner import default_batch_sizes
 
 GPU = torch.cuda.is_available()

@@ -26,7 +26,7 @@ from workbench import Workbench
 from workbench.models import load_model
 from workbench.models.custom.modeling_qwen3_next import Qwen3NextForCausalLM
 from workbench.models.export_contract import CausalLMLogits
-from workbench.pipeline.graph_utils import op_histogram
+from workbench.pipeline.graph.utils import op_histogram
 from workbench.testing import check_block, check_export, check_layer, check_model
 
 ONE_THREAD = True  # see conftest.one_thread

@@ -8,7 +8,7 @@ import torch
 from workbench import Workbench
 from workbench.models import list_tiny_archs, load_model
 from workbench.models.export_contract import CausalLMLogits, make_batch
-from workbench.pipeline.transforms.export_patches import EXPORT_PATCHES
+from workbench.pipeline.transforms.export.patches import EXPORT_PATCHES
 
 SECOND_SHAPE = (3, 5)  # a batch/sequence the graph was not exported with
 
@@ -166,7 +166,7 @@ class _LiteralCausalMask(torch.nn.Module):
 
 
 def test_a_causal_mask_built_with_a_lifted_literal_is_classified_causal():
-    from workbench.pipeline.attention_masks import MaskKind, classify_mask
+    from workbench.pipeline.transforms.attention.masks import MaskKind, classify_mask
 
     mod = _LiteralCausalMask()
     x = torch.randn(2, 6, device="meta")

@@ -23,12 +23,12 @@ import torch.fx as fx
 
 from test_runtime import _hf_greedy, decode_vs_reforward
 
-import workbench.pipeline.transforms.cached_mla  # noqa: F401  (until transforms/__init__ imports it)
+import workbench.pipeline.transforms.caches.mla  # noqa: F401  (until transforms/__init__ imports it)
 from workbench import Workbench
 from workbench.models import load_model
 from workbench.models.canonical.mla import deepseek_v3_attention_forward
 from workbench.models.export_contract import CausalLMLogits, make_batch
-from workbench.pipeline.attention_backend import InsertCachedAttentionConfig
+from workbench.pipeline.transforms.caches.attention_backend import InsertCachedAttentionConfig
 from workbench.pipeline.config import load_default_yaml, resolve_pipeline
 from workbench.pipeline.interface import TRANSFORMS
 from workbench.runtime.interface import PAGED

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from workbench import Workbench
 from workbench.models.export_contract import make_batch
-from workbench.pipeline.graph_utils import op_histogram
+from workbench.pipeline.graph.utils import op_histogram
 from workbench.pipeline.interface import TRANSFORMS, GraphState, Stages, TransformError
 from workbench.pipeline.memory import measure
 from workbench.pipeline.matcher import export_graph_module

@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from workbench import Workbench
-from workbench.pipeline.transforms.gather_logits import find_lm_head
+from workbench.pipeline.transforms.caches.gather_logits import find_lm_head
 from workbench.runtime.sequence_info import SequenceInfo
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42]]

@@ -15,8 +15,8 @@ from workbench import Workbench
 from workbench.models import load_model
 from workbench.ops.backends import ATTENTION_BACKENDS
 from workbench.ops.capture import capture_blockers, node_blocker
-from workbench.pipeline.attention_backend import LayerShape, resolve_backend
-from workbench.pipeline.transforms.compile_model import resolve_auto
+from workbench.pipeline.transforms.caches.attention_backend import LayerShape, resolve_backend
+from workbench.pipeline.transforms.compile.compile_model import resolve_auto
 
 CUDA = torch.device("cuda")
 

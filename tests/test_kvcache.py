@@ -14,12 +14,12 @@ from workbench import Workbench
 from workbench.models.export_contract import CausalLMLogits, make_batch
 from workbench.pipeline.config import ConfigError
 from workbench.pipeline.context import PipelineContext
-from workbench.pipeline.graph_copy import copy_module
-from workbench.pipeline.graph_utils import op_histogram, run_shape_prop
+from workbench.pipeline.graph.copy import copy_module
+from workbench.pipeline.graph.utils import op_histogram, run_shape_prop
 from workbench.pipeline.interface import Stages, TransformConfig, TransformError
 from workbench.runtime.probe import run_cached
-from workbench.pipeline.transforms.cached_attention import InsertCachedAttention
-from workbench.pipeline.transforms.transformers_mode import HFCachedLM, transformers_mode_entries
+from workbench.pipeline.transforms.caches.attention import InsertCachedAttention
+from workbench.pipeline.transforms.caches.transformers_mode import HFCachedLM, transformers_mode_entries
 from workbench.pipeline.matcher import export_graph_module
 from workbench.runtime import CachedRunner, PageAllocator, runner_for
 from workbench.runtime.kv_cache import PAGED, CacheFullError, CacheSpec, KVCacheConfig, add_specs
@@ -137,8 +137,8 @@ def test_backend_choice_errors():
 
 def test_flashinfer_refuses_shapes_it_has_no_kernels_for():
     from workbench.ops.backends import ATTENTION_BACKENDS as BACKENDS
-    from workbench.pipeline.attention_backend import unsupported_layers
-    from workbench.pipeline.transforms.cached_attention import layer_shapes
+    from workbench.pipeline.transforms.caches.attention_backend import unsupported_layers
+    from workbench.pipeline.transforms.caches.attention import layer_shapes
 
     fi = BACKENDS["flashinfer"]
     assert "head_dim 16" in fi.unsupported(16, 16, torch.bfloat16, False)
@@ -206,7 +206,7 @@ def test_transformers_mode(tiny_llama):
 
 
 def test_transformers_mode_refuses_graphs(wb):
-    from workbench.pipeline.transforms.transformers_mode import DetectHFAttnLayers
+    from workbench.pipeline.transforms.caches.transformers_mode import DetectHFAttnLayers
 
     t = DetectHFAttnLayers(TransformConfig(stage=Stages.CACHE_INIT))
     with pytest.raises(TypeError, match="un-exported"):

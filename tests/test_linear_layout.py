@@ -80,7 +80,7 @@ def test_kn_memory_delta_is_new_minus_freed_and_tied_head_costs_a_copy(tiny_llam
 
 
 def test_auto_leaves_cuda_graphs_alone(tiny_llama):
-    from workbench.pipeline.transforms.linear_layout import LinearWeightLayout, LinearWeightLayoutConfig
+    from workbench.pipeline.transforms.fusion.linear_layout import LinearWeightLayout, LinearWeightLayoutConfig
 
     wb = run_to_layout(tiny_llama, "auto")
     t = LinearWeightLayout(LinearWeightLayoutConfig(stage="post_load_fusion"))

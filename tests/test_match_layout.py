@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from match_support import check, count, export, run
-from workbench.pipeline.transforms.layout import MatchRopeLayoutConfig
+from workbench.pipeline.transforms.attention.layout import MatchRopeLayoutConfig
 
 wb = torch.ops.workbench
 B, S, D = 2, 5, 8
@@ -34,7 +34,7 @@ def test_attention_layout_to_bsnd_and_back():
 
 
 def test_attention_layout_config_is_required_and_validated():
-    from workbench.pipeline.transforms.layout import MatchAttentionLayoutConfig
+    from workbench.pipeline.transforms.attention.layout import MatchAttentionLayoutConfig
 
     with pytest.raises(Exception):
         MatchAttentionLayoutConfig(stage="pattern_matcher")

@@ -18,7 +18,7 @@ from test_runtime import _hf_greedy
 
 import workbench
 import workbench.ops.rope.torch_mrope  # noqa: F401  (the rope package does not import it yet)
-import workbench.pipeline.transforms.mrope_delta_cache  # noqa: F401  (nor the transforms package)
+import workbench.pipeline.transforms.caches.mrope_delta  # noqa: F401  (nor the transforms package)
 from workbench import Workbench
 from workbench.models.build import materialise
 from workbench.models.canonical.mrope import canonical_mrope_rotary, traceable_as_op
@@ -28,7 +28,7 @@ from workbench.models.tiny import build_tiny_config
 from workbench.models.tiny_families.mrope import MROPE_SECTION
 from workbench.pipeline.config import load_default_yaml, resolve_pipeline
 from workbench.pipeline.interface import GraphState, Stages, TransformConfig, TransformError
-from workbench.pipeline.transforms.mrope_delta_cache import MROPE_DELTA_CACHE, InitializeMropeDeltaCache
+from workbench.pipeline.transforms.caches.mrope_delta import MROPE_DELTA_CACHE, InitializeMropeDeltaCache
 from workbench.runtime.interface import SLOT, run_cached
 from workbench.runtime.sequence_info import SequenceInfo
 

@@ -22,7 +22,7 @@ from torch import nn
 from workbench import Workbench
 from workbench.models import TINY_ARCHS, load_model
 from workbench.pipeline.interface import TRANSFORMS, GraphState, Stages
-from workbench.pipeline.aux_streams import AuxEnd, AuxFork, AuxWait
+from workbench.pipeline.transforms.compile.aux_streams import AuxEnd, AuxFork, AuxWait
 from workbench.pipeline.matcher import export_graph_module
 
 wb = torch.ops.workbench
@@ -411,7 +411,7 @@ def test_gpu_default_pipeline_with_multi_stream():
 
 
 def test_markers_are_passthroughs_on_cpu():
-    from workbench.pipeline.aux_streams import AuxSite, AuxStreams
+    from workbench.pipeline.transforms.compile.aux_streams import AuxSite, AuxStreams
 
     site = AuxSite(AuxStreams(), "t")
     x, y = torch.randn(3), torch.randn(2)

@@ -10,7 +10,7 @@ from workbench import Workbench
 from workbench.models import list_tiny_archs
 from workbench.models.export_contract import make_batch
 from workbench.pipeline.interface import Stages
-from workbench.pipeline.cache_inputs import CAPTURE_KEY
+from workbench.pipeline.transforms.caches.inputs import CAPTURE_KEY
 
 wb_ops = torch.ops.workbench
 LAST = "detect_hidden_states_for_capture"

@@ -242,7 +242,7 @@ def test_transform_config_validation():
 
 
 def test_fp8_gate_up_stacking_requantizes_only_when_scales_differ():
-    from workbench.pipeline.transforms.quantize_moe import stack_fp8_gate_up
+    from workbench.pipeline.transforms.quantization.moe import stack_fp8_gate_up
 
     g = torch.randn(2, 6, 8)
     u = torch.randn(2, 6, 8) * 3
@@ -266,7 +266,7 @@ def test_fp8_gate_up_stacking_requantizes_only_when_scales_differ():
 
 def test_fp8_bmm_from_config_on_a_graph_of_our_own():
     from workbench.pipeline.matcher import export_graph_module
-    from workbench.pipeline.transforms.quantize_bmm import bmm_scale_names
+    from workbench.pipeline.transforms.quantization.bmm import bmm_scale_names
 
     class Bmm(torch.nn.Module):
         def __init__(self):

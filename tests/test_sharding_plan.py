@@ -11,8 +11,8 @@ import torch
 
 from workbench import Workbench
 from workbench.pipeline.context import DistInfo
-from workbench.pipeline.graph_utils import op_histogram
-from workbench.pipeline.sharding import split_evenly, take_shard
+from workbench.pipeline.graph.utils import op_histogram
+from workbench.pipeline.transforms.sharding.plans import split_evenly, take_shard
 from workbench.pipeline.weights import tensor_bindings
 
 ONE_THREAD = True

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from workbench import Workbench
-from workbench.pipeline.graph_copy import copy_module
-from workbench.pipeline.graph_utils import graph_modules, op_name
+from workbench.pipeline.graph.copy import copy_module
+from workbench.pipeline.graph.utils import graph_modules, op_name
 from workbench.viz import (
     GraphTooLargeError, assign_layers, created_by, diff_graphs, diff_snapshots, memory_frame,
     module_path, plot_memory, plot_pipeline, render_diff, render_graph, render_snapshot,

@@ -3,7 +3,7 @@
 Attention keeps its past in pages (``torch_cached_attention``); recurrent mechanisms -- a short
 causal conv, a Mamba-2 SSM scan, the (gated) delta rule -- keep a fixed-size *state per sequence*,
 whatever its length. Every such op pair follows one convention, so one graph rewrite
-(``workbench.pipeline.state_cache``) serves all of them::
+(``workbench.pipeline.transforms.caches.state_rewrite``) serves all of them::
 
     torch_X(<positional args>, *, <keyword-only options>) -> Tensor [b, s, ...]
     torch_cached_X(<the same positional args; per-token ones flattened [b, s, ...] -> [1, b*s, ...]>,

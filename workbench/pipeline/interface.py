@@ -13,12 +13,12 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterator, List, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterable, Iterator, List, Optional, Tuple, Type
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from .graph_utils import canonicalize_graph, graph_modules, run_shape_prop
+from .graph.utils import canonicalize_graph, graph_modules, run_shape_prop
 
 if TYPE_CHECKING:
     from .context import PipelineContext
@@ -378,3 +378,15 @@ class TransformRegistry:
 
 TRANSFORMS = TransformRegistry()
 register = TRANSFORMS.register
+
+
+def discover_transforms(package: str, path: Iterable[str]) -> List[str]:
+    """Import every module below ``package`` (its ``__path__``): each registers its transforms with
+    ``register`` as it is defined. Returns the modules imported, in name order."""
+    import importlib
+    import pkgutil
+
+    names = sorted(m.name for m in pkgutil.walk_packages(list(path), package + "."))
+    for name in names:
+        importlib.import_module(name)
+    return names

@@ -13,7 +13,7 @@ from typing import Any, Dict, FrozenSet, List, Optional
 import torch
 
 from .context import ContextState
-from .graph_copy import GraphCopy
+from .graph.copy import GraphCopy
 from .interface import PhaseTimes, Stages, TransformConfig, TransformInfo
 from .memory import MemoryStats
 from .numerics import Numerics

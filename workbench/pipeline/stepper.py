@@ -21,8 +21,8 @@ from ..models.export_contract import CausalLMLogits, ProbeBatch, make_batch
 from . import transforms as _transforms  # noqa: F401  (registers every transform)
 from .config import ConfigError, PipelineEntry, resolve_pipeline
 from .context import DistInfo, PipelineContext, RuntimeLimits
-from .graph_copy import GraphCopy
-from .graph_utils import graph_modules, num_nodes, op_histogram
+from .graph.copy import GraphCopy
+from .graph.utils import graph_modules, num_nodes, op_histogram
 from .interface import TRANSFORMS, GraphState, Stages, TransformError, TransformRegistry, check_order
 from .memory import EXPECTED_MEM_CHANGE, measure, unexpected_change
 from .numerics import Numerics, compare_logits, exceeds

@@ -35,8 +35,8 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from .graph_weights import fetch_attr
-from .graph_utils import symbolic_fake_mode
+from .graph.weights import fetch_attr
+from .graph.utils import symbolic_fake_mode
 
 WEIGHT_VIEWS_KEY = "weight_views"  # gm.meta: target -> (base target, index into the base)
 TENSOR_BINDINGS_KEY = "tensor_bindings"  # gm.meta: target -> TensorBinding

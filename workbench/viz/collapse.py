@@ -22,7 +22,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import graphviz
 import torch.fx as fx
 
-from ..pipeline.graph_utils import op_name
+from ..pipeline.graph.utils import op_name
 from .draw import MARK_STYLES, add_fx_edge, add_fx_node
 from .labels import esc, format_value, join_lines, numel_hint, penwidth
 from .provenance import module_path, module_stack

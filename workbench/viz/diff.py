@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 import torch.fx as fx
 
-from ..pipeline.graph_utils import graph_modules, op_histogram, op_name
+from ..pipeline.graph.utils import graph_modules, op_histogram, op_name
 from ..pipeline.snapshot import Snapshot
 from .labels import node_shape
 from .provenance import created_by, module_path, replaces, source_location

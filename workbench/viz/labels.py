@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 import torch.fx as fx
 
-from ..pipeline.graph_utils import op_name
+from ..pipeline.graph.utils import op_name
 from .provenance import provenance_lines
 
 MISSING = "?"

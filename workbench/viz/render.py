@@ -23,7 +23,7 @@ import graphviz
 import torch
 import torch.fx as fx
 
-from ..pipeline.graph_utils import graph_modules
+from ..pipeline.graph.utils import graph_modules
 from ..pipeline.snapshot import Snapshot
 from .collapse import add_collapsed
 from .draw import add_flat, new_digraph

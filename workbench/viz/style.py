@@ -15,7 +15,7 @@ from typing import Dict
 
 import torch.fx as fx
 
-from ..pipeline.graph_utils import op_name
+from ..pipeline.graph.utils import op_name
 
 CANONICAL_NAMESPACE = "workbench"
 BACKEND_PREFIXES = ("triton_", "flashinfer_")

@@ -37,7 +37,7 @@ def attention_backend_reason(backend: str, device: torch.device) -> Reason:
 
 def compile_backend_reason(backend: str, device: torch.device) -> Reason:
     """Why a ``compile_model`` backend cannot run here (None if it can): the transform's own answer."""
-    from ..pipeline.transforms.compile_model import backend_unavailable_reason
+    from ..pipeline.transforms.compile.compile_model import backend_unavailable_reason
 
     return backend_unavailable_reason(backend, device)
 

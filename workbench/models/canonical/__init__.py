@@ -16,7 +16,7 @@ restores every instance afterwards). They are switchable by name like every expo
 (``export_to_gm.patches: {canonical_mamba2_mixer: false}`` exports HF's own spelling).
 
 One module per mechanism family (conv.py, ssm.py, delta_rule.py, mla.py, mrope.py), each exporting
-``PATCHES``; ``MODULE_PATCHES`` is their union, read by ``pipeline/transforms/export_patches.py``.
+``PATCHES``; ``MODULE_PATCHES`` is their union, read by ``pipeline/transforms/export/patches.py``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph_utils import symbolic_fake_mode
+from ..graph.utils import symbolic_fake_mode
 from ..interface import rewrite_info
 from ..snapshot import REPLACES_KEY
 

@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from ..graph_utils import remove_input_checks, remove_noop_slices, remove_tensor_metadata_asserts
+from ..graph.utils import remove_input_checks, remove_noop_slices, remove_tensor_metadata_asserts
 
 
 class _FnModule(torch.nn.Module):

@@ -1,0 +1,168 @@
+"""What an attention mask in an exported graph encodes, decided by evaluating it on probe positions.
+
+HF builds its masks from ``arange``s of the sequence length (``masking_utils``): a boolean mask for
+SDPA, an additive float mask (0 where visible, ``finfo(dtype).min`` where hidden) for the eager
+chain. When such a mask only says "causal" (optionally "and within the last ``w`` positions"),
+the attention matchers drop it in favour of ``is_causal`` / ``sliding_window``: backends implement
+those without materialising an [s, s] mask, and a KV cache can serve them (an explicit mask
+cannot). ``attention_mask_arguments`` is the verdict the SDPA and eager patterns share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.fx as fx
+
+from ...graph.weights import fetch_attr
+from ...matcher import same_size
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class MaskKind:
+    """What a position-only mask encodes: nothing (all visible), causal, or causal + window."""
+
+    is_causal: bool
+    sliding_window: Optional[int] = None
+
+
+def _ancestors(node: fx.Node) -> List[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return [n for n in node.graph.nodes if n in seen]
+
+
+def _int_literals(nodes: List[fx.Node]) -> List[int]:
+    found = set()
+    for n in nodes:
+        for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs)):
+            if isinstance(a, int) and not isinstance(a, bool) and 1 <= a < 2**31:
+                found.add(a)
+    return sorted(found)
+
+
+def _on_cpu(a: Any) -> Any:
+    return torch.device("cpu") if isinstance(a, torch.device) else a
+
+
+def _visible(m: torch.Tensor) -> Optional[torch.Tensor]:
+    """Boolean "may attend" of an evaluated mask: a bool mask as is; an additive float mask when
+    every entry is 0 (visible) or hidden (-inf, or ``finfo(dtype).min`` as HF's eager masks use:
+    adding it to a finite logit leaves a logit whose softmax weight is exactly 0, like -inf,
+    provided a row keeps one visible key, which causal rows do). Anything else: None."""
+    if m.dtype == torch.bool:
+        return m
+    if not m.is_floating_point():
+        return None
+    hidden = (m == float("-inf")) | (m == torch.finfo(m.dtype).min)
+    if not bool(((m == 0) | hidden).all()):
+        return None
+    return m == 0
+
+
+def _literal(node: fx.Node) -> Optional[torch.Tensor]:
+    """The value of a ``get_attr`` that reads a real 0-dim tensor that is not a parameter, else
+    None. Export registers the literals it lifts as buffers; traced on meta, the model's own
+    buffers are meta (value unknown: None), so what is real there is a literal the trace made."""
+    gm = node.graph.owning_module
+    if gm is None:
+        return None
+    value = fetch_attr(gm, node.target)
+    if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+        return None
+    if value.is_meta or value.dim() != 0:
+        return None
+    return value.cpu()
+
+
+def classify_mask(mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
+    """Decide whether ``mask`` ([b|1, h|1, s, s]) only encodes causality, by probing it.
+
+    The mask must depend on nothing but the sequence length (``sym_size`` of the inputs): no input
+    values, no parameters. Its sub-graph is then evaluated with both position aranges replaced
+    by a probe vector of positions (0..9, and around every integer literal of the sub-graph, which
+    is where a sliding window's size shows up), and compared with the full, causal and
+    causal-sliding-window masks. Anything else (padding masks, prefix-LM, chunked) -> None.
+    """
+    nodes = _ancestors(mask)
+    literals = _int_literals(nodes)
+    probe = set(range(10)) | {3_000_000}
+    for w in literals:
+        probe |= {max(w + d, 0) for d in (-2, -1, 0, 1, 2)} | {2 * w + 1}
+    positions = torch.tensor(sorted(probe), dtype=torch.int64)
+    n_pos = len(positions)
+    env: Dict[fx.Node, Any] = {}
+    try:
+        for n in nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "get_attr":  # a literal export lifted (transformers 5.17: torch.tensor(0.0))
+                value = _literal(n)
+                if value is None:
+                    return None
+                env[n] = value
+                continue
+            if n.op != "call_function":
+                return None
+            if n.target is aten.sym_size.int:
+                env[n] = n_pos if same_size(n.meta.get("val"), seq_len) else 1
+                continue
+            if any(a.op == "placeholder" for a in n.all_input_nodes):
+                return None  # depends on input values, not only on sizes
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+            # Evaluated on CPU whatever device the graph names (meta when traced device-neutral,
+            # cuda when traced there): the mask depends on sizes only, and its verdict must not
+            # depend on where the graph will run.
+            args, kwargs = fx.node.map_aggregate((args, kwargs), _on_cpu)
+            if n.target is aten.arange.default and len(args) == 1 and args[0] == n_pos:
+                env[n] = positions
+                continue
+            env[n] = n.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - a mask we cannot evaluate is a mask we keep
+        return None
+    m = env[mask]
+    if not isinstance(m, torch.Tensor) or m.dim() != 4 or tuple(m.shape[-2:]) != (n_pos, n_pos):
+        return None
+    m = _visible(m)
+    if m is None:
+        return None
+    m = m.reshape(-1, n_pos, n_pos)
+    if not bool((m == m[:1]).all()):
+        return None  # differs between batch rows or heads
+    m = m[0]
+    rel = positions[:, None] - positions[None, :]  # q_pos - k_pos
+    if bool(m.all()):
+        return MaskKind(is_causal=False)
+    if torch.equal(m, rel >= 0):
+        return MaskKind(is_causal=True)
+    for w in sorted({max(v + d, 1) for v in literals for d in (-1, 0, 1)}):
+        if torch.equal(m, (rel >= 0) & (rel < w)):
+            return MaskKind(is_causal=True, sliding_window=w)
+    return None
+
+
+def attention_mask_arguments(
+    mask: Optional[fx.Node], q: torch.Tensor, k: torch.Tensor, is_causal: bool = False
+) -> Dict[str, Any]:
+    """``torch_attention``'s masking arguments for an attention of ``q`` [b, n, s_q, d] over
+    ``k`` [b, n_kv, s_k, d] with ``mask`` (None: no mask): ``is_causal``, ``sliding_window`` and
+    ``keep_mask`` (whether the explicit mask must stay). A mask is only dropped for what it
+    provably encodes, and only for self-attention over the same positions (s_q == s_k)."""
+    out = {"is_causal": bool(is_causal), "sliding_window": None, "keep_mask": mask is not None}
+    if mask is not None and not is_causal and same_size(q.shape[2], k.shape[2]):
+        kind = classify_mask(mask, q.shape[2])
+        if kind is not None:
+            out.update(is_causal=kind.is_causal, sliding_window=kind.sliding_window, keep_mask=False)
+    return out
+
+
+__all__ = ["MaskKind", "classify_mask", "attention_mask_arguments"]

@@ -1,0 +1,372 @@
+"""Attention patterns (stage ``pattern_matcher``): every attention spelling -> ``torch_attention``.
+
+The chain, in pipeline order:
+
+1. ``match_repeat_kv``: HF ``repeat_kv`` (unsqueeze/expand/reshape) -> ``torch_attention_repeat_kv``.
+2. ``match_eager_attention``: matmul/softmax/matmul -> ``torch_attention_sdpa``; the eager
+   variants SDPA cannot express -- logit soft-capping (Gemma 2) and attention sinks (gpt-oss) --
+   straight to ``torch_attention(..., logit_cap=..., sinks=...)`` (K/V still repeated: step 4
+   un-repeats them), their masks classified as in step 3.
+3. ``match_sdpa_to_torch_attention``: ``aten.scaled_dot_product_attention`` and
+   ``torch_attention_sdpa`` (with or without repeated K/V) -> ``torch_attention`` with native GQA.
+   A mask that only encodes causality (HF passes an explicit boolean mask built from aranges) is
+   dropped in favour of ``is_causal`` (+ ``sliding_window``), which backends can implement without
+   materialising a [s, s] mask (``masks.py``: HF's boolean SDPA masks and its additive eager
+   masks alike).
+4. ``match_grouped_attention``: ``torch_attention`` still fed by repeated K/V -> un-repeated K/V.
+
+Layout changes (``match_attention_layout``) live in ``layout.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ...interface import Transform, register
+from ...matcher import Match, Pattern, PatternMatcher, match_info, named_args, same_shape, same_size
+from ...graph.utils import tensor_meta
+from .masks import MaskKind, attention_mask_arguments, classify_mask
+
+aten = torch.ops.aten
+wb = torch.ops.workbench
+
+# Sentinels (see pipeline/matcher): values that appear nowhere else in the traced patterns.
+_N_REP = 3
+_SCALE = 0.3125
+_CAP = 41.5
+
+
+# ------------------------------------------------------------------------------ repeat_kv
+
+
+def _repeat_kv(x):
+    # HF repeat_kv: [b, n_kv, s, d] -> [b, n_kv * n_rep, s, d]. Traced with n_rep=3 (example 2 -> 6
+    # heads); the sizes are ignored and re-derived from shapes in the check.
+    b, n_kv, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, n_kv, _N_REP, s, d).reshape(b, n_kv * _N_REP, s, d)
+
+
+def _repeat_kv_replacement(x, *, n_rep):
+    return wb.torch_attention_repeat_kv.default(x, n_rep)
+
+
+def _repeat_kv_check(m: Match) -> Optional[Dict[str, Any]]:
+    """The expand really repeats each KV head ``n_rep`` times and the reshape merges exactly that."""
+    x = m.val("x")
+    (expand,), (reshape,) = m.matched(aten.expand.default), m.matched(aten.reshape.default)
+    e, r = tensor_meta(expand), tensor_meta(reshape)
+    if x is None or e is None or r is None or x.dim() != 4 or e.dim() != 5:
+        return None
+    n_rep = e.shape[2]
+    if not isinstance(n_rep, int):
+        return None
+    b, n_kv, s, d = x.shape
+    if not same_shape(e.shape, (b, n_kv, n_rep, s, d)):
+        return None
+    if not same_shape(r.shape, (b, n_kv * n_rep, s, d)):
+        return None
+    return {"n_rep": n_rep}
+
+
+REPEAT_KV_PATTERN = Pattern(
+    "repeat_kv", _repeat_kv, _repeat_kv_replacement, lambda: (torch.randn(1, 2, 4, 8),),
+    ignore=((aten.expand.default, "size"), (aten.reshape.default, "shape")),
+    check=_repeat_kv_check,
+)
+
+
+def repeat_kv_source(gm: fx.GraphModule, node: Any) -> Optional[Tuple[fx.Node, int]]:
+    """``(x, n_rep)`` if ``node`` repeats KV heads of ``x`` (our op, or the raw HF chain)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if node.target is wb.torch_attention_repeat_kv.default:
+        return node.args[0], node.args[1]
+    if node.target is aten.reshape.default:
+        m = PatternMatcher().match_at(gm, REPEAT_KV_PATTERN, node)
+        if m is not None:
+            return m.inputs["x"], m.literals["n_rep"]
+    return None
+
+
+@register("match_repeat_kv")
+class MatchRepeatKV(Transform):
+    """Replace HF's repeat_kv chain by ``torch_attention_repeat_kv(x, n_rep)``."""
+
+    def _apply(self, gm, ctx):
+        return match_info(gm, PatternMatcher([REPEAT_KV_PATTERN]).apply(gm))
+
+
+# ------------------------------------------------------------------------------ eager attention
+
+
+def _eager_attention(scale_op: str, with_mask: bool, with_dropout: bool) -> Pattern:
+    """HF ``eager_attention_forward`` (after repeat_kv): softmax in fp32, cast back, dropout
+    (inference: p=0 / training=False; other models skip it)."""
+
+    def search(q, k, v, *mask, scale):
+        w = torch.matmul(q, k.transpose(2, 3))
+        w = w * scale if scale_op == "mul" else w / scale
+        if mask:
+            w = w + mask[0]
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        if with_dropout:
+            w = F.dropout(w, p=0.0, training=False)
+        return torch.matmul(w, v)
+
+    def replacement(q, k, v, *mask, scale):
+        s = scale if scale_op == "mul" else 1.0 / scale
+        return wb.torch_attention_sdpa.default(q, k, v, attn_mask=mask[0] if mask else None, scale=s)
+
+    def check(m: Match) -> Optional[Dict[str, Any]]:
+        # The cast after the softmax (dtype ignored in the trace) must return to q's dtype.
+        (cast,) = m.matched(aten.to.dtype)
+        q = m.val("q")
+        if q is None or q.dim() != 4 or cast.args[1] != q.dtype:
+            return None
+        return {}
+
+    def examples():
+        t = tuple(torch.randn(1, 2, 4, 8) for _ in range(3))
+        return (*t, torch.zeros(1, 1, 4, 4)) if with_mask else t
+
+    return Pattern(
+        f"eager_attention_{scale_op}{'_mask' if with_mask else ''}{'_dropout' if with_dropout else ''}",
+        search, replacement, examples,
+        literals={"scale": _SCALE}, ignore=((aten.to.dtype, "dtype"),), check=check,
+        inputs=("q", "k", "v", "attn_mask") if with_mask else ("q", "k", "v"),
+    )
+
+
+def _variant_masking(m: Match, with_mask: bool) -> Optional[Dict[str, Any]]:
+    """Shared check of the eager variants: 4-D q/k/v with whole KV groups; the mask classified
+    (``attention_mask_arguments``) so a causal / sliding-window mask becomes flags."""
+    q, k, v = m.val("q"), m.val("k"), m.val("v")
+    if any(t is None or t.dim() != 4 for t in (q, k, v)):
+        return None
+    if q.shape[1] % k.shape[1] or not same_size(k.shape[1], v.shape[1]):
+        return None
+    return attention_mask_arguments(m.inputs["attn_mask"] if with_mask else None, q, k)
+
+
+def _variant_replacement(q, k, v, mask, *, scale, keep_mask, is_causal, sliding_window, **variant):
+    return wb.torch_attention.default(
+        q, k, v, attn_mask=mask[0] if mask and keep_mask else None, is_causal=is_causal, scale=float(scale),
+        sliding_window=sliding_window, layout="bnsd", **variant,
+    )
+
+
+def _softcapped_eager_attention(with_mask: bool, with_dropout: bool) -> Pattern:
+    """Gemma 2's ``eager_attention_forward`` (after repeat_kv): scaled logits soft-capped as
+    ``cap * tanh(x / cap)`` *before* the mask, fp32 softmax, cast back, dropout. SDPA has no
+    soft-cap, so this goes straight to ``torch_attention(..., logit_cap=cap)``."""
+
+    def search(q, k, v, *mask, scale, cap):
+        w = torch.matmul(q, k.transpose(2, 3)) * scale
+        w = torch.tanh(w / cap) * cap
+        if mask:
+            w = w + mask[0]
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        if with_dropout:
+            w = F.dropout(w, p=0.0, training=False)
+        return torch.matmul(w, v)
+
+    def replacement(q, k, v, *mask, cap, **flags):
+        return _variant_replacement(q, k, v, mask, logit_cap=float(cap), **flags)
+
+    def check(m: Match) -> Optional[Dict[str, Any]]:
+        (cast,) = m.matched(aten.to.dtype)
+        q, cap = m.val("q"), m.literals["cap"]
+        if q is None or cast.args[1] != q.dtype or not isinstance(cap, (int, float)) or cap <= 0:
+            return None
+        return _variant_masking(m, with_mask)
+
+    def examples():
+        t = tuple(torch.randn(1, 2, 4, 8) for _ in range(3))
+        return (*t, torch.zeros(1, 1, 4, 4)) if with_mask else t
+
+    return Pattern(
+        f"softcapped_eager_attention{'_mask' if with_mask else ''}{'_dropout' if with_dropout else ''}",
+        search, replacement, examples,
+        literals={"scale": _SCALE, "cap": _CAP}, ignore=((aten.to.dtype, "dtype"),), check=check,
+        inputs=("q", "k", "v", "attn_mask") if with_mask else ("q", "k", "v"),
+    )
+
+
+def _sink_eager_attention(with_mask: bool, with_dropout: bool, with_cast: bool) -> Pattern:
+    """gpt-oss's ``eager_attention_forward`` (after repeat_kv): one learned logit per head
+    (``sinks`` [n]) joins each softmax row and is dropped after it -- it takes probability mass
+    but has no value. The row max is subtracted first (a no-op for the softmax, kept by HF
+    against overflow). -> ``torch_attention(..., sinks=sinks)``. ``with_cast``: the probabilities
+    are cast to v's dtype before the last matmul (transformers 5.23 does; older releases do not)."""
+
+    def search(q, k, v, sinks, *mask, scale):
+        w = torch.matmul(q, k.transpose(2, 3)) * scale
+        if mask:
+            w = w + mask[0]
+        sink = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+        logits = torch.cat([w, sink], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+        if with_dropout:
+            probs = F.dropout(probs, p=0.0, training=False)
+        return torch.matmul(probs.to(v.dtype) if with_cast else probs, v)
+
+    def replacement(q, k, v, sinks, *mask, **flags):
+        return _variant_replacement(q, k, v, mask, sinks=sinks, **flags)
+
+    def check(m: Match) -> Optional[Dict[str, Any]]:
+        # The ignored sizes: sinks is one logit per query head, broadcast to [b, n, s_q, 1]; the
+        # softmax runs in the logits' dtype and the cast goes to v's dtype.
+        (expand,), (softmax,) = m.matched(aten.expand.default), m.matched(aten.softmax.int)
+        q, v, sinks, e = m.val("q"), m.val("v"), m.val("sinks"), tensor_meta(expand)
+        if any(t is None for t in (q, v, sinks, e)) or q.dim() != 4 or sinks.dim() != 1:
+            return None
+        b, n, s_q, _ = q.shape
+        if not same_size(sinks.shape[0], n) or not same_shape(e.shape, (b, n, s_q, 1)):
+            return None
+        probs_dtype = dict(named_args(softmax))["dtype"]
+        if probs_dtype != tensor_meta(softmax.args[0]).dtype:
+            return None
+        if (m.matched(aten.to.dtype)[0].args[1] if with_cast else probs_dtype) != v.dtype:
+            return None
+        return _variant_masking(m, with_mask)
+
+    def examples():
+        t = tuple(torch.randn(1, 2, 4, 8) for _ in range(3))
+        return (*t, torch.randn(2), *((torch.zeros(1, 1, 4, 4),) if with_mask else ()))
+
+    return Pattern(
+        f"sink_eager_attention{'_mask' if with_mask else ''}{'_dropout' if with_dropout else ''}"
+        f"{'_cast' if with_cast else ''}",
+        search, replacement, examples, literals={"scale": _SCALE},
+        ignore=((aten.expand.default, "size"), (aten.softmax.int, "dtype"), (aten.to.dtype, "dtype")),
+        check=check,
+        inputs=("q", "k", "v", "sinks", "attn_mask") if with_mask else ("q", "k", "v", "sinks"),
+    )
+
+
+# The variants first, most specific first. (The plain patterns cannot take their nodes anyway: a
+# plain softmax reads the mask add or the scaled matmul, never a tanh or a row-max subtraction.)
+EAGER_VARIANT_PATTERNS = (
+    *(_softcapped_eager_attention(mask, dropout) for mask, dropout in itertools.product((True, False), repeat=2)),
+    *(_sink_eager_attention(*flags) for flags in itertools.product((True, False), repeat=3)),
+)
+EAGER_ATTENTION_PATTERNS = tuple(
+    _eager_attention(op, mask, dropout)
+    for mask, op, dropout in itertools.product((True, False), ("mul", "div"), (True, False))
+)
+
+
+@register("match_eager_attention")
+class MatchEagerAttention(Transform):
+    """Replace eager attention (matmul, scale, mask, softmax, matmul) by ``torch_attention_sdpa``,
+    and its soft-capped / sink variants by ``torch_attention`` with ``logit_cap`` / ``sinks``."""
+
+    def _apply(self, gm, ctx):
+        return match_info(gm, PatternMatcher(EAGER_VARIANT_PATTERNS + EAGER_ATTENTION_PATTERNS).apply(gm))
+
+
+# ------------------------------------------------------------------------------ sdpa -> torch_attention
+
+
+_SDPA_FLAGS = ("dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _sdpa_pattern(source: str, repeated: bool, with_mask: bool) -> Pattern:
+    """``source`` (aten SDPA or our torch_attention_sdpa) on (maybe repeated) K/V, (maybe) masked."""
+    op = aten.scaled_dot_product_attention.default if source == "aten" else wb.torch_attention_sdpa.default
+
+    def search(q, k, v, *mask, n_rep=None):
+        if repeated:
+            k = wb.torch_attention_repeat_kv.default(k, n_rep)
+            v = wb.torch_attention_repeat_kv.default(v, n_rep)
+        m = mask[0] if mask else None
+        if source == "aten":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        return wb.torch_attention_sdpa.default(q, k, v, m)
+
+    def replacement(q, k, v, *mask, keep_mask, dropout_p, is_causal, scale, sliding_window, **_):
+        return wb.torch_attention.default(
+            q, k, v, attn_mask=mask[0] if mask and keep_mask else None, dropout_p=dropout_p,
+            is_causal=is_causal, scale=scale, sliding_window=sliding_window, layout="bnsd",
+        )
+
+    def check(m: Match) -> Optional[Dict[str, Any]]:
+        q, k, v = m.val("q"), m.val("k"), m.val("v")
+        if q is None or k is None or v is None or q.dim() != 4 or k.dim() != 4:
+            return None
+        if q.shape[1] % k.shape[1] or not same_size(k.shape[1], v.shape[1]):
+            return None
+        flags = dict(named_args(m.outputs[0]))
+        mask = m.inputs["attn_mask"] if with_mask else None
+        return {"dropout_p": flags["dropout_p"], "scale": flags["scale"],
+                **attention_mask_arguments(mask, q, k, is_causal=bool(flags["is_causal"]))}
+
+    def examples():
+        n_kv = 2 if repeated else 6
+        t = (torch.randn(1, 6, 4, 8), torch.randn(1, n_kv, 4, 8), torch.randn(1, n_kv, 4, 8))
+        return (*t, torch.ones(1, 1, 4, 4, dtype=torch.bool)) if with_mask else t
+
+    return Pattern(
+        f"{source}_sdpa{'_repeat_kv' if repeated else ''}{'_mask' if with_mask else ''}",
+        search, replacement, examples, literals={"n_rep": _N_REP} if repeated else {},
+        ignore=tuple((op, name) for name in _SDPA_FLAGS), check=check,
+        inputs=("q", "k", "v", "attn_mask") if with_mask else ("q", "k", "v"),
+    )
+
+
+SDPA_PATTERNS = tuple(
+    _sdpa_pattern(source, repeated, with_mask)
+    for source, repeated, with_mask in itertools.product(("aten", "workbench"), (True, False), (True, False))
+)
+
+
+@register("match_sdpa_to_torch_attention")
+class MatchSDPAToTorchAttention(Transform):
+    """Replace SDPA (aten or ``torch_attention_sdpa``), with or without repeat_kv, by
+    ``torch_attention`` in bnsd layout; causal-only masks become ``is_causal``/``sliding_window``."""
+
+    def _apply(self, gm, ctx):
+        return match_info(gm, PatternMatcher(SDPA_PATTERNS).apply(gm))
+
+
+# ------------------------------------------------------------------------------ grouped attention
+
+
+@register("match_grouped_attention")
+class MatchGroupedAttention(Transform):
+    """Feed ``torch_attention`` the un-repeated K/V wherever it still gets repeated ones.
+
+    Catches what ``match_sdpa_to_torch_attention`` could not see, e.g. repeat_kv matched after it
+    or a raw expand/reshape chain. bnsd only: that is the layout repeat_kv repeats in.
+    """
+
+    def _apply(self, gm, ctx):
+        n = 0
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or node.target is not wb.torch_attention.default:
+                continue
+            args = dict(named_args(node))
+            if args["layout"] != "bnsd":
+                continue
+            k_src, v_src = repeat_kv_source(gm, args["key"]), repeat_kv_source(gm, args["value"])
+            if k_src is None or v_src is None or k_src[1] != v_src[1]:
+                continue
+            node.update_arg(1, k_src[0])
+            node.update_arg(2, v_src[0])
+            n += 1
+        if n:
+            gm.graph.eliminate_dead_code()  # the repeat chains are unused now
+        return match_info(gm, {"grouped_attention": n})
+
+
+__all__ = [
+    "REPEAT_KV_PATTERN", "EAGER_ATTENTION_PATTERNS", "EAGER_VARIANT_PATTERNS", "SDPA_PATTERNS", "MaskKind",
+    "classify_mask", "repeat_kv_source",
+]

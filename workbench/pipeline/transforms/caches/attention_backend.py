@@ -1,0 +1,105 @@
+"""The cached-attention backend choice both cache modes share: ``insert_cached_attention`` (graph)
+and ``transformers_replace_cached_attn`` (HF model) take the same ``backend`` field, validated
+against ``workbench.ops.backends.ATTENTION_BACKENDS`` and picked when the transform runs.
+
+``auto`` (or unset) takes the first backend of ``ATTENTION_AUTO[device type]`` that runs on the
+device *and* serves every layer's shape: on CUDA FlashInfer (installed, half precision, head dim
+64/128/256, no sinks), else Triton -- both captured by CUDA graphs -- and the host-syncing torch
+reference last; on CPU the C++ kernel, else torch. The reason, with what was passed over and why,
+goes into the snapshot's details (``chosen``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from pydantic import Field, field_validator
+
+from ....ops.backends import ATTENTION_AUTO, ATTENTION_BACKENDS, AttentionBackend
+from ...interface import TransformConfig
+
+FIELD = "insert_cached_attention.backend"
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What a backend's ``unsupported`` hook is asked about one attention layer."""
+
+    layer: int
+    head_dim: int
+    v_head_dim: int
+    dtype: torch.dtype
+    has_sinks: bool
+
+
+def unsupported_layers(backend: AttentionBackend, layers: Sequence[LayerShape]) -> Dict[str, List[int]]:
+    """Why ``backend`` cannot serve some layers -> those layers (empty: it serves them all)."""
+    refused: Dict[str, List[int]] = {}
+    for s in layers:
+        why = backend.unsupported(s.head_dim, s.v_head_dim, s.dtype, s.has_sinks)
+        if why:
+            refused.setdefault(why, []).append(s.layer)
+    return refused
+
+
+def describe_refusal(refused: Dict[str, List[int]]) -> str:
+    return "; ".join(f"{why} (layers {layers[:4]}{'...' if len(layers) > 4 else ''})" for why, layers in refused.items())
+
+
+def resolve_backend(name: Optional[str], device: torch.device,
+                    layers: Sequence[LayerShape] = ()) -> Tuple[str, Callable, str]:
+    """(backend name, its op, why it was chosen).
+
+    An explicit name that cannot run on ``device`` or serve a layer of ``layers`` is a clear error
+    naming what it needs and what to use instead. ``None``/``auto``: the first backend of
+    ``ATTENTION_AUTO`` that runs here and serves every layer."""
+    device = torch.device(device)
+    if name in (None, "auto"):
+        skipped: List[str] = []
+        for candidate in ATTENTION_AUTO.get(device.type, ()):
+            backend = ATTENTION_BACKENDS.get(candidate)
+            why = backend.unavailable_reason(device)
+            refused = {} if why else unsupported_layers(backend, layers)
+            if why is None and not refused:
+                note = f" (passed over: {'; '.join(skipped)})" if skipped else ""
+                return backend.name, backend.op, f"auto on {device.type}: {backend.name}{note}"
+            skipped.append(f"{candidate}: {why or describe_refusal(refused)}")
+        name = None  # nothing in the list runs here: the registry's default explains itself
+    backend = ATTENTION_BACKENDS.pick(name, device, FIELD)
+    refused = unsupported_layers(backend, layers)
+    if refused:
+        serve = [b.name for b in ATTENTION_BACKENDS if b.name != backend.name and b.unavailable_reason(device) is None
+                 and not unsupported_layers(b, layers)]
+        instead = (f"Use backend {' or '.join(repr(n) for n in serve)} ({FIELD}=...)." if serve else
+                   f"No other backend runs here and serves it: {FIELD}=auto picks what does on another device.")
+        raise ValueError(f"attention backend '{backend.name}' does not support this model: "
+                         f"{describe_refusal(refused)}. {instead}")
+    return backend.name, backend.op, f"{backend.name} (requested)"
+
+
+class InsertCachedAttentionConfig(TransformConfig):
+    backend: Optional[str] = Field(
+        default=None,
+        description=f"The attention backend to use: auto | {' | '.join(ATTENTION_BACKENDS.names())} "
+        "(auto or None: the fastest that runs on the device and serves every layer's shape: on CUDA flashinfer, "
+        "else triton, else torch; on CPU the C++ kernel (cpu), else torch). The choice and why are in the "
+        "snapshot's details.",
+    )
+
+    require_cached_attention: bool = Field(
+        default=False,
+        description="Make attention the pattern matcher left uncanonicalized (SDPA with an explicit mask, an "
+        "eager matmul + softmax chain, a torch_attention the cache cannot serve) an error instead of a "
+        "warning: without a KV cache for those layers, generate re-runs the whole sequence every step.",
+    )
+
+    @field_validator("backend")
+    @classmethod
+    def _known(cls, v: Optional[str]) -> Optional[str]:
+        if v not in (None, "auto"):
+            ATTENTION_BACKENDS.get(v)  # ValueError: "unknown attention backend ...; known: ..."
+        return v
+
+
+__all__ = ["InsertCachedAttentionConfig", "LayerShape", "resolve_backend", "unsupported_layers"]

@@ -1,0 +1,143 @@
+"""Per-sequence state caches (stage ``cache_init``): ``insert_cached_ssm_attention``,
+``insert_cached_causal_conv``, ``insert_cached_delta_rule``, ``insert_cached_gated_delta_rule``.
+
+Each rewrites the canonical stateful op nodes it owns (``workbench.ops.state``: the op entry names
+its insert key) into their cached ops over per-sequence state slots (see ``state_rewrite.py``),
+and declares the ``SLOT`` cache specs that ``initialize_cache`` allocates next to the KV pages:
+``[num_slots, *state_shape]`` per layer, ``num_slots = max_batch_size + 1``. What a sequence's state
+costs does not grow with its length; ``details`` report it per layer and in total.
+
+The four keys differ only in which ops they own (and the SSM key's extra seed field), so they
+share one base class. A graph with no such node reports 0 matches with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+from pydantic import Field, field_validator
+
+from ....ops.state import stateful_ops
+from ....ops.triton_support import triton_available
+from ....runtime.interface import CacheSpec
+from ...interface import Transform, TransformConfig, TransformInfo, register
+from .state_rewrite import rewrite_stateful_node, stateful_nodes
+
+
+class InsertCachedStateConfig(TransformConfig):
+    backend: Optional[str] = Field(
+        default=None,
+        description="The cached-op backend: auto | torch | triton (auto or None: triton on a CUDA GPU where the "
+        "op has a Triton kernel and triton runs, else torch, the plain-PyTorch reference).",
+    )
+
+    @field_validator("backend")
+    @classmethod
+    def _known(cls, v: Optional[str]) -> Optional[str]:
+        if v not in (None, "auto", "torch", "triton"):
+            raise ValueError(f"unknown backend {v!r}; choose auto, torch or triton")
+        return v
+
+
+class SSMCacheTransformConfig(InsertCachedStateConfig):
+    ssm_replay: bool = Field(
+        default=False,
+        description="Enable the replay SSM kernel (tl.dot fast-forward) for the MTP extend path. Requires SM >= 80 "
+        "(Ampere+). The workbench has no MTP/speculative extend path, so only false is accepted.",
+    )
+
+    @field_validator("ssm_replay")
+    @classmethod
+    def _no_replay(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("ssm_replay=true needs the MTP (speculative) extend path, which the workbench does not "
+                             "have; leave it false")
+        return v
+
+
+def _pick_backend(requested: Optional[str], available: Tuple[str, ...], device: torch.device) -> Tuple[str, str]:
+    """(backend, why) for one op: the requested one, or auto's choice."""
+    if requested in (None, "auto"):
+        if device.type == "cuda" and "triton" in available and triton_available(device)[0]:
+            return "triton", "auto: CUDA device and a Triton kernel"
+        return "torch", "auto: the torch reference (" + ("no Triton kernel for this op" if "triton" not in available
+                                                          else f"{device.type} device") + ")"
+    if requested not in available:
+        raise ValueError(f"backend {requested!r} has no cached kernel for this op (available: {list(available)}); "
+                         "set backend: torch (runs everywhere) or auto")
+    if requested == "triton":
+        ok, why = triton_available(device)
+        if not ok:
+            raise ValueError(f"backend 'triton' cannot run here: {why}; set backend: torch or auto")
+    return requested, "requested"
+
+
+class _InsertCachedState(Transform):
+    """Rewrite every stateful op node owned by this key into its cached op over state slots."""
+
+    config_class = InsertCachedStateConfig
+    provides = ("cache specs",)
+    mechanism = ""  # e.g. "causal conv", for messages
+
+    def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+        if not isinstance(gm, fx.GraphModule):
+            raise TypeError(f"{self.key} rewrites exported graphs, and this model is not exported")
+        nodes = stateful_nodes(gm, self.key)
+        if not nodes:
+            owned = sorted(op.source.split("::")[1] for op in stateful_ops().values() if op.insert_key == self.key)
+            return gm, TransformInfo(num_matches=0, skip_reason=f"no {self.mechanism} nodes ({', '.join(owned) or 'no op'}"
+                                     " not in the graph: this model has none, or export did not canonicalize them)")
+        device = ctx.device
+        specs: List[CacheSpec] = []
+        backends: Dict[str, str] = {}
+        for i, (node, op) in enumerate(nodes):
+            backend, why = _pick_backend(self.config.backend, tuple(op.cached), device)
+            backends[op.source.split("::")[1]] = f"{backend} ({why})"
+            specs.extend(rewrite_stateful_node(gm, node, op, backend, i, ctx.dtype, device))
+        gm.graph.lint()
+        gm.recompile()
+        ctx.cache.declare(specs, ctx.dtype, ctx.limits.page_size)
+        per_seq = sum(s.token_elems() * (s.dtype or ctx.dtype).itemsize for s in specs)
+        details = {
+            "backend": backends,
+            "layers": sorted({s.layer for s in specs}),
+            "states": {s.name: list(s.shape) for s in specs},
+            "state_bytes_per_sequence": per_seq,
+            "new_inputs": ["seq_lens", "input_pos", "slot_idx", "num_prefill"] + [s.name for s in specs],
+        }
+        return gm, TransformInfo(num_matches=len(nodes), is_clean=True, has_valid_shapes=True, details=details)
+
+
+@register("insert_cached_ssm_attention")
+class SSMCacheTransform(_InsertCachedState):
+    """Mamba-2 SSM scans -> cached scans over a per-sequence SSM state [heads, head_dim, d_state]."""
+
+    config_class = SSMCacheTransformConfig
+    mechanism = "SSM scan"
+
+
+@register("insert_cached_causal_conv")
+class InitializeCausalConvCache(_InsertCachedState):
+    """Short depthwise causal convs -> cached convs over a per-sequence window of the last k-1 inputs."""
+
+    mechanism = "causal conv"
+
+
+@register("insert_cached_delta_rule")
+class InsertCachedDeltaRule(_InsertCachedState):
+    """Delta-rule linear attention -> cached recurrence over a per-sequence state [heads, d_k, d_v]."""
+
+    mechanism = "delta rule"
+
+
+@register("insert_cached_gated_delta_rule")
+class InsertCachedGatedDeltaRule(_InsertCachedState):
+    """Gated delta-rule linear attention -> cached recurrence over a per-sequence state [heads, d_k, d_v]."""
+
+    mechanism = "gated delta rule"
+
+
+__all__ = ["SSMCacheTransform", "InitializeCausalConvCache", "InsertCachedDeltaRule", "InsertCachedGatedDeltaRule",
+           "InsertCachedStateConfig", "SSMCacheTransformConfig"]

@@ -1,0 +1,284 @@
+"""Stage ``export``: ``export_to_gm`` turns the wrapped HF model into a torch.fx GraphModule.
+
+Non-strict ``torch.export`` behind the contract ``(input_ids, position_ids) -> logits`` with dynamic
+batch and sequence dims.
+
+Device-neutral by default: the traced module is a weightless ``meta`` twin of the model
+(``models.build.meta_twin``), so the graph is the same whatever device the weights will run on, and
+tracing a big model costs no copy of it. The graph's tensors stay on ``meta`` until ``load_weights``
+(stage ``weight_load``) binds them; until then the numerics probe runs it through
+``pipeline.weights.run_unloaded``. ``trace_device: model`` traces the model where its weights are
+(the graph then shares them), for comparison.
+
+Dynamic dims: ``Dim.DYNAMIC`` with the pipeline's bounds, not named ``Dim``s. Under torch 2.11 a
+named sequence ``Dim`` fails on every device (``Constraints violated (seq)``: export cannot prove
+guards such as ``min(64*seq, 192*seq) == 64*seq`` for the declared range, although they hold for every
+size); ``Dim.DYNAMIC`` lets export keep such guards as facts, and works on 2.11 and 2.13 alike. The
+price is that export assumes sizes >= 2 (its 0/1 specialisation) and reports ranges from 2; the
+graph is checked to have kept both dims symbolic, and tests run it at batch 1 and sequence 1.
+
+One stride fact is device-dependent and is normalised away: HF attention ends in
+``attn_output.transpose(1, 2).contiguous().reshape(...)``. Whether ``contiguous`` is a no-op (and so
+absent from the trace) depends on the strides the trace device's SDPA kernel returns: on CPU it is
+absent, on ``meta`` it is a real node. ``reshape`` copies when it must, so a ``contiguous`` whose
+only users are reshapes changes no value; it is dropped (``drop_contiguous_before_reshape``) and
+the meta and CPU traces have the same op histogram. The second is HF's own device branch in the
+grouped-MoE forward (histc on int ids off CPU): see ``histc_on_float``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Literal, Optional, Tuple
+
+import torch
+import torch.fx as fx
+from pydantic import Field, field_validator
+
+from ....models.build import meta_twin
+from ....models.export_contract import CausalLMLogits, make_batch
+from ....models.loaded import describe_model_class
+from ...graph.copy import GraphCopy
+from ...graph.utils import remove_tensor_metadata_asserts
+from ...interface import Transform, TransformConfig, TransformInfo, register
+from ...weights import TRACE_DEVICE_KEY
+from .patches import EXPORT_PATCHES, apply_patches, resolve_patches
+from .stamp import TRACED, stamp_layers, truncated, why_not_stampable
+
+aten = torch.ops.aten
+
+
+class ExportToGMConfig(TransformConfig):
+    expect_mem_change: bool = Field(
+        default=True,
+        description="The graph module comes into being here: it holds no bytes when traced on meta, "
+        "the model's (shared) bytes with trace_device=model.",
+    )
+    trace_device: Literal["meta", "model"] = Field(
+        default="meta",
+        description="'meta': trace a weightless meta twin of the model (device-neutral; the weights "
+        "are bound by load_weights at stage weight_load). 'model': trace the model where its weights "
+        "are (the graph shares them).",
+    )
+    normalize_device_branches: bool = Field(
+        default=True,
+        description="Undo what the trace device decided without changing values: drop "
+        "aten.contiguous nodes whose only users are reshapes (present or not depending on the trace "
+        "device's kernel strides) and count histc bins on float ids (HF picks int ids off CPU, "
+        "which CPU histc rejects). The meta and CPU traces then have the same ops.",
+    )
+    strict: bool = Field(default=False, description="Use strict (dynamo) export instead of non-strict.")
+    patches: Dict[str, bool] = Field(
+        default_factory=dict,
+        description="Switch export patches on/off by name (others keep their default). "
+        f"Known: {sorted(EXPORT_PATCHES)}.",
+    )
+    example_batch_size: int = Field(
+        default=2, ge=2, description="Batch size of the example inputs (>= 2 so it stays dynamic)."
+    )
+    example_seq_len: int = Field(
+        default=8, ge=2, description="Sequence length of the example inputs (>= 2 so it stays dynamic)."
+    )
+    max_batch_size: Optional[int] = Field(
+        default=None, ge=2, description="Upper bound of the dynamic batch dim; None: the pipeline's "
+        "max_batch_size (set here, it overrides it for the rest of the pipeline)."
+    )
+    max_seq_len: Optional[int] = Field(
+        default=None, ge=2, description="Upper bound of the dynamic sequence dim; None: the pipeline's "
+        "max_seq_len (set here, it overrides it for the rest of the pipeline)."
+    )
+    stamp_repeated_layers: bool = Field(
+        default=True,
+        description="When every decoder layer is the same module with the same configuration, export "
+        "the model cut to 3 layers, check that layers 1 and 2 are the same graph, and append copies "
+        "of layer 2 for the rest (each with its own weights): ~0.25 s per layer saved; the graph is "
+        "the full export's, node for node (export_stamp.py). Falls back to a full export, with the "
+        "reason in the details, whenever a check fails. Only with trace_device=meta.",
+    )
+    remove_tensor_metadata_asserts: bool = Field(
+        default=True,
+        description="Drop aten._assert_tensor_metadata nodes that export adds around .to() calls; "
+        "they check nothing the graph can violate and get in the way of pattern matching.",
+    )
+
+    @field_validator("patches")
+    @classmethod
+    def _known_patches(cls, v: Dict[str, bool]) -> Dict[str, bool]:
+        resolve_patches(v)
+        return v
+
+
+@register("export_to_gm")
+class ExportToGM(Transform):
+    config_class = ExportToGMConfig
+
+    def _apply(self, mod: torch.nn.Module, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+        cfg: ExportToGMConfig = self.config
+        if isinstance(mod, torch.fx.GraphModule):
+            raise TypeError("export_to_gm got a GraphModule: the model is already exported")
+        # Its bounds are the pipeline's limits; set here, they override them (and are reported).
+        ctx.limits = ctx.limits.override(self.key, max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len)
+        # export treats sizes 0/1 as special and infers dynamic dims as >= 2: a bound of 2 would leave the
+        # range [2, 2] and make export refuse the dim as static. A bound above the runtime limit only
+        # loosens the graph's guards (the runtime never feeds more than its limits), so export with >= 3.
+        max_b, max_s = max(ctx.limits.max_batch_size, 3), max(ctx.limits.max_seq_len, 3)
+        for what, example, bound in (("batch", cfg.example_batch_size, max_b), ("seq", cfg.example_seq_len, max_s)):
+            if example > bound:
+                raise ValueError(
+                    f"example_{what}_{'size' if what == 'batch' else 'len'}={example} is above the dynamic "
+                    f"{what} dim's upper bound {bound}: lower it, or raise max_{what}_{'size' if what == 'batch' else 'len'}"
+                )
+        mod, model_class = _model_to_export(mod, ctx)
+        traced, trace_device = _module_to_trace(mod, cfg.trace_device)
+        example = make_batch(
+            ctx.vocab_size, cfg.example_batch_size, cfg.example_seq_len, seed=0, device=trace_device
+        )
+        batch = torch.export.Dim.DYNAMIC(min=1, max=max_b)
+        seq = torch.export.Dim.DYNAMIC(min=1, max=max_s)
+        dyn = ({0: batch, 1: seq}, {0: batch, 1: seq})
+        patches = resolve_patches(cfg.patches)
+
+        def export(module: torch.nn.Module):
+            with apply_patches(patches, module), torch.inference_mode(False), torch.no_grad():
+                return torch.export.export(module, example.args, dynamic_shapes=dyn, strict=cfg.strict)
+
+        stamping = _stamp_plan(traced, ctx, cfg)
+        ep = gm = None
+        if isinstance(stamping, tuple):
+            path, layers = stamping
+            ep = export(truncated(traced, path, TRACED))
+            gm = ep.module()
+            try:
+                stamping = stamp_layers(gm, path, layers)
+            except ValueError as e:
+                stamping = f"full export: {e}"
+                ep = gm = None
+                traced, _ = _module_to_trace(mod, cfg.trace_device)
+        if gm is None:
+            ep = export(traced)
+            gm = ep.module()
+        ranges = _check_dynamic(gm, ep)
+        removed = remove_tensor_metadata_asserts(gm) if cfg.remove_tensor_metadata_asserts else 0
+        normalized = normalize_device_branches(gm) if cfg.normalize_device_branches else {}
+        gm.meta["range_constraints"] = {str(k): str(v) for k, v in ep.range_constraints.items()}
+        gm.meta["export_patches"] = [p.name for p in patches]
+        gm.meta["dynamic_dims"] = {"batch": (1, max_b), "seq": (1, max_s)}
+        gm.meta[TRACE_DEVICE_KEY] = str(trace_device)
+        gm.graph.eliminate_dead_code()
+        # A lazily recompiled copy (graph/utils.py: lazy_graph_module): later rewrites regenerate the
+        # code only when it runs. Same graph, tensors, buffers, meta and hooks.
+        gm = GraphCopy(gm).module
+        info = TransformInfo(
+            num_matches=1, is_clean=True, has_valid_shapes=True,
+            details={"patches": [p.name for p in patches], "asserts_removed": removed,
+                     "trace_device": str(trace_device), "export_ranges": ranges,
+                     "normalized": normalized, "torch": torch.__version__, "layers": stamping,
+                     "model_class": model_class,
+                     "summary": f"{model_class.split(' (')[0]} traced on {trace_device} with torch "
+                                f"{torch.__version__}; dims batch {ranges['batch']}, seq {ranges['seq']} "
+                                "(export's ranges; 1 works too)"},
+        )
+        return gm, info
+
+
+def _model_to_export(mod: torch.nn.Module, ctx) -> Tuple[torch.nn.Module, str]:
+    """(the module to export, its model class for the details). When ``load_model`` built a custom
+    canonical-op model for this config (``LoadedModel.export_model``, sharing the HF model's tensors
+    under the same names), it is exported in place of the HF model the stepper wraps; the HF model
+    stays the numerics reference."""
+    loaded = getattr(ctx, "loaded", None)
+    if (isinstance(mod, CausalLMLogits) and loaded is not None and mod.model is loaded.model
+            and getattr(loaded, "export_model", None) is not None):
+        return CausalLMLogits(loaded.export_model), loaded.export_model_class
+    inner = mod.model if isinstance(mod, CausalLMLogits) else mod
+    return mod, describe_model_class(inner, custom=False)
+
+
+def _stamp_plan(traced: torch.nn.Module, ctx, cfg: ExportToGMConfig):
+    """(layer stack path, the full stack) when the layers can be stamped, else why not (a string)."""
+    if not cfg.stamp_repeated_layers:
+        return "full export (stamp_repeated_layers: false)"
+    if cfg.trace_device != "meta":
+        return "full export (layer stamping needs trace_device=meta)"
+    config = next((m.config for m in traced.modules() if hasattr(m, "config")), None)
+    why, path = why_not_stampable(traced, config)
+    if why is not None:
+        return f"full export: {why}"
+    return path, traced.get_submodule(path)
+
+
+def _module_to_trace(mod: torch.nn.Module, how: str) -> Tuple[torch.nn.Module, torch.device]:
+    """The module export traces and the device its example inputs go on."""
+    if how == "meta":
+        return meta_twin(mod), torch.device("meta")
+    first = next(iter([*mod.parameters(), *mod.buffers()]), None)
+    return mod, (first.device if first is not None else torch.device("cpu"))
+
+
+def _check_dynamic(gm: fx.GraphModule, ep: Any) -> Dict[str, str]:
+    """Both input dims must have stayed symbolic; returns export's range for each.
+
+    ``Dim.DYNAMIC`` never raises when the model specialises a dim (it would with a named Dim): a
+    model that, say, reshapes with a constant sequence length would give a graph that only accepts
+    the example's size. That must fail here, naming the dim, not at the first decode step.
+    """
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    ids = inputs[0].meta.get("val") if inputs else None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise RuntimeError("export_to_gm: the exported graph's first input is not a [batch, seq] tensor")
+    out = {}
+    for dim, name in enumerate(("batch", "seq")):
+        size = ids.shape[dim]
+        if not isinstance(size, torch.SymInt):
+            raise RuntimeError(
+                f"export_to_gm: the {name} dim was specialised to {size} while tracing, so the graph "
+                f"would only accept {name} == {size}. Something in the model's forward depends on the "
+                "concrete size; run torch.export.draft_export on the model to see which guard did it."
+            )
+        expr = size.node.expr
+        out[name] = str(ep.range_constraints.get(expr, "unbounded"))
+    return out
+
+
+def normalize_device_branches(gm: fx.GraphModule) -> Dict[str, int]:
+    """The device-neutralising rewrites (see the module docstring); counts per rewrite."""
+    return {"contiguous_before_reshape": drop_contiguous_before_reshape(gm),
+            "histc_on_float": histc_on_float(gm)}
+
+
+def histc_on_float(gm: fx.GraphModule) -> int:
+    """Make ``histc`` count integer ids cast to float32, not to an integer dtype.
+
+    transformers' grouped-MoE forward casts the sorted expert ids to float on CPU/MPS and to int32
+    elsewhere (CUDA's deterministic histc takes ints; CPU histc rejects them). Traced on meta it
+    takes the int branch, and that graph cannot run on CPU. Float ids count the same (they are small
+    integers, exact in fp32) and run on both, except on CUDA under
+    ``torch.use_deterministic_algorithms(True)``.
+    """
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.histc.default:
+            continue
+        src = node.args[0]
+        if (isinstance(src, fx.Node) and src.target is aten.to.dtype and len(src.args) >= 2
+                and not src.args[1].is_floating_point and len(src.users) == 1):
+            src.args = (src.args[0], torch.float32, *src.args[2:])
+            val = src.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                src.meta["val"] = val.to(torch.float32)
+            n += 1
+    return n
+
+
+def drop_contiguous_before_reshape(gm: fx.GraphModule) -> int:
+    """Remove ``aten.contiguous`` nodes whose users are all ``aten.reshape`` (see module docstring)."""
+    n = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.contiguous.default:
+            continue
+        if len(node.args) > 1 or node.kwargs.get("memory_format", torch.contiguous_format) != torch.contiguous_format:
+            continue  # channels-last and friends: a real layout request
+        if node.users and all(u.target is aten.reshape.default for u in node.users):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            n += 1
+    return n

@@ -1,0 +1,234 @@
+"""``linear_weight_layout`` (stage ``post_load_fusion``): how CPU linears read their weights.
+
+A decode step is a chain of small-M GEMMs (``x [M, K] @ W.T``, ``W [N, K]``, M = sequences in the
+step). ``aten.linear`` hands MKL that product as is, and MKL streams the row-major weight slowly
+for small M. Two rewrites, chosen by ``layout``:
+
+* ``wxt`` (what ``auto`` picks on CPU for fp32 weights): ``cpu_linear_wxt(x, W, b)`` computes
+  ``(W @ x.T).T`` on the weights as loaded -- the orientation in which MKL streams a row-major
+  weight fastest at every decode batch size (one row padded to two; ``workbench/ops/mlp/
+  cpu_linear_wxt.py`` has the measurements). Nothing is copied. SmolLM2 decode on this project's
+  2-core machine, ``torch-compile``: 26.2 -> 35.6 tok/s at batch 1, 92 -> 134 at batch 8 against ``kn``.
+* ``kn``: ``matmul(x, W_kn) (+ b)`` with ``W_kn = W.t().contiguous() [K, N]`` transposed once, here,
+  for every linear (MKL's GEMV reads a K-major copy faster than the row-major weight when the
+  output is at least as wide as the input: GB/s row-major -> K-major, SmolLM2 shapes N x K:
+  960 x 576 11.3 -> 16.7, 3072 x 576 11.3 -> 20.2, 49152 x 576 11.5 -> 25.1, but 576 x 1536
+  15.9 -> 12.1; it was the CPU default before ``wxt``). The transposed weight is a new parameter beside the original (``<name>_kn``); the
+  original is dropped when nothing else reads it, so memory moves by ``new_bytes - freed_bytes``
+  (a tied LM head keeps its embedding table: one extra copy).
+
+* ``kernel`` (what ``auto`` picks on CPU when the workbench's C++ kernels build there): fp32
+  linears -> ``cpu_linear``, canonical ``torch_int4_linear`` / ``torch_int8_linear`` ->
+  ``cpu_int4_linear`` / ``cpu_int8_linear`` (``workbench/ops/cpu_kernels``): one AVX-512 pass over
+  the weights as loaded per 8 rows of input (up to 16 rows; larger inputs go to BLAS). Nothing is
+  copied. Quantized linears are rewritten under every layout except ``nk``, which keeps the
+  reference ops (dequantize, then ``F.linear``) -- the ground truth the numerics compare against.
+
+On CUDA cuBLAS reads either layout at full speed, so ``layout: auto`` leaves the graph alone there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Literal, Tuple
+
+import torch
+import torch.fx as fx
+from pydantic import Field
+
+from ...interface import Transform, TransformConfig, TransformInfo, register
+from ...graph.weights import LINEAR, fake_value, fetch_attr, linear_bias, param_of, release_weights
+from ...matcher import annotate_new_nodes
+
+aten = torch.ops.aten
+
+
+class LinearWeightLayoutConfig(TransformConfig):
+    layout: Literal["auto", "nk", "kn", "wxt", "kernel"] = Field(
+        default="auto", description="How linears read their weights: 'nk' (aten.linear on the weight as "
+        "loaded, [out, in]), 'kn' (matmul on a transposed copy [in, out]), 'wxt' (the weight as loaded, "
+        "computed as (W @ x.T).T by workbench.cpu_linear_wxt: MKL's fastest orientation for decode "
+        "batches), 'kernel' (the workbench's C++ CPU kernels, fp32 and int4/int8), 'auto' (kernel on CPU where it "
+        "builds, else wxt for fp32 weights; nk on other devices).",
+    )
+    int4_activations: Literal["fp32", "int8"] = Field(
+        default="fp32", description="What the int4 CPU kernel multiplies the 4-bit weights with in decode "
+        "steps (<= 16 rows): 'fp32' (the activations as they are: equal to the reference op up to summation "
+        "order) or 'int8' (activations rounded to 8 bits per block of 32, scale max|x|/127, and integer "
+        "VNNI dot products, as llama.cpp does for Q4 weights: faster, a numerics change the probe reports; "
+        "needs AVX512-VNNI, else the exact kernel runs). Prefill inputs are always exact.",
+    )
+    expect_mem_change: bool = Field(
+        default=True, description="Transposed copies replace (or, when tied, add to) the weights.",
+    )
+
+
+def transposed_weight(gm: fx.GraphModule, target: str) -> Tuple[str, int]:
+    """Register ``<target>_kn = W.t().contiguous()`` beside ``target``; returns (target, bytes)."""
+    owner_path, _, name = target.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    w = fetch_attr(gm, target)
+    new_name, i = f"{name}_kn", 1
+    while hasattr(owner, new_name):
+        new_name, i = f"{name}_kn{i}", i + 1
+    with torch.no_grad():
+        kn = w.detach().t().contiguous()
+    owner.register_parameter(new_name, torch.nn.Parameter(kn, requires_grad=False))
+    return (f"{owner_path}.{new_name}" if owner_path else new_name), kn.numel() * kn.element_size()
+
+
+@register("linear_weight_layout")
+class LinearWeightLayout(Transform):
+    """``linear(x, W, b)`` -> ``cpu_linear_wxt(x, W, b)`` (``wxt``) or ``matmul(x, W.T contiguous) + b``
+    (``kn``); see the module docstring."""
+
+    config_class = LinearWeightLayoutConfig
+
+    def _apply(self, gm, ctx) -> Tuple[fx.GraphModule, TransformInfo]:
+        from ....ops import cpu_kernels
+
+        device = torch.device(ctx.device)
+        layout = self.config.layout
+        auto = layout == "auto"
+        note = ""
+        if auto and device.type == "cpu":
+            ok, why = cpu_kernels.is_available(device)
+            layout, note = ("kernel", "") if ok else ("wxt", f"CPU kernels unavailable: {why}")
+        elif auto:
+            layout = "nk"
+        if layout == "nk":
+            return gm, TransformInfo(num_matches=0, details={"layout": "nk (weights left as loaded)"})
+        quantized = _to_quantized_kernels(gm, device, self.config.int4_activations)
+        if layout == "kernel":
+            gm, info = _to_kernels(gm, device)
+        elif layout == "wxt":
+            gm, info = _to_wxt(gm, fp32_only=auto)
+        if layout in ("kernel", "wxt"):
+            info.num_matches += quantized
+            if note:
+                info.details["auto"] = note
+            if quantized:
+                info.details["int4_activations"] = self.config.int4_activations
+                if self.config.int4_activations == "int8" and not cpu_kernels.has_vnni():
+                    info.details["int4_activations"] = "fp32 (int8 asked: this CPU has no AVX512-VNNI)"
+            return gm, info
+        done: Dict[str, str] = {}  # original weight target -> transposed target (shared weights once)
+        new_bytes = 0
+
+        def matmul_kn(g: fx.Graph, node: fx.Node, bias: Any) -> fx.Node:
+            nonlocal new_bytes
+            target = node.args[1].target
+            if target not in done:
+                done[target], nbytes = transposed_weight(gm, target)
+                new_bytes += nbytes
+            w_kn = g.get_attr(done[target])
+            w_kn.meta["val"] = fake_value(gm, fetch_attr(gm, done[target]))
+            out = g.call_function(aten.matmul.default, (node.args[0], w_kn))
+            return g.call_function(aten.add.Tensor, (out, bias)) if bias is not None else out
+
+        rewritten = _rewrite_linears(gm, matmul_kn) + quantized
+        released = release_weights(gm, list(done))
+        details = {"layout": layout, "weights": len(done), "new_bytes": new_bytes,
+                   "freed_bytes": released.freed_bytes, "kept_originals": released.kept + released.tied}
+        return gm, TransformInfo(num_matches=rewritten, is_clean=not rewritten, has_valid_shapes=not rewritten,
+                                 details=details)
+
+
+def _rewrite_linears(gm: fx.GraphModule, build: Callable[[fx.Graph, fx.Node, Any], fx.Node],
+                     fp32_only: bool = False) -> int:
+    """Replace every ``aten.linear`` with a 2-D parameter weight by what ``build(graph, node, bias)``
+    inserts before it (``fp32_only``: fp32 weights only); returns how many were replaced."""
+    g, rewritten = gm.graph, 0
+    for node in [n for n in g.nodes if n.op == "call_function" and n.target is LINEAR]:
+        w = param_of(gm, node.args[1])
+        if w is None or w.dim() != 2 or (fp32_only and w.dtype != torch.float32):
+            continue
+        before = set(g.nodes)
+        with g.inserting_before(node):
+            out = build(g, node, linear_bias(node))
+        annotate_new_nodes(gm, [n for n in g.nodes if n not in before], [node.name], anchor=node)
+        node.replace_all_uses_with(out)
+        g.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        g.lint()
+        gm.recompile()
+    return rewritten
+
+
+def _to_wxt(gm: fx.GraphModule, fp32_only: bool) -> Tuple[fx.GraphModule, TransformInfo]:
+    """Every 2-D-weight ``linear(x, W, b)`` -> ``cpu_linear_wxt(x, W, b)``: no weight is copied.
+    ``fp32_only`` (``auto``): the speed-up was measured on MKL's fp32 GEMM; other dtypes stay."""
+    import workbench.ops.mlp.cpu_linear_wxt  # noqa: F401  (registers the op)
+
+    op = torch.ops.workbench.cpu_linear_wxt.default
+
+    def wxt(g: fx.Graph, node: fx.Node, bias: Any) -> fx.Node:
+        new = g.call_function(op, (node.args[0], node.args[1], bias))
+        new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")})
+        return new
+
+    rewritten = _rewrite_linears(gm, wxt, fp32_only)
+    # the replacement carries the linear's value (same shape, contiguous): shapes stay valid
+    return gm, TransformInfo(num_matches=rewritten, is_clean=not rewritten, has_valid_shapes=True,
+                             details={"layout": "wxt", "new_bytes": 0, "freed_bytes": 0})
+
+
+QUANTIZED_KERNELS = {  # canonical op -> (CPU kernel op name, index of the scale arguments that must be fp16)
+    "torch_int4_linear": ("cpu_int4_linear", (2, 3)),
+    "torch_int8_linear": ("cpu_int8_linear", (2,)),
+}
+
+
+def _kernels_or_raise(device: torch.device) -> None:
+    from ....ops import cpu_kernels
+
+    ok, why = cpu_kernels.is_available(device)
+    if not ok:
+        raise RuntimeError(f"linear_weight_layout.layout=kernel cannot run here: {why}. Use layout 'wxt' or 'auto'.")
+
+
+def _to_quantized_kernels(gm: fx.GraphModule, device: torch.device, int4_activations: str = "fp32") -> int:
+    """Canonical int4/int8 linears -> the C++ kernels (same arguments), when they run here, the
+    activations are fp32 and the scales fp16 as the kernels read them; returns how many were rewritten.
+    ``int4_activations='int8'``: int4 linears -> ``cpu_int4_linear_a8`` (see the config field)."""
+    from ....ops import cpu_kernels
+
+    if device.type != "cpu" or not cpu_kernels.is_available(device)[0]:
+        return 0
+    import workbench.ops.quant  # noqa: F401  (registers the canonical ops)
+
+    table = {getattr(torch.ops.workbench, canonical).default: row for canonical, row in QUANTIZED_KERNELS.items()}
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in table:
+            continue
+        kernel, scale_args = table[node.target]
+        if kernel == "cpu_int4_linear" and int4_activations == "int8" and cpu_kernels.has_vnni():
+            kernel = "cpu_int4_linear_a8"
+        x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if getattr(x, "dtype", None) != torch.float32:
+            continue  # e.g. a bfloat16 model: the reference op serves it
+        if all(getattr(param_of(gm, node.args[i]), "dtype", None) == torch.float16 for i in scale_args):
+            node.target = getattr(torch.ops.workbench, kernel).default
+            n += 1
+    if n:
+        gm.recompile()
+    return n
+
+
+def _to_kernels(gm: fx.GraphModule, device: torch.device) -> Tuple[fx.GraphModule, TransformInfo]:
+    """fp32 ``linear(x, W, b)`` -> ``cpu_linear(x, W, b)`` (the quantized linears: ``_to_quantized_kernels``)."""
+    _kernels_or_raise(device)
+    op = torch.ops.workbench.cpu_linear.default
+
+    def kernel(g: fx.Graph, node: fx.Node, bias: Any) -> fx.Node:
+        new = g.call_function(op, (node.args[0], node.args[1], bias))
+        new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")})
+        return new
+
+    rewritten = _rewrite_linears(gm, kernel, fp32_only=True)
+    return gm, TransformInfo(num_matches=rewritten, is_clean=not rewritten, has_valid_shapes=True,
+                             details={"layout": "kernel", "new_bytes": 0, "freed_bytes": 0})
+
+
+__all__ = ["LinearWeightLayout", "LinearWeightLayoutConfig", "transposed_weight"]

@@ -1,0 +1,109 @@
+"""Normalization patterns (stage ``pattern_matcher``): RMSNorm and L2Norm -> canonical ops.
+
+``match_rmsnorm_pattern`` rewrites HF's RMSNorm chain (cast to fp32, pow/mean/add eps/rsqrt/mul,
+cast back, multiply by the weight) to ``workbench::torch_rmsnorm``; ``post_load_fusion`` later
+picks a fused backend for it. ``match_l2norm_pattern`` does the same for the L2 normalisation
+of linear-attention q/k.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ...interface import Transform, register
+from ...matcher import Match, Pattern, PatternMatcher, match_info
+
+wb = torch.ops.workbench
+
+# Sentinels: values no real model uses, so the traced pattern shows exactly where they sit.
+_EPS = 1.2345e-3
+_CAST_DTYPE = torch.float16
+
+
+def _example_norm_inputs():
+    return torch.randn(2, 3, 8), torch.randn(8)
+
+
+def _rmsnorm_with_casts(x, weight, *, eps, out_dtype):
+    # HF LlamaRMSNorm.forward (also Mistral, Qwen2/3 incl. q/k norms, Mixtral, SmolLM2).
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(out_dtype)
+
+
+def _rmsnorm_plain(x, weight, *, eps):
+    # The same chain once identity casts are gone (fp32 graphs after cleanup_identity_dtype_cast).
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rmsnorm_replacement(x, weight, *, eps, out_dtype=None):
+    return wb.torch_rmsnorm.default(x, weight, eps)
+
+
+def _casts_back_to_input_dtype(m: Match):
+    # torch_rmsnorm always casts back to the input dtype; a chain ending elsewhere is not ours.
+    x = m.val("x")
+    return {} if x is not None and m.literals["out_dtype"] == x.dtype else None
+
+
+def _fp32_input(m: Match):
+    # Without casts the chain runs in x's dtype; the op's fp32 statistics equal it only for fp32.
+    x = m.val("x")
+    return {} if x is not None and x.dtype == torch.float32 else None
+
+
+RMSNORM_PATTERNS = (
+    Pattern(
+        "rmsnorm_with_casts", _rmsnorm_with_casts, _rmsnorm_replacement, _example_norm_inputs,
+        literals={"eps": _EPS, "out_dtype": _CAST_DTYPE}, check=_casts_back_to_input_dtype,
+        shareable=(torch.ops.aten.to.dtype,),
+    ),
+    Pattern(
+        "rmsnorm", _rmsnorm_plain, _rmsnorm_replacement, _example_norm_inputs,
+        literals={"eps": _EPS}, check=_fp32_input,
+    ),
+)
+
+
+def _l2norm(x, *, eps):
+    # FLA / Qwen3-Next l2norm: x * rsqrt(sum(x*x) + eps) over the last dim.
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _l2norm_with_casts(x, *, eps, out_dtype):
+    h = x.to(torch.float32)
+    return (h * torch.rsqrt((h * h).sum(dim=-1, keepdim=True) + eps)).to(out_dtype)
+
+
+def _l2norm_replacement(x, *, eps, out_dtype=None):
+    return wb.torch_l2norm.default(x, eps)
+
+
+L2NORM_PATTERNS = (
+    Pattern(
+        "l2norm_with_casts", _l2norm_with_casts, _l2norm_replacement,
+        lambda: (torch.randn(2, 3, 8),), literals={"eps": _EPS, "out_dtype": _CAST_DTYPE},
+        check=_casts_back_to_input_dtype,
+    ),
+    Pattern(
+        "l2norm", _l2norm, _l2norm_replacement, lambda: (torch.randn(2, 3, 8),),
+        literals={"eps": _EPS}, check=_fp32_input,
+    ),
+)
+
+
+@register("match_rmsnorm_pattern")
+class MatchRMSNormPattern(Transform):
+    """Replace RMSNorm chains by ``torch_rmsnorm(x, weight, eps)``."""
+
+    def _apply(self, gm, ctx):
+        return match_info(gm, PatternMatcher(RMSNORM_PATTERNS).apply(gm))
+
+
+@register("match_l2norm_pattern")
+class MatchL2NormPattern(Transform):
+    """Replace L2Norm chains by ``torch_l2norm(x, eps)``."""
+
+    def _apply(self, gm, ctx):
+        return match_info(gm, PatternMatcher(L2NORM_PATTERNS).apply(gm))

@@ -1,0 +1,91 @@
+"""Stage ``sharding``: ``detect_sharding`` plans how each layer splits over the ranks,
+``sharding_transform_executor`` rewrites the graph by the plan (``pipeline/transforms/sharding/``).
+
+Both run in every rank of a sharded run (``Workbench(world_size=N)``, ``workbench run
+--world-size N``, torchrun), on the graph traced on meta, before ``load_weights``: the executor
+turns each cut weight into a meta tensor of the local shape plus a binding that ``load_weights``
+follows, so a rank never holds more than its slice in the graph. At world size 1 both report 0
+matches with the reason and leave the graph alone.
+"""
+
+from __future__ import annotations
+
+from typing import List, Literal, Optional, Tuple
+
+import torch
+from pydantic import Field
+
+from ...interface import Transform, TransformConfig, TransformInfo, rewrite_info
+from ...interface import register
+from ...interface import nothing_to_do
+from .plans import apply_plan, detect_plan
+
+ShardLayer = Literal["mha", "mlp", "moe", "lm_head"]
+
+
+class DetectShardingConfig(TransformConfig):
+    sharding_dims: List[Literal["tp", "ep"]] = Field(
+        default_factory=lambda: ["tp", "ep"],
+        description="Kinds of parallelism to plan: tp (attention heads, MLP features, LM-head vocab) and "
+                    "ep (MoE experts over ranks).",
+    )
+    shard_layers: Optional[List[ShardLayer]] = Field(
+        default=None,
+        description="Only these region kinds are split (mha, mlp, moe, lm_head); None: every shardable one.",
+    )
+
+
+def _single_rank(gm):
+    return nothing_to_do(gm, "world size 1: nothing to shard (Workbench(..., world_size=N), "
+                             "`workbench run --world-size N` or torchrun start N ranks)")
+
+
+@register("detect_sharding")
+class DetectSharding(Transform):
+    """Plan tensor / expert parallelism for ``ctx.dist.world_size`` ranks (``ctx.sharding``)."""
+
+    config_class = DetectShardingConfig
+    provides = ("sharding plan",)
+
+    def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+        if not ctx.dist.sharded:
+            return _single_rank(gm)
+        plan = detect_plan(gm, world_size=ctx.dist.world_size, rank=ctx.dist.rank, group_name=ctx.dist.group_name,
+                           vocab_size=ctx.vocab_size, dims=self.config.sharding_dims, layers=self.config.shard_layers)
+        ctx.sharding = plan
+        # The graph is unchanged: its state (clean, shapes) stands.
+        return gm, TransformInfo(num_matches=len(plan.sharded), is_clean=True, has_valid_shapes=True,
+                                 details=plan.summary())
+
+
+class ShardingExecutorConfig(TransformConfig):
+    run_shape_prop: bool = Field(
+        default=True, description="Re-derive the fake values after the weights shrank (local head counts, widths)."
+    )
+
+
+@register("sharding_transform_executor")
+class ShardingTransformExecutor(Transform):
+    """Apply ``ctx.sharding``: cut weights (bound at load), fix head counts, insert the collectives."""
+
+    config_class = ShardingExecutorConfig
+    needs = ("sharding plan",)
+
+    def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+        if not ctx.dist.sharded:
+            return _single_rank(gm)
+        plan = ctx.sharding
+        if plan is None:
+            return nothing_to_do(gm, "no sharding plan: enable detect_sharding before this transform")
+        if plan.applied:
+            return nothing_to_do(gm, "the plan was already applied to this graph")
+        counts = apply_plan(gm, plan)
+        ctx.sharding = plan.with_applied()
+        whole, local = plan.bytes()
+        details = {**counts, "sharded_regions": plan.counts(), "sharded_weight_bytes": whole,
+                   "sharded_weight_bytes_this_rank": local}
+        gm, info = rewrite_info(gm, len(plan.sharded), details)
+        return gm, info.model_copy(update={"has_valid_shapes": False})  # run_shape_prop re-derives them
+
+
+__all__ = ["DetectSharding", "ShardingTransformExecutor", "DetectShardingConfig", "ShardingExecutorConfig"]
