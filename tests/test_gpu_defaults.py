@@ -15,10 +15,17 @@ from workbench import Workbench
 from workbench.models import load_model
 from workbench.ops.backends import ATTENTION_BACKENDS
 from workbench.ops.capture import capture_blockers, node_blocker
-from workbench.pipeline.transforms.caches.attention_backend import LayerShape, resolve_backend
+from workbench.pipeline.transforms.caches.attention_backend import LayerShape
+from workbench.pipeline.transforms.caches.attention_backend import resolve_backend as choose_attention
 from workbench.pipeline.transforms.compile.compile_model import resolve_auto
 
 CUDA = torch.device("cuda")
+
+
+def resolve_backend(*args):
+    """(name, op, why) of the attention choice."""
+    choice = choose_attention(*args)
+    return choice.name, choice.backend.op, choice.why
 
 
 def _layers(head_dim=64, dtype=torch.bfloat16, sinks=False, n=2):
@@ -61,7 +68,7 @@ def test_attention_auto_on_cuda_without_flashinfer_or_triton(monkeypatch):
 def test_an_explicit_backend_that_cannot_serve_the_shape_names_those_that_can(fake_cuda_backends):
     with pytest.raises(ValueError, match=r"'flashinfer' does not support this model: head_dim 16 .*layers \[0, 1\]"
                                          r".*Use backend 'torch' or 'triton'"):
-        resolve_backend("flashinfer", CUDA, _layers(head_dim=16))
+        choose_attention("flashinfer", CUDA, _layers(head_dim=16))
 
 
 def test_attention_auto_on_cpu_is_unchanged():
@@ -87,7 +94,8 @@ def _with_attention(gm: torch.fx.GraphModule, op) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
-def test_compile_auto_on_cuda_captures_only_graphs_without_host_reads(cached_llama):
+def test_compile_auto_on_cuda_captures_only_graphs_without_host_reads(cached_llama, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the CUDA-graph backends can run
     blockers = capture_blockers(cached_llama)
     assert len(blockers) == 2 and all("torch_cached_attention: reads seq_lens" in w for w in blockers.values())
     name, why = resolve_auto(CUDA, blockers)
@@ -101,7 +109,8 @@ def test_compile_auto_on_cuda_captures_only_graphs_without_host_reads(cached_lla
 
 @pytest.mark.parametrize("arch, blocker", [("mixtral", "workbench::torch_moe_fused: runs only the experts"),
                                            ("gpt_oss", "transformers::grouped_mm_fallback: an op of another library")])
-def test_moe_graphs_stay_out_of_cuda_graphs_and_say_why(arch, blocker):
+def test_moe_graphs_stay_out_of_cuda_graphs_and_say_why(arch, blocker, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the CUDA-graph backends can run
     wb = Workbench(f"tiny:{arch}", numerics=False, overrides={"insert_cached_attention.backend": "torch"})
     wb.run_to("resize_kv_cache")
     gm = _with_attention(wb.snapshot("resize_kv_cache").module, torch.ops.workbench.triton_cached_attention.default)

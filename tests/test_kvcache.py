@@ -218,7 +218,7 @@ def test_transformers_mode_refuses_graphs(wb):
 
 def test_kv_cache_config_math():
     specs = (CacheSpec("k", PAGED, (2, 16)), CacheSpec("v", PAGED, (2, 16)), CacheSpec("h", "token", (64,), torch.float16))
-    cfg = KVCacheConfig(page_size=16, num_pages=10, dtype=torch.float32, max_batch_size=4, max_seq_len=100,
+    cfg = KVCacheConfig.sized(page_size=16, num_pages=10, dtype=torch.float32, max_batch_size=4, max_seq_len=100,
                         max_num_tokens=32, specs=specs)
     assert cfg.max_pages_per_seq == 7 and cfg.pages_to_fill() == 28 + 1 and cfg.token_capacity == 160
     assert cfg.bytes_per_page() == 2 * 16 * 2 * 16 * 4 and cfg.per_token_bytes() == 32 * 64 * 2

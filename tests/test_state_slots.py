@@ -15,7 +15,7 @@ from workbench.runtime.sequence_info import SLOT_INPUT, SequenceInfo
 
 def _cfg(specs, **kw) -> KVCacheConfig:
     base = dict(page_size=4, num_pages=9, dtype=torch.float32, max_batch_size=2, max_seq_len=16, max_num_tokens=16)
-    return KVCacheConfig(**{**base, **kw}, specs=tuple(specs))
+    return KVCacheConfig.sized(**{**base, **kw}, specs=tuple(specs))
 
 
 def test_slot_spec_geometry_and_bytes():

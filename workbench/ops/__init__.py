@@ -8,3 +8,4 @@ a plain-PyTorch reference implementation that runs on CPU.
 from . import attention, mlp, moe, normalization, quant, rope, state  # noqa: F401
 from . import conv, delta_rule, mla, ssm  # noqa: F401  (after state: stateful ops declare their cache entries)
 from . import distributed  # noqa: F401  (collectives of sharded graphs)
+from . import cpu_kernels  # noqa: F401  (declares the C++ kernels' ops; they build on first use)

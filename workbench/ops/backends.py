@@ -18,8 +18,12 @@ and the ``post_load_fusion`` transforms swap them for the backend op picked here
     silu_mul     triton       triton_silu_and_mul                   triton + CUDA (or TRITON_INTERPRET=1)
     rmsnorm/rope/silu_mul  cpu  cpu_rmsnorm, cpu_rope_with_explicit_cos_sin, cpu_silu_and_mul  AVX-512 + g++
 
-Fusion transforms also take ``auto``: Triton on a CUDA device when it can run, the C++ kernels
-(``cpu``) on a CPU where they build, the torch op otherwise; never FlashInfer (its half-precision rounding differs slightly from HF: opt-in).
+Every table chooses the same way (``BackendRegistry.choose``: an explicit name, or ``auto`` -- the first
+of the table's ``auto_order`` for the device type that runs there and serves the model). Attention
+``auto``: FlashInfer, then Triton (both captured by CUDA graphs), then the torch reference on CUDA;
+the C++ kernel, then torch, on CPU. Fusion ``auto``: Triton on CUDA, the C++ kernels (``cpu``) on a
+CPU where they build, the torch op otherwise; never FlashInfer (its half-precision rounding differs
+slightly from HF: opt-in).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .registry import BackendRegistry, OpBackend
+from .registry import BackendRegistry, Choice, OpBackend
 
 _CPU = "workbench.ops.cpu_kernels"
 _ATT, _NORM, _ROPE, _MLP = ("workbench.ops.attention", "workbench.ops.normalization", "workbench.ops.rope",
@@ -42,6 +46,8 @@ CPU_KERNELS_NEED = "an x86 CPU with AVX-512, g++ and ninja (the workbench's C++ 
 # come first (FlashInfer where installed and the shapes fit, else Triton); the host-syncing torch
 # reference is the last resort.
 ATTENTION_AUTO = {"cpu": ("cpu", "torch"), "cuda": ("flashinfer", "triton", "torch")}
+# What fusion ``auto`` tries, in order, per device type.
+FUSION_AUTO = {"cuda": ("triton", "torch"), "cpu": ("cpu", "torch")}
 
 
 @dataclass(frozen=True)
@@ -67,12 +73,13 @@ ATTENTION_BACKENDS: BackendRegistry[AttentionBackend] = BackendRegistry("attenti
                      f"{_ATT}.triton_cached_attention", "triton_cached_attention"),
     AttentionBackend("flashinfer", FLASHINFER_NEEDS, f"{_ATT}.flashinfer_cached_attention",
                      "flashinfer_cached_attention", step_planner="FlashInferPlanner"),
-], default="torch")
+], default="torch", auto_order=ATTENTION_AUTO)
 
 
 def _fusion(family: str, *rows: Tuple[str, str, str, str]) -> BackendRegistry[OpBackend]:
     return BackendRegistry(family, [OpBackend(name, need, module, op) for name, module, op, need in rows],
-                           default="torch")
+                           default="torch", auto_order={d: tuple(n for n in order if n in {r[0] for r in rows})
+                                                        for d, order in FUSION_AUTO.items()})
 
 
 FUSION_BACKENDS: Dict[str, BackendRegistry[OpBackend]] = {
@@ -96,25 +103,14 @@ FUSION_BACKENDS: Dict[str, BackendRegistry[OpBackend]] = {
         ("cpu", _CPU, "cpu_silu_and_mul", CPU_KERNELS_NEED),
     ),
 }
-# What ``auto`` tries, in order, per device type.
-AUTO_PREFERENCE = {"cuda": ("triton", "torch"), "cpu": ("cpu", "torch")}
-
-
 def fusion_backend_names(family: str) -> Tuple[str, ...]:
     return ("auto", *FUSION_BACKENDS[family].names())
 
 
-def pick_fusion_backend(family: str, name: str, device: torch.device, field: str) -> Tuple[OpBackend, str]:
-    """The backend to use and why (``auto`` explained, with what it skipped); an explicit name that
-    cannot run here raises, saying what it needs and what to pick instead."""
-    table = FUSION_BACKENDS[family]
-    if name != "auto":
-        return table.pick(name, device, field), f"{name} (requested)"
-    device = torch.device(device)
-    chosen, skipped = table.first_runnable(AUTO_PREFERENCE.get(device.type, ("torch",)), device)
-    chosen = chosen or table.get("torch")
-    return chosen, f"auto on {device.type}: {chosen.name}" + (f" ({'; '.join(skipped)})" if skipped else "")
+def choose_fusion_backend(family: str, name: str, device: torch.device, field: str) -> Choice[OpBackend]:
+    """The fusion backend of ``family`` for ``name`` on ``device``, and why (``BackendRegistry.choose``)."""
+    return FUSION_BACKENDS[family].choose(name, device, field)
 
 
-__all__ = ["AttentionBackend", "ATTENTION_BACKENDS", "ATTENTION_AUTO", "CPU_KERNELS_NEED", "FUSION_BACKENDS", "AUTO_PREFERENCE", "fusion_backend_names",
-           "pick_fusion_backend", "TRITON_NEEDS", "FLASHINFER_NEEDS"]
+__all__ = ["AttentionBackend", "ATTENTION_BACKENDS", "ATTENTION_AUTO", "CPU_KERNELS_NEED", "FUSION_BACKENDS", "FUSION_AUTO",
+           "fusion_backend_names", "choose_fusion_backend", "TRITON_NEEDS", "FLASHINFER_NEEDS"]

@@ -9,13 +9,19 @@ it give the same answer. A registry is filled once, where it is defined, and nev
     registry.get(name)                  -> the backend, or a ValueError listing the known names
     registry.pick(name, device, field)  -> the backend, or a RuntimeError saying what it needs and
                                            which field to set to what instead
+    registry.choose(name, device, field, refuse=...)  -> a ``Choice``: the backend and why
+
+``choose`` is the one backend choice every family makes (attention, fusion, compile): an explicit
+name is picked (refused, with what runs here, when it cannot run or ``refuse`` names a reason); ``auto``
+(or None) takes the first of ``auto_order[device type]`` that runs on the device and that ``refuse``
+does not turn down, and says what it passed over.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Dict, Generic, Iterable, Iterator, List, Optional, Tuple, TypeVar
+from typing import Callable, Dict, Generic, Iterable, Iterator, List, Mapping, Optional, Tuple, TypeVar
 
 import torch
 
@@ -59,10 +65,24 @@ class OpBackend(Backend):
 B = TypeVar("B", bound=Backend)
 
 
-class BackendRegistry(Generic[B]):
-    """An immutable, ordered table of backends of one kind (``kind`` names it in messages)."""
+@dataclass(frozen=True)
+class Choice(Generic[B]):
+    """A backend a transform chose and why ("auto on cuda: triton (passed over: flashinfer: ...)")."""
 
-    def __init__(self, kind: str, backends: Iterable[B], default: Optional[str] = None):
+    backend: B
+    why: str
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+
+class BackendRegistry(Generic[B]):
+    """An immutable, ordered table of backends of one kind (``kind`` names it in messages);
+    ``auto_order``: what ``auto`` tries, in order, per device type (absent: the default)."""
+
+    def __init__(self, kind: str, backends: Iterable[B], default: Optional[str] = None,
+                 auto_order: Optional[Mapping[str, Tuple[str, ...]]] = None):
         self.kind = kind
         self._backends: Dict[str, B] = {}
         for b in backends:
@@ -70,6 +90,10 @@ class BackendRegistry(Generic[B]):
                 raise ValueError(f"{kind} backend {b.name!r} registered twice")
             self._backends[b.name] = b
         self.default = default or next(iter(self._backends))
+        self.auto_order: Dict[str, Tuple[str, ...]] = dict(auto_order or {})
+        for order in self.auto_order.values():
+            for name in order:
+                self.get(name)  # a typo in a table fails at import
 
     def names(self) -> Tuple[str, ...]:
         return tuple(self._backends)
@@ -87,17 +111,6 @@ class BackendRegistry(Generic[B]):
         if name not in self._backends:
             raise ValueError(f"unknown {self.kind} backend {name!r}; known: {', '.join(self._backends)}")
         return self._backends[name]
-
-    def first_runnable(self, names: Iterable[str], device: torch.device) -> Tuple[Optional[B], List[str]]:
-        """The first of ``names`` that can run on ``device`` (None if none can), and why each one
-        before it could not ("<name> unavailable: <reason>"): what an ``auto`` choice reports."""
-        skipped: List[str] = []
-        for name in names:
-            why = self.get(name).unavailable_reason(torch.device(device))
-            if why is None:
-                return self.get(name), skipped
-            skipped.append(f"{name} unavailable: {why}")
-        return None, skipped
 
     def pick(self, name: Optional[str], device: torch.device, field: str) -> B:
         """The backend ``name`` (None: the default) if it can run on ``device``; otherwise a
@@ -117,4 +130,32 @@ class BackendRegistry(Generic[B]):
         )
 
 
-__all__ = ["Backend", "OpBackend", "BackendRegistry"]
+    def choose(self, name: Optional[str], device: torch.device, field: str,
+               refuse: Callable[[B], Optional[str]] = lambda backend: None) -> Choice[B]:
+        """The backend ``name`` asks for on ``device`` (``auto``/None: ``auto_order``'s first that
+        runs and is not refused) and why. ``refuse(backend)``: why a backend cannot serve this
+        model (None: it can). An explicit name that cannot run or is refused is an error naming the
+        backends that would do."""
+        device = torch.device(device)
+        if name in (None, "auto"):
+            skipped: List[str] = []
+            for candidate in self.auto_order.get(device.type, (self.default,)):
+                backend = self.get(candidate)
+                why = backend.unavailable_reason(device) or refuse(backend)
+                if why is None:
+                    note = f" (passed over: {'; '.join(skipped)})" if skipped else ""
+                    return Choice(backend, f"auto on {device.type}: {backend.name}{note}")
+                skipped.append(f"{candidate}: {why}")
+            name = None  # nothing in the order serves: the default explains itself below
+        backend = self.pick(name, device, field)
+        why = refuse(backend)
+        if why is not None:
+            serve = [b.name for b in self if b.name != backend.name and b.unavailable_reason(device) is None
+                     and refuse(b) is None]
+            instead = (f"Use backend {' or '.join(repr(n) for n in serve)} ({field}=...)." if serve else
+                       f"No other {self.kind} backend runs here and serves it.")
+            raise ValueError(f"{self.kind} backend '{backend.name}' does not support this model: {why}. {instead}")
+        return Choice(backend, f"{backend.name} (requested)")
+
+
+__all__ = ["Backend", "OpBackend", "BackendRegistry", "Choice"]

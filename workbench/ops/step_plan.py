@@ -87,21 +87,17 @@ def active_planner(kind: str) -> Optional[StepPlanner]:
 
 
 def planners_for(module: torch.nn.Module, device: torch.device) -> Dict[str, StepPlanner]:
-    """A new planner for each attention backend that needs one and that ``module`` calls: found by
-    op name in its graphs, or named by a wrapper's ``attention_backend`` (transformers mode)."""
+    """A new planner for each attention backend that needs one and whose op ``module`` calls: in
+    its graphs, or as a wrapper's ``op`` (transformers mode's ``HFCachedLM``)."""
     from .backends import ATTENTION_BACKENDS
 
-    # transformers mode: HFCachedLM names its backend (``backend``); graphs name their ops
-    names = {x for x in (getattr(module, "attention_backend", None), getattr(module, "backend", None))
-             if isinstance(x, str)}
+    called = {getattr(module, "op", None)}
     for m in module.modules():
         if isinstance(m, torch.fx.GraphModule):
-            for n in m.graph.nodes:
-                if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-                    names.add(n.target.name().split("::")[-1])
+            called.update(n.target for n in m.graph.nodes if n.op == "call_function")
     found: Dict[str, StepPlanner] = {}
     for backend in ATTENTION_BACKENDS:
-        if backend.step_planner and (backend.name in names or backend.op_name in names):
+        if backend.step_planner and backend.op in called:
             found[backend.name] = getattr(backend._module(), backend.step_planner)(torch.device(device))
     return found
 

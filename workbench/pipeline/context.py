@@ -34,53 +34,46 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..runtime.interface import CachedProbe, CacheSpec, KVCacheConfig, add_specs
+from ..runtime.interface import CachedProbe, CacheSpec, KVCacheConfig, RuntimeLimits, add_specs
 from .weights import with_checkpoint
 
 if TYPE_CHECKING:
     from ..models.quantized_checkpoint import QuantizedCheckpoint
+    from ..ops.backends import AttentionBackend
+    from ..ops.registry import Choice
     from ..quantization.checkpoint_config import QuantConfig
-
-DEFAULT_MAX_NUM_TOKENS = 2048
-
 
 class PipelineOrderError(RuntimeError):
     """A transform ran before the one that provides what it needs."""
 
 
-@dataclass(frozen=True)
-class RuntimeLimits:
-    """How much the compiled model must serve: one source of truth for every stage and the runtime."""
+@dataclass(frozen=True, eq=False)
+class Fact:
+    """Something a transform leaves in the context for later ones, compared by identity.
 
-    max_batch_size: int = 64  # sequences in flight at once
-    max_seq_len: int = 2048  # tokens one sequence may hold (prompt + generated)
-    max_num_tokens: Optional[int] = None  # tokens per forward step; None: min(2048, batch * seq)
-    page_size: int = 16  # tokens per KV-cache page
-    overrides: Tuple[str, ...] = ()  # "initialize_cache.max_batch_size: 64 -> 8", in order
+    ``present(ctx)``: whether the context holds it. ``required``: a transform that needs it cannot
+    run without it (the framework raises ``PipelineOrderError``); otherwise the transform says
+    itself what it does without (a skip reason)."""
 
-    def __post_init__(self):
-        for name in ("max_batch_size", "max_seq_len", "page_size"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_num_tokens is not None and self.max_num_tokens < 1:
-            raise ValueError(f"max_num_tokens must be >= 1, got {self.max_num_tokens}")
+    name: str
+    present: Callable[[Any], bool]
+    required: bool = False
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens per forward step, resolved."""
-        return self.max_num_tokens or min(DEFAULT_MAX_NUM_TOKENS, self.max_batch_size * self.max_seq_len)
+    def __str__(self) -> str:
+        return self.name
 
-    def override(self, key: str, **values: Optional[int]) -> "RuntimeLimits":
-        """These limits with ``values`` (None: keep) set by transform ``key``, the change recorded."""
-        changed = {k: v for k, v in values.items() if v is not None and v != getattr(self, k)}
-        if not changed:
-            return self
-        notes = tuple(f"{key}.{k}: {getattr(self, k)} -> {v}" for k, v in changed.items())
-        return dataclasses.replace(self, **changed, overrides=self.overrides + notes)
+
+# The facts transforms leave for each other (``Transform.provides`` / ``needs``), each checked
+# against the context field that holds it.
+SHARDING_PLAN = Fact("sharding plan", lambda ctx: ctx.sharding is not None)
+HF_ATTENTION_LAYERS = Fact("attention layers (detect_hf_attn_layers)", lambda ctx: bool(ctx.hf_attn_layers),
+                           required=True)
+CACHE_SPECS = Fact("cache specs", lambda ctx: bool(ctx.cache.specs))
+KV_CACHE = Fact("KV cache", lambda ctx: ctx.cache.config is not None)
 
 
 @dataclass(frozen=True)
@@ -121,7 +114,9 @@ class CacheState:
     config: Optional[KVCacheConfig] = None
     tensors: Dict[str, torch.Tensor] = field(default_factory=dict)  # by graph input name
     probe: Optional[CachedProbe] = None
-    attention_backend: Optional[str] = None  # the cached-attention backend the graph calls
+    # the cached-attention backend the graph calls and why it was chosen (insert_cached_attention,
+    # transformers_replace_cached_attn); None before the cache stage
+    attention: Optional["Choice[AttentionBackend]"] = None
 
     def declare(self, specs: Sequence[CacheSpec], dtype: torch.dtype, page_size: int) -> Tuple[CacheSpec, ...]:
         self.specs = add_specs(self.specs, specs)

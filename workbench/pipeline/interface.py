@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .graph.utils import canonicalize_graph, graph_modules, run_shape_prop
 
 if TYPE_CHECKING:
-    from .context import PipelineContext
+    from .context import Fact, PipelineContext
 
 logger = logging.getLogger("workbench.pipeline")
 
@@ -185,11 +185,13 @@ class Transform:
 
     key: ClassVar[str] = ""
     config_class: ClassVar[Type[TransformConfig]] = TransformConfig
-    # Facts of the context this transform sets up for later ones, and facts it needs from earlier
-    # ones (e.g. "cache specs"); the stepper refuses a pipeline that orders a need before every
-    # transform that could provide it (see check_order).
-    provides: ClassVar[Tuple[str, ...]] = ()
-    needs: ClassVar[Tuple[str, ...]] = ()
+    # Facts of the context this transform leaves for later ones, and facts it needs from earlier
+    # ones (``Fact`` objects, e.g. ``context.CACHE_SPECS``): the stepper refuses a pipeline that
+    # orders a need before every transform that could provide it (``check_order``); ``__call__``
+    # refuses to run a transform whose required need is absent, and checks that a transform that
+    # changed something left what it provides.
+    provides: ClassVar[Tuple["Fact", ...]] = ()
+    needs: ClassVar[Tuple["Fact", ...]] = ()
 
     def __init__(self, config: TransformConfig):
         if not isinstance(config, self.config_class):
@@ -225,6 +227,12 @@ class Transform:
 
         t0 = time.perf_counter()
         try:
+            for fact in self.needs:
+                if fact.required and not fact.present(ctx):
+                    from .context import PipelineOrderError
+
+                    raise PipelineOrderError(f"{self.key} needs the {fact}, and no earlier transform left it: "
+                                             "run the transform that provides it first")
             targets = graph_modules(mod)
             if cfg.stage.order >= Stages.POST_LOAD_FUSION.order:
                 _require_loaded_weights(self.key, cfg.stage, targets)
@@ -248,6 +256,10 @@ class Transform:
                     info = gm_info if info is None else info.merged(gm_info)
             else:
                 mod, info = self._apply(mod, ctx)
+            missing = [f.name for f in self.provides if info.num_matches and not info.skipped and not f.present(ctx)]
+            if missing:
+                raise RuntimeError(f"{self.key} changed the graph ({info.num_matches} matches) but left no "
+                                   f"{', '.join(missing)} in the context, which it provides")
             t2 = time.perf_counter()
             times.apply = t2 - t1
         except Exception as e:  # noqa: BLE001 - recorded, re-raised or skipped on purpose
@@ -305,7 +317,7 @@ def check_order(entries: List[Any], registry: "TransformRegistry") -> Optional[s
     enabled = [(i, e.key) for i, e in enumerate(entries) if e.config.enabled]
     for i, key in enabled:
         for fact in registry.get(key).needs:
-            providers = [(j, k) for j, k in enabled if fact in registry.get(k).provides]
+            providers = [(j, k) for j, k in enabled if any(fact is p for p in registry.get(k).provides)]
             if providers and all(j > i for j, _ in providers):
                 names = " or ".join(k for _, k in providers)
                 return (f"{key} needs the {fact} that {names} provides, but it runs before "

@@ -228,7 +228,11 @@ COMPILE_BACKENDS: BackendRegistry[CompileBackend] = BackendRegistry("compile", [
                    "CUDA graphs per decode batch size", cuda_graphs=True),
     CompileBackend("torch-opt", "a CUDA GPU and a capturable attention backend (triton, flashinfer)",
                    "torch.compile, then CUDA graphs of the compiled forward", torch_compile=True, cuda_graphs=True),
-], default="torch-simple")
+# auto: CUDA graphs on CUDA when the graph can be captured (compile_model refuses them otherwise), else
+# the plain graph; CPU: the plain graph over the C++ kernels, chosen for the time to an answer (the
+# first torch-compile of a model costs 2-4 min of C++ compilation on 2 cores; its decode is faster:
+# docs/benchmarks.md)
+], default="torch-simple", auto_order={"cuda": ("torch-cudagraph", "torch-simple"), "cpu": ("torch-simple",)})
 
 
 __all__ = ["COMPILE_BACKENDS", "CompileBackend", "BuildRequest", "Built", "inlined_copy", "self_check"]

@@ -8,8 +8,8 @@ Three small pieces, kept apart because they change at different times:
   ``SLOT`` per-sequence state (SSM / conv / delta-rule state, the mRoPE delta): one row per
   sequence slot, ``[num_slots, *shape]``, whatever the sequence's length; ``PER_TOKEN`` per-step
   buffers (captured hidden states).
-* ``KVCacheConfig`` -- the pool's geometry (page size, number of pages, dtype) and the runtime
-  limits it was sized for (max sequences, max tokens per sequence, max tokens per step).
+* ``KVCacheConfig`` -- the pool's geometry (number of pages, dtype, specs) and the ``RuntimeLimits``
+  it was sized for (page size, max sequences, max tokens per sequence, max tokens per step).
   ``initialize_cache`` creates one with conservative capacity; ``resize_kv_cache`` replaces it.
 * ``PageAllocator`` -- which pages are free and which sequence holds which; runtime state, created
   fresh for every ``generate`` call so a notebook re-run never inherits stale ownership.
@@ -27,6 +27,8 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+
+from .limits import RuntimeLimits
 
 PAGED = "paged"  # [num_pages, page_size, *shape]: K or V of one attention layer
 PER_TOKEN = "token"  # [max_num_tokens, *shape]: a per-step buffer (captured hidden states)
@@ -67,20 +69,45 @@ class CacheSpec:
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """Geometry of the paged pool plus the runtime limits it serves."""
+    """Geometry of the paged pool (pages, dtype, specs) and the runtime limits it was sized for:
+    ``limits`` is the one holder of page size, max sequences, max tokens per sequence and per step
+    (read through the properties below, never copied)."""
 
-    page_size: int
+    limits: RuntimeLimits
     num_pages: int
     dtype: torch.dtype
-    max_batch_size: int  # sequences in flight at once (rows of the page table)
-    max_seq_len: int  # tokens one sequence may hold (prompt + generated)
-    max_num_tokens: int  # flattened tokens per forward step (prefill chunks + decodes)
     specs: Tuple[CacheSpec, ...] = field(default=())
 
     def __post_init__(self):
-        for name in ("page_size", "num_pages", "max_batch_size", "max_seq_len", "max_num_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"KVCacheConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages < 1:
+            raise ValueError(f"KVCacheConfig.num_pages must be >= 1, got {self.num_pages}")
+
+    @classmethod
+    def sized(cls, *, page_size: int, num_pages: int, dtype: torch.dtype, max_batch_size: int, max_seq_len: int,
+              max_num_tokens: int, specs: Sequence[CacheSpec] = ()) -> "KVCacheConfig":
+        """A pool with limits of its own (the numerics probe's one-off batch, tests)."""
+        limits = RuntimeLimits(max_batch_size=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=max_num_tokens,
+                               page_size=page_size)
+        return cls(limits, num_pages, dtype, tuple(specs))
+
+    @property
+    def page_size(self) -> int:
+        return self.limits.page_size
+
+    @property
+    def max_batch_size(self) -> int:
+        """Sequences in flight at once (rows of the page table)."""
+        return self.limits.max_batch_size
+
+    @property
+    def max_seq_len(self) -> int:
+        """Tokens one sequence may hold (prompt + generated)."""
+        return self.limits.max_seq_len
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Flattened tokens per forward step (prefill chunks + decodes)."""
+        return self.limits.num_tokens
 
     @property
     def max_pages_per_seq(self) -> int:

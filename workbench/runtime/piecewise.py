@@ -42,8 +42,10 @@ from .sequence_info import INPUT_KEY, LAST_TOKEN_INPUT
 
 logger = logging.getLogger("workbench.runtime")
 
-# ops that run eagerly between captured pieces: they read the per-sequence layout of a step
-EAGER_OP_NAMES = tuple(b.op_name for b in ATTENTION_BACKENDS)
+# ops that run eagerly between captured pieces: the cached-attention ops of every backend, which read
+# the per-sequence layout of a step (the op objects themselves: ``import workbench.ops`` registers them)
+def eager_ops() -> frozenset:
+    return frozenset(b.op for b in ATTENTION_BACKENDS)
 SMALLEST_DEFAULT_BUCKET = 64
 
 
@@ -57,7 +59,7 @@ def default_token_buckets(max_num_tokens: int) -> List[int]:
 
 
 def is_eager_op(node: fx.Node) -> bool:
-    return node.op == "call_function" and any(name in str(node.target) for name in EAGER_OP_NAMES)
+    return node.op == "call_function" and node.target in eager_ops()
 
 
 @dataclass
@@ -253,4 +255,4 @@ def _split_at_eager_ops(gm: fx.GraphModule) -> Tuple[fx.GraphModule, int, Option
     return split, num_eager, tail
 
 
-__all__ = ["PiecewiseGraphs", "CapturedPiece", "PaddedAttention", "default_token_buckets", "EAGER_OP_NAMES"]
+__all__ = ["PiecewiseGraphs", "CapturedPiece", "PaddedAttention", "default_token_buckets", "eager_ops"]

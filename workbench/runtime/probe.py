@@ -42,10 +42,8 @@ class CachedProbe:
         ids, pos = probe.input_ids, probe.position_ids
         b, s = ids.shape
         per_seq = -(-s // self.page_size)
-        cfg = KVCacheConfig(
-            page_size=self.page_size, num_pages=b * per_seq, dtype=self.dtype, max_batch_size=b,
-            max_seq_len=s, max_num_tokens=b * s, specs=self.specs,
-        )
+        cfg = KVCacheConfig.sized(page_size=self.page_size, num_pages=b * per_seq, dtype=self.dtype, max_batch_size=b,
+                                  max_seq_len=s, max_num_tokens=b * s, specs=self.specs)
         info = SequenceInfo.from_config(cfg, ids.device)
         pages = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
         info.set_batch(ids.tolist(), [0] * b, pages, num_prefill=b, page_size=self.page_size)

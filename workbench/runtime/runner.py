@@ -12,14 +12,16 @@ Both run eagerly today; a ``torch.compile`` or CUDA-graph runner slots in here w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from contextlib import nullcontext
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Protocol
 
 import torch
 
 from ..ops.step_plan import planned, planners_for
 from .kv_cache import PAGED, SLOT, KVCacheConfig, PageAllocator
+from .limits import RuntimeLimits
 from .scheduler import Scheduler, Step
 from .sequence_info import LAST_TOKEN_INPUT, SequenceInfo, is_cached_module, module_input_names
 
@@ -131,9 +133,27 @@ class UncachedRunner:
         return torch.stack(rows)
 
 
-def runner_for(module: torch.nn.Module, ctx: Any):
-    """The runner for a pipeline's final module and context (a ``PipelineContext``: read for its
-    ``runner``, ``cache`` and ``limits``; the runtime never imports the pipeline).
+class CacheView(Protocol):
+    """The caches a finished pipeline allocated (``PipelineContext.cache``)."""
+
+    config: Optional[KVCacheConfig]
+    tensors: Mapping[str, torch.Tensor]
+
+
+class RunnerSource(Protocol):
+    """What ``runner_for`` reads of a finished pipeline (a ``PipelineContext`` is one; the runtime
+    never imports the pipeline): the compiled runner if one was built, the caches, the limits, and
+    where and in which dtype the model runs."""
+
+    runner: Optional["CachedRunner"]
+    cache: CacheView
+    limits: RuntimeLimits
+    device: torch.device
+    dtype: torch.dtype
+
+
+def runner_for(module: torch.nn.Module, ctx: RunnerSource):
+    """The runner for a pipeline's final module and its context (``RunnerSource``).
 
     ``compile_model`` leaves its runner (torch.compile, CUDA graphs) in ``ctx.runner``; it is used
     when it was built for this very module, otherwise the plain runner is built here.
@@ -152,11 +172,9 @@ def runner_for(module: torch.nn.Module, ctx: Any):
             )
         return CachedRunner(module, ctx.cache.tensors, cfg, ctx.device)
     logger.warning("no cache stage ran: generating without a KV cache (every step re-runs the whole sequence)")
-    lim = ctx.limits
-    pages = lim.max_batch_size * -(-lim.max_seq_len // lim.page_size)
-    cfg = KVCacheConfig(page_size=lim.page_size, num_pages=pages, dtype=ctx.dtype, max_batch_size=lim.max_batch_size,
-                        max_seq_len=lim.max_seq_len, max_num_tokens=lim.max_batch_size * lim.max_seq_len)
+    lim = dataclasses.replace(ctx.limits, max_num_tokens=ctx.limits.max_batch_size * ctx.limits.max_seq_len)
+    cfg = KVCacheConfig(lim, lim.max_batch_size * -(-lim.max_seq_len // lim.page_size), ctx.dtype)
     return UncachedRunner(module, cfg, ctx.device)
 
 
-__all__ = ["CachedRunner", "UncachedRunner", "runner_for"]
+__all__ = ["CachedRunner", "UncachedRunner", "RunnerSource", "CacheView", "runner_for"]

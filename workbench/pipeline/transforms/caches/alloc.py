@@ -29,6 +29,7 @@ from pydantic import Field, field_validator
 
 from ....models.dtypes import resolve_dtype
 from ....runtime.interface import KVCacheConfig, allocate_caches, prefill_forward
+from ...context import CACHE_SPECS, KV_CACHE
 from ...interface import Transform, TransformConfig, TransformInfo, register
 from .state_rewrite import uncached_state_ops
 
@@ -107,8 +108,8 @@ class InitializeCache(Transform):
     """Allocate every declared cache with conservative capacity."""
 
     config_class = InitializeCacheConfig
-    needs = ("cache specs",)
-    provides = ("KV cache",)
+    needs = (CACHE_SPECS,)
+    provides = (KV_CACHE,)
 
     def _apply(self, mod, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         if not ctx.cache.specs:
@@ -118,12 +119,7 @@ class InitializeCache(Transform):
         ctx.limits = ctx.limits.override(self.key, max_batch_size=c.max_batch_size, max_seq_len=c.max_seq_len,
                                          max_num_tokens=c.max_num_tokens, page_size=c.page_size)
         lim = ctx.limits
-        cfg = KVCacheConfig(
-            page_size=lim.page_size, num_pages=1,
-            dtype=resolve_dtype(c.dtype) if c.dtype else ctx.dtype,
-            max_batch_size=lim.max_batch_size, max_seq_len=lim.max_seq_len, max_num_tokens=lim.num_tokens,
-            specs=tuple(ctx.cache.specs),
-        )
+        cfg = KVCacheConfig(lim, 1, resolve_dtype(c.dtype) if c.dtype else ctx.dtype, tuple(ctx.cache.specs))
         cfg = cfg.with_pages(c.num_pages or (conservative_pages(cfg) if cfg.bytes_per_page() else cfg.pages_to_fill()))
         caches = allocate_caches(cfg, ctx.device)
         ctx.cache.tensors = {**ctx.cache.tensors, **caches}
@@ -169,7 +165,7 @@ class ResizeKVCache(Transform):
     """Measure activation memory with one forward, then grow the KV cache to its working size."""
 
     config_class = ResizeKVCacheConfig
-    needs = ("KV cache",)
+    needs = (KV_CACHE,)
 
     def _apply(self, mod, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         cfg: Optional[KVCacheConfig] = ctx.cache.config

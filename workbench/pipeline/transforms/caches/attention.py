@@ -33,6 +33,7 @@ import torch.fx as fx
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ....runtime.interface import PAGED, CacheSpec
 from .attention_backend import InsertCachedAttentionConfig, LayerShape, resolve_backend
+from ...context import CACHE_SPECS
 from ...interface import Transform, TransformInfo, register
 from .inputs import cache_input, metadata_inputs
 from ...graph.utils import require_tensor_meta
@@ -180,7 +181,7 @@ class InsertCachedAttention(Transform):
     """Rewrite every canonical attention op into the backend's paged cached attention op."""
 
     config_class = InsertCachedAttentionConfig
-    provides = ("cache specs",)
+    provides = (CACHE_SPECS,)
 
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         if not isinstance(gm, fx.GraphModule):
@@ -210,7 +211,8 @@ class InsertCachedAttention(Transform):
                 "(and the cache stage) to run the model uncached.")
         device = ctx.device
         # every layer's shape is checked before the graph changes
-        backend, op, chosen = resolve_backend(self.config.backend, device, layer_shapes(nodes))
+        choice = resolve_backend(self.config.backend, device, layer_shapes(nodes))
+        op = choice.backend.op
         meta = metadata_inputs(gm, device)
         specs: List[CacheSpec] = []
         for layer, node in enumerate(nodes):
@@ -218,12 +220,12 @@ class InsertCachedAttention(Transform):
         gm.graph.lint()
         gm.recompile()
         details = {
-            "backend": backend, "chosen": chosen, "layers": len(nodes),
+            "backend": choice.name, "chosen": choice.why, "layers": len(nodes),
             "kv_heads": sorted({s.shape[0] for s in specs}), "head_dim": sorted({s.shape[1] for s in specs}),
             "new_inputs": ["seq_lens", "input_pos", "page_table", "num_prefill"] + [s.name for s in specs],
         }
         ctx.cache.declare(specs, ctx.dtype, ctx.limits.page_size)
-        ctx.cache.attention_backend = backend
+        ctx.cache.attention = choice
         return gm, TransformInfo(num_matches=len(nodes), is_clean=True, has_valid_shapes=True, details=details)
 
 

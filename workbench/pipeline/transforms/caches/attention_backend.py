@@ -11,12 +11,13 @@ goes into the snapshot's details (``chosen``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from pydantic import Field, field_validator
 
-from ....ops.backends import ATTENTION_AUTO, ATTENTION_BACKENDS, AttentionBackend
+from ....ops.backends import ATTENTION_BACKENDS, AttentionBackend
+from ....ops.registry import Choice
 from ...interface import TransformConfig
 
 FIELD = "insert_cached_attention.backend"
@@ -48,34 +49,13 @@ def describe_refusal(refused: Dict[str, List[int]]) -> str:
 
 
 def resolve_backend(name: Optional[str], device: torch.device,
-                    layers: Sequence[LayerShape] = ()) -> Tuple[str, Callable, str]:
-    """(backend name, its op, why it was chosen).
-
-    An explicit name that cannot run on ``device`` or serve a layer of ``layers`` is a clear error
-    naming what it needs and what to use instead. ``None``/``auto``: the first backend of
-    ``ATTENTION_AUTO`` that runs here and serves every layer."""
-    device = torch.device(device)
-    if name in (None, "auto"):
-        skipped: List[str] = []
-        for candidate in ATTENTION_AUTO.get(device.type, ()):
-            backend = ATTENTION_BACKENDS.get(candidate)
-            why = backend.unavailable_reason(device)
-            refused = {} if why else unsupported_layers(backend, layers)
-            if why is None and not refused:
-                note = f" (passed over: {'; '.join(skipped)})" if skipped else ""
-                return backend.name, backend.op, f"auto on {device.type}: {backend.name}{note}"
-            skipped.append(f"{candidate}: {why or describe_refusal(refused)}")
-        name = None  # nothing in the list runs here: the registry's default explains itself
-    backend = ATTENTION_BACKENDS.pick(name, device, FIELD)
-    refused = unsupported_layers(backend, layers)
-    if refused:
-        serve = [b.name for b in ATTENTION_BACKENDS if b.name != backend.name and b.unavailable_reason(device) is None
-                 and not unsupported_layers(b, layers)]
-        instead = (f"Use backend {' or '.join(repr(n) for n in serve)} ({FIELD}=...)." if serve else
-                   f"No other backend runs here and serves it: {FIELD}=auto picks what does on another device.")
-        raise ValueError(f"attention backend '{backend.name}' does not support this model: "
-                         f"{describe_refusal(refused)}. {instead}")
-    return backend.name, backend.op, f"{backend.name} (requested)"
+                    layers: Sequence[LayerShape] = ()) -> Choice[AttentionBackend]:
+    """The attention backend for ``name`` on ``device`` and why (``BackendRegistry.choose``): an
+    explicit name that cannot run or serve a layer of ``layers`` is a clear error naming what it
+    needs and what to use instead; ``None``/``auto``: the first backend of ``ATTENTION_AUTO`` that
+    runs here and serves every layer."""
+    return ATTENTION_BACKENDS.choose(name, device, FIELD,
+                                     refuse=lambda b: describe_refusal(unsupported_layers(b, layers)) or None)
 
 
 class InsertCachedAttentionConfig(TransformConfig):

@@ -36,6 +36,7 @@ from ....runtime.interface import PAGED, CacheSpec
 from .attention_backend import InsertCachedAttentionConfig
 from .inputs import cache_input, metadata_inputs
 from ...graph.utils import require_tensor_meta
+from ...context import CACHE_SPECS
 from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes, named_args
 
@@ -107,7 +108,7 @@ class InsertCachedMLAAttention(Transform):
     """Rewrite every canonical MLA op into MLA over a paged latent cache (one page pool per layer)."""
 
     config_class = InsertCachedAttentionConfig
-    provides = ("cache specs",)
+    provides = (CACHE_SPECS,)
 
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         if not isinstance(gm, fx.GraphModule):
@@ -130,9 +131,6 @@ class InsertCachedMLAAttention(Transform):
         gm.graph.lint()
         gm.recompile()
         ctx.cache.declare(specs, ctx.dtype, ctx.limits.page_size)
-        if ctx.cache.attention_backend is None:
-            # What compile_model reads to decide on CUDA graphs: the torch reference cannot be captured.
-            ctx.cache.attention_backend = "torch"
         details = {
             "backend": "torch", "layers": len(nodes),
             "kv_lora_rank": sorted({d["r"] for d in shapes}), "qk_rope_head_dim": sorted({d["dr"] for d in shapes}),

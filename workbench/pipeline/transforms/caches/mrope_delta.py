@@ -35,6 +35,7 @@ import torch.fx as fx
 from ....ops.rope import torch_mrope  # noqa: F401  (registers the mRoPE ops)
 from ....runtime.interface import SLOT, CacheSpec
 from .inputs import cache_input, find_input, metadata_inputs, slot_input
+from ...context import CACHE_SPECS
 from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes
 
@@ -77,7 +78,7 @@ def add_position_deltas(gm: fx.GraphModule, device: torch.device) -> int:
 class InitializeMropeDeltaCache(Transform):
     """Allocate a per-slot mrope_delta_cache and add each sequence's delta to its mRoPE positions."""
 
-    provides = ("cache specs",)
+    provides = (CACHE_SPECS,)
 
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         if not isinstance(gm, fx.GraphModule):

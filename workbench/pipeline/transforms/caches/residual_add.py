@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from ....runtime.interface import PER_TOKEN, CacheSpec
+from ...context import CACHE_SPECS
 from ...interface import Transform, TransformInfo, register
 from .inputs import CAPTURE_KEY, cache_input
 from ...matcher import annotate_new_nodes
@@ -39,7 +40,7 @@ def hidden_state_cache_name(layer: int) -> str:
 class InsertCachedResidualAdd(Transform):
     """Write each marked layer output into ``hidden_states_cache_<layer>`` every step."""
 
-    provides = ("cache specs",)
+    provides = (CACHE_SPECS,)
 
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         if not isinstance(gm, fx.GraphModule):

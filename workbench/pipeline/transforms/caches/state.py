@@ -22,6 +22,7 @@ from pydantic import Field, field_validator
 from ....ops.state import stateful_ops
 from ....ops.triton_support import triton_available
 from ....runtime.interface import CacheSpec
+from ...context import CACHE_SPECS
 from ...interface import Transform, TransformConfig, TransformInfo, register
 from .state_rewrite import rewrite_stateful_node, stateful_nodes
 
@@ -78,7 +79,7 @@ class _InsertCachedState(Transform):
     """Rewrite every stateful op node owned by this key into its cached op over state slots."""
 
     config_class = InsertCachedStateConfig
-    provides = ("cache specs",)
+    provides = (CACHE_SPECS,)
     mechanism = ""  # e.g. "causal conv", for messages
 
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:

@@ -29,7 +29,7 @@ from pydantic import Field
 
 from ....runtime.interface import METADATA_INPUTS, PAGED, TOKEN_INPUTS, CacheSpec
 from ...interface import Transform, TransformConfig, TransformInfo, register
-from ...context import PipelineOrderError
+from ...context import CACHE_SPECS, HF_ATTENTION_LAYERS
 from .attention_backend import InsertCachedAttentionConfig, LayerShape, resolve_backend
 
 CACHED_IMPL = "workbench_cached"
@@ -166,7 +166,7 @@ class DetectHFAttnLayers(Transform):
     """Find the attention layers of the HF model with one recorded forward."""
 
     config_class = DetectHFAttnLayersConfig
-    provides = ("attention layers",)
+    provides = (HF_ATTENTION_LAYERS,)
 
     def _apply(self, mod, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         model = _hf_model(mod)
@@ -200,22 +200,19 @@ class HFReplaceCachedAttn(Transform):
     """Wrap the HF model so its attention runs on the paged cache (``HFCachedLM``)."""
 
     config_class = TransformersReplaceCachedAttnConfig
-    needs = ("attention layers",)
-    provides = ("cache specs",)
+    needs = (HF_ATTENTION_LAYERS,)
+    provides = (CACHE_SPECS,)
 
     def _apply(self, mod, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         model = _hf_model(mod)
-        layers = ctx.hf_attn_layers
-        if not layers:
-            raise PipelineOrderError("transformers_replace_cached_attn needs the attention layers that "
-                                     "detect_hf_attn_layers records: run detect_hf_attn_layers before it")
+        layers = ctx.hf_attn_layers  # a required need: the framework refused to run without them
         shapes = [LayerShape(l.index, l.head_dim, l.v_head_dim, ctx.dtype, l.has_sinks) for l in layers]
-        backend, op, chosen = resolve_backend(self.config.backend, ctx.device, shapes)
+        choice = resolve_backend(self.config.backend, ctx.device, shapes)
         _register()
-        wrapper = HFCachedLM(model, layers, op, backend)
+        wrapper = HFCachedLM(model, layers, choice.backend.op, choice.name)
         ctx.cache.declare(cache_specs(layers), ctx.dtype, ctx.limits.page_size)
-        ctx.cache.attention_backend = backend
-        return wrapper, TransformInfo(num_matches=len(layers), details={"backend": backend, "chosen": chosen,
+        ctx.cache.attention = choice
+        return wrapper, TransformInfo(num_matches=len(layers), details={"backend": choice.name, "chosen": choice.why,
                                                                         "layers": len(layers)})
 
 

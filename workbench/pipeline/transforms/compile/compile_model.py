@@ -20,7 +20,8 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from ....ops.capture import capture_blockers, summarize_blockers
-from ....runtime.interface import COMPILE_BACKENDS, BuildRequest, is_cached_module, module_input_names
+from ....ops.registry import Choice
+from ....runtime.interface import COMPILE_BACKENDS, BuildRequest, CompileBackend, is_cached_module, module_input_names
 from ...interface import Transform, TransformConfig, TransformInfo, register
 from ...memory import EXPECTED_MEM_CHANGE
 
@@ -31,33 +32,32 @@ if set(CompileBackendName.__args__) != set(COMPILE_BACKENDS.names()):  # the con
     raise ImportError(f"compile_model's backend Literal {CompileBackendName.__args__} differs from "
                       f"COMPILE_BACKENDS {COMPILE_BACKENDS.names()}")
 CUDA_BACKENDS = tuple(b.name for b in COMPILE_BACKENDS if b.cuda_graphs)
-# ``backend: auto``. CPU: torch-simple, chosen for the time to an answer, not for peak decode speed:
-# with the C++ kernels every op of a step is one kernel call, and what Inductor adds (SmolLM2 bs=1,
-# bench/decode.py, one run on the project's 2-core machine, 2026-11-24: Q4_1 68.9 -> 105.1 tok/s,
-# fp32 46.4 -> 47.5) costs 2-4 min of C++ compilation the first time (7-8 s from Inductor's cache),
-# i.e. minutes before the first token of a first demo. Set torch-compile for long runs.
-# CUDA: CUDA graphs whenever every node of the graph can be captured (``workbench.ops.capture``),
-# else the plain graph, saying which nodes keep the graphs out.
-AUTO_COMPILE = {"cpu": "torch-simple"}
+# what a user can change when some node cannot be captured
+CAPTURE_HINT = ("cached attention captures with insert_cached_attention.backend=triton or flashinfer; "
+                "MoE dispatch and per-sequence state ops run outside CUDA graphs")
+# why ``auto`` picks what it picks (``COMPILE_BACKENDS.auto_order``), said in the snapshot's details
+AUTO_NOTES = {"cpu": " (fastest decode measured there)", "cuda": " (every node of the graph can be captured)"}
+
+
+def choose_backend(name: str, device: torch.device, blockers: Mapping[str, str]) -> Choice[CompileBackend]:
+    """The compile backend for ``name`` (``auto``: ``COMPILE_BACKENDS.auto_order``) on ``device``,
+    given the graph's ``capture_blockers``: a CUDA-graph backend is refused while any node blocks."""
+
+    def refuse(backend: CompileBackend) -> Optional[str]:
+        if backend.cuda_graphs and blockers:
+            return f"cannot capture this graph in CUDA graphs: {summarize_blockers(blockers)}; {CAPTURE_HINT}"
+        return None
+
+    choice = COMPILE_BACKENDS.choose(name, device, "compile_model.backend", refuse=refuse)
+    if name == "auto" and "passed over" not in choice.why:
+        choice = Choice(choice.backend, choice.why + AUTO_NOTES.get(torch.device(device).type, ""))
+    return choice
 
 
 def resolve_auto(device: torch.device, blockers: Mapping[str, str]) -> Tuple[str, str]:
     """(backend, why) for ``backend: auto`` on ``device``, given the graph's ``capture_blockers``."""
-    device = torch.device(device)
-    if device.type in AUTO_COMPILE:
-        name = AUTO_COMPILE[device.type]
-        return name, f"auto on {device.type}: {name} (fastest decode measured there)"
-    if device.type == "cuda":
-        if not blockers:
-            return "torch-cudagraph", "auto on cuda: torch-cudagraph (every node of the graph can be captured)"
-        return "torch-simple", (f"auto on cuda: torch-simple (no CUDA graphs: {summarize_blockers(blockers)}; "
-                                f"{CAPTURE_HINT})")
-    return "torch-simple", f"auto on {device.type}: torch-simple"
-
-
-# what a user can change when some node cannot be captured
-CAPTURE_HINT = ("cached attention captures with insert_cached_attention.backend=triton or flashinfer; "
-                "MoE dispatch and per-sequence state ops run outside CUDA graphs")
+    choice = choose_backend("auto", device, blockers)
+    return choice.name, choice.why
 
 
 class CompileModelConfig(TransformConfig):
@@ -133,20 +133,11 @@ class CompileModel(Transform):
 
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         c: CompileModelConfig = self.config
-        name, chosen = c.backend, f"{c.backend} (requested)"
         # nodes a CUDA graph cannot capture (only CUDA runs graphs: elsewhere a CUDA-graph backend is
-        # refused below as unavailable)
+        # refused as unavailable)
         blockers = capture_blockers(gm) if torch.device(ctx.device).type == "cuda" else {}
-        if name == "auto":
-            name, chosen = resolve_auto(ctx.device, blockers)
-        backend = COMPILE_BACKENDS.get(name)
-        why = backend.unavailable_reason(ctx.device)
-        if why is not None:
-            raise RuntimeError(f"{why}. Use backend 'torch-simple' or 'torch-compile' here, or run the pipeline "
-                               "with device='cuda' on a GPU machine.")
-        if backend.cuda_graphs and blockers:
-            raise RuntimeError(f"{name} cannot capture this graph in CUDA graphs: {summarize_blockers(blockers)}. "
-                               f"Use backend 'torch-simple' or 'torch-compile' ({CAPTURE_HINT}).")
+        choice = choose_backend(c.backend, ctx.device, blockers)
+        name, chosen, backend = choice.name, choice.why, choice.backend
         details = {"backend": name, "chosen": chosen}
         if blockers:
             details["capture_blockers"] = dict(blockers)

@@ -32,7 +32,7 @@ from pydantic import Field
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...interface import Transform, TransformConfig, register, rewrite_info
 
-from ....ops.backends import pick_fusion_backend
+from ....ops.backends import choose_fusion_backend
 from ....ops.flashinfer_support import FLASHINFER_DTYPES
 from ...graph.weights import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights
 from ...graph.utils import tensor_meta
@@ -100,7 +100,8 @@ class _SwapCanonicalOp(Transform):
         nodes = _nodes(gm, self.canonical)
         if not nodes:
             return rewrite_info(gm, 0, {"note": self.missing_note})
-        backend, why = pick_fusion_backend(self.family, self.config.backend, ctx.device, f"{self.key}.backend")
+        choice = choose_fusion_backend(self.family, self.config.backend, ctx.device, f"{self.key}.backend")
+        backend, why = choice.backend, choice.why
         details: Dict[str, Any] = {"backend": backend.name, "why": why, "candidates": len(nodes)}
         if backend.name == "torch":
             details["note"] = f"{self.canonical._schema.name.split('::')[-1]} is the torch backend: nothing to swap"
@@ -281,7 +282,8 @@ class FuseSwiGLU(Transform):
         if not nodes and not any(n.op == "call_function" and split_silu_mul(n) is not None for n in gm.graph.nodes):
             return rewrite_info(gm, 0, {"note": "no torch_swiglu_mlp nodes (run match_swiglu_pattern first) and "
                                                 "no fused gate/up GEMM followed by silu * mul"})
-        backend, why = pick_fusion_backend("silu_mul", self.config.backend, ctx.device, f"{self.key}.backend")
+        choice = choose_fusion_backend("silu_mul", self.config.backend, ctx.device, f"{self.key}.backend")
+        backend, why = choice.backend, choice.why
         if not nodes:
             n = fuse_split_silu_mul(gm, backend.op)
             return rewrite_info(gm, n, {"backend": backend.name, "why": why, "fused_gate_up_silu_mul": n})

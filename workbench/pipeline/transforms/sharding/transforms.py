@@ -15,6 +15,7 @@ from typing import List, Literal, Optional, Tuple
 import torch
 from pydantic import Field
 
+from ...context import SHARDING_PLAN
 from ...interface import Transform, TransformConfig, TransformInfo, rewrite_info
 from ...interface import register
 from ...interface import nothing_to_do
@@ -45,7 +46,7 @@ class DetectSharding(Transform):
     """Plan tensor / expert parallelism for ``ctx.dist.world_size`` ranks (``ctx.sharding``)."""
 
     config_class = DetectShardingConfig
-    provides = ("sharding plan",)
+    provides = (SHARDING_PLAN,)
 
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         if not ctx.dist.sharded:
@@ -69,7 +70,7 @@ class ShardingTransformExecutor(Transform):
     """Apply ``ctx.sharding``: cut weights (bound at load), fix head counts, insert the collectives."""
 
     config_class = ShardingExecutorConfig
-    needs = ("sharding plan",)
+    needs = (SHARDING_PLAN,)
 
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         if not ctx.dist.sharded:

@@ -39,7 +39,6 @@ class LoadWeights(Transform):
     """Bind the graph's meta tensors to the model's weights and place everything on the device."""
 
     config_class = LoadWeightsConfig
-    provides = ("weights",)
 
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         placement = place_weights(gm, ctx.weights, torch.device(ctx.device))
