@@ -68,7 +68,7 @@ test: install bytecode
 #   make wheelhouse                  (where pip works; into $(WHEELHOUSE), ignored by git)
 #   make gpu-check OUT=<dir>         (on the GPU machine: GPU tests + GPU decode bench -> <dir>)
 # gpu-check runs GPU_CHECK_STEPS in order inside GPU_CHECK_BUDGET seconds (wheel install included), each
-# step under its own limit (env 30, flashinfer-jit 90, tests 210, bench-smollm2 75, bench-llama3 75:
+# step under its own limit (env 30, flashinfer-jit 75, tests 200, bench-smollm2 110, bench-llama3 65:
 # 480 in all); at its limit a step's process group is killed and summary.md says so. Opt-in steps:
 # bench-peers (HF static cache + compile, HF graph loop; 300 s) and export (tools/export_report.py;
 # 240 s): add them to GPU_CHECK_STEPS and raise the budget. GPU_CHECK_ARGS passes the rest, e.g.

@@ -263,6 +263,29 @@ def _tiny_llama_head_dim(head_dim: int):
     return {"llama": builder}
 
 
+def _assert_diverge_only_at_near_ties(model, prompts, got, want, tol: float = 0.05):
+    """Two bf16 greedy runs may part where the model's top two logits are within rounding of each
+    other (a tiny random model's logits are nearly flat, so this happens at the first token too).
+    Where `got` leaves `want`, the fp32 eager model on the same weights, fed the common prefix, must
+    rate the two tokens within `tol` of its logit range; after that point the runs are not compared."""
+    import copy
+
+    ref = copy.deepcopy(model).float().eval()
+    device = next(ref.parameters()).device
+    for prompt, g, w in zip(prompts, got, want):
+        k = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        if k is None:
+            continue
+        ids = torch.tensor([prompt + w[:k]], device=device)
+        with torch.no_grad():
+            logits = ref(input_ids=ids).logits[0, -1].float()  # [V]
+        span = float(logits.max() - logits.min())
+        gap = float(logits[w[k]] - logits[g[k]])
+        assert abs(gap) <= tol * span, (
+            f"sequence {prompt} parts at token {k}: {g[k]} vs reference {w[k]}, fp32 logit gap {gap:.4f} "
+            f"is no near-tie (logit range {span:.4f}); got {g}, want {w}")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -290,7 +313,6 @@ def test_flashinfer_is_the_gpu_default_and_replays_cuda_graphs(head_dim):
     assert fi.snapshot("compile_model").info.details["backend"] == "torch-cudagraph"
     assert fi.ctx.runner.replays > 0 and fi.snapshot("compile_model").info.details["check_max_abs_diff"] < 5e-2
     assert fi.snapshot("resize_kv_cache").numerics.rmse_ratio < 2e-2
-    same = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y))
-    assert same >= 0.9 * 48, (got, want)  # bf16: an argmax near-tie may flip late tokens
+    _assert_diverge_only_at_near_ties(loaded.model, prompts, got, want)
     fi.configure("compile_model", backend="torch-simple")  # FlashInfer planned per step, no graphs
     assert fi.generate(prompts, max_new_tokens=16, stop_token_ids=[]).token_ids == got

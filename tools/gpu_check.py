@@ -9,17 +9,17 @@ The wheels are installed with ``--target`` into ``--site`` (torch/triton untouch
 the steps' PYTHONPATH. Steps, in this order, with their limits in seconds (``--limit STEP=S``):
 
   env             30  versions and device -> env.json; no CUDA device fails it and ends the run
-  flashinfer-jit  90  tools/flashinfer_warmup.py JIT-builds the FlashInfer kernels the tests use
+  flashinfer-jit  75  tools/flashinfer_warmup.py JIT-builds the FlashInfer kernels the tests use
                       (one JSON line of timings); skipped if ``import flashinfer`` fails or the script
                       is absent. Killed mid-build, ninja keeps the finished objects for the tests.
-  tests          210  ``pytest -m gpu tests`` (``--pytest-args``) on min(16, CPUs) pytest-xdist
+  tests          200  ``pytest -m gpu tests`` (``--pytest-args``) on min(16, CPUs) pytest-xdist
                       workers (``--dist worksteal``: why in step_tests; serial without xdist), each
                       test under ``--test-timeout`` 120 s (pytest-timeout); tools/pytest_stream.py
                       logs each test as it ends. A skip fails it unless its reason names a missing
                       optional package (on --dry-run-on-cpu every GPU skip is expected).
-  bench-smollm2   75  bench/decode.py on shape:smollm2 (random bf16 weights), batch 1 and 8: HF
+  bench-smollm2  110  bench/decode.py on shape:smollm2 (random bf16 weights), batch 1 and 8: HF
                       eager and the workbench's auto (CUDA graphs) and torch-simple rows
-  bench-llama3    75  the same on shape:llama3-8b, batch 1
+  bench-llama3    65  the same on shape:llama3-8b, batch 1
   opt-in:
   bench-peers    300  what compiles for minutes: HF static cache + compile, HF graph loop, and the
                       workbench's torch-compile / torch-opt rows
@@ -299,10 +299,10 @@ def step_export(c: Check, limit: float) -> Tuple[str, str]:
 NO_PEERS = ["--no-hf-compile", "--no-hf-graph-loop", "--backends", "auto", "torch-simple"]
 STEPS: Dict[str, Step] = {
     "env": Step(30, 10, step_env),
-    "flashinfer-jit": Step(90, 20, step_flashinfer_jit),
-    "tests": Step(210, 60, step_tests),
-    "bench-smollm2": Step(75, 30, _bench("shape:smollm2", ["1", "8"], NO_PEERS)),
-    "bench-llama3": Step(75, 30, _bench("shape:llama3-8b", ["1"], NO_PEERS)),
+    "flashinfer-jit": Step(75, 20, step_flashinfer_jit),
+    "tests": Step(200, 60, step_tests),
+    "bench-smollm2": Step(110, 30, _bench("shape:smollm2", ["1", "8"], NO_PEERS)),
+    "bench-llama3": Step(65, 30, _bench("shape:llama3-8b", ["1"], NO_PEERS)),
     # opt-in: HF static cache + HF compile and the HF graph loop compile for minutes
     "bench-peers": Step(300, 60, _bench("shape:smollm2", ["1", "8"], ["--hf-graph-loop", "--no-hf-eager",
                                                                       "--no-llama-cpp"])),
