@@ -5,7 +5,4 @@ from .models import LoadedModel, ModelSpecError, load_model
 from .pipeline.config import ConfigError
 from .pipeline.interface import Stages, TransformError
 
-__all__ = [
-    "Workbench", "LoadedModel", "ModelSpecError", "load_model", "ConfigError", "Stages",
-    "TransformError",
-]
+__all__ = ["Workbench", "LoadedModel", "ModelSpecError", "load_model", "ConfigError", "Stages", "TransformError"]

@@ -23,8 +23,16 @@ def backends_line(wb: Any, where: str) -> str:
     return "; ".join(parts)
 
 
-def answer(wb: Any, prompt: Any, max_new_tokens: int, where: str, has_tokenizer: bool, vocab_size: int,
-           runner: Optional[Any] = None, **kwargs: Any):
+def answer(
+    wb: Any,
+    prompt: Any,
+    max_new_tokens: int,
+    where: str,
+    has_tokenizer: bool,
+    vocab_size: int,
+    runner: Optional[Any] = None,
+    **kwargs: Any,
+):
     """Generate one greedy answer on ``wb``'s compiled model and print three lines: what ran, the
     answer, tokens/s (and the CUDA-graph replays of ``runner`` when it captures graphs)."""
     if isinstance(prompt, str) and not has_tokenizer:
@@ -36,8 +44,10 @@ def answer(wb: Any, prompt: Any, max_new_tokens: int, where: str, has_tokenizer:
     graphs = ""
     if runner is not None and hasattr(runner, "replays"):
         graphs = f"; CUDA-graph replays so far {runner.replays}, eager steps {runner.eager_steps}"
-    print(f"{out.stats.generated_tokens} tokens, {out.stats.decode_tokens_per_s:.1f} tok/s decode, "
-          f"{out.stats.tokens_per_s:.1f} tok/s overall{graphs}")
+    print(
+        f"{out.stats.generated_tokens} tokens, {out.stats.decode_tokens_per_s:.1f} tok/s decode, "
+        f"{out.stats.tokens_per_s:.1f} tok/s overall{graphs}"
+    )
     return out
 
 

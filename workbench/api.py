@@ -16,14 +16,14 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .answer import answer, backends_line
+from .errors import InputError
 from .models import LoadedModel, load_model
 from .models.devices import AUTO, model_device, resolve_device
 from .pipeline.config import apply_global_field, resolve_pipeline
 from .pipeline.interface import TRANSFORMS
-from .pipeline.stepper import PipelineStepper
 from .pipeline.snapshot import Snapshot
-from .errors import InputError
-from .answer import answer, backends_line
+from .pipeline.stepper import PipelineStepper
 from .runtime.generate import DEFAULT_PROMPT
 
 logger = logging.getLogger("workbench")
@@ -51,15 +51,23 @@ def ensure_writable_dir(path: Union[str, Path], what: str, *, min_free: int = 0,
         probe.unlink()
         free = shutil.disk_usage(p).free if min_free or low_free else None
     except OSError as e:
-        raise InputError(f"{what} {str(p)!r} cannot be written ({type(e).__name__}: {e.strerror or e}); "
-                         "pick a directory you can write to") from None
+        raise InputError(
+            f"{what} {str(p)!r} cannot be written ({type(e).__name__}: {e.strerror or e}); "
+            "pick a directory you can write to"
+        ) from None
     if free is not None and free < min_free:
-        raise InputError(f"{what} {str(p)!r} is on a full disk ({free / 2**20:.1f} MiB free); "
-                         "free some space or pick a directory on another disk")
+        raise InputError(
+            f"{what} {str(p)!r} is on a full disk ({free / 2**20:.1f} MiB free); "
+            "free some space or pick a directory on another disk"
+        )
     if free is not None and free < low_free:
-        logger.warning("%s %r: only %.0f MiB free on its disk, and renders and reports take tens of MiB "
-                       "for a real model: they may not fit (free some space or pick another directory)",
-                       what, str(p), free / 2**20)
+        logger.warning(
+            "%s %r: only %.0f MiB free on its disk, and renders and reports take tens of MiB "
+            "for a real model: they may not fit (free some space or pick another directory)",
+            what,
+            str(p),
+            free / 2**20,
+        )
     return p
 
 
@@ -126,17 +134,28 @@ class Workbench(PipelineStepper):
         ``max_num_tokens``, ``page_size`` (the runtime limits), ``numerics``, ``snapshots``,
         ``probe_shape``, ``on_snapshot``, ``entries``, ``registry``."""
         if world_size != 1:  # only reached by calling __init__ directly: __new__ dispatched already
-            raise ValueError(f"{type(self).__name__}.__init__ builds one process (world_size=1); create "
-                             f"{type(self).__name__}(..., world_size={world_size}) for a sharded run")
+            raise ValueError(
+                f"{type(self).__name__}.__init__ builds one process (world_size=1); create "
+                f"{type(self).__name__}(..., world_size={world_size}) for a sharded run"
+            )
         if worker_imports:
             from .parallel.worker import import_modules
 
             import_modules([worker_imports] if isinstance(worker_imports, str) else worker_imports)
         # Everything the caller gave, so that with_options() can build the same Workbench again.
-        self.options: Dict[str, Any] = dict(model=model, dtype=dtype, device=device, yaml_extra=yaml_extra,
-                                            overrides=overrides, debug_visualize_dir=debug_visualize_dir,
-                                            seed=seed, gguf_weights=gguf_weights, custom_models=custom_models,
-                                            worker_imports=worker_imports, **kwargs)
+        self.options: Dict[str, Any] = dict(
+            model=model,
+            dtype=dtype,
+            device=device,
+            yaml_extra=yaml_extra,
+            overrides=overrides,
+            debug_visualize_dir=debug_visualize_dir,
+            seed=seed,
+            gguf_weights=gguf_weights,
+            custom_models=custom_models,
+            worker_imports=worker_imports,
+            **kwargs,
+        )
         # Check what can be checked before any weight is loaded: a typo should fail in milliseconds.
         if isinstance(model, LoadedModel) and str(device).strip().lower() == AUTO:
             device = model_device(model.model)  # "auto" with a loaded model: where its weights are
@@ -144,12 +163,17 @@ class Workbench(PipelineStepper):
         registry = kwargs.pop("registry", TRANSFORMS)
         entries = kwargs.pop("entries", None) or resolve_pipeline(yaml_extra, overrides, registry)
         if debug_visualize_dir is not None:
-            ensure_writable_dir(debug_visualize_dir, "debug_visualize_dir", min_free=MIN_FREE_BYTES,
-                                low_free=LOW_FREE_BYTES)
+            ensure_writable_dir(
+                debug_visualize_dir, "debug_visualize_dir", min_free=MIN_FREE_BYTES, low_free=LOW_FREE_BYTES
+            )
             entries = apply_global_field(entries, "debug_visualize_dir", debug_visualize_dir)
             self._say_how_renders_are_written(debug_visualize_dir, kwargs.get("dist"))
-        loaded = model if isinstance(model, LoadedModel) else load_model(
-            model, dtype=dtype, device=device, seed=seed, gguf_weights=gguf_weights, custom_models=custom_models
+        loaded = (
+            model
+            if isinstance(model, LoadedModel)
+            else load_model(
+                model, dtype=dtype, device=device, seed=seed, gguf_weights=gguf_weights, custom_models=custom_models
+            )
         )
         super().__init__(loaded, entries=entries, device=device, registry=registry, **kwargs)
         # Renders that failed (disk full, a permission change, a bug in viz): the pipeline goes on.
@@ -166,8 +190,10 @@ class Workbench(PipelineStepper):
         """
         unknown = sorted(set(changes) - set(inspect.signature(Workbench.__init__).parameters) - _STEPPER_ARGS)
         if unknown:
-            raise TypeError(f"with_options: unknown option(s) {unknown}; known: "
-                            f"{sorted((set(inspect.signature(Workbench.__init__).parameters) | _STEPPER_ARGS) - {'self', 'kwargs'})}")
+            raise TypeError(
+                f"with_options: unknown option(s) {unknown}; known: "
+                f"{sorted((set(inspect.signature(Workbench.__init__).parameters) | _STEPPER_ARGS) - {'self', 'kwargs'})}"
+            )
         args = {**self.options, **changes}
         if isinstance(args["model"], LoadedModel) and {"dtype", "device", "seed", "custom_models"} & set(changes):
             args["model"] = args["model"].spec
@@ -214,8 +240,12 @@ class Workbench(PipelineStepper):
             failure = RenderFailure(snap.index, snap.key, *explain_failure(e, "debug_visualize_dir"))
             self.render_failures.append(failure)
             if len(self.render_failures) == 1:
-                logger.warning("debug_visualize_dir %r: %s; the pipeline goes on (later failures are only "
-                               "recorded in render_failures)", str(out_dir), failure.message)
+                logger.warning(
+                    "debug_visualize_dir %r: %s; the pipeline goes on (later failures are only "
+                    "recorded in render_failures)",
+                    str(out_dir),
+                    failure.message,
+                )
 
     # ------------------------------------------------------------------ generation (runtime)
     def generate(self, prompts: Any, max_new_tokens: int = 64, **kwargs: Any):
@@ -237,9 +267,14 @@ class Workbench(PipelineStepper):
             gen_cfg = getattr(self.loaded.model, "generation_config", None)
             kwargs["stop_token_ids"] = default_stop_token_ids(tokenizer, gen_cfg)
         runner = runner_for(self.module, self.ctx)
-        return generate(runner, prompts, tokenizer=tokenizer, vocab_size=self.ctx.vocab_size,
-                        max_new_tokens=max_new_tokens, **kwargs)
-
+        return generate(
+            runner,
+            prompts,
+            tokenizer=tokenizer,
+            vocab_size=self.ctx.vocab_size,
+            max_new_tokens=max_new_tokens,
+            **kwargs,
+        )
 
     def backends_line(self) -> str:
         """Where and how the finished pipeline runs, and why: device and dtype, the cached-attention
@@ -255,10 +290,19 @@ class Workbench(PipelineStepper):
         text prompt as UTF-8 byte ids. ``kwargs`` go to ``generate``; returns its ``GenerationOutput``."""
         if not self.done:
             self.run()
-        return answer(self, prompt, max_new_tokens, self._where(), self.loaded.tokenizer is not None,
-                      self.ctx.vocab_size, self.ctx.runner, **kwargs)
+        return answer(
+            self,
+            prompt,
+            max_new_tokens,
+            self._where(),
+            self.loaded.tokenizer is not None,
+            self.ctx.vocab_size,
+            self.ctx.runner,
+            **kwargs,
+        )
 
 
 # help(Workbench) and notebook tooltips: __init__'s parameters, not __new__'s (*args, world_size, **kwargs).
 Workbench.__signature__ = inspect.signature(Workbench.__init__).replace(
-    parameters=list(inspect.signature(Workbench.__init__).parameters.values())[1:])
+    parameters=list(inspect.signature(Workbench.__init__).parameters.values())[1:]
+)

@@ -12,15 +12,16 @@ from typing import List, Optional
 
 from .errors import InputError
 from .pipeline.config import ConfigError
-
 from .runtime.generate import DEFAULT_PROMPT  # noqa: F401  (re-exported: the CLI's default prompt)
 from .runtime.generate import text_prompt_ids as prompt_token_ids  # noqa: F401  (re-exported)
+
 RUN_EXIT_CODES = (
     "exit status: 0 when the pipeline ran, the answer was printed and every output asked for was written; "
     "1 when a --report or --debug-visualize-dir output failed after the pipeline (the answer is still "
     "printed, then one 'error:' line says what failed and how to fix it), or on bad input or a failing "
     "transform; 2 on a config error. Without graphviz's dot binary the report leaves its pictures out and "
-    "the renders are .dot sources (said up front; exit 0).")
+    "the renders are .dot sources (said up front; exit 0)."
+)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -43,18 +44,30 @@ def format_table(stepper) -> str:
     header = ("#", "stage", "transform", "status", "match", "time", "nodes", "Δnodes", "Δmem", "numerics")
     rows, prev = [], 0
     for s in stepper.snapshots:
-        rows.append((
-            str(s.index), s.stage.value, s.key, s.status, str(s.info.num_matches),
-            f"{s.times.total:.3f}s", str(s.num_nodes), f"{s.num_nodes - prev:+d}",
-            _fmt_bytes(s.mem_delta) + (" !" if s.mem_warning else ""), _fmt_num(s),
-        ))
+        rows.append(
+            (
+                str(s.index),
+                s.stage.value,
+                s.key,
+                s.status,
+                str(s.info.num_matches),
+                f"{s.times.total:.3f}s",
+                str(s.num_nodes),
+                f"{s.num_nodes - prev:+d}",
+                _fmt_bytes(s.mem_delta) + (" !" if s.mem_warning else ""),
+                _fmt_num(s),
+            )
+        )
         prev = s.num_nodes
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
     out = [line(header), line(tuple("-" * w for w in widths))] + [line(r) for r in rows]
     notes = [f"  ! {s.key}: {s.mem_warning}" for s in stepper.snapshots if s.mem_warning]
-    notes += [f"  {s.key}: {s.info.skip_reason or s.info.details['summary']}" for s in stepper.snapshots
-              if (s.info.skip_reason and s.info.skip_reason != "disabled") or s.info.details.get("summary")]
+    notes += [
+        f"  {s.key}: {s.info.skip_reason or s.info.details['summary']}"
+        for s in stepper.snapshots
+        if (s.info.skip_reason and s.info.skip_reason != "disabled") or s.info.details.get("summary")
+    ]
     return "\n".join(out + notes)
 
 
@@ -100,9 +113,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _workbench_options(args: argparse.Namespace) -> dict:
     """The ``Workbench`` keyword arguments `workbench run` takes from its command line."""
-    return dict(dtype=args.dtype, device=args.device, yaml_extra=args.yaml_extra, overrides=args.set,
-                debug_visualize_dir=args.debug_visualize_dir, numerics=False if args.no_numerics else None,
-                gguf_weights=args.gguf_weights)
+    return dict(
+        dtype=args.dtype,
+        device=args.device,
+        yaml_extra=args.yaml_extra,
+        overrides=args.set,
+        debug_visualize_dir=args.debug_visualize_dir,
+        numerics=False if args.no_numerics else None,
+        gguf_weights=args.gguf_weights,
+    )
 
 
 def _run_under_torchrun(args: argparse.Namespace, rank: int, world_size: int, local_rank: int) -> int:
@@ -113,16 +132,21 @@ def _run_under_torchrun(args: argparse.Namespace, rank: int, world_size: int, lo
     from .parallel.worker import build_rank_workbench, import_modules
 
     if args.world_size and args.world_size != world_size:
-        raise InputError(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={world_size}: "
-                         "leave --world-size out under torchrun (its --nproc-per-node decides)")
+        raise InputError(
+            f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={world_size}: "
+            "leave --world-size out under torchrun (its --nproc-per-node decides)"
+        )
     import torch
 
     torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     import_modules(args.worker_import)
     say = print if rank == 0 else (lambda *a, **k: None)
     _check_outputs(args, rank)
-    dist = init_group(rank, GroupSpec(world_size, "env://", backend_for(args.device), args.dist_timeout),
-                      rank_device(args.device, local_rank))
+    dist = init_group(
+        rank,
+        GroupSpec(world_size, "env://", backend_for(args.device), args.dist_timeout),
+        rank_device(args.device, local_rank),
+    )
     try:
         t0 = time.perf_counter()
         from .api import Workbench
@@ -152,8 +176,9 @@ def _table_and_report(wb, args: argparse.Namespace, say, rank: int) -> List[str]
         return []
     from .viz.run_outputs import write_reports
 
-    return write_reports(wb, args.report, range(wb.world_size) if _is_sharded(wb) else [rank], say,
-                         sharded=_is_sharded(wb))
+    return write_reports(
+        wb, args.report, range(wb.world_size) if _is_sharded(wb) else [rank], say, sharded=_is_sharded(wb)
+    )
 
 
 def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
@@ -177,8 +202,10 @@ def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
     for snap in wb.snapshots:  # attention left without a KV cache: say which nodes and why, loudly
         left = snap.info.details.get("uncached_attention")
         if left:
-            say(f"warning: {snap.key}: {len(left)} attention node(s) left uncached, generate re-runs the whole "
-                "sequence every step (set insert_cached_attention.require_cached_attention=true to make this an error):")
+            say(
+                f"warning: {snap.key}: {len(left)} attention node(s) left uncached, generate re-runs the whole "
+                "sequence every step (set insert_cached_attention.require_cached_attention=true to make this an error):"
+            )
             for name, why in left.items():
                 say(f"  {name}: {why}")
     if args.debug_visualize_dir:
@@ -236,8 +263,10 @@ def format_plan(rows: list) -> str:
     lines = [f"sharding plan ({len(ranks)} ranks; weight bytes whole -> on rank 0):"]
     for (region, split, how, *held), (layers, whole, local) in groups.items():
         per_rank = " | ".join(f"r{i}: {h}" for i, h in enumerate(held))
-        lines.append(f"  layers {_layer_ranges(layers):>6}  {region:<10} {split:<10} {how}  [{per_rank}]  "
-                     f"{mib(whole)} -> {mib(local)}")
+        lines.append(
+            f"  layers {_layer_ranges(layers):>6}  {region:<10} {split:<10} {how}  [{per_rank}]  "
+            f"{mib(whole)} -> {mib(local)}"
+        )
     return "\n".join(lines)
 
 
@@ -269,18 +298,20 @@ def _spec_of(wb) -> str:
 
 
 def cmd_transforms(args: argparse.Namespace) -> int:
+    from .pipeline import transforms as _t  # noqa: F401  (registers)
     from .pipeline.config import load_default_yaml
     from .pipeline.interface import TRANSFORMS, TransformConfig
-    from .pipeline import transforms as _t  # noqa: F401  (registers)
 
     default = load_default_yaml().get("transforms", {})
     common = set(TransformConfig.model_fields)
     for key, cls in TRANSFORMS.items():
         stage = (default.get(key) or {}).get("stage", "-")
         extra = [
-            f"{name}: {_ann(f.annotation)} = {f.get_default(call_default_factory=True)!r}" if not f.is_required()
+            f"{name}: {_ann(f.annotation)} = {f.get_default(call_default_factory=True)!r}"
+            if not f.is_required()
             else f"{name}: {_ann(f.annotation)} (required)"
-            for name, f in cls.config_class.model_fields.items() if name not in common
+            for name, f in cls.config_class.model_fields.items()
+            if name not in common
         ]
         in_default = "default" if key in default else "opt-in"
         module = cls.__module__.replace("workbench.pipeline.transforms.", "transforms/") + ".py"
@@ -326,47 +357,105 @@ def _ann(a) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="run the pipeline on a model and print the per-transform table",
-                       epilog=RUN_EXIT_CODES)
+    r = sub.add_parser(
+        "run", help="run the pipeline on a model and print the per-transform table", epilog=RUN_EXIT_CODES
+    )
     r.add_argument("--model", default="smollm2", help="smollm2 | tiny:<arch> | HF dir | cached HF id")
-    r.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
-    r.add_argument("--gguf-weights", choices=("keep", "dequantize"), default="keep",
-                   help="GGUF models: keep the file's 4/8-bit weights (default) or dequantize them to fp32")
-    r.add_argument("--yaml-extra", action="append", default=[], metavar="FILE",
-                   help="YAML deep-merged on top of the default pipeline (repeatable)")
-    r.add_argument("--set", action="append", default=[], metavar="KEY.FIELD=VALUE",
-                   help="override one config field, e.g. export_to_gm.strict=true (repeatable)")
-    r.add_argument("--debug-visualize-dir", default=None, metavar="DIR",
-                   help="render every snapshot to DIR/NN_<transform>.svg (.dot sources without graphviz's dot)")
-    r.add_argument("--report", default=None, metavar="DIR",
-                   help="write a standalone HTML report to DIR/index.html (without graphviz's dot: no graph "
-                        "pictures); checked before the pipeline, a failure after it is one line and exit 1")
+    r.add_argument(
+        "--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16"
+    )
+    r.add_argument(
+        "--gguf-weights",
+        choices=("keep", "dequantize"),
+        default="keep",
+        help="GGUF models: keep the file's 4/8-bit weights (default) or dequantize them to fp32",
+    )
+    r.add_argument(
+        "--yaml-extra",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="YAML deep-merged on top of the default pipeline (repeatable)",
+    )
+    r.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY.FIELD=VALUE",
+        help="override one config field, e.g. export_to_gm.strict=true (repeatable)",
+    )
+    r.add_argument(
+        "--debug-visualize-dir",
+        default=None,
+        metavar="DIR",
+        help="render every snapshot to DIR/NN_<transform>.svg (.dot sources without graphviz's dot)",
+    )
+    r.add_argument(
+        "--report",
+        default=None,
+        metavar="DIR",
+        help="write a standalone HTML report to DIR/index.html (without graphviz's dot: no graph "
+        "pictures); checked before the pipeline, a failure after it is one line and exit 1",
+    )
     r.add_argument("--no-numerics", action="store_true", help="skip the per-step numerics probe")
-    r.add_argument("--prompt", default=DEFAULT_PROMPT,
-                   help=f"after the pipeline, generate an answer to this prompt (default: {DEFAULT_PROMPT!r})")
-    r.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
-                   help="tokens to generate for --prompt (0: do not generate)")
-    r.add_argument("--device", default="auto", help="auto (CUDA when a GPU is visible, else CPU) | cpu | cuda "
-                   "(with --world-size N: rank r on cuda:r, NCCL)")
-    r.add_argument("--world-size", type=int, default=None, metavar="N",
-                   help="run N ranks on torch.distributed (gloo on CPU, NCCL on CUDA); rank 0 prints. "
-                        "Under torchrun leave it out: torchrun's WORLD_SIZE decides")
-    r.add_argument("--dist-timeout", type=float, default=300.0, metavar="S",
-                   help="seconds a rank waits in a collective for its peers before failing (default 300)")
-    r.add_argument("--worker-import", action="append", default=[], metavar="MODULE",
-                   help="import MODULE first, in every rank (transforms it registers become usable; repeatable)")
+    r.add_argument(
+        "--prompt",
+        default=DEFAULT_PROMPT,
+        help=f"after the pipeline, generate an answer to this prompt (default: {DEFAULT_PROMPT!r})",
+    )
+    r.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=32,
+        metavar="N",
+        help="tokens to generate for --prompt (0: do not generate)",
+    )
+    r.add_argument(
+        "--device",
+        default="auto",
+        help="auto (CUDA when a GPU is visible, else CPU) | cpu | cuda (with --world-size N: rank r on cuda:r, NCCL)",
+    )
+    r.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N ranks on torch.distributed (gloo on CPU, NCCL on CUDA); rank 0 prints. "
+        "Under torchrun leave it out: torchrun's WORLD_SIZE decides",
+    )
+    r.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds a rank waits in a collective for its peers before failing (default 300)",
+    )
+    r.add_argument(
+        "--worker-import",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first, in every rank (transforms it registers become usable; repeatable)",
+    )
     r.set_defaults(func=cmd_run)
     t = sub.add_parser("transforms", help="list registered transforms, stages and config fields")
     t.set_defaults(func=cmd_transforms)
-    c = sub.add_parser("check", help="run every model of the registry (export, whole pipeline, cached greedy "
-                       "tokens vs HF) and write a summary report")
-    c.add_argument("--registry", default=None, metavar="FILE",
-                   help="model registry YAML (default: workbench/models/registry.yaml)")
-    c.add_argument("--only", default=None, metavar="A,B",
-                   help="check only these entries (labels such as llama, or specs such as tiny:llama); slow ones too")
+    c = sub.add_parser(
+        "check",
+        help="run every model of the registry (export, whole pipeline, cached greedy "
+        "tokens vs HF) and write a summary report",
+    )
+    c.add_argument(
+        "--registry", default=None, metavar="FILE", help="model registry YAML (default: workbench/models/registry.yaml)"
+    )
+    c.add_argument(
+        "--only",
+        default=None,
+        metavar="A,B",
+        help="check only these entries (labels such as llama, or specs such as tiny:llama); slow ones too",
+    )
     c.add_argument("--quick", action="store_true", help="skip the entries marked slow: true")
-    c.add_argument("--out", default=None, metavar="DIR",
-                   help="write DIR/check_report.md and DIR/check_report.html")
+    c.add_argument("--out", default=None, metavar="DIR", help="write DIR/check_report.md and DIR/check_report.html")
     c.set_defaults(func=cmd_check)
     return p
 

@@ -95,8 +95,11 @@ def materialise(model: torch.nn.Module, device: torch.device, seed: int) -> torc
         model.initialize_weights()
     model.tie_weights()
     if device.type != "meta":
-        bad = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
-               if t.is_floating_point() and not torch.isfinite(t).all()]
+        bad = [
+            n
+            for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.is_floating_point() and not torch.isfinite(t).all()
+        ]
         if bad:
             raise RuntimeError(f"weight init left these tensors uninitialised (transformers change?): {bad}")
     return model

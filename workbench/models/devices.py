@@ -10,7 +10,6 @@ import torch
 
 from ..errors import InputError
 
-
 AUTO = "auto"
 
 
@@ -43,10 +42,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise InputError(f"device {device!r} is not a torch device ({e}); use 'auto', 'cpu' or 'cuda'") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            why = ("this torch build has no CUDA support" if torch.version.cuda is None
-                   else "no CUDA GPU is visible to it")
-            raise InputError(f"device {str(dev)!r} was asked for, but torch {torch.__version__} cannot use CUDA "
-                             f"here ({why}): use device='cpu' on this machine")
+            why = (
+                "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible to it"
+            )
+            raise InputError(
+                f"device {str(dev)!r} was asked for, but torch {torch.__version__} cannot use CUDA "
+                f"here ({why}): use device='cpu' on this machine"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise InputError(f"device {str(dev)!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     return dev

@@ -162,9 +162,11 @@ def _load_failure(spec: str, path: Path, exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     if type(exc).__name__ == "SafetensorError" or "safetensors" in text.lower():
         bad = sorted(p.name for p in Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
-        return (f"{spec!r} resolved to {path}, but its weights could not be read ({text}): "
-                f"{', '.join(bad) or 'the .safetensors file'} is not a valid safetensors file (truncated, or not "
-                "a safetensors file at all). Re-download or re-save the weights (model.save_pretrained).")
+        return (
+            f"{spec!r} resolved to {path}, but its weights could not be read ({text}): "
+            f"{', '.join(bad) or 'the .safetensors file'} is not a valid safetensors file (truncated, or not "
+            "a safetensors file at all). Re-download or re-save the weights (model.save_pretrained)."
+        )
     return f"{spec!r} resolved to {path} but loading failed: {text}"
 
 
@@ -215,8 +217,9 @@ def load_model(
     custom model cannot stand in for the HF model (the message says to pass ``custom_models=False``).
     """
     if gguf_weights not in ("keep", "dequantize"):
-        raise ModelSpecError(f"gguf_weights must be 'keep' (quantized weights as stored) or 'dequantize' "
-                             f"(fp32), got {gguf_weights!r}")
+        raise ModelSpecError(
+            f"gguf_weights must be 'keep' (quantized weights as stored) or 'dequantize' (fp32), got {gguf_weights!r}"
+        )
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     resolved: ResolvedSpec = resolve_spec(spec, tiny_registry)
@@ -232,8 +235,10 @@ def load_model(
                     model, tokenizer, source = _load_gguf_file(resolved.path, gguf_weights, dtype, device)
                 elif (quantized := _load_quantized_hf_dir(resolved.path, dtype, device)) is not None:
                     model, tokenizer, checkpoint = quantized
-                    source = (f"{resolved.path} ({checkpoint.config.quant_algo} checkpoint: dequantized to "
-                              f"{str(dtype).replace('torch.', '')}, quantized tensors kept)")
+                    source = (
+                        f"{resolved.path} ({checkpoint.config.quant_algo} checkpoint: dequantized to "
+                        f"{str(dtype).replace('torch.', '')}, quantized tensors kept)"
+                    )
                 else:
                     model, tokenizer = _load_hf_dir(resolved.path, dtype, device)
                     source = str(resolved.path)
@@ -243,18 +248,27 @@ def load_model(
                 raise ModelSpecError(_load_failure(spec, resolved.path, exc)) from exc
     model = _finalise(model)
     export_model = _custom_export_model(spec, model, custom_models)
-    return LoadedModel(spec=spec, model=model, config=model.config, tokenizer=tokenizer, source=source,
-                       checkpoint=checkpoint, export_model=export_model)
+    return LoadedModel(
+        spec=spec,
+        model=model,
+        config=model.config,
+        tokenizer=tokenizer,
+        source=source,
+        checkpoint=checkpoint,
+        export_model=export_model,
+    )
 
 
-def _custom_export_model(spec: str, model: torch.nn.Module,
-                         custom_models: bool | Mapping[str, type]) -> Optional[torch.nn.Module]:
+def _custom_export_model(
+    spec: str, model: torch.nn.Module, custom_models: bool | Mapping[str, type]
+) -> Optional[torch.nn.Module]:
     """The registered custom model for ``model``'s config (sharing its tensors), or None."""
     if custom_models is False:
         return None
     if custom_models is not True and not isinstance(custom_models, Mapping):
-        raise ModelSpecError(f"custom_models must be True, False or a mapping {{config class name: model class}}, "
-                             f"got {custom_models!r}")
+        raise ModelSpecError(
+            f"custom_models must be True, False or a mapping {{config class name: model class}}, got {custom_models!r}"
+        )
     from .custom import CUSTOM_MODELS
     from .custom.loading import CustomModelError, build_export_model
 
@@ -264,7 +278,13 @@ def _custom_export_model(spec: str, model: torch.nn.Module,
     except CustomModelError as e:
         raise ModelSpecError(f"{spec!r}: {e}") from None
     if custom is not None:
-        logger.info("%s: exporting custom %s.%s for %s (the HF %s stays the numerics reference; "
-                    "custom_models=False exports the HF class)", spec, type(custom).__module__,
-                    type(custom).__name__, type(model.config).__name__, type(model).__name__)
+        logger.info(
+            "%s: exporting custom %s.%s for %s (the HF %s stays the numerics reference; "
+            "custom_models=False exports the HF class)",
+            spec,
+            type(custom).__module__,
+            type(custom).__name__,
+            type(model.config).__name__,
+            type(model).__name__,
+        )
     return custom

@@ -28,18 +28,53 @@ if TYPE_CHECKING:
 # ggml type id -> (name as in gguf.GGMLQuantizationType, elements per block, bytes per block).
 # Kept here (not imported from ``gguf``) because importing gguf costs ~150 ms.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
-    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74),
-    18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
-    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
-    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
-    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66),
+    17: ("IQ2_XS", 256, 74),
+    18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18),
+    21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82),
+    23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1),
+    25: ("I16", 1, 2),
+    26: ("I32", 1, 4),
+    27: ("I64", 1, 8),
+    28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2),
+    34: ("TQ1_0", 256, 54),
+    35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17),
 }
 # metadata value type id -> numpy dtype (fixed-size types only; 8 = string, 9 = array)
-_SCALAR_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4",
-                  7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_SCALAR_DTYPES = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
 DEQUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -119,11 +154,13 @@ class GGUFFile:
                 raise ValueError(f"{self.path}: tensor {name!r} has unknown ggml type id {type_id}")
             tname, block, block_bytes = GGML_TYPES[type_id]
             if shape and shape[-1] % block:
-                raise ValueError(f"{self.path}: tensor {name!r} row length {shape[-1]} not a multiple of {block} ({tname})")
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} row length {shape[-1]} not a multiple of {block} ({tname})"
+                )
             nbytes = prod(shape) // block * block_bytes
             start = data_start + offset
             self._need(start, nbytes, f"data of tensor {name!r}")
-            self.tensors[name] = GGUFTensor(name, tname, shape, self._map[start:start + nbytes].view(np.ndarray))
+            self.tensors[name] = GGUFTensor(name, tname, shape, self._map[start : start + nbytes].view(np.ndarray))
 
     # -- primitive readers (bounds-checked: slicing a memoryview past the end would silently shrink)
     def _need(self, pos: int, n: int, what: str) -> None:
@@ -138,7 +175,7 @@ class GGUFFile:
         self._need(pos, 8, "string length")
         (n,) = _U64.unpack_from(self._buf, pos)
         self._need(pos + 8, n, "string")
-        return str(self._buf[pos + 8:pos + 8 + n], "utf-8"), pos + 8 + n
+        return str(self._buf[pos + 8 : pos + 8 + n], "utf-8"), pos + 8 + n
 
     def _value(self, vtype: int, pos: int, key: str) -> tuple[Any, int]:
         if vtype in _SCALAR_DTYPES:
@@ -171,10 +208,10 @@ class GGUFFile:
         buf, size, out = self._buf, self._size, []
         append, from_bytes = out.append, int.from_bytes
         for _ in range(count):  # a cut-off length field reads short, so `end` lands past the end too
-            end = pos + 8 + from_bytes(buf[pos:pos + 8], "little")
+            end = pos + 8 + from_bytes(buf[pos : pos + 8], "little")
             if end > size:
                 break
-            append(str(buf[pos + 8:end], "utf-8"))
+            append(str(buf[pos + 8 : end], "utf-8"))
             pos = end
         if len(out) != count:
             raise _Truncated(f"string array {key!r} stops after {len(out)} of {count} entries")
@@ -195,9 +232,10 @@ def _split(t: GGUFTensor, kind: str, block_bytes: int, n_f16: int) -> tuple[np.n
         raise ValueError(f"tensor {t.name!r} is {t.ggml_type}, expected {kind}")
     lead, n_blocks = t.shape[:-1], t.shape[-1] // 32
     b = t.data.reshape(t.rows, n_blocks, block_bytes)
-    qs = np.ascontiguousarray(b[:, :, 2 * n_f16:]).reshape(*lead, -1)
-    return qs, *(np.ascontiguousarray(b[:, :, 2 * i:2 * i + 2]).view(np.float16).reshape(*lead, n_blocks)
-                 for i in range(n_f16))
+    qs = np.ascontiguousarray(b[:, :, 2 * n_f16 :]).reshape(*lead, -1)
+    return qs, *(
+        np.ascontiguousarray(b[:, :, 2 * i : 2 * i + 2]).view(np.float16).reshape(*lead, n_blocks) for i in range(n_f16)
+    )
 
 
 def split_q4_1(t: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -249,16 +287,23 @@ def dequantize(t: GGUFTensor) -> np.ndarray:
         q, d, m = split_q4_1(t)
         q = _unpack_nibbles(q).astype(np.float32)
         return (d.astype(np.float32)[..., None] * q + m.astype(np.float32)[..., None]).reshape(shape)
-    raise NotImplementedError(f"cannot dequantize tensor {t.name!r} of type {kind}; supported: {', '.join(DEQUANTIZABLE)}")
+    raise NotImplementedError(
+        f"cannot dequantize tensor {t.name!r} of type {kind}; supported: {', '.join(DEQUANTIZABLE)}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # llama architecture: names, Q/K row order, config
 
 _BLOCK_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -292,13 +337,20 @@ def qk_row_order(n_rows: int, n_head: int) -> np.ndarray:
 
 
 _LLAMA_CONFIG_KEYS = {  # the renames transformers applies (integrations/ggml.py GGUF_CONFIG_MAPPING)
-    "llama.context_length": "max_position_embeddings", "llama.block_count": "num_hidden_layers",
-    "llama.feed_forward_length": "intermediate_size", "llama.embedding_length": "hidden_size",
-    "llama.rope.dimension_count": "head_dim", "llama.attention.head_count": "num_attention_heads",
-    "llama.attention.head_count_kv": "num_key_value_heads", "llama.vocab_size": "vocab_size",
-    "llama.attention.layer_norm_rms_epsilon": "rms_norm_eps", "general.name": "_model_name_or_path",
-    "tokenizer.ggml.bos_token_id": "bos_token_id", "tokenizer.ggml.eos_token_id": "eos_token_id",
-    "tokenizer.ggml.unknown_token_id": "unk_token_id", "tokenizer.ggml.padding_token_id": "pad_token_id",
+    "llama.context_length": "max_position_embeddings",
+    "llama.block_count": "num_hidden_layers",
+    "llama.feed_forward_length": "intermediate_size",
+    "llama.embedding_length": "hidden_size",
+    "llama.rope.dimension_count": "head_dim",
+    "llama.attention.head_count": "num_attention_heads",
+    "llama.attention.head_count_kv": "num_key_value_heads",
+    "llama.vocab_size": "vocab_size",
+    "llama.attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "general.name": "_model_name_or_path",
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.unknown_token_id": "unk_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
 }
 
 
@@ -310,7 +362,9 @@ def llama_config_from_gguf(f: GGUFFile) -> LlamaConfig:
 
     md = f.metadata
     if md.get("general.architecture") != "llama":
-        raise ValueError(f"{f.path}: architecture {md.get('general.architecture')!r} is not supported here; only 'llama'")
+        raise ValueError(
+            f"{f.path}: architecture {md.get('general.architecture')!r} is not supported here; only 'llama'"
+        )
     missing = [k for k in ("block_count", "embedding_length", "attention.head_count") if f"llama.{k}" not in md]
     if missing:
         raise ValueError(f"{f.path}: llama metadata lacks {', '.join('llama.' + k for k in missing)}")

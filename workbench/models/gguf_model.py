@@ -30,8 +30,17 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .gguf_file import (GGUFFile, GGUFTensor, dequantize, hf_name, llama_config_from_gguf, qk_row_order, split_q4_0,
-                        split_q4_1, split_q8_0)
+from .gguf_file import (
+    GGUFFile,
+    GGUFTensor,
+    dequantize,
+    hf_name,
+    llama_config_from_gguf,
+    qk_row_order,
+    split_q4_0,
+    split_q4_1,
+    split_q8_0,
+)
 
 GGUFWeights = Literal["keep", "dequantize"]
 GROUP = 32  # every ggml block format here quantizes runs of 32 weights
@@ -42,10 +51,11 @@ class QuantizedLinear(nn.Module):
     ``offsets [N, K/32]``) or int8 (``qweight [N, K]``, ``scales``). Buffers, not parameters:
     nothing here is trainable, and they bind by name at ``load_weights`` like any tensor."""
 
-    def __init__(self, fmt: str, tensors: Dict[str, torch.Tensor], in_features: int, out_features: int,
-                 source_type: str):
+    def __init__(
+        self, fmt: str, tensors: Dict[str, torch.Tensor], in_features: int, out_features: int, source_type: str
+    ):
         super().__init__()
-        self.fmt, self.in_features, self.out_features, self.source_type = fmt, in_features, out_features, source_type
+        self.fmt, self.in_features, self.out_features, self.source_type = (fmt, in_features, out_features, source_type)
         self.group_size = GROUP
         for name, t in tensors.items():
             self.register_buffer(name, t)
@@ -97,8 +107,11 @@ def _quantized_tensors(t: GGUFTensor, order: Optional[np.ndarray]) -> Tuple[str,
         return "int4", {"qweight": _rows(q, order), "scales": _rows(d, order), "offsets": _rows(m, order)}
     if t.ggml_type == "Q4_0":
         q, d = split_q4_0(t)
-        return "int4", {"qweight": _rows(q, order), "scales": _rows(d, order),
-                        "offsets": _rows((d.astype(np.float32) * -8).astype(np.float16), order)}
+        return "int4", {
+            "qweight": _rows(q, order),
+            "scales": _rows(d, order),
+            "offsets": _rows((d.astype(np.float32) * -8).astype(np.float16), order),
+        }
     q, d = split_q8_0(t)
     return "int8", {"qweight": _rows(q, order), "scales": _rows(d, order)}
 
@@ -146,8 +159,10 @@ def load_gguf_model(file: Path | GGUFFile, weights: GGUFWeights = "keep", dtype:
             fmt, tensors = _quantized_tensors(t, order)
             if isinstance(model.get_submodule(module_path), nn.Embedding):
                 if fmt != "int8":
-                    raise NotImplementedError(f"{path.name}: embedding {t.name} is {t.ggml_type}; quantized "
-                                              "embeddings are supported for Q8_0 only (load with weights='dequantize')")
+                    raise NotImplementedError(
+                        f"{path.name}: embedding {t.name} is {t.ggml_type}; quantized "
+                        "embeddings are supported for Q8_0 only (load with weights='dequantize')"
+                    )
                 module = QuantizedEmbedding(tensors["qweight"], tensors["scales"], t.ggml_type)
             else:
                 module = QuantizedLinear(fmt, tensors, t.shape[1], t.shape[0], t.ggml_type)
@@ -161,15 +176,22 @@ def load_gguf_model(file: Path | GGUFFile, weights: GGUFWeights = "keep", dtype:
         embed = "model.embed_tokens"
         if embed in shared:
             head = shared[embed]
-            model.lm_head = QuantizedLinear("int8", {"qweight": head.qweight, "scales": head.scales},
-                                            head.embedding_dim, head.num_embeddings, head.source_type)
+            model.lm_head = QuantizedLinear(
+                "int8",
+                {"qweight": head.qweight, "scales": head.scales},
+                head.embedding_dim,
+                head.num_embeddings,
+                head.source_type,
+            )
         else:
             model.lm_head.weight = model.model.embed_tokens.weight
     _rebuild_rotary(model, config)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
-        raise ValueError(f"{path.name}: no tensor in the file for {left[:5]} ({len(left)} in all); "
-                         f"unused file tensors: {unmapped[:5]}")
+        raise ValueError(
+            f"{path.name}: no tensor in the file for {left[:5]} ({len(left)} in all); "
+            f"unused file tensors: {unmapped[:5]}"
+        )
     del f  # every tensor above is a copy: the memory map closes once the caller drops the file too
     return model, tokenizer
 

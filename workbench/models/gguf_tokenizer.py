@@ -80,19 +80,31 @@ def tokenizer_from_gguf(f: GGUFFile) -> PreTrainedTokenizerFast:
             for i, (tok, ok) in enumerate(zip(tokens, in_alphabet))
         }
     if "tokenizer.ggml.merges" not in md:
-        raise NotImplementedError(f"{f.path}: a byte-level BPE vocabulary without tokenizer.ggml.merges is not supported")
+        raise NotImplementedError(
+            f"{f.path}: a byte-level BPE vocabulary without tokenizer.ggml.merges is not supported"
+        )
     merges = [tuple(m.split(" ")) for m in md["tokenizer.ggml.merges"]]
 
-    backend = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                            end_of_word_suffix="", fuse_unk=False))
+    backend = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
     split = _pre_tokenizer_split(md.get("tokenizer.ggml.pre"))
     if split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     backend.decoder = decoders.ByteLevel()
 
     # Control tokens (<|im_start|>, ...) must match whole and be special, else they are cut into
@@ -106,8 +118,12 @@ def tokenizer_from_gguf(f: GGUFFile) -> PreTrainedTokenizerFast:
         backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
 
     kwargs: dict[str, Any] = {}
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
         token_id = md.get(f"tokenizer.ggml.{key}")
         kwargs[name] = tokens[token_id] if token_id is not None else None
     for key in ("add_bos_token", "add_eos_token"):

@@ -78,6 +78,8 @@ class LoadedModel:
         p = next(self.model.parameters(), None)
         where = f"{p.dtype}, {p.device}" if p is not None else "no params"
         custom = f", export=custom {type(self.export_model).__name__}" if self.export_model is not None else ""
-        return (f"LoadedModel(spec={self.spec!r}, arch={type(self.model).__name__}{custom}, "
-                f"params={self.num_parameters / 1e6:.2f}M, {where}, "
-                f"tokenizer={'yes' if self.tokenizer is not None else 'no'}, source={self.source!r})")
+        return (
+            f"LoadedModel(spec={self.spec!r}, arch={type(self.model).__name__}{custom}, "
+            f"params={self.num_parameters / 1e6:.2f}M, {where}, "
+            f"tokenizer={'yes' if self.tokenizer is not None else 'no'}, source={self.source!r})"
+        )

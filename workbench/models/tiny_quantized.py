@@ -58,12 +58,14 @@ def _calibrate(model: torch.nn.Module, vocab: int, tokens: int, seed: int):
             s["amax"] = torch.maximum(s["amax"], x.abs().amax())
             s["mean_abs"] = s["mean_abs"] + x.abs().sum(0)
             s["n"] += x.shape[0]
+
         return hook
 
     def experts_hook(name):
         def hook(_mod, args, _out):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
             expert_inputs[name] = torch.cat([expert_inputs[name], x]) if name in expert_inputs else x
+
         return hook
 
     for name, mod in model.named_modules():
@@ -99,8 +101,16 @@ def _awq_pre_quant_scale(mean_abs: torch.Tensor) -> torch.Tensor:
     return 1.0 / s
 
 
-def _quantize_linear(fmt: str, w: torch.Tensor, stat: Optional[dict], *, block, group: int,
-                     desc_act: bool, shared_amax: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+def _quantize_linear(
+    fmt: str,
+    w: torch.Tensor,
+    stat: Optional[dict],
+    *,
+    block,
+    group: int,
+    desc_act: bool,
+    shared_amax: Optional[torch.Tensor] = None,
+) -> Dict[str, torch.Tensor]:
     """Stored tensors (by suffix) of one linear weight [N, K] in ``fmt``."""
     from ..ops.quant import codecs
 
@@ -111,16 +121,23 @@ def _quantize_linear(fmt: str, w: torch.Tensor, stat: Optional[dict], *, block, 
             w8 = codecs.to_fp8(w, scale)
         else:
             w8, scale = codecs.fp8_per_tensor_quantize(w)
-        return {"weight": w8, "weight_scale": scale.reshape(()),
-                "input_scale": (x_amax / codecs.FP8_E4M3_MAX).float().reshape(())}
+        return {
+            "weight": w8,
+            "weight_scale": scale.reshape(()),
+            "input_scale": (x_amax / codecs.FP8_E4M3_MAX).float().reshape(()),
+        }
     if fmt == "FP8_BLOCK":
         w8, scale_inv = codecs.fp8_block_quantize(w, block)
         return {"weight": w8, "weight_scale_inv": scale_inv}
     if fmt == "NVFP4":
         gs = None if shared_amax is None else (shared_amax / (codecs.E2M1_MAX * codecs.FP8_E4M3_MAX)).float()
         packed, block_scales, gs = codecs.nvfp4_quantize(w, gs, 16)
-        return {"weight": packed, "weight_scale": block_scales, "weight_scale_2": gs.reshape(()),
-                "input_scale": (x_amax / (codecs.E2M1_MAX * codecs.FP8_E4M3_MAX)).float().reshape(())}
+        return {
+            "weight": packed,
+            "weight_scale": block_scales,
+            "weight_scale_2": gs.reshape(()),
+            "input_scale": (x_amax / (codecs.E2M1_MAX * codecs.FP8_E4M3_MAX)).float().reshape(()),
+        }
     if fmt == "W4A16_AWQ":
         from ..quantization.weights import pack_int4_in_uint8
 
@@ -138,8 +155,12 @@ def _quantize_linear(fmt: str, w: torch.Tensor, stat: Optional[dict], *, block, 
         codes = codes_p[:, inv]  # back in column order
         g_idx = (inv // group).to(torch.int32)  # column k sits at position inv[k] of the order
         zeros = torch.full((k // group, w.shape[0]), 8 - 1, dtype=torch.uint8)  # zero point 8, stored minus one
-        return {"qweight": codecs.gptq_pack_rows(codes.t().contiguous()), "qzeros": codecs.gptq_pack_cols(zeros),
-                "scales": scales.t().contiguous().to(torch.float16), "g_idx": g_idx}
+        return {
+            "qweight": codecs.gptq_pack_rows(codes.t().contiguous()),
+            "qzeros": codecs.gptq_pack_cols(zeros),
+            "scales": scales.t().contiguous().to(torch.float16),
+            "g_idx": g_idx,
+        }
     raise ValueError(f"no linear quantization for {fmt!r}")
 
 
@@ -153,12 +174,14 @@ def _expert_groups(names: Iterable[str]) -> Dict[str, Dict[int, Dict[str, str]]]
     return out
 
 
-def _quantize_experts(fmt: str, tensors: Dict[str, torch.Tensor], expert_inputs, *, block, group) -> Dict[str, torch.Tensor]:
+def _quantize_experts(
+    fmt: str, tensors: Dict[str, torch.Tensor], expert_inputs, *, block, group
+) -> Dict[str, torch.Tensor]:
     """Quantized per-expert tensors (FP8 / FP8_BLOCK / NVFP4), gate and up sharing per-tensor scales."""
     out: Dict[str, torch.Tensor] = {}
     for prefix, experts in _expert_groups(tensors).items():
         x = _experts_x(expert_inputs, prefix)
-        for e, projs in sorted(experts.items()):
+        for _, projs in sorted(experts.items()):
             gate_name = next(projs[p] for p in _GATE if p in projs)
             up_name = next(projs[p] for p in _UP if p in projs)
             down_name = next(n for p, n in projs.items() if p not in _GATE + _UP)
@@ -166,11 +189,15 @@ def _quantize_experts(fmt: str, tensors: Dict[str, torch.Tensor], expert_inputs,
             h = F.silu(x @ g.t()) * (x @ u.t())  # what the down projection sees, from every token
             shared = torch.maximum(g.abs().amax(), u.abs().amax())
             x_stat, h_stat = {"amax": x.abs().amax()}, {"amax": h.abs().amax()}
-            for name, w, stat, amax in ((gate_name, g, x_stat, shared), (up_name, u, x_stat, shared),
-                                        (down_name, d, h_stat, None)):
+            for name, w, stat, amax in (
+                (gate_name, g, x_stat, shared),
+                (up_name, u, x_stat, shared),
+                (down_name, d, h_stat, None),
+            ):
                 module = name[: -len(".weight")]
-                for suffix, t in _quantize_linear(fmt, w, stat, block=block, group=group, desc_act=False,
-                                                  shared_amax=amax).items():
+                for suffix, t in _quantize_linear(
+                    fmt, w, stat, block=block, group=group, desc_act=False, shared_amax=amax
+                ).items():
                     out[f"{module}.{suffix}"] = t
     return out
 
@@ -186,16 +213,26 @@ def _mxfp4_experts(model: torch.nn.Module, tensors: Dict[str, torch.Tensor]) -> 
             out[name + "_blocks"] = packed.reshape(*packed.shape[:-1], packed.shape[-1] // 16, 16)
             out[name + "_scales"] = scales
     if not out:
-        raise ValueError("MXFP4 checkpoints here quantize stacked MoE experts; this model has none "
-                         "(use a MoE arch: tiny:qwen3_moe or tiny:mixtral)")
+        raise ValueError(
+            "MXFP4 checkpoints here quantize stacked MoE experts; this model has none "
+            "(use a MoE arch: tiny:qwen3_moe or tiny:mixtral)"
+        )
     replaced = {n for group in _expert_groups(tensors).values() for e in group.values() for n in e.values()}
     return out, replaced
 
 
-def save_tiny_quantized(arch: str, fmt: str, out_dir: Union[str, Path], seed: int = 0, *,
-                        exclude: Sequence[str] = DEFAULT_EXCLUDE, group_size: int = 32,
-                        block: Tuple[int, int] = (128, 128), desc_act: bool = False,
-                        calib_tokens: int = 64) -> Path:
+def save_tiny_quantized(
+    arch: str,
+    fmt: str,
+    out_dir: Union[str, Path],
+    seed: int = 0,
+    *,
+    exclude: Sequence[str] = DEFAULT_EXCLUDE,
+    group_size: int = 32,
+    block: Tuple[int, int] = (128, 128),
+    desc_act: bool = False,
+    calib_tokens: int = 64,
+) -> Path:
     """Save ``tiny:<arch>`` (random, ``seed``) quantized in ``fmt`` to ``out_dir``; returns ``out_dir``.
 
     ``exclude``: module patterns kept unquantized (recorded in the config); ``group_size``: AWQ/GPTQ
@@ -215,10 +252,14 @@ def save_tiny_quantized(arch: str, fmt: str, out_dir: Union[str, Path], seed: in
     weights_file = out / "model.safetensors"
     tensors = load_file(str(weights_file))
     int4 = fmt in ("W4A16_AWQ", "W4A16_GPTQ")
-    cfg = QuantConfig(fmt, group_size=group_size if int4 else {"NVFP4": 16, "MXFP4": 32}.get(fmt),
-                      weight_block_size=tuple(block) if fmt == "FP8_BLOCK" else None,
-                      exclude_modules=tuple(exclude), sym=True if int4 else None,
-                      desc_act=desc_act if fmt == "W4A16_GPTQ" else None)
+    cfg = QuantConfig(
+        fmt,
+        group_size=group_size if int4 else {"NVFP4": 16, "MXFP4": 32}.get(fmt),
+        weight_block_size=tuple(block) if fmt == "FP8_BLOCK" else None,
+        exclude_modules=tuple(exclude),
+        sym=True if int4 else None,
+        desc_act=desc_act if fmt == "W4A16_GPTQ" else None,
+    )
     stats, expert_inputs = _calibrate(model, loaded.config.vocab_size, calib_tokens, seed)
     new: Dict[str, torch.Tensor] = {}
     if fmt == "MXFP4":
@@ -233,14 +274,16 @@ def save_tiny_quantized(arch: str, fmt: str, out_dir: Union[str, Path], seed: in
             module = name[: -len(".weight")] if name.endswith(".weight") else None
             if module is None or module not in linears or cfg.is_excluded(module):
                 continue
-            quantized = _quantize_linear(fmt, tensors.pop(name), stats.get(module), block=block,
-                                         group=group_size, desc_act=desc_act)
+            quantized = _quantize_linear(
+                fmt, tensors.pop(name), stats.get(module), block=block, group=group_size, desc_act=desc_act
+            )
             tensors.update({f"{module}.{suffix}": t for suffix, t in quantized.items()})
         experts = {n: t for n, t in tensors.items() if _EXPERT.match(n) and not cfg.is_excluded(n[: -len(".weight")])}
         if experts:
             if fmt not in ("FP8", "FP8_BLOCK", "NVFP4"):
-                raise ValueError(f"{fmt} MoE experts are not made here (FP8, FP8_BLOCK and NVFP4 are; MXFP4 for "
-                                 "stacked experts)")
+                raise ValueError(
+                    f"{fmt} MoE experts are not made here (FP8, FP8_BLOCK and NVFP4 are; MXFP4 for stacked experts)"
+                )
             for name in experts:
                 del tensors[name]
             tensors.update(_quantize_experts(fmt, experts, expert_inputs, block=block, group=group_size))

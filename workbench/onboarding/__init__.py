@@ -6,6 +6,16 @@ from .registry import DEFAULT_REGISTRY, Registry, RegistryEntry, RegistryError, 
 from .report import markdown_table, write_reports
 
 __all__ = [
-    "CheckResult", "CheckSettings", "DEFAULT_REGISTRY", "Registry", "RegistryEntry", "RegistryError",
-    "check_entry", "check_registry", "exit_code", "load_registry", "markdown_table", "write_reports",
+    "CheckResult",
+    "CheckSettings",
+    "DEFAULT_REGISTRY",
+    "Registry",
+    "RegistryEntry",
+    "RegistryError",
+    "check_entry",
+    "check_registry",
+    "exit_code",
+    "load_registry",
+    "markdown_table",
+    "write_reports",
 ]

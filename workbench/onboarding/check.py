@@ -114,9 +114,15 @@ def check_prompts(vocab_size: int, lens: Sequence[int] = CheckSettings.prompt_le
 def hf_greedy(model: torch.nn.Module, prompt: List[int], new_tokens: int) -> List[int]:
     """HF ``generate``'s greedy continuation of one prompt, alone (no padding), never stopping early."""
     ids = torch.tensor([prompt], device=next(model.parameters()).device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                         eos_token_id=[], pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=[],
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def compare_tokens(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]) -> Tuple[bool, str]:
@@ -127,8 +133,11 @@ def compare_tokens(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]) 
     i = equal.index(False) if False in equal else len(equal)
     g, w = (list(got[i]), list(want[i])) if i < min(len(got), len(want)) else ([], [])
     pos = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
-    at = (f"token {pos}: {g[pos]} vs HF {w[pos]}" if pos < min(len(g), len(w))
-          else f"token {pos}: {len(g)} tokens vs HF {len(w)}")
+    at = (
+        f"token {pos}: {g[pos]} vs HF {w[pos]}"
+        if pos < min(len(g), len(w))
+        else f"token {pos}: {len(g)} tokens vs HF {len(w)}"
+    )
     return False, f"no: prompt {i + 1} of {len(want)} differs at new {at} ({sum(equal)} of {len(want)} equal)"
 
 
@@ -188,8 +197,9 @@ def _run(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> 
     from ..pipeline.interface import TransformError
 
     try:
-        loaded = load_model(entry.name, dtype="float32", gguf_weights=entry.gguf_weights,
-                            custom_models=entry.custom_models)
+        loaded = load_model(
+            entry.name, dtype="float32", gguf_weights=entry.gguf_weights, custom_models=entry.custom_models
+        )
     except Exception as e:  # noqa: BLE001
         result.stopped_at, result.error = "load", _first_line(e)
         return
@@ -197,8 +207,9 @@ def _run(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> 
     if entry.redraw_ssm:
         checkpoint_like_ssm_weights(loaded.model, seed=1)  # a no-op without Mamba-2 mixers
     try:
-        wb = Workbench(loaded, yaml_extra=entry.yaml_extra, overrides=entry.overrides,
-                       max_batch_size=settings.max_batch_size)
+        wb = Workbench(
+            loaded, yaml_extra=entry.yaml_extra, overrides=entry.overrides, max_batch_size=settings.max_batch_size
+        )
     except ConfigError as e:
         result.stopped_at, result.error = "config", _first_line(e)
         return
@@ -242,8 +253,11 @@ def _run(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> 
 
 
 # ---------------------------------------------------------------------------------------------- many
-def check_registry(entries: Sequence[RegistryEntry], settings: CheckSettings = CheckSettings(),
-                   on_result: Optional[Callable[[CheckResult, int, int], None]] = None) -> List[CheckResult]:
+def check_registry(
+    entries: Sequence[RegistryEntry],
+    settings: CheckSettings = CheckSettings(),
+    on_result: Optional[Callable[[CheckResult, int, int], None]] = None,
+) -> List[CheckResult]:
     """``check_entry`` for each entry in order; ``on_result(result, i, n)`` after each (progress, a report
     rewritten as rows arrive). Each entry's models and graphs are released before the next starts."""
     results: List[CheckResult] = []
@@ -260,6 +274,17 @@ def exit_code(results: Sequence[CheckResult]) -> int:
     return 0 if all(r.passed for r in results) else 1
 
 
-__all__ = ["CACHE_KINDS", "CheckResult", "CheckSettings", "check_entry", "check_prompts", "check_registry",
-           "compare_tokens", "exit_code", "hf_greedy", "inserted_cache_kinds", "uncached_attention_left",
-           "worst_probe"]
+__all__ = [
+    "CACHE_KINDS",
+    "CheckResult",
+    "CheckSettings",
+    "check_entry",
+    "check_prompts",
+    "check_registry",
+    "compare_tokens",
+    "exit_code",
+    "hf_greedy",
+    "inserted_cache_kinds",
+    "uncached_attention_left",
+    "worst_probe",
+]

@@ -45,32 +45,55 @@ class RegistryEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1, description="model spec: tiny:<arch>, smollm2, an HF directory or a cached HF id")
-    label: Optional[str] = Field(None, min_length=1, description=(
-        "row label and --only key; default: the name without 'tiny:'. Needed only to check one model twice "
-        "with different settings"))
-    yaml_extra: List[str] = Field(default_factory=list, description=(
-        "pipeline YAML files deep-merged on top of default.yaml, in order; relative paths are relative to "
-        "the registry file's folder (workbench/models/ for the shipped registry)"))
-    overrides: Dict[str, Any] = Field(default_factory=dict, description=(
-        "'transform_key.field': value pairs applied after yaml_extra (as `workbench run --set`)"))
-    gguf_weights: Literal["keep", "dequantize"] = Field("dequantize", description=(
-        "GGUF models only: dequantize to fp32 (the default: the check compares with HF's fp32 model, which "
-        "dequantizes too) or keep the file's 4/8-bit weights"))
-    weights: Literal["auto", "checkpoint_like_ssm", "as_loaded"] = Field("auto", description=(
-        "checkpoint_like_ssm: re-draw Mamba-2 mixers like a trained checkpoint before comparing (HF's random "
-        "init leaves their state below fp32 resolution, so a broken state cache would not change tokens); "
-        "as_loaded: keep the weights; auto: checkpoint_like_ssm for tiny: random models, as_loaded otherwise"))
+    label: Optional[str] = Field(
+        None,
+        min_length=1,
+        description=(
+            "row label and --only key; default: the name without 'tiny:'. Needed only to check one model twice "
+            "with different settings"
+        ),
+    )
+    yaml_extra: List[str] = Field(
+        default_factory=list,
+        description=(
+            "pipeline YAML files deep-merged on top of default.yaml, in order; relative paths are relative to "
+            "the registry file's folder (workbench/models/ for the shipped registry)"
+        ),
+    )
+    overrides: Dict[str, Any] = Field(
+        default_factory=dict,
+        description=("'transform_key.field': value pairs applied after yaml_extra (as `workbench run --set`)"),
+    )
+    gguf_weights: Literal["keep", "dequantize"] = Field(
+        "dequantize",
+        description=(
+            "GGUF models only: dequantize to fp32 (the default: the check compares with HF's fp32 model, which "
+            "dequantizes too) or keep the file's 4/8-bit weights"
+        ),
+    )
+    weights: Literal["auto", "checkpoint_like_ssm", "as_loaded"] = Field(
+        "auto",
+        description=(
+            "checkpoint_like_ssm: re-draw Mamba-2 mixers like a trained checkpoint before comparing (HF's random "
+            "init leaves their state below fp32 resolution, so a broken state cache would not change tokens); "
+            "as_loaded: keep the weights; auto: checkpoint_like_ssm for tiny: random models, as_loaded otherwise"
+        ),
+    )
     slow: bool = Field(False, description="takes long to check (a real checkpoint): `workbench check --quick` skips it")
-    custom_models: bool = Field(True, description=(
-        "export the custom canonical-op model registered for the config class (workbench/models/custom), if any; "
-        "false: the HF class (through the export-time canonical forwards)"))
+    custom_models: bool = Field(
+        True,
+        description=(
+            "export the custom canonical-op model registered for the config class (workbench/models/custom), if any; "
+            "false: the HF class (through the export-time canonical forwards)"
+        ),
+    )
 
     @property
     def key(self) -> str:
         """What rows and ``--only`` call this entry."""
         if self.label:
             return self.label
-        return self.name[len(TINY_PREFIX):] if self.name.startswith(TINY_PREFIX) else self.name
+        return self.name[len(TINY_PREFIX) :] if self.name.startswith(TINY_PREFIX) else self.name
 
     @property
     def redraw_ssm(self) -> bool:
@@ -98,9 +121,14 @@ class Registry:
                 by_name.setdefault(k, []).append(e)
         unknown = [o for o in only if o not in by_name]
         if unknown:
-            hints = [f"{u!r} (did you mean {', '.join(map(repr, close))}?)" if close else repr(u)
-                     for u in unknown for close in [difflib.get_close_matches(u, list(by_name), n=2)]]
-            raise RegistryError(f"--only names no entry of {self.path}: {', '.join(hints)}; entries: {', '.join(self.keys)}")
+            hints = [
+                f"{u!r} (did you mean {', '.join(map(repr, close))}?)" if close else repr(u)
+                for u in unknown
+                for close in [difflib.get_close_matches(u, list(by_name), n=2)]
+            ]
+            raise RegistryError(
+                f"--only names no entry of {self.path}: {', '.join(hints)}; entries: {', '.join(self.keys)}"
+            )
         wanted = {id(e) for o in only for e in by_name[o]}
         chosen = [e for e in self.entries if not only or id(e) in wanted]
         skip = quick and not only
@@ -137,15 +165,19 @@ def load_registry(path: Union[str, Path] = DEFAULT_REGISTRY, tiny_registry: Opti
         for extra in entry.yaml_extra:
             p = Path(extra) if Path(extra).is_absolute() else path.parent / extra
             if not p.is_file():
-                entry_problems.append(f"yaml_extra file {extra!r} not found (looked for {p.resolve()}); paths are "
-                                      f"relative to the registry's folder {path.parent.resolve()}")
+                entry_problems.append(
+                    f"yaml_extra file {extra!r} not found (looked for {p.resolve()}); paths are "
+                    f"relative to the registry's folder {path.parent.resolve()}"
+                )
             yaml_paths.append(str(p.resolve()))
         problems.extend(f"{where}: {p}" for p in entry_problems)
         entries.append(entry.model_copy(update={"yaml_extra": yaml_paths}))
     seen: Dict[str, int] = {}
     for e in entries:
         seen[e.key] = seen.get(e.key, 0) + 1
-    problems.extend(f"label {k!r} is used by {n} entries: give each a distinct 'label:'" for k, n in seen.items() if n > 1)
+    problems.extend(
+        f"label {k!r} is used by {n} entries: give each a distinct 'label:'" for k, n in seen.items() if n > 1
+    )
     if problems:
         raise RegistryError(f"{path}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
     return Registry(path=path, entries=tuple(entries))
@@ -156,7 +188,7 @@ def _check_model(entry: RegistryEntry, known_archs: List[str]) -> List[str]:
     cached on one machine only is that machine's failing row, not a broken registry)."""
     if not entry.name.startswith(TINY_PREFIX):
         return []
-    arch = entry.name[len(TINY_PREFIX):]
+    arch = entry.name[len(TINY_PREFIX) :]
     if arch in known_archs:
         return []
     close = difflib.get_close_matches(arch, known_archs, n=2)

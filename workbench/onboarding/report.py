@@ -16,14 +16,32 @@ from typing import List, Sequence, Tuple, Union
 from .check import CheckResult, CheckSettings
 from .registry import RegistryEntry
 
-COLUMNS = ("entry", "model", "family", "reached stage", "cached?", "tokens equal HF", "worst probe RMSE",
-           "time (s)", "result")
+COLUMNS = (
+    "entry",
+    "model",
+    "family",
+    "reached stage",
+    "cached?",
+    "tokens equal HF",
+    "worst probe RMSE",
+    "time (s)",
+    "result",
+)
 
 
 def row_cells(r: CheckResult) -> List[str]:
     """The row of one result, as plain text cells in ``COLUMNS`` order."""
-    return [r.key, r.model, r.family, _reached(r), _cached(r), r.tokens or "-", _probe(r), f"{r.seconds:.1f}",
-            "pass" if r.passed else f"FAIL: {r.failure}"]
+    return [
+        r.key,
+        r.model,
+        r.family,
+        _reached(r),
+        _cached(r),
+        r.tokens or "-",
+        _probe(r),
+        f"{r.seconds:.1f}",
+        "pass" if r.passed else f"FAIL: {r.failure}",
+    ]
 
 
 def _reached(r: CheckResult) -> str:
@@ -44,8 +62,10 @@ def _cached(r: CheckResult) -> str:
     parts = []
     if r.uncached_attention:
         whys = sorted(set(r.uncached_attention.values()))
-        parts.append(f"NO: {len(r.uncached_attention)} attention node(s) left without a KV cache ({whys[0]}"
-                     + (f"; +{len(whys) - 1} other reason(s))" if len(whys) > 1 else ")"))
+        parts.append(
+            f"NO: {len(r.uncached_attention)} attention node(s) left without a KV cache ({whys[0]}"
+            + (f"; +{len(whys) - 1} other reason(s))" if len(whys) > 1 else ")")
+        )
     parts.append(", ".join(r.cache_kinds) or "no cache inserted")
     if r.runner_cache:
         parts.append(f"runner: {r.runner_cache}")
@@ -61,19 +81,26 @@ def summary_line(results: Sequence[CheckResult], skipped: Sequence[RegistryEntry
     passed = sum(r.passed for r in results)
     line = f"{passed} of {len(results)} entries pass"
     if skipped:
-        line += f"; {len(skipped)} slow entr{'y' if len(skipped) == 1 else 'ies'} skipped (--quick): " \
-                + ", ".join(e.key for e in skipped)
+        line += f"; {len(skipped)} slow entr{'y' if len(skipped) == 1 else 'ies'} skipped (--quick): " + ", ".join(
+            e.key for e in skipped
+        )
     return line
+
+
+# The settings a report names when none are given (CheckSettings is never mutated).
+DEFAULT_SETTINGS = CheckSettings()
 
 
 def settings_line(settings: CheckSettings) -> str:
     import torch
     import transformers
 
-    return (f"{len(settings.prompt_lens)} prompts of {', '.join(map(str, settings.prompt_lens))} random token ids, "
-            f"{settings.max_batch_size} at a time (continuous batching), {settings.new_tokens} greedy new tokens "
-            f"each, fp32, compared with HF generate on the same weights (each prompt alone); torch {torch.__version__}, "
-            f"transformers {transformers.__version__}; {datetime.datetime.now().isoformat(timespec='seconds')}")
+    return (
+        f"{len(settings.prompt_lens)} prompts of {', '.join(map(str, settings.prompt_lens))} random token ids, "
+        f"{settings.max_batch_size} at a time (continuous batching), {settings.new_tokens} greedy new tokens "
+        f"each, fp32, compared with HF generate on the same weights (each prompt alone); torch {torch.__version__}, "
+        f"transformers {transformers.__version__}; {datetime.datetime.now().isoformat(timespec='seconds')}"
+    )
 
 
 def markdown_table(results: Sequence[CheckResult]) -> str:
@@ -85,20 +112,25 @@ def markdown_table(results: Sequence[CheckResult]) -> str:
     return "\n".join(lines)
 
 
-def markdown_report(results: Sequence[CheckResult], skipped: Sequence[RegistryEntry] = (),
-                    settings: CheckSettings = CheckSettings()) -> str:
-    return (f"# workbench check\n\n**{summary_line(results, skipped)}**\n\n{settings_line(settings)}\n\n"
-            f"{markdown_table(results)}\n")
+def markdown_report(
+    results: Sequence[CheckResult], skipped: Sequence[RegistryEntry] = (), settings: CheckSettings = DEFAULT_SETTINGS
+) -> str:
+    return (
+        f"# workbench check\n\n**{summary_line(results, skipped)}**\n\n{settings_line(settings)}\n\n"
+        f"{markdown_table(results)}\n"
+    )
 
 
-def html_report(results: Sequence[CheckResult], skipped: Sequence[RegistryEntry] = (),
-                settings: CheckSettings = CheckSettings()) -> str:
+def html_report(
+    results: Sequence[CheckResult], skipped: Sequence[RegistryEntry] = (), settings: CheckSettings = DEFAULT_SETTINGS
+) -> str:
     """A standalone page: the summary line and a plain table, every cell escaped."""
     e = html.escape
     head = "".join(f"<th>{e(c)}</th>" for c in COLUMNS)
     rows = "\n".join(
         f'<tr class="{"pass" if r.passed else "fail"}">' + "".join(f"<td>{e(c)}</td>" for c in row_cells(r)) + "</tr>"
-        for r in results)
+        for r in results
+    )
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>workbench check</title>
 <style>
@@ -123,8 +155,12 @@ tr.fail td:last-child {{ color: #a61b1b; font-weight: bold; }}
 """
 
 
-def write_reports(results: Sequence[CheckResult], out_dir: Union[str, Path], skipped: Sequence[RegistryEntry] = (),
-                  settings: CheckSettings = CheckSettings()) -> Tuple[Path, Path]:
+def write_reports(
+    results: Sequence[CheckResult],
+    out_dir: Union[str, Path],
+    skipped: Sequence[RegistryEntry] = (),
+    settings: CheckSettings = DEFAULT_SETTINGS,
+) -> Tuple[Path, Path]:
     """Write ``out_dir/check_report.md`` and ``out_dir/check_report.html``; returns both paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -134,5 +170,4 @@ def write_reports(results: Sequence[CheckResult], out_dir: Union[str, Path], ski
     return md_path, html_path
 
 
-__all__ = ["COLUMNS", "html_report", "markdown_report", "markdown_table", "row_cells", "summary_line",
-           "write_reports"]
+__all__ = ["COLUMNS", "html_report", "markdown_report", "markdown_table", "row_cells", "summary_line", "write_reports"]

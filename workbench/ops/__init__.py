@@ -5,7 +5,18 @@ Every op is a ``torch.library.custom_op`` with its fake (meta) implementation ri
 a plain-PyTorch reference implementation that runs on CPU.
 """
 
-from . import attention, mlp, moe, normalization, quant, rope, state  # noqa: F401
-from . import conv, delta_rule, mla, ssm  # noqa: F401  (after state: stateful ops declare their cache entries)
-from . import distributed  # noqa: F401  (collectives of sharded graphs)
-from . import cpu_kernels  # noqa: F401  (declares the C++ kernels' ops; they build on first use)
+from . import (  # noqa: F401  # noqa: F401  (after state: stateful ops declare their cache entries)
+    attention,
+    conv,
+    cpu_kernels,  # noqa: F401  (declares the C++ kernels' ops; they build on first use)
+    delta_rule,
+    distributed,  # noqa: F401  (collectives of sharded graphs)
+    mla,
+    mlp,
+    moe,
+    normalization,
+    quant,
+    rope,
+    ssm,
+    state,
+)

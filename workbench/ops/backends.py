@@ -36,8 +36,12 @@ import torch
 from .registry import BackendRegistry, Choice, OpBackend
 
 _CPU = "workbench.ops.cpu_kernels"
-_ATT, _NORM, _ROPE, _MLP = ("workbench.ops.attention", "workbench.ops.normalization", "workbench.ops.rope",
-                            "workbench.ops.mlp")
+_ATT, _NORM, _ROPE, _MLP = (
+    "workbench.ops.attention",
+    "workbench.ops.normalization",
+    "workbench.ops.rope",
+    "workbench.ops.mlp",
+)
 TRITON_NEEDS = "triton and a CUDA GPU (or TRITON_INTERPRET=1 for CPU tensors)"
 FLASHINFER_NEEDS = "a CUDA GPU and the flashinfer package (pip install flashinfer-python)"
 CPU_KERNELS_NEED = "an x86 CPU with AVX-512, g++ and ninja (the workbench's C++ CPU kernels, built on first use)"
@@ -66,20 +70,37 @@ class AttentionBackend(OpBackend):
         return check(head_dim, v_head_dim, dtype, has_sinks) if check is not None else None
 
 
-ATTENTION_BACKENDS: BackendRegistry[AttentionBackend] = BackendRegistry("attention", [
-    AttentionBackend("torch", "nothing beyond PyTorch", f"{_ATT}.torch_cached_attention", "torch_cached_attention"),
-    AttentionBackend("cpu", CPU_KERNELS_NEED, _CPU, "cpu_cached_attention"),
-    AttentionBackend("triton", "triton and a CUDA GPU (or TRITON_INTERPRET=1 on CPU)",
-                     f"{_ATT}.triton_cached_attention", "triton_cached_attention"),
-    AttentionBackend("flashinfer", FLASHINFER_NEEDS, f"{_ATT}.flashinfer_cached_attention",
-                     "flashinfer_cached_attention", step_planner="FlashInferPlanner"),
-], default="torch", auto_order=ATTENTION_AUTO)
+ATTENTION_BACKENDS: BackendRegistry[AttentionBackend] = BackendRegistry(
+    "attention",
+    [
+        AttentionBackend("torch", "nothing beyond PyTorch", f"{_ATT}.torch_cached_attention", "torch_cached_attention"),
+        AttentionBackend("cpu", CPU_KERNELS_NEED, _CPU, "cpu_cached_attention"),
+        AttentionBackend(
+            "triton",
+            "triton and a CUDA GPU (or TRITON_INTERPRET=1 on CPU)",
+            f"{_ATT}.triton_cached_attention",
+            "triton_cached_attention",
+        ),
+        AttentionBackend(
+            "flashinfer",
+            FLASHINFER_NEEDS,
+            f"{_ATT}.flashinfer_cached_attention",
+            "flashinfer_cached_attention",
+            step_planner="FlashInferPlanner",
+        ),
+    ],
+    default="torch",
+    auto_order=ATTENTION_AUTO,
+)
 
 
 def _fusion(family: str, *rows: Tuple[str, str, str, str]) -> BackendRegistry[OpBackend]:
-    return BackendRegistry(family, [OpBackend(name, need, module, op) for name, module, op, need in rows],
-                           default="torch", auto_order={d: tuple(n for n in order if n in {r[0] for r in rows})
-                                                        for d, order in FUSION_AUTO.items()})
+    return BackendRegistry(
+        family,
+        [OpBackend(name, need, module, op) for name, module, op, need in rows],
+        default="torch",
+        auto_order={d: tuple(n for n in order if n in {r[0] for r in rows}) for d, order in FUSION_AUTO.items()},
+    )
 
 
 FUSION_BACKENDS: Dict[str, BackendRegistry[OpBackend]] = {
@@ -103,6 +124,8 @@ FUSION_BACKENDS: Dict[str, BackendRegistry[OpBackend]] = {
         ("cpu", _CPU, "cpu_silu_and_mul", CPU_KERNELS_NEED),
     ),
 }
+
+
 def fusion_backend_names(family: str) -> Tuple[str, ...]:
     return ("auto", *FUSION_BACKENDS[family].names())
 
@@ -112,5 +135,15 @@ def choose_fusion_backend(family: str, name: str, device: torch.device, field: s
     return FUSION_BACKENDS[family].choose(name, device, field)
 
 
-__all__ = ["AttentionBackend", "ATTENTION_BACKENDS", "ATTENTION_AUTO", "CPU_KERNELS_NEED", "FUSION_BACKENDS", "FUSION_AUTO",
-           "fusion_backend_names", "choose_fusion_backend", "TRITON_NEEDS", "FLASHINFER_NEEDS"]
+__all__ = [
+    "AttentionBackend",
+    "ATTENTION_BACKENDS",
+    "ATTENTION_AUTO",
+    "CPU_KERNELS_NEED",
+    "FUSION_BACKENDS",
+    "FUSION_AUTO",
+    "fusion_backend_names",
+    "choose_fusion_backend",
+    "TRITON_NEEDS",
+    "FLASHINFER_NEEDS",
+]

@@ -51,8 +51,17 @@ _HOST_SYNC_ATEN = {
 # namespaces whose ops are known: ATen/prims by the table above, workbench by its tags
 _KNOWN_NAMESPACES = ("aten", "prims", "workbench")
 # Python callables a graph may hold that never touch a tensor's values
-_PLAIN_CALLABLES = (operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv,
-                    operator.truediv, operator.mod, operator.neg, operator.pow)
+_PLAIN_CALLABLES = (
+    operator.getitem,
+    operator.add,
+    operator.sub,
+    operator.mul,
+    operator.floordiv,
+    operator.truediv,
+    operator.mod,
+    operator.neg,
+    operator.pow,
+)
 
 
 def host_sync_tags(qualname: str, why: str) -> Tuple[torch.Tag, ...]:
@@ -98,9 +107,8 @@ def node_blocker(node: fx.Node) -> str | None:
         if namespace == "aten" and base in _HOST_SYNC_ATEN:
             return f"aten.{base}: {_HOST_SYNC_ATEN[base]}"
         if namespace not in _KNOWN_NAMESPACES:
-            return (f"{qualname}: an op of another library, not known to be capturable (it may read values "
-                    "on the host)")
-    elif target not in _PLAIN_CALLABLES and not getattr(target, "__module__", "") in ("math", "_operator"):
+            return f"{qualname}: an op of another library, not known to be capturable (it may read values on the host)"
+    elif target not in _PLAIN_CALLABLES and getattr(target, "__module__", "") not in ("math", "_operator"):
         return f"{getattr(target, '__name__', target)}: a Python function, not known to be capturable"
     if _unbacked(node.meta.get("val")):
         return f"{node.target}: its output size depends on the data"
@@ -128,11 +136,20 @@ def summarize_blockers(blockers: Mapping[str, str], limit: int = 3) -> str:
     by_why: Dict[str, list] = {}
     for name, why in blockers.items():
         by_why.setdefault(why, []).append(name)
-    parts = [f"{why} (node{'s' if len(names) > 1 else ''} {', '.join(names[:2])}"
-             f"{f' and {len(names) - 2} more' if len(names) > 2 else ''})" for why, names in list(by_why.items())[:limit]]
+    parts = [
+        f"{why} (node{'s' if len(names) > 1 else ''} {', '.join(names[:2])}"
+        f"{f' and {len(names) - 2} more' if len(names) > 2 else ''})"
+        for why, names in list(by_why.items())[:limit]
+    ]
     more = f"; +{len(by_why) - limit} more cause(s)" if len(by_why) > limit else ""
     return f"{len(blockers)} node(s): " + "; ".join(parts) + more
 
 
-__all__ = ["HOST_SYNC_TAG", "host_sync_tags", "host_sync_reasons", "node_blocker", "capture_blockers",
-           "summarize_blockers"]
+__all__ = [
+    "HOST_SYNC_TAG",
+    "host_sync_tags",
+    "host_sync_reasons",
+    "node_blocker",
+    "capture_blockers",
+    "summarize_blockers",
+]

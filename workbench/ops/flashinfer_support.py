@@ -26,8 +26,10 @@ def flashinfer_available(device: torch.device | str | None = None) -> Tuple[bool
     missing)."""
     missing = []
     if importlib.util.find_spec("flashinfer") is None:
-        missing.append("the flashinfer package is not installed (optional package missing: flashinfer-python; "
-                       "pip install flashinfer-python, or make wheelhouse for a machine without network)")
+        missing.append(
+            "the flashinfer package is not installed (optional package missing: flashinfer-python; "
+            "pip install flashinfer-python, or make wheelhouse for a machine without network)"
+        )
     if device is not None and torch.device(device).type != "cuda":
         missing.append(f"the pipeline device is {torch.device(device).type}; FlashInfer kernels need CUDA tensors")
     elif not torch.cuda.is_available():
@@ -35,8 +37,9 @@ def flashinfer_available(device: torch.device | str | None = None) -> Tuple[bool
     return (not missing), ("; ".join(missing) or "flashinfer on CUDA")
 
 
-def flashinfer_attention_unsupported(head_dim: int, v_head_dim: int, dtype: torch.dtype,
-                                     has_sinks: bool = False) -> Optional[str]:
+def flashinfer_attention_unsupported(
+    head_dim: int, v_head_dim: int, dtype: torch.dtype, has_sinks: bool = False
+) -> Optional[str]:
     """Why FlashInfer's paged attention cannot take this layer's shape, or None when it can."""
     if head_dim != v_head_dim:
         return f"K head_dim {head_dim} != V head_dim {v_head_dim} (FlashInfer's paged kernels need them equal)"

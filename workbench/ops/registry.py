@@ -81,8 +81,13 @@ class BackendRegistry(Generic[B]):
     """An immutable, ordered table of backends of one kind (``kind`` names it in messages);
     ``auto_order``: what ``auto`` tries, in order, per device type (absent: the default)."""
 
-    def __init__(self, kind: str, backends: Iterable[B], default: Optional[str] = None,
-                 auto_order: Optional[Mapping[str, Tuple[str, ...]]] = None):
+    def __init__(
+        self,
+        kind: str,
+        backends: Iterable[B],
+        default: Optional[str] = None,
+        auto_order: Optional[Mapping[str, Tuple[str, ...]]] = None,
+    ):
         self.kind = kind
         self._backends: Dict[str, B] = {}
         for b in backends:
@@ -129,9 +134,13 @@ class BackendRegistry(Generic[B]):
             f"It needs {backend.requirement}.{instead}"
         )
 
-
-    def choose(self, name: Optional[str], device: torch.device, field: str,
-               refuse: Callable[[B], Optional[str]] = lambda backend: None) -> Choice[B]:
+    def choose(
+        self,
+        name: Optional[str],
+        device: torch.device,
+        field: str,
+        refuse: Callable[[B], Optional[str]] = lambda backend: None,
+    ) -> Choice[B]:
         """The backend ``name`` asks for on ``device`` (``auto``/None: ``auto_order``'s first that
         runs and is not refused) and why. ``refuse(backend)``: why a backend cannot serve this
         model (None: it can). An explicit name that cannot run or is refused is an error naming the
@@ -150,10 +159,16 @@ class BackendRegistry(Generic[B]):
         backend = self.pick(name, device, field)
         why = refuse(backend)
         if why is not None:
-            serve = [b.name for b in self if b.name != backend.name and b.unavailable_reason(device) is None
-                     and refuse(b) is None]
-            instead = (f"Use backend {' or '.join(repr(n) for n in serve)} ({field}=...)." if serve else
-                       f"No other {self.kind} backend runs here and serves it.")
+            serve = [
+                b.name
+                for b in self
+                if b.name != backend.name and b.unavailable_reason(device) is None and refuse(b) is None
+            ]
+            instead = (
+                f"Use backend {' or '.join(repr(n) for n in serve)} ({field}=...)."
+                if serve
+                else f"No other {self.kind} backend runs here and serves it."
+            )
             raise ValueError(f"{self.kind} backend '{backend.name}' does not support this model: {why}. {instead}")
         return Choice(backend, f"{backend.name} (requested)")
 

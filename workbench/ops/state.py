@@ -35,8 +35,9 @@ STATE_METADATA_ARGS = ("seq_lens", "input_pos", "slot_idx", "num_prefill")
 # loop over seq_lens on the host; the Triton ops read nothing on the host in decode-only steps, but
 # their capture has not been run on a GPU yet, so they are kept out until it has.
 STATE_HOST_SYNC = "reads seq_lens on the host (.tolist()) to walk each sequence"
-TRITON_STATE_HOST_SYNC = ("prefill steps read seq_lens on the host; capture of its decode-only steps has not been "
-                          "verified on a GPU")
+TRITON_STATE_HOST_SYNC = (
+    "prefill steps read seq_lens on the host; capture of its decode-only steps has not been verified on a GPU"
+)
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,14 @@ class StatefulOp:
         return self._overload(self.cached[backend])
 
 
-def check_step_metadata(num_tokens: int, seq_lens: torch.Tensor, input_pos: torch.Tensor, slot_idx: torch.Tensor,
-                        num_prefill: int, tokens_of: str) -> List[int]:
+def check_step_metadata(
+    num_tokens: int,
+    seq_lens: torch.Tensor,
+    input_pos: torch.Tensor,
+    slot_idx: torch.Tensor,
+    num_prefill: int,
+    tokens_of: str,
+) -> List[int]:
     """Validate one step's metadata against the ``num_tokens`` flattened tokens of arg ``tokens_of``:
     lengths summing to it, decode rows (after ``num_prefill``) of one token, one input_pos and one slot
     per sequence. Returns ``seq_lens`` as a host list (every stateful reference loops over it)."""
@@ -91,13 +98,15 @@ def check_step_metadata(num_tokens: int, seq_lens: torch.Tensor, input_pos: torc
     if not 0 <= num_prefill <= len(lens) or any(n != 1 for n in lens[num_prefill:]):
         raise ValueError(f"num_prefill={num_prefill}: sequences after it must be decode steps (1 token), got {lens}")
     if input_pos.numel() != len(lens) or slot_idx.numel() != len(lens):
-        raise ValueError(f"metadata sizes disagree: seq_lens {len(lens)}, input_pos {input_pos.numel()}, "
-                         f"slot_idx {slot_idx.numel()}")
+        raise ValueError(
+            f"metadata sizes disagree: seq_lens {len(lens)}, input_pos {input_pos.numel()}, slot_idx {slot_idx.numel()}"
+        )
     return lens
 
 
-def initial_states(state: torch.Tensor, slots: torch.Tensor, input_pos: torch.Tensor,
-                   dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def initial_states(
+    state: torch.Tensor, slots: torch.Tensor, input_pos: torch.Tensor, dtype: Optional[torch.dtype] = None
+) -> torch.Tensor:
     """``[n, *state_shape]``: each sequence's slot row, or zeros for a new sequence (``input_pos == 0``),
     in ``dtype`` (default: the state's). ``where`` rather than a multiply: a reused slot may hold inf/NaN,
     and 0 * NaN is NaN."""
@@ -130,4 +139,13 @@ def stateful_op_for(target: Any) -> Optional[StatefulOp]:
     return None if schema is None else _STATEFUL.get(schema.name)  # "workbench::torch_x"
 
 
-__all__ = ["STATE_METADATA_ARGS", "check_step_metadata", "initial_states", "StateSpec", "StatefulOp", "register_stateful_op", "stateful_ops", "stateful_op_for"]
+__all__ = [
+    "STATE_METADATA_ARGS",
+    "check_step_metadata",
+    "initial_states",
+    "StateSpec",
+    "StatefulOp",
+    "register_stateful_op",
+    "stateful_ops",
+    "stateful_op_for",
+]

@@ -23,6 +23,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Dict, Iterator, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -44,14 +45,26 @@ class HostStep:
         return sum(self.seq_lens)
 
     @classmethod
-    def from_lists(cls, seq_lens: Sequence[int], input_pos: Sequence[int], pages: Sequence[Sequence[int]],
-                   page_size: int, num_prefill: int) -> "HostStep":
-        return cls(tuple(int(n) for n in seq_lens), tuple(int(p) for p in input_pos),
-                   tuple(tuple(int(x) for x in p) for p in pages), int(page_size), int(num_prefill))
+    def from_lists(
+        cls,
+        seq_lens: Sequence[int],
+        input_pos: Sequence[int],
+        pages: Sequence[Sequence[int]],
+        page_size: int,
+        num_prefill: int,
+    ) -> "HostStep":
+        return cls(
+            tuple(int(n) for n in seq_lens),
+            tuple(int(p) for p in input_pos),
+            tuple(tuple(int(x) for x in p) for p in pages),
+            int(page_size),
+            int(num_prefill),
+        )
 
     @classmethod
-    def from_device(cls, seq_lens: torch.Tensor, input_pos: torch.Tensor, page_table: torch.Tensor,
-                    page_size: int, num_prefill: int) -> "HostStep":
+    def from_device(
+        cls, seq_lens: torch.Tensor, input_pos: torch.Tensor, page_table: torch.Tensor, page_size: int, num_prefill: int
+    ) -> "HostStep":
         """Read from the op's metadata tensors (a device -> host copy: a synchronisation)."""
         lens, past = seq_lens.tolist(), input_pos.tolist()
         rows = page_table[: len(lens)].tolist()
@@ -66,7 +79,7 @@ class StepPlanner(Protocol):
     def begin(self, step: HostStep, graph_batch: Optional[int]) -> None: ...
 
 
-_ACTIVE: ContextVar[Mapping[str, StepPlanner]] = ContextVar("workbench_step_planners", default={})
+_ACTIVE: ContextVar[Mapping[str, StepPlanner]] = ContextVar("workbench_step_planners", default=MappingProxyType({}))
 
 
 @contextmanager

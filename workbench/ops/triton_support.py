@@ -28,8 +28,10 @@ def interpreter_numpy_clash() -> str:
     from packaging.version import Version
 
     if Version(triton.__version__).release < (3, 7) and Version(numpy.__version__).release >= (2, 4):
-        return (f"triton {triton.__version__}'s interpreter cannot run with numpy {numpy.__version__} "
-                "(it needs numpy < 2.4, or triton >= 3.7)")
+        return (
+            f"triton {triton.__version__}'s interpreter cannot run with numpy {numpy.__version__} "
+            "(it needs numpy < 2.4, or triton >= 3.7)"
+        )
     return ""
 
 
@@ -47,5 +49,7 @@ def triton_available(device: torch.device | str = "cuda") -> Tuple[bool, str]:
         if clash:
             return False, clash
         return True, "triton interpreter (TRITON_INTERPRET=1) on CPU tensors"
-    return False, (f"triton does not compile for {device.type} tensors (on CPU it runs only under "
-                   "the interpreter: set TRITON_INTERPRET=1 before triton is imported)")
+    return False, (
+        f"triton does not compile for {device.type} tensors (on CPU it runs only under "
+        "the interpreter: set TRITON_INTERPRET=1 before triton is imported)"
+    )

@@ -4,10 +4,18 @@
 run and for ``torchrun``.
 """
 
-from .group import DEFAULT_DIST_TIMEOUT_S, GroupSpec, init_group, destroy_group, torchrun_env
+from .group import DEFAULT_DIST_TIMEOUT_S, GroupSpec, destroy_group, init_group, torchrun_env
 from .launcher import RankError
 from .sharded import ShardedWorkbench
 from .summaries import ShardedSnapshot
 
-__all__ = ["ShardedWorkbench", "ShardedSnapshot", "RankError", "GroupSpec", "init_group", "destroy_group",
-           "torchrun_env", "DEFAULT_DIST_TIMEOUT_S"]
+__all__ = [
+    "ShardedWorkbench",
+    "ShardedSnapshot",
+    "RankError",
+    "GroupSpec",
+    "init_group",
+    "destroy_group",
+    "torchrun_env",
+    "DEFAULT_DIST_TIMEOUT_S",
+]

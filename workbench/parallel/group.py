@@ -79,8 +79,10 @@ def check_devices(device: Union[str, torch.device], world_size: int) -> None:
         return
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < world_size:
-        raise ValueError(f"world_size={world_size} on CUDA needs one GPU per rank, and this machine has {have}: "
-                         f"use world_size <= {have}, or device='cpu' (gloo)")
+        raise ValueError(
+            f"world_size={world_size} on CUDA needs one GPU per rank, and this machine has {have}: "
+            f"use world_size <= {have}, or device='cpu' (gloo)"
+        )
 
 
 class FileRendezvous:
@@ -110,8 +112,10 @@ def init_group(rank: int, spec: GroupSpec, device: Optional[Union[str, torch.dev
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed: a sharded run needs it")
     if dist.is_initialized():
-        raise RuntimeError("a torch.distributed process group already exists in this process: a rank "
-                           "joins exactly one group (call torch.distributed.destroy_process_group() first)")
+        raise RuntimeError(
+            "a torch.distributed process group already exists in this process: a rank "
+            "joins exactly one group (call torch.distributed.destroy_process_group() first)"
+        )
     if spec.backend == "gloo" and not dist.is_gloo_available():
         raise RuntimeError("torch.distributed was built without gloo: a CPU sharded run needs it")
     if spec.backend == "nccl" and not dist.is_nccl_available():
@@ -121,10 +125,15 @@ def init_group(rank: int, spec: GroupSpec, device: Optional[Union[str, torch.dev
     kwargs = {}
     if spec.init_method != "env://":  # env:// reads rank and world size from the environment
         kwargs = dict(rank=rank, world_size=spec.world_size)
-    dist.init_process_group(backend=spec.backend, init_method=spec.init_method,
-                            timeout=datetime.timedelta(seconds=spec.timeout_s), **kwargs)
-    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                    group_name=dist.group.WORLD.group_name, backend=spec.backend)
+    dist.init_process_group(
+        backend=spec.backend, init_method=spec.init_method, timeout=datetime.timedelta(seconds=spec.timeout_s), **kwargs
+    )
+    return DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        group_name=dist.group.WORLD.group_name,
+        backend=spec.backend,
+    )
 
 
 def destroy_group() -> None:
@@ -144,15 +153,28 @@ def torchrun_env(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[
         return None
     if len(present) != len(TORCHRUN_ENV):
         missing = [k for k in TORCHRUN_ENV if k not in environ]
-        raise RuntimeError(f"the environment sets {', '.join(present)} but not {', '.join(missing)}: "
-                           "start the ranks with torchrun, which sets all of them")
+        raise RuntimeError(
+            f"the environment sets {', '.join(present)} but not {', '.join(missing)}: "
+            "start the ranks with torchrun, which sets all of them"
+        )
     try:
         rank, world_size, local_rank = (int(environ[k]) for k in TORCHRUN_ENV)
     except ValueError:
-        raise RuntimeError(f"RANK/WORLD_SIZE/LOCAL_RANK must be integers, got "
-                           f"{[environ[k] for k in TORCHRUN_ENV]}") from None
+        raise RuntimeError(
+            f"RANK/WORLD_SIZE/LOCAL_RANK must be integers, got {[environ[k] for k in TORCHRUN_ENV]}"
+        ) from None
     return rank, world_size, local_rank
 
 
-__all__ = ["threads_per_rank", "GroupSpec", "FileRendezvous", "DEFAULT_DIST_TIMEOUT_S", "backend_for", "rank_device", "check_devices",
-           "init_group", "destroy_group", "torchrun_env"]
+__all__ = [
+    "threads_per_rank",
+    "GroupSpec",
+    "FileRendezvous",
+    "DEFAULT_DIST_TIMEOUT_S",
+    "backend_for",
+    "rank_device",
+    "check_devices",
+    "init_group",
+    "destroy_group",
+    "torchrun_env",
+]

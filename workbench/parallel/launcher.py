@@ -40,8 +40,18 @@ class RankError(RuntimeError):
     """A rank failed: it raised (``exc_type``, ``message``, ``traceback`` are the rank's) or died
     (``exitcode``). ``recoverable``: every rank raised alike and all are still running."""
 
-    def __init__(self, rank: int, command: str, *, exc_type: Optional[str] = None, message: str = "",
-                 traceback: str = "", exitcode: Optional[int] = None, recoverable: bool = False, others: str = ""):
+    def __init__(
+        self,
+        rank: int,
+        command: str,
+        *,
+        exc_type: Optional[str] = None,
+        message: str = "",
+        traceback: str = "",
+        exitcode: Optional[int] = None,
+        recoverable: bool = False,
+        others: str = "",
+    ):
         self.rank, self.command, self.exc_type, self.message = rank, command, exc_type, message
         self.traceback, self.exitcode, self.recoverable = traceback, exitcode, recoverable
         if exc_type is not None:
@@ -49,8 +59,10 @@ class RankError(RuntimeError):
         else:
             head = f"rank {rank} died during {command}() with exit code {exitcode}{_signal_name(exitcode)}"
             if command == "start" and exitcode == 1:
-                head += (" before reporting (its stderr says why; a script that starts ranks needs the "
-                         "`if __name__ == '__main__':` guard, as with any multiprocessing code)")
+                head += (
+                    " before reporting (its stderr says why; a script that starts ranks needs the "
+                    "`if __name__ == '__main__':` guard, as with any multiprocessing code)"
+                )
         tail = f"\n{others}" if others else ""
         tb = f"\n--- traceback on rank {rank} ---\n{traceback.rstrip()}" if traceback else ""
         super().__init__(head + tail + tb)
@@ -60,9 +72,20 @@ class RankError(RuntimeError):
         return cls(f.rank, f.command, exc_type=f.exc_type, message=f.message, traceback=f.traceback, **kw)
 
     def __reduce__(self):
-        return (_rebuild_rank_error, (self.rank, self.command, dict(
-            exc_type=self.exc_type, message=self.message, traceback=self.traceback, exitcode=self.exitcode,
-            recoverable=self.recoverable)))
+        return (
+            _rebuild_rank_error,
+            (
+                self.rank,
+                self.command,
+                dict(
+                    exc_type=self.exc_type,
+                    message=self.message,
+                    traceback=self.traceback,
+                    exitcode=self.exitcode,
+                    recoverable=self.recoverable,
+                ),
+            ),
+        )
 
 
 def _rebuild_rank_error(rank, command, kw):
@@ -94,8 +117,10 @@ def mp_context(start_method: Optional[str] = None) -> multiprocessing.context.Ba
     """The multiprocessing context ranks start from (default ``forkserver`` where the platform has it)."""
     method = start_method or ("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
     if method == "fork":
-        raise ValueError("start_method='fork' is refused: forking after torch started its threads can deadlock "
-                         f"the rank; use one of {START_METHODS}")
+        raise ValueError(
+            "start_method='fork' is refused: forking after torch started its threads can deadlock "
+            f"the rank; use one of {START_METHODS}"
+        )
     if method not in START_METHODS:
         raise ValueError(f"unknown start_method {method!r}; use one of {START_METHODS}")
     ctx = multiprocessing.get_context(method)
@@ -109,8 +134,12 @@ def mp_context(start_method: Optional[str] = None) -> multiprocessing.context.Ba
 class RankGroup:
     """The N rank processes of one sharded run and the parent's ends of their pipes."""
 
-    def __init__(self, launches: Sequence[RankLaunch], rendezvous: Optional[FileRendezvous] = None,
-                 start_method: Optional[str] = None):
+    def __init__(
+        self,
+        launches: Sequence[RankLaunch],
+        rendezvous: Optional[FileRendezvous] = None,
+        start_method: Optional[str] = None,
+    ):
         self.world_size = len(launches)
         self.procs: List[Any] = []
         self.conns: List[Any] = []
@@ -121,8 +150,7 @@ class RankGroup:
             self.start_method = self.ctx.get_start_method()
             for launch in launches:
                 parent_end, child_end = self.ctx.Pipe(duplex=True)
-                proc = self.ctx.Process(target=rank_main, args=(launch, child_end),
-                                        name=f"workbench-rank{launch.rank}")
+                proc = self.ctx.Process(target=rank_main, args=(launch, child_end), name=f"workbench-rank{launch.rank}")
                 proc.start()
                 child_end.close()  # only the rank holds its end: its death closes the pipe
                 self.procs.append(proc)
@@ -137,26 +165,34 @@ class RankGroup:
         return [p.pid for p in self.procs]
 
     # ------------------------------------------------------------------ commands
-    def request(self, ranks: Sequence[int], command: str, args: Sequence[Any] = (),
-                kwargs: Optional[Dict[str, Any]] = None,
-                on_snapshot: Optional[Callable[[int, Any], None]] = None) -> Dict[int, Any]:
+    def request(
+        self,
+        ranks: Sequence[int],
+        command: str,
+        args: Sequence[Any] = (),
+        kwargs: Optional[Dict[str, Any]] = None,
+        on_snapshot: Optional[Callable[[int, Any], None]] = None,
+    ) -> Dict[int, Any]:
         """Send ``command`` to ``ranks`` and return ``{rank: (result, state)}`` once all answered."""
         self.check_open()
         for r in ranks:  # a rank that died while idle is reported before anything is sent
             if self.procs[r].exitcode is not None:
-                self._bring_down(RankError(r, command, exitcode=self.procs[r].exitcode,
-                                           others=self._others_line(r, {})))
+                self._bring_down(
+                    RankError(r, command, exitcode=self.procs[r].exitcode, others=self._others_line(r, {}))
+                )
         for r in ranks:
             try:
                 self.conns[r].send((command, tuple(args), dict(kwargs or {})))
             except OSError:  # broken pipe: it died between the check and the send
                 self.procs[r].join(KILL_TIMEOUT_S)
-                self._bring_down(RankError(r, command, exitcode=self.procs[r].exitcode,
-                                           others=self._others_line(r, {})))
+                self._bring_down(
+                    RankError(r, command, exitcode=self.procs[r].exitcode, others=self._others_line(r, {}))
+                )
         return self.collect(ranks, command, on_snapshot)
 
-    def collect(self, ranks: Sequence[int], command: str,
-                on_snapshot: Optional[Callable[[int, Any], None]] = None) -> Dict[int, Any]:
+    def collect(
+        self, ranks: Sequence[int], command: str, on_snapshot: Optional[Callable[[int, Any], None]] = None
+    ) -> Dict[int, Any]:
         """Wait for one reply from each of ``ranks`` (passing streamed snapshots to ``on_snapshot``)."""
         waiting, results, failures = set(ranks), {}, {}
         deaths: Dict[int, Optional[int]] = {}
@@ -223,8 +259,9 @@ class RankGroup:
             f = failures[min(failures)]
             alive = command != "start"  # a rank that failed to start has ended
             note = "the ranks are still running" if alive else "no rank started"
-            err = RankError.from_failure(f, recoverable=alive,
-                                         others=f"(every rank raised {f.exc_type.rsplit('.', 1)[-1]}; {note})")
+            err = RankError.from_failure(
+                f, recoverable=alive, others=f"(every rank raised {f.exc_type.rsplit('.', 1)[-1]}; {note})"
+            )
             if not alive:
                 self.failure = err
                 self._stop(polite=False)
@@ -233,10 +270,15 @@ class RankGroup:
                 raise original from err
             raise err
         first = next(iter(failures)) if failures else next(iter(deaths))  # the first to arrive
-        states = {**{r: "answered" for r in results}, **{r: "still busy (stuck in a collective?)" for r in stuck},
-                  **{r: f"died (exit code {c})" for r, c in deaths.items()},
-                  **{r: f"also failed: {f.exc_type.rsplit('.', 1)[-1]}: {f.message.splitlines()[0] if f.message else ''}"
-                     for r, f in failures.items()}}
+        states = {
+            **{r: "answered" for r in results},
+            **{r: "still busy (stuck in a collective?)" for r in stuck},
+            **{r: f"died (exit code {c})" for r, c in deaths.items()},
+            **{
+                r: f"also failed: {f.exc_type.rsplit('.', 1)[-1]}: {f.message.splitlines()[0] if f.message else ''}"
+                for r, f in failures.items()
+            },
+        }
         if first in failures:
             err = RankError.from_failure(failures[first], others=self._others_line(first, states))
         else:
@@ -251,8 +293,10 @@ class RankGroup:
     def check_open(self) -> None:
         if self.failure is not None:
             first_line = str(self.failure).splitlines()[0]
-            raise RuntimeError(f"this sharded workbench was closed after {first_line}; its snapshots are still "
-                               "readable, create a new one to run again")
+            raise RuntimeError(
+                f"this sharded workbench was closed after {first_line}; its snapshots are still "
+                "readable, create a new one to run again"
+            )
         if self.closed:
             raise RuntimeError("this sharded workbench is closed (close() was called); create a new one")
 

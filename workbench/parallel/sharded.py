@@ -45,7 +45,9 @@ def workbench_option_names(workbench_class: type) -> set:
     return (own | stepper) - {"self", "kwargs", "loaded"} - set(_LAUNCH_OPTIONS)
 
 
-def validate_options(workbench_class: type, model: Any, options: Mapping[str, Any], world_size: int = 1) -> Dict[str, Any]:
+def validate_options(
+    workbench_class: type, model: Any, options: Mapping[str, Any], world_size: int = 1
+) -> Dict[str, Any]:
     """Check in the parent, in milliseconds, what would otherwise fail in every rank after a model load:
     unknown options, the device, the pipeline (``yaml_extra`` / ``overrides`` typos). Returns the
     options the ranks get (``model`` as a spec string, paths made absolute). An unwritable
@@ -97,9 +99,17 @@ class ShardedWorkbench:
     with that rank's error (``RankError``); the snapshots received until then stay readable.
     """
 
-    def __init__(self, model: Any = "smollm2", *, world_size: int, workbench_class: type,
-                 dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S, worker_imports: Sequence[str] = (),
-                 start_method: Optional[str] = None, **options: Any):
+    def __init__(
+        self,
+        model: Any = "smollm2",
+        *,
+        world_size: int,
+        workbench_class: type,
+        dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S,
+        worker_imports: Sequence[str] = (),
+        start_method: Optional[str] = None,
+        **options: Any,
+    ):
         """``workbench_class``: what each rank builds (``Workbench.__new__`` passes the class it was
         called on); create sharded runs with ``Workbench(..., world_size=N)``."""
         if not isinstance(world_size, int) or world_size < 1:
@@ -119,10 +129,20 @@ class ShardedWorkbench:
         rendezvous = FileRendezvous()  # RankGroup's finalizer removes it
         group = dataclasses.replace(group, init_method=rendezvous.init_method)
         threads = threads_per_rank(world_size)
-        launches = [RankLaunch(rank=r, group=group, workbench_class=workbench_class, options=self.options,
-                               worker_imports=self.worker_imports,
-                               sys_path=tuple(sys.path), cwd=os.getcwd(), environ=dict(os.environ),
-                               num_threads=threads) for r in range(world_size)]
+        launches = [
+            RankLaunch(
+                rank=r,
+                group=group,
+                workbench_class=workbench_class,
+                options=self.options,
+                worker_imports=self.worker_imports,
+                sys_path=tuple(sys.path),
+                cwd=os.getcwd(),
+                environ=dict(os.environ),
+                num_threads=threads,
+            )
+            for r in range(world_size)
+        ]
         t0 = time.perf_counter()
         self._group = RankGroup(launches, rendezvous, start_method)
         replies = self._group.collect(range(world_size), "start")
@@ -162,8 +182,11 @@ class ShardedWorkbench:
         return self.rank_facts[0]["has_tokenizer"]
 
     def __repr__(self) -> str:
-        state = f"closed after {str(self.failure).splitlines()[0]}" if self.failure else (
-            "closed" if self.closed else f"{self.position}/{len(self.keys)} transforms run")
+        state = (
+            f"closed after {str(self.failure).splitlines()[0]}"
+            if self.failure
+            else ("closed" if self.closed else f"{self.position}/{len(self.keys)} transforms run")
+        )
         return f"ShardedWorkbench({self.options['model']!r}, world_size={self.world_size}, {state})"
 
     # ------------------------------------------------------------------ snapshots (parent side)
@@ -203,7 +226,7 @@ class ShardedWorkbench:
     def _on_snapshot(self, rank: int, summary: Any) -> None:
         merged = self._merger.add(rank, summary)
         if merged is not None:
-            del self._snapshots[merged.index:]
+            del self._snapshots[merged.index :]
             self._snapshots.append(merged)
 
     # ------------------------------------------------------------------ lockstep commands
@@ -223,7 +246,7 @@ class ShardedWorkbench:
         self._apply_state(replies[0][1])
 
     def _apply_state(self, state: Mapping[str, Any]) -> None:
-        del self._snapshots[state["position"]:]
+        del self._snapshots[state["position"] :]
         self._merger.clear()
         self.last_error = state["last_error"]
 
@@ -269,14 +292,20 @@ class ShardedWorkbench:
         """Generate on every rank (runs the rest of the pipeline first); returns rank 0's
         ``GenerationOutput``. A ``stream`` callback is refused: it would run in the ranks."""
         if kwargs.get("stream") is not None:
-            raise ValueError("generate(stream=...) is not available with world_size>1: the callback would run in "
-                             "the rank processes; use the returned GenerationOutput")
+            raise ValueError(
+                "generate(stream=...) is not available with world_size>1: the callback would run in "
+                "the rank processes; use the returned GenerationOutput"
+            )
         results = self._all("generate", prompts, max_new_tokens=max_new_tokens, **kwargs)
         out = results[0]
         for r in range(1, self.world_size):
             if results[r] != out.token_ids:
-                logger.warning("rank %d generated other tokens than rank 0 (%s vs %s): the ranks' graphs "
-                               "disagree", r, results[r], out.token_ids)
+                logger.warning(
+                    "rank %d generated other tokens than rank 0 (%s vs %s): the ranks' graphs disagree",
+                    r,
+                    results[r],
+                    out.token_ids,
+                )
         return out
 
     # ------------------------------------------------------------------ one rank's view
@@ -305,8 +334,9 @@ class ShardedWorkbench:
         self.snapshot(key)  # not run yet: fail here with the usual message
         return graphviz.Source(self._one(rank, "render", key, **kwargs))
 
-    def render_layer(self, layer: Optional[int] = None, rank: int = 0,
-                     key: str = "sharding_transform_executor", **kwargs: Any):
+    def render_layer(
+        self, layer: Optional[int] = None, rank: int = 0, key: str = "sharding_transform_executor", **kwargs: Any
+    ):
         """One sharded layer of ``rank``'s graph after ``key`` (``workbench.viz.sharding.
         render_sharded_layer``): its cut nodes labelled with what that rank holds, and the
         collectives. ``layer`` None: the first layer with a split region."""
@@ -336,7 +366,8 @@ class ShardedWorkbench:
         raise NotImplementedError(
             "the notebook panel (wb.ui()) drives a one-process Workbench, not the ranks of a sharded run: "
             "use wb.table(), wb.plan(), wb.render_layer(rank=...), wb.memory() here, or Workbench(model).ui() "
-            "for the panel on one process")
+            "for the panel on one process"
+        )
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -34,8 +34,9 @@ def _picklable(value: Any) -> Any:
 def rank_summary(snap: Snapshot) -> Snapshot:
     """``snap`` without its graph copy and context state: picklable, a few KB."""
     details = {k: _picklable(v) for k, v in snap.info.details.items()}
-    return dataclasses.replace(snap, graph_copy=None, context=None,
-                               info=snap.info.model_copy(update={"details": details}))
+    return dataclasses.replace(
+        snap, graph_copy=None, context=None, info=snap.info.model_copy(update={"details": details})
+    )
 
 
 @dataclass(frozen=True)
@@ -68,13 +69,19 @@ class ShardedSnapshot:
 
     def per_rank(self) -> List[Dict[str, Any]]:
         """One dict per rank: nodes, the node diff of this step, memory before/after/delta."""
-        return [{
-            "rank": r, "nodes": s.num_nodes, "added_nodes": len(s.added_nodes), "removed_nodes": len(s.removed_nodes),
-            "mem_before_MiB": round(s.mem_before.tracked_bytes / 2**20, 3),
-            "mem_after_MiB": round(s.mem_after.tracked_bytes / 2**20, 3),
-            "d_mem_MiB": round(s.mem_delta / 2**20, 3),
-            "rss_MiB": round(s.mem_after.rss_bytes / 2**20, 1),
-        } for r, s in enumerate(self.ranks)]
+        return [
+            {
+                "rank": r,
+                "nodes": s.num_nodes,
+                "added_nodes": len(s.added_nodes),
+                "removed_nodes": len(s.removed_nodes),
+                "mem_before_MiB": round(s.mem_before.tracked_bytes / 2**20, 3),
+                "mem_after_MiB": round(s.mem_after.tracked_bytes / 2**20, 3),
+                "d_mem_MiB": round(s.mem_delta / 2**20, 3),
+                "rss_MiB": round(s.mem_after.rss_bytes / 2**20, 1),
+            }
+            for r, s in enumerate(self.ranks)
+        ]
 
     def row(self, prev_nodes: int) -> Dict[str, Any]:
         """Rank 0's table row plus, per rank r, ``mem_MiB_r<r>`` (tracked bytes after the step),

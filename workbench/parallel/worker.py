@@ -66,8 +66,14 @@ class RankFailure:
             pickle.loads(data)  # exceptions with custom __init__ often pickle but do not unpickle
         except Exception:  # noqa: BLE001 - then only the text travels
             data = None
-        return cls(rank=rank, command=command, exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-                   message=str(exc), traceback="".join(traceback.format_exception(exc)), exception=data)
+        return cls(
+            rank=rank,
+            command=command,
+            exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+            message=str(exc),
+            traceback="".join(traceback.format_exception(exc)),
+            exception=data,
+        )
 
 
 def options_for_rank(options: Mapping[str, Any], rank: int, local_rank: int) -> Dict[str, Any]:
@@ -87,8 +93,10 @@ def import_modules(names) -> None:
         try:
             importlib.import_module(name)
         except ImportError as e:
-            raise ImportError(f"worker_imports: cannot import {name!r} ({e}); give an importable module name "
-                              "(on sys.path in the parent and in every rank)") from e
+            raise ImportError(
+                f"worker_imports: cannot import {name!r} ({e}); give an importable module name "
+                "(on sys.path in the parent and in every rank)"
+            ) from e
 
 
 def _no_result(fn: Callable[..., Any]) -> Callable[..., None]:
@@ -124,8 +132,11 @@ class RankServer:
 
     def state(self) -> Dict[str, Any]:
         err = self.wb.last_error
-        return {"position": self.wb.position, "last_error": None if err is None else str(err),
-                "failed_key": None if err is None else err.key}
+        return {
+            "position": self.wb.position,
+            "last_error": None if err is None else str(err),
+            "failed_key": None if err is None else err.key,
+        }
 
     def serve(self) -> None:
         while True:
@@ -164,8 +175,9 @@ class RankServer:
     def report(self, out_dir: str, **kwargs: Any) -> str:
         from ..viz.report import write_report
 
-        kwargs.setdefault("title", f"workbench report: {self.wb.loaded.spec} (rank {self.rank} of "
-                                   f"{self.wb.ctx.dist.world_size})")
+        kwargs.setdefault(
+            "title", f"workbench report: {self.wb.loaded.spec} (rank {self.rank} of {self.wb.ctx.dist.world_size})"
+        )
         return str(write_report(self.wb, out_dir, **kwargs))
 
     def plan(self):
@@ -189,8 +201,13 @@ def rank_memory(wb: Any, rank: int) -> Dict[str, Any]:
     graph = unique_tensor_bytes([*mod.parameters(), *mod.buffers()])
     eager = unique_tensor_bytes([*wb.loaded.model.parameters(), *wb.loaded.model.buffers()])
     row = {
-        "rank": rank, "pid": os.getpid(), "device": str(wb.ctx.device), "position": wb.position,
-        "graph_MiB": graph / 2**20, "cache_MiB": wb.ctx.cache_bytes() / 2**20, "eager_model_MiB": eager / 2**20,
+        "rank": rank,
+        "pid": os.getpid(),
+        "device": str(wb.ctx.device),
+        "position": wb.position,
+        "graph_MiB": graph / 2**20,
+        "cache_MiB": wb.ctx.cache_bytes() / 2**20,
+        "eager_model_MiB": eager / 2**20,
         "rss_MiB": psutil.Process().memory_info().rss / 2**20,
         # ru_maxrss is in KiB on Linux
         "peak_rss_MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
@@ -245,12 +262,29 @@ def rank_main(launch: RankLaunch, conn: Any) -> None:
 def ready_facts(wb: Any, launch: RankLaunch, times: Dict[str, float]) -> Dict[str, Any]:
     """What the parent learns when a rank is up: the model, the pipeline's keys, start-up times."""
     return {
-        "pid": os.getpid(), "rank": launch.rank, "keys": list(wb.keys), "model": repr(wb.loaded),
-        "spec": wb.loaded.spec, "vocab_size": wb.ctx.vocab_size, "has_tokenizer": wb.loaded.tokenizer is not None,
-        "device": str(wb.ctx.device), "num_threads": torch.get_num_threads(),
-        "group_name": wb.ctx.dist.group_name, "backend": wb.ctx.dist.backend, "times": dict(times),
+        "pid": os.getpid(),
+        "rank": launch.rank,
+        "keys": list(wb.keys),
+        "model": repr(wb.loaded),
+        "spec": wb.loaded.spec,
+        "vocab_size": wb.ctx.vocab_size,
+        "has_tokenizer": wb.loaded.tokenizer is not None,
+        "device": str(wb.ctx.device),
+        "num_threads": torch.get_num_threads(),
+        "group_name": wb.ctx.dist.group_name,
+        "backend": wb.ctx.dist.backend,
+        "times": dict(times),
     }
 
 
-__all__ = ["RankLaunch", "RankFailure", "RankServer", "rank_main", "options_for_rank", "build_rank_workbench",
-           "import_modules", "rank_memory", "ready_facts"]
+__all__ = [
+    "RankLaunch",
+    "RankFailure",
+    "RankServer",
+    "rank_main",
+    "options_for_rank",
+    "build_rank_workbench",
+    "import_modules",
+    "rank_memory",
+    "ready_facts",
+]

@@ -17,8 +17,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import yaml
 from pydantic import ValidationError
 
-from .interface import TRANSFORMS, Stages, TransformConfig, TransformRegistry
 from ..errors import InputError
+from .interface import TRANSFORMS, Stages, TransformConfig, TransformRegistry
 
 
 class ConfigError(InputError):
@@ -45,8 +45,10 @@ def _parse_yaml(text: str, source: str) -> Dict[str, Any]:
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
-        raise ConfigError(f"{source}: not valid YAML{at}: {getattr(e, 'problem', None) or e}. Fix the file, "
-                          "or leave it out of --yaml-extra") from None
+        raise ConfigError(
+            f"{source}: not valid YAML{at}: {getattr(e, 'problem', None) or e}. Fix the file, "
+            "or leave it out of --yaml-extra"
+        ) from None
     return check_tree(data, source)
 
 
@@ -54,20 +56,28 @@ def check_tree(data: Any, source: str) -> Dict[str, Any]:
     """A config tree must be ``{transforms: {key: {field: value}}}``: anything else at the top level
     (a transform key written without ``transforms:`` above it, a typo) is an error, never ignored."""
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{source}: expected a mapping with a 'transforms:' mapping of transform key -> "
-                          f"fields, got {type(data).__name__}")
+        raise ConfigError(
+            f"{source}: expected a mapping with a 'transforms:' mapping of transform key -> "
+            f"fields, got {type(data).__name__}"
+        )
     unknown = [k for k in data if k not in TOP_LEVEL_KEYS]
     if unknown:
         hint = ""
         keys = [k for k in unknown if str(k) in TRANSFORMS]
         if keys:
-            hint = f" ({', '.join(map(repr, keys))} {'is a transform key' if len(keys) == 1 else 'are transform keys'}: " \
-                   "put them under 'transforms:')"
-        raise ConfigError(f"{source}: unknown top-level key(s) {', '.join(map(repr, unknown))}{hint}; "
-                          f"allowed: {', '.join(TOP_LEVEL_KEYS)}")
+            hint = (
+                f" ({', '.join(map(repr, keys))} {'is a transform key' if len(keys) == 1 else 'are transform keys'}: "
+                "put them under 'transforms:')"
+            )
+        raise ConfigError(
+            f"{source}: unknown top-level key(s) {', '.join(map(repr, unknown))}{hint}; "
+            f"allowed: {', '.join(TOP_LEVEL_KEYS)}"
+        )
     if not isinstance(data.get("transforms") or {}, Mapping):
-        raise ConfigError(f"{source}: 'transforms:' must be a mapping of transform key -> fields, got "
-                          f"{type(data['transforms']).__name__}")
+        raise ConfigError(
+            f"{source}: 'transforms:' must be a mapping of transform key -> fields, got "
+            f"{type(data['transforms']).__name__}"
+        )
     return dict(data)
 
 
@@ -93,10 +103,7 @@ def parse_override(text: str) -> Tuple[str, Any]:
     """``key.field[.sub]=value`` -> (dotted path, YAML-parsed value)."""
     path, sep, raw = text.partition("=")
     if not sep or "." not in path:
-        raise ConfigError(
-            f"override {text!r}: expected transform_key.field=value, e.g. "
-            "export_to_gm.strict=true"
-        )
+        raise ConfigError(f"override {text!r}: expected transform_key.field=value, e.g. export_to_gm.strict=true")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
@@ -138,9 +145,7 @@ def _format_validation(key: str, err: ValidationError, cls: type, source: str) -
 
 
 def build_entries(
-    tree: Mapping[str, Any],
-    registry: TransformRegistry = TRANSFORMS,
-    sources: Optional[Mapping[str, str]] = None,
+    tree: Mapping[str, Any], registry: TransformRegistry = TRANSFORMS, sources: Optional[Mapping[str, str]] = None
 ) -> List[PipelineEntry]:
     """Validate the merged tree into ordered entries (stable-sorted by stage)."""
     sources = sources or {}
@@ -151,15 +156,12 @@ def build_entries(
             close = difflib.get_close_matches(key, list(registry), n=3)
             hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
             raise ConfigError(
-                f"unknown transform '{key}' ({src}).{hint} "
-                "Run `workbench transforms` to list the registered keys."
+                f"unknown transform '{key}' ({src}).{hint} Run `workbench transforms` to list the registered keys."
             )
         if fields is None:
             fields = {}
         if not isinstance(fields, Mapping):
-            raise ConfigError(
-                f"transform '{key}' ({src}): expected a mapping of fields, got {fields!r}"
-            )
+            raise ConfigError(f"transform '{key}' ({src}): expected a mapping of fields, got {fields!r}")
         cls = registry.get(key).config_class
         try:
             cfg = cls.model_validate(dict(fields))
@@ -185,7 +187,7 @@ def resolve_pipeline(
     for extra in yaml_extra:
         name = "yaml_extra" if isinstance(extra, Mapping) else str(extra)
         data = check_tree(extra, name) if isinstance(extra, Mapping) else load_yaml_file(extra)
-        for k in (data.get("transforms") or {}):
+        for k in data.get("transforms") or {}:
             sources[k] = name
         tree = deep_merge(tree, data)
     if not isinstance(overrides, Mapping):
@@ -209,6 +211,13 @@ def apply_global_field(entries: List[PipelineEntry], field: str, value: Any) -> 
 
 
 __all__ = [
-    "ConfigError", "PipelineEntry", "Stages", "resolve_pipeline", "deep_merge", "parse_override",
-    "load_default_yaml", "build_entries", "apply_global_field",
+    "ConfigError",
+    "PipelineEntry",
+    "Stages",
+    "resolve_pipeline",
+    "deep_merge",
+    "parse_override",
+    "load_default_yaml",
+    "build_entries",
+    "apply_global_field",
 ]

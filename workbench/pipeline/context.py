@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from ..ops.registry import Choice
     from ..quantization.checkpoint_config import QuantConfig
 
+
 class PipelineOrderError(RuntimeError):
     """A transform ran before the one that provides what it needs."""
 
@@ -70,8 +71,9 @@ class Fact:
 # The facts transforms leave for each other (``Transform.provides`` / ``needs``), each checked
 # against the context field that holds it.
 SHARDING_PLAN = Fact("sharding plan", lambda ctx: ctx.sharding is not None)
-HF_ATTENTION_LAYERS = Fact("attention layers (detect_hf_attn_layers)", lambda ctx: bool(ctx.hf_attn_layers),
-                           required=True)
+HF_ATTENTION_LAYERS = Fact(
+    "attention layers (detect_hf_attn_layers)", lambda ctx: bool(ctx.hf_attn_layers), required=True
+)
 CACHE_SPECS = Fact("cache specs", lambda ctx: bool(ctx.cache.specs))
 KV_CACHE = Fact("KV cache", lambda ctx: ctx.cache.config is not None)
 
@@ -197,8 +199,12 @@ class PipelineContext:
         return self.checkpoint.config if self.checkpoint is not None else None
 
     @classmethod
-    def standalone(cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                   checkpoint: Optional["QuantizedCheckpoint"] = None) -> "PipelineContext":
+    def standalone(
+        cls,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        checkpoint: Optional["QuantizedCheckpoint"] = None,
+    ) -> "PipelineContext":
         """A context for running one transform on a graph of your own, outside a ``Workbench``
         (no model behind it: ``config`` and ``vocab_size`` are unavailable). ``checkpoint``: a
         ``QuantizedCheckpoint`` (config + raw tensors) for the quantization transforms."""
@@ -219,8 +225,14 @@ class PipelineContext:
         return self.cache.bytes()
 
     def state(self) -> ContextState:
-        return ContextState(self.limits, self.cache.copy(), self.runner, dict(self.hidden_states_to_capture),
-                            tuple(self.hf_attn_layers), self.sharding)
+        return ContextState(
+            self.limits,
+            self.cache.copy(),
+            self.runner,
+            dict(self.hidden_states_to_capture),
+            tuple(self.hf_attn_layers),
+            self.sharding,
+        )
 
     def restore(self, state: Optional[ContextState], limits: RuntimeLimits) -> None:
         """Back to ``state`` (None: as a fresh context with ``limits``)."""
@@ -235,5 +247,4 @@ class PipelineContext:
         self.sharding = state.sharding
 
 
-__all__ = ["PipelineContext", "RuntimeLimits", "DistInfo", "CacheState", "ContextState", "PipelineOrderError",
-           "DEFAULT_MAX_NUM_TOKENS"]
+__all__ = ["PipelineContext", "RuntimeLimits", "DistInfo", "CacheState", "ContextState", "PipelineOrderError"]

@@ -53,31 +53,21 @@ class TransformConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=False)
 
-    stage: Stages = Field(
-        description="The stage of the transformation pipeline where this transform should run."
-    )
+    stage: Stages = Field(description="The stage of the transformation pipeline where this transform should run.")
     run_per_gm: bool = Field(
-        default=True,
-        description="Whether to run the transform per graph (sub)module or on whole module.",
+        default=True, description="Whether to run the transform per graph (sub)module or on whole module."
     )
     enabled: bool = Field(default=True, description="Whether to enable this transform.")
-    skip_on_error: bool = Field(
-        default=False, description="Whether to skip the transform if an error occurs."
-    )
+    skip_on_error: bool = Field(default=False, description="Whether to skip the transform if an error occurs.")
     run_graph_cleanup: bool = Field(
-        default=True,
-        description="Whether to run graph cleanup/canonicalization after this transform.",
+        default=True, description="Whether to run graph cleanup/canonicalization after this transform."
     )
-    run_shape_prop: bool = Field(
-        default=False, description="Whether to run shape propagation after this transform."
-    )
+    run_shape_prop: bool = Field(default=False, description="Whether to run shape propagation after this transform.")
     requires_clean_graph: bool = Field(
-        default=True,
-        description="Whether this transform requires the graph to be clean before it is applied.",
+        default=True, description="Whether this transform requires the graph to be clean before it is applied."
     )
     requires_shape_prop: bool = Field(
-        default=False,
-        description="Whether this transform requires shape propagation before it is applied.",
+        default=False, description="Whether this transform requires shape propagation before it is applied."
     )
     debug_visualize_dir: Optional[str] = Field(
         default=None,
@@ -98,9 +88,7 @@ class TransformInfo(BaseModel):
 
     skipped: bool = Field(default=False, description="Whether the transform was skipped.")
     num_matches: int = Field(default=0, description="Number of matches/rewrites made.")
-    is_clean: bool = Field(
-        default=False, description="Whether the graph is clean (canonicalized) after the transform."
-    )
+    is_clean: bool = Field(default=False, description="Whether the graph is clean (canonicalized) after the transform.")
     has_valid_shapes: bool = Field(
         default=False, description="Whether node shape metadata is valid after the transform."
     )
@@ -220,8 +208,7 @@ class Transform:
             ctx = PipelineContext.standalone()
         if not cfg.enabled:
             info = TransformInfo(
-                skipped=True, skip_reason="disabled", is_clean=state.is_clean,
-                has_valid_shapes=state.has_valid_shapes,
+                skipped=True, skip_reason="disabled", is_clean=state.is_clean, has_valid_shapes=state.has_valid_shapes
             )
             return mod, info, times
 
@@ -231,8 +218,10 @@ class Transform:
                 if fact.required and not fact.present(ctx):
                     from .context import PipelineOrderError
 
-                    raise PipelineOrderError(f"{self.key} needs the {fact}, and no earlier transform left it: "
-                                             "run the transform that provides it first")
+                    raise PipelineOrderError(
+                        f"{self.key} needs the {fact}, and no earlier transform left it: "
+                        "run the transform that provides it first"
+                    )
             targets = graph_modules(mod)
             if cfg.stage.order >= Stages.POST_LOAD_FUSION.order:
                 _require_loaded_weights(self.key, cfg.stage, targets)
@@ -258,8 +247,10 @@ class Transform:
                 mod, info = self._apply(mod, ctx)
             missing = [f.name for f in self.provides if info.num_matches and not info.skipped and not f.present(ctx)]
             if missing:
-                raise RuntimeError(f"{self.key} changed the graph ({info.num_matches} matches) but left no "
-                                   f"{', '.join(missing)} in the context, which it provides")
+                raise RuntimeError(
+                    f"{self.key} changed the graph ({info.num_matches} matches) but left no "
+                    f"{', '.join(missing)} in the context, which it provides"
+                )
             t2 = time.perf_counter()
             times.apply = t2 - t1
         except Exception as e:  # noqa: BLE001 - recorded, re-raised or skipped on purpose
@@ -267,8 +258,7 @@ class Transform:
                 raise TransformError(self.key, cfg.stage, e) from e
             logger.warning("%s skipped on error: %s: %s", self.log_prefix, type(e).__name__, e)
             info = TransformInfo(
-                skipped=True, skip_reason=f"error: {type(e).__name__}: {e}",
-                is_clean=False, has_valid_shapes=False,
+                skipped=True, skip_reason=f"error: {type(e).__name__}: {e}", is_clean=False, has_valid_shapes=False
             )
             state.is_clean = state.has_valid_shapes = False
             times.apply = time.perf_counter() - t0
@@ -292,9 +282,7 @@ class Transform:
         times.post_cleanup = time.perf_counter() - t3
         info = info.model_copy(update={"is_clean": is_clean, "has_valid_shapes": has_shapes})
         state.is_clean, state.has_valid_shapes = is_clean, has_shapes
-        logger.info(
-            "%s matches=%d time=%.3fs", self.log_prefix, info.num_matches, times.total
-        )
+        logger.info("%s matches=%d time=%.3fs", self.log_prefix, info.num_matches, times.total)
         return mod, info, times
 
     @staticmethod
@@ -320,9 +308,11 @@ def check_order(entries: List[Any], registry: "TransformRegistry") -> Optional[s
             providers = [(j, k) for j, k in enabled if any(fact is p for p in registry.get(k).provides)]
             if providers and all(j > i for j, _ in providers):
                 names = " or ".join(k for _, k in providers)
-                return (f"{key} needs the {fact} that {names} provides, but it runs before "
-                        f"{'it' if len(providers) == 1 else 'them'} in this pipeline: run {names} "
-                        f"before {key} (its stage, or its place in the YAML)")
+                return (
+                    f"{key} needs the {fact} that {names} provides, but it runs before "
+                    f"{'it' if len(providers) == 1 else 'them'} in this pipeline: run {names} "
+                    f"before {key} (its stage, or its place in the YAML)"
+                )
     return None
 
 
@@ -369,9 +359,7 @@ class TransformRegistry:
 
             close = difflib.get_close_matches(key, self._classes, n=3)
             hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise KeyError(
-                f"unknown transform '{key}'.{hint} Run `workbench transforms` to list them."
-            )
+            raise KeyError(f"unknown transform '{key}'.{hint} Run `workbench transforms` to list them.")
         return self._classes[key]
 
     def __contains__(self, key: str) -> bool:

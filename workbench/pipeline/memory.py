@@ -48,7 +48,6 @@ class MemoryStats:
         return self.param_bytes + self.buffer_bytes + self.cache_bytes
 
 
-
 def measure(mod: torch.nn.Module, cache_bytes: int, device: torch.device) -> MemoryStats:
     cuda = {}
     if device.type == "cuda" and torch.cuda.is_available():

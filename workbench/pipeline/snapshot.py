@@ -83,6 +83,8 @@ class Snapshot:
             "max_abs": None if n is None or not n.ok else n.max_abs,
             "rmse_ratio": None if n is None or not n.ok else n.rmse_ratio,
             "top1": None if n is None or not n.ok else n.top1_agreement,
-            "note": self.info.skip_reason or self.info.details.get("warning", "")
-            or (n.error if n is not None and not n.ok else "") or self.info.details.get("summary", ""),
+            "note": self.info.skip_reason
+            or self.info.details.get("warning", "")
+            or (n.error if n is not None and not n.ok else "")
+            or self.info.details.get("summary", ""),
         }

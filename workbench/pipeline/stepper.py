@@ -10,7 +10,6 @@ they were.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Union
 
@@ -66,8 +65,7 @@ class PipelineStepper:
         self.loaded = loaded
         self.registry = registry
         self.entries: List[PipelineEntry] = (
-            list(entries) if entries is not None
-            else resolve_pipeline(yaml_extra, overrides, registry=registry)
+            list(entries) if entries is not None else resolve_pipeline(yaml_extra, overrides, registry=registry)
         )
         self._check_unique()
         device = torch.device(device)
@@ -75,11 +73,15 @@ class PipelineStepper:
         dtype = next(loaded.model.parameters()).dtype
         # The one source of the runtime limits; transforms read (and, where a field overrides one,
         # write) ctx.limits, generate reads the cache built from it.
-        self.limits = RuntimeLimits(max_batch_size=max_batch_size,
-                                    max_seq_len=max_seq_len or min(int(max_pos), 4096),
-                                    max_num_tokens=max_num_tokens, page_size=page_size)
-        self.ctx = PipelineContext(spec=loaded.spec, loaded=loaded, device=device, dtype=dtype, limits=self.limits,
-                                   dist=dist or DistInfo())
+        self.limits = RuntimeLimits(
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len or min(int(max_pos), 4096),
+            max_num_tokens=max_num_tokens,
+            page_size=page_size,
+        )
+        self.ctx = PipelineContext(
+            spec=loaded.spec, loaded=loaded, device=device, dtype=dtype, limits=self.limits, dist=dist or DistInfo()
+        )
         self.record_graphs = snapshots
         if numerics is None:
             numerics = loaded.num_parameters < NUMERICS_DEFAULT_MAX_PARAMS
@@ -119,9 +121,7 @@ class PipelineStepper:
         try:
             return self.keys.index(key)
         except ValueError:
-            raise KeyError(
-                f"'{key}' is not in this pipeline; its transforms are: {', '.join(self.keys)}"
-            ) from None
+            raise KeyError(f"'{key}' is not in this pipeline; its transforms are: {', '.join(self.keys)}") from None
 
     def snapshot(self, key: str) -> Snapshot:
         i = self.index(key)
@@ -181,7 +181,7 @@ class PipelineStepper:
             raise ConfigError(f"transform '{key}': changing the stage is not supported here")
         if new_cfg == entry.config:
             return
-        order = check_order([*self.entries[:i], PipelineEntry(key, new_cfg), *self.entries[i + 1:]], self.registry)
+        order = check_order([*self.entries[:i], PipelineEntry(key, new_cfg), *self.entries[i + 1 :]], self.registry)
         if order:
             raise ConfigError(order)
         self.entries[i] = PipelineEntry(key, new_cfg)
@@ -277,8 +277,12 @@ class PipelineStepper:
         if not declared and not info.skipped:
             warning = unexpected_change(mem_before, mem_after)
             if warning:
-                logger.warning("[stage=%s, transform=%s] unexpected memory change: %s",
-                               entry.config.stage.value, entry.key, warning)
+                logger.warning(
+                    "[stage=%s, transform=%s] unexpected memory change: %s",
+                    entry.config.stage.value,
+                    entry.key,
+                    warning,
+                )
         changed = bool(added or removed) or info.num_matches > 0 or not self.snapshots
         if not self.record_graphs or not graph_modules(mod):
             stored = None
@@ -287,10 +291,21 @@ class PipelineStepper:
         else:  # nothing changed: share the previous snapshot's (immutable) copy
             stored = self.snapshots[-1].graph_copy
         return Snapshot(
-            index=i, key=entry.key, stage=entry.config.stage, config=entry.config, info=info,
-            times=times, mem_before=mem_before, mem_after=mem_after, mem_warning=warning,
-            num_nodes=num_nodes(mod), op_histogram=op_histogram(mod), graph_copy=stored,
-            node_names=frozenset(names), added_nodes=added, removed_nodes=removed,
+            index=i,
+            key=entry.key,
+            stage=entry.config.stage,
+            config=entry.config,
+            info=info,
+            times=times,
+            mem_before=mem_before,
+            mem_after=mem_after,
+            mem_warning=warning,
+            num_nodes=num_nodes(mod),
+            op_histogram=op_histogram(mod),
+            graph_copy=stored,
+            node_names=frozenset(names),
+            added_nodes=added,
+            removed_nodes=removed,
             numerics=self._numerics(mod, changed) if self.numerics_enabled else None,
             context=self.ctx.state(),
         )
@@ -301,8 +316,15 @@ class PipelineStepper:
         function, computes the same logits: its result is carried over (``carried_from`` names the
         snapshot that ran it) instead of running the model again. Failed probes are never carried."""
         prev = self.snapshots[-1] if self.snapshots else None
-        if (not changed and prev is not None and prev.numerics is not None and prev.numerics.ok
-                and self._probed is not None and self._probed[0] is mod and self._probed[1] is self.ctx.cache.probe):
+        if (
+            not changed
+            and prev is not None
+            and prev.numerics is not None
+            and prev.numerics.ok
+            and self._probed is not None
+            and self._probed[0] is mod
+            and self._probed[1] is self.ctx.cache.probe
+        ):
             return dataclasses.replace(prev.numerics, carried_from=prev.numerics.carried_from or prev.key)
         self._probed = (mod, self.ctx.cache.probe)
         return self._probe(mod)

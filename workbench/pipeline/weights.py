@@ -35,8 +35,8 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from .graph.weights import fetch_attr
 from .graph.utils import symbolic_fake_mode
+from .graph.weights import fetch_attr
 
 WEIGHT_VIEWS_KEY = "weight_views"  # gm.meta: target -> (base target, index into the base)
 TENSOR_BINDINGS_KEY = "tensor_bindings"  # gm.meta: target -> TensorBinding
@@ -55,10 +55,14 @@ class WeightSource(Mapping):
     """
 
     def __init__(self, module: Optional[torch.nn.Module], checkpoint: Optional[Mapping] = None):
-        self._tensors: Dict[str, torch.Tensor] = {} if module is None else {
-            **dict(module.named_parameters(remove_duplicate=False)),
-            **dict(module.named_buffers(remove_duplicate=False)),
-        }
+        self._tensors: Dict[str, torch.Tensor] = (
+            {}
+            if module is None
+            else {
+                **dict(module.named_parameters(remove_duplicate=False)),
+                **dict(module.named_buffers(remove_duplicate=False)),
+            }
+        )
         self.checkpoint = checkpoint
 
     def with_checkpoint(self, checkpoint: Optional[Mapping]) -> "WeightSource":
@@ -185,8 +189,9 @@ class WeightResolver:
         if key not in self._converted:
             tensors = [self._input(binding.namespace, n) for n in binding.inputs]
             with torch.no_grad():
-                self._converted[key] = binding.convert(*tensors, **dict(binding.kwargs)) \
-                    if binding.convert is not None else tensors[0]
+                self._converted[key] = (
+                    binding.convert(*tensors, **dict(binding.kwargs)) if binding.convert is not None else tensors[0]
+                )
         out = self._converted[key]
         return out[binding.output] if binding.output is not None else out
 
@@ -286,19 +291,33 @@ class Placement:
     def summary(self) -> str:
         mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
         shared = self.bytes - self.bytes_copied - self.bytes_made
-        bound = (f"; {len(self.bound_by_binding)} tensors ({mib(self.bytes_made)}) made from the quantized "
-                 "checkpoint or by a declared conversion (a rank's shards)") if self.bound_by_binding else ""
-        return (f"{self.tensors} tensors, {mib(self.bytes)} on {self.device}: {mib(self.bytes_copied)} copied, "
-                f"{mib(shared)} shared with the eager model or checkpoint{bound}; {self.device_args_retargeted} "
-                "nodes retargeted from device=meta")
+        bound = (
+            (
+                f"; {len(self.bound_by_binding)} tensors ({mib(self.bytes_made)}) made from the quantized "
+                "checkpoint or by a declared conversion (a rank's shards)"
+            )
+            if self.bound_by_binding
+            else ""
+        )
+        return (
+            f"{self.tensors} tensors, {mib(self.bytes)} on {self.device}: {mib(self.bytes_copied)} copied, "
+            f"{mib(shared)} shared with the eager model or checkpoint{bound}; {self.device_args_retargeted} "
+            "nodes retargeted from device=meta"
+        )
 
     def details(self) -> Dict[str, Any]:
-        return {"summary": self.summary(),
-            "device": self.device, "tensors": self.tensors, "bytes": self.bytes,
-            "bytes_copied": self.bytes_copied, "bytes_made": self.bytes_made,
+        return {
+            "summary": self.summary(),
+            "device": self.device,
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+            "bytes_copied": self.bytes_copied,
+            "bytes_made": self.bytes_made,
             "bytes_shared": self.bytes - self.bytes_copied - self.bytes_made,
-            "bound_from_source": self.bound_from_source, "moved_examples": self.moved[:5],
-            "bound_by_binding": len(self.bound_by_binding), "binding_examples": self.bound_by_binding[:5],
+            "bound_from_source": self.bound_from_source,
+            "moved_examples": self.moved[:5],
+            "bound_by_binding": len(self.bound_by_binding),
+            "binding_examples": self.bound_by_binding[:5],
             "device_args_retargeted": self.device_args_retargeted,
             "values_retargeted": self.values_retargeted,
         }
@@ -308,8 +327,11 @@ def _set_attr(gm: fx.GraphModule, target: str, value: torch.Tensor, original: to
     owner_path, _, name = target.rpartition(".")
     owner = gm.get_submodule(owner_path) if owner_path else gm
     if name in owner._parameters:
-        owner._parameters[name] = value if isinstance(value, torch.nn.Parameter) else \
-            torch.nn.Parameter(value, requires_grad=original.requires_grad)
+        owner._parameters[name] = (
+            value
+            if isinstance(value, torch.nn.Parameter)
+            else torch.nn.Parameter(value, requires_grad=original.requires_grad)
+        )
     elif name in owner._buffers:
         owner._buffers[name] = value
     else:
@@ -338,8 +360,11 @@ def place_weights(gm: fx.GraphModule, source: Optional[Mapping], device: torch.d
     memo: Dict[int, torch.Tensor] = {}  # id(original graph tensor) -> placed tensor (keeps ties)
     seen_storage: set = set()
     made: set = set()  # storages a binding's conversion allocated (not the source's own tensor)
-    source_storages = {_storage(v) for v in (source.values() if source is not None else ())
-                       if isinstance(v, torch.Tensor) and not v.is_meta}
+    source_storages = {
+        _storage(v)
+        for v in (source.values() if source is not None else ())
+        if isinstance(v, torch.Tensor) and not v.is_meta
+    }
     for name, t in attrs.items():
         if id(t) not in memo:
             real = resolver(name) if t.is_meta else t
@@ -366,7 +391,7 @@ def place_weights(gm: fx.GraphModule, source: Optional[Mapping], device: torch.d
             out.bytes_made += placed.untyped_storage().nbytes() if key in made else 0
     out.tensors = len(memo)
     trace = gm.meta.get(TRACE_DEVICE_KEY)
-    for old in {"meta", *( [trace] if trace else [] )}:
+    for old in {"meta", *([trace] if trace else [])}:
         if old != device.type:
             out.device_args_retargeted += retarget_node_devices(gm, old, device)
     out.values_retargeted = retarget_values(gm, device)
@@ -446,7 +471,9 @@ def _run_bound(gm: fx.GraphModule, resolve: Callable[[str], torch.Tensor], devic
                         value = next(args_iter)
                     except StopIteration:
                         if not node.args:
-                            raise RuntimeError(f"Expected positional argument for parameter {target}, but one was not passed in!") from None
+                            raise RuntimeError(
+                                f"Expected positional argument for parameter {target}, but one was not passed in!"
+                            ) from None
                         value = node.args[0]
             elif op == "call_method":
                 a, k = fx.node.map_arg((node.args, node.kwargs), fetch)
@@ -479,8 +506,21 @@ def run_unloaded(gm: fx.GraphModule, source: Optional[Mapping], args, device: to
 
 
 __all__ = [
-    "WeightSource", "WeightResolver", "Placement", "place_weights", "run_unloaded", "unloaded_targets",
-    "tensor_attributes", "record_weight_view", "retarget_node_devices", "retarget_values",
-    "WEIGHT_VIEWS_KEY", "TRACE_DEVICE_KEY", "TensorBinding", "record_tensor_binding", "tensor_bindings",
-    "with_checkpoint", "TENSOR_BINDINGS_KEY",
+    "WeightSource",
+    "WeightResolver",
+    "Placement",
+    "place_weights",
+    "run_unloaded",
+    "unloaded_targets",
+    "tensor_attributes",
+    "record_weight_view",
+    "retarget_node_devices",
+    "retarget_values",
+    "WEIGHT_VIEWS_KEY",
+    "TRACE_DEVICE_KEY",
+    "TensorBinding",
+    "record_tensor_binding",
+    "tensor_bindings",
+    "with_checkpoint",
+    "TENSOR_BINDINGS_KEY",
 ]

@@ -71,13 +71,19 @@ class QuantConfig:
         if self.weight_block_size is not None:
             block = tuple(self.weight_block_size)
             if len(block) != 2 or any(not isinstance(b, int) or b < 1 for b in block):
-                raise ValueError(f"weight_block_size must be two positive ints (rows, cols), got {self.weight_block_size!r}")
+                raise ValueError(
+                    f"weight_block_size must be two positive ints (rows, cols), got {self.weight_block_size!r}"
+                )
             object.__setattr__(self, "weight_block_size", block)
         if self.quant_algo == "FP8_BLOCK" and self.weight_block_size is None:
-            raise ValueError("FP8_BLOCK needs weight_block_size (e.g. [128, 128]), the tile one weight_scale_inv covers")
+            raise ValueError(
+                "FP8_BLOCK needs weight_block_size (e.g. [128, 128]), the tile one weight_scale_inv covers"
+            )
         if self.quant_algo in ("W4A16_AWQ", "W4A16_GPTQ"):
             if self.bits not in (None, 4):
-                raise ValueError(f"{self.quant_algo} is 4-bit; this checkpoint says bits={self.bits} (only 4 is supported)")
+                raise ValueError(
+                    f"{self.quant_algo} is 4-bit; this checkpoint says bits={self.bits} (only 4 is supported)"
+                )
             object.__setattr__(self, "bits", 4)
         if self.quant_algo == "W4A16_GPTQ":  # GPTQ's own defaults, so that read(write(cfg)) == cfg
             object.__setattr__(self, "sym", True if self.sym is None else bool(self.sym))
@@ -137,17 +143,22 @@ def _from_modelopt(q: Mapping[str, Any], source: str) -> QuantConfig:
     if algo == "FP8_BLOCK" and block is None and q.get("group_size"):
         block = (q["group_size"], q["group_size"])
     return QuantConfig(
-        quant_algo=algo, group_size=_int_or_none(q.get("group_size"), f"{source}: group_size"),
-        weight_block_size=tuple(block) if block is not None else None, exclude_modules=_excludes(q),
-        kv_cache_quant_algo=q.get("kv_cache_quant_algo"), source=source, raw=dict(q),
+        quant_algo=algo,
+        group_size=_int_or_none(q.get("group_size"), f"{source}: group_size"),
+        weight_block_size=tuple(block) if block is not None else None,
+        exclude_modules=_excludes(q),
+        kv_cache_quant_algo=q.get("kv_cache_quant_algo"),
+        source=source,
+        raw=dict(q),
         sym=(not q["has_zero_point"]) if "has_zero_point" in q else None,
     )
 
 
 def _from_hf(q: Mapping[str, Any], source: str) -> QuantConfig:
     method = str(q.get("quant_method", "")).lower()
-    common = dict(exclude_modules=_excludes(q), source=source, raw=dict(q),
-                  kv_cache_quant_algo=q.get("kv_cache_quant_algo"))
+    common = dict(
+        exclude_modules=_excludes(q), source=source, raw=dict(q), kv_cache_quant_algo=q.get("kv_cache_quant_algo")
+    )
     if method == "modelopt":
         inner = q.get("quantization", q)
         cfg = _from_modelopt({**inner, **{k: q[k] for k in _EXCLUDE_FIELDS if k in q and k not in inner}}, source)
@@ -159,9 +170,14 @@ def _from_hf(q: Mapping[str, Any], source: str) -> QuantConfig:
         return QuantConfig("FP8_BLOCK", weight_block_size=tuple(block), **common)
     if method == "gptq":
         group = _int_or_none(q.get("group_size", 128), f"{source}: group_size")
-        return QuantConfig("W4A16_GPTQ", group_size=None if group == -1 else group,
-                           bits=_int_or_none(q.get("bits", 4), f"{source}: bits"),
-                           sym=bool(q.get("sym", True)), desc_act=bool(q.get("desc_act", False)), **common)
+        return QuantConfig(
+            "W4A16_GPTQ",
+            group_size=None if group == -1 else group,
+            bits=_int_or_none(q.get("bits", 4), f"{source}: bits"),
+            sym=bool(q.get("sym", True)),
+            desc_act=bool(q.get("desc_act", False)),
+            **common,
+        )
     if method == "awq":
         group = _int_or_none(q.get("group_size", q.get("q_group_size", 128)), f"{source}: group_size")
         bits = _int_or_none(q.get("bits", q.get("w_bit", 4)), f"{source}: bits")
@@ -170,8 +186,10 @@ def _from_hf(q: Mapping[str, Any], source: str) -> QuantConfig:
         return QuantConfig("W4A16_AWQ", group_size=group, bits=bits, sym=not q.get("zero_point", False), **common)
     if method == "mxfp4":
         return QuantConfig("MXFP4", group_size=32, **common)
-    raise ValueError(f"{source}: quant_method {q.get('quant_method')!r} is not supported; supported: "
-                     "modelopt, fp8, gptq, awq, mxfp4 (or a ModelOpt hf_quant_config.json)")
+    raise ValueError(
+        f"{source}: quant_method {q.get('quant_method')!r} is not supported; supported: "
+        "modelopt, fp8, gptq, awq, mxfp4 (or a ModelOpt hf_quant_config.json)"
+    )
 
 
 def _read_json(path: Path) -> Dict[str, Any]:
@@ -185,8 +203,11 @@ def _read_json(path: Path) -> Dict[str, Any]:
 
 
 def _hf_quantization_config(hf_config: Any) -> Optional[Mapping[str, Any]]:
-    q = hf_config.get("quantization_config") if isinstance(hf_config, Mapping) else \
-        getattr(hf_config, "quantization_config", None)
+    q = (
+        hf_config.get("quantization_config")
+        if isinstance(hf_config, Mapping)
+        else getattr(hf_config, "quantization_config", None)
+    )
     if q is None:
         return None
     if hasattr(q, "to_dict"):
@@ -236,11 +257,21 @@ def _modelopt_fields(cfg: QuantConfig) -> Dict[str, Any]:
 def _hf_fields(cfg: QuantConfig) -> Dict[str, Any]:
     excluded = {"modules_to_not_convert": list(cfg.exclude_modules)} if cfg.exclude_modules else {}
     if cfg.quant_algo == "FP8_BLOCK":
-        return {"quant_method": "fp8", "activation_scheme": "dynamic",
-                "weight_block_size": list(cfg.weight_block_size), **excluded}
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(cfg.weight_block_size),
+            **excluded,
+        }
     if cfg.quant_algo == "W4A16_GPTQ":
-        return {"quant_method": "gptq", "bits": cfg.bits or 4, "group_size": cfg.group_size or -1,
-                "sym": True if cfg.sym is None else cfg.sym, "desc_act": bool(cfg.desc_act), **excluded}
+        return {
+            "quant_method": "gptq",
+            "bits": cfg.bits or 4,
+            "group_size": cfg.group_size or -1,
+            "sym": True if cfg.sym is None else cfg.sym,
+            "desc_act": bool(cfg.desc_act),
+            **excluded,
+        }
     if cfg.quant_algo == "MXFP4":
         return {"quant_method": "mxfp4", **excluded}
     return {"quant_method": "modelopt", **_modelopt_fields(cfg)}
@@ -263,8 +294,9 @@ def write_quant_config(model_dir: Union[str, Path], cfg: QuantConfig, where: str
         if cfg.quant_algo not in MODELOPT_ALGOS + ("FP8_BLOCK",):
             raise ValueError(f"{cfg.quant_algo} checkpoints keep their config in config.json (where='config')")
         path = directory / HF_QUANT_CONFIG
-        path.write_text(json.dumps({"producer": {"name": "workbench"}, "quantization": _modelopt_fields(cfg)},
-                                   indent=2) + "\n")
+        path.write_text(
+            json.dumps({"producer": {"name": "workbench"}, "quantization": _modelopt_fields(cfg)}, indent=2) + "\n"
+        )
         return path
     path = directory / CONFIG_JSON
     if not path.is_file():

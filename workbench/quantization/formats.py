@@ -43,8 +43,14 @@ QUANTIZATION_NVFP4_AWQ = "nvfp4_awq"
 QUANTIZATION_MXFP4 = "mxfp4"
 
 SUPPORTED_FORMATS = (
-    QUANTIZATION_FP8, QUANTIZATION_FP8_PB_WO, QUANTIZATION_INT8_SQ, QUANTIZATION_INT8_WO,
-    QUANTIZATION_INT4_AWQ, QUANTIZATION_W4A8_AWQ, QUANTIZATION_NVFP4, QUANTIZATION_NVFP4_AWQ,
+    QUANTIZATION_FP8,
+    QUANTIZATION_FP8_PB_WO,
+    QUANTIZATION_INT8_SQ,
+    QUANTIZATION_INT8_WO,
+    QUANTIZATION_INT4_AWQ,
+    QUANTIZATION_W4A8_AWQ,
+    QUANTIZATION_NVFP4,
+    QUANTIZATION_NVFP4_AWQ,
     QUANTIZATION_MXFP4,
 )
 
@@ -62,8 +68,10 @@ INT8_FORMATS = (QUANTIZATION_INT8_SQ, QUANTIZATION_INT8_WO)
 def check_format(quantization, what: str) -> str:
     """``quantization`` if it is one of ``SUPPORTED_FORMATS``, else a ``ValueError`` listing them."""
     if quantization not in SUPPORTED_FORMATS:
-        raise ValueError(f"{what}: unsupported quantization format {quantization!r}; supported: "
-                         f"{', '.join(SUPPORTED_FORMATS)} (see workbench.quantization.formats)")
+        raise ValueError(
+            f"{what}: unsupported quantization format {quantization!r}; supported: "
+            f"{', '.join(SUPPORTED_FORMATS)} (see workbench.quantization.formats)"
+        )
     return quantization
 
 
@@ -96,18 +104,21 @@ def weight_format(module: nn.Module, weight_name: str = "weight") -> Optional[st
         return QUANTIZATION_NONE
     if isinstance(wq, SequentialQuantizer):
         stages: List[TensorQuantizer] = list(wq)
-        if (len(stages) == 2 and stages[0].num_bits == 4 and stages[0].block_size > 0
-                and stages[1].num_bits == (4, 3)):
+        if len(stages) == 2 and stages[0].num_bits == 4 and stages[0].block_size > 0 and stages[1].num_bits == (4, 3):
             return QUANTIZATION_W4A8_AWQ
-        raise ValueError(f"unsupported SequentialQuantizer {[q.num_bits for q in stages]}: only "
-                         "[int4 in groups, fp8 per tensor] (w4a8_awq) is supported")
+        raise ValueError(
+            f"unsupported SequentialQuantizer {[q.num_bits for q in stages]}: only "
+            "[int4 in groups, fp8 per tensor] (w4a8_awq) is supported"
+        )
     if not isinstance(wq, TensorQuantizer):
         raise TypeError(f"{w_name} is a {type(wq).__name__}, expected a TensorQuantizer")
     input_enabled = iq is not None and iq.is_enabled
     if wq.num_bits == 4:
         if wq.block_size <= 0:
-            raise ValueError("unsupported int4 weight quantizer without block_sizes: int4 is supported "
-                             "in groups only (int4_awq); set block_sizes={-1: group_size}")
+            raise ValueError(
+                "unsupported int4 weight quantizer without block_sizes: int4 is supported "
+                "in groups only (int4_awq); set block_sizes={-1: group_size}"
+            )
         return QUANTIZATION_INT4_AWQ
     if wq.num_bits == 8:
         return QUANTIZATION_INT8_SQ if input_enabled else QUANTIZATION_INT8_WO
@@ -115,8 +126,10 @@ def weight_format(module: nn.Module, weight_name: str = "weight") -> Optional[st
         if wq.block_sizes:
             return QUANTIZATION_FP8_PB_WO
         if wq.axis is not None:
-            raise ValueError("unsupported per-channel FP8 weight quantizer (fp8_pc_pt); use axis=None "
-                             "(fp8, per tensor) or block_sizes (fp8_pb_wo)")
+            raise ValueError(
+                "unsupported per-channel FP8 weight quantizer (fp8_pc_pt); use axis=None "
+                "(fp8, per tensor) or block_sizes (fp8_pb_wo)"
+            )
         return QUANTIZATION_FP8
     if wq.num_bits == (2, 1):
         if wq.scale_bits == (4, 3):
@@ -127,8 +140,10 @@ def weight_format(module: nn.Module, weight_name: str = "weight") -> Optional[st
         if wq.scale_bits == (8, 0):
             return QUANTIZATION_MXFP4
         raise ValueError(f"unsupported FP4 scale_bits {wq.scale_bits!r}: (4, 3) is NVFP4, (8, 0) is MXFP4")
-    raise ValueError(f"unsupported weight quantizer num_bits={wq.num_bits!r}: supported are 4 (int4 "
-                     "groups), 8 (int8), (4, 3) (fp8) and (2, 1) (fp4)")
+    raise ValueError(
+        f"unsupported weight quantizer num_bits={wq.num_bits!r}: supported are 4 (int4 "
+        "groups), 8 (int8), (4, 3) (fp8) and (2, 1) (fp4)"
+    )
 
 
 def get_quantization_format(module: nn.Module) -> Optional[str]:

@@ -76,7 +76,10 @@ def get_kv_cache_scaling_factor(kv_module: nn.Module) -> List[Optional[torch.Ten
             if scale is None:
                 continue
             if float(scale.max()) > LARGE_FP8_KV_SCALE:
-                warnings.warn(f"Large KV activation detected (scale {float(scale.max()):.4g}); a quantized KV cache "
-                              "may lose accuracy")
+                warnings.warn(
+                    f"Large KV activation detected (scale {float(scale.max()):.4g}); a quantized KV cache "
+                    "may lose accuracy",
+                    stacklevel=2,
+                )
             scales[i] = torch.clamp(scale, min=1.0)
     return scales

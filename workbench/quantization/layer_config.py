@@ -38,9 +38,20 @@ from typing import Any, Dict, Mapping, Optional, Union
 import torch.nn as nn
 
 from .formats import (
-    QUANTIZATION_FP8, QUANTIZATION_FP8_PB_WO, QUANTIZATION_INT4_AWQ, QUANTIZATION_INT8_SQ, QUANTIZATION_INT8_WO,
-    QUANTIZATION_MXFP4, QUANTIZATION_NONE, QUANTIZATION_NVFP4, QUANTIZATION_NVFP4_AWQ, QUANTIZATION_W4A8_AWQ,
-    check_format, get_quantization_format, quantizer_names, weight_names,
+    QUANTIZATION_FP8,
+    QUANTIZATION_FP8_PB_WO,
+    QUANTIZATION_INT4_AWQ,
+    QUANTIZATION_INT8_SQ,
+    QUANTIZATION_INT8_WO,
+    QUANTIZATION_MXFP4,
+    QUANTIZATION_NONE,
+    QUANTIZATION_NVFP4,
+    QUANTIZATION_NVFP4_AWQ,
+    QUANTIZATION_W4A8_AWQ,
+    check_format,
+    get_quantization_format,
+    quantizer_names,
+    weight_names,
 )
 from .kv_cache import get_kv_cache_dtype
 from .quantizer import SequentialQuantizer, TensorQuantizer
@@ -84,8 +95,10 @@ def process_layer_quant_config(layer_config_dict: Mapping[str, Any]) -> Dict[str
         if key.endswith(_BLOCK_KEY):
             continue
         if not key.endswith(_QUANTIZATION_KEY):
-            raise ValueError(f"process_layer_quant_config: unexpected key {key!r}; keys are '<module>.quantization' "
-                             "and '<module>.awq_block_size'")
+            raise ValueError(
+                f"process_layer_quant_config: unexpected key {key!r}; keys are '<module>.quantization' "
+                "and '<module>.awq_block_size'"
+            )
         name = key[: -len(_QUANTIZATION_KEY)]
         config = layer_quant_config(value, int(layer_config_dict.get(name + _BLOCK_KEY, 0) or 0))
         if config["quant_algo"] is None:
@@ -126,8 +139,9 @@ def get_quant_config(named_modules: Union[nn.Module, Mapping[str, nn.Module]]) -
     elif isinstance(named_modules, Mapping):
         items = list(named_modules.items())
     else:
-        raise TypeError(f"get_quant_config: expected a module or a dict of name -> module, got "
-                        f"{type(named_modules).__name__}")
+        raise TypeError(
+            f"get_quant_config: expected a module or a dict of name -> module, got {type(named_modules).__name__}"
+        )
     layer_config: Dict[str, Any] = {}
     kv_cache = None
     for name, module in items:
@@ -136,16 +150,22 @@ def get_quant_config(named_modules: Union[nn.Module, Mapping[str, nn.Module]]) -
         if _has_quantizers(module):
             layer_config[name + _QUANTIZATION_KEY] = get_quantization_format(module)
             layer_config[name + _BLOCK_KEY] = next(
-                (b for b in (get_weight_block_size(module, w) for w in weight_names(module)) if b), 0)
+                (b for b in (get_weight_block_size(module, w) for w in weight_names(module)) if b), 0
+            )
         elif isinstance(module, nn.Linear):
             layer_config[name + _QUANTIZATION_KEY] = None
         output = getattr(module, "output_quantizer", None)
-        if (hasattr(module, "k_bmm_quantizer") or hasattr(module, "v_bmm_quantizer")
-                or (output is not None and output.is_enabled)):
+        if (
+            hasattr(module, "k_bmm_quantizer")
+            or hasattr(module, "v_bmm_quantizer")
+            or (output is not None and output.is_enabled)
+        ):
             found = get_kv_cache_dtype(module)
             if kv_cache is not None and found is not None and found != kv_cache:
-                raise ValueError(f"get_quant_config: mixed KV-cache formats ({kv_cache} and {found} at {name!r}) "
-                                 "are not supported; quantize every attention's cache the same way")
+                raise ValueError(
+                    f"get_quant_config: mixed KV-cache formats ({kv_cache} and {found} at {name!r}) "
+                    "are not supported; quantize every attention's cache the same way"
+                )
             kv_cache = kv_cache or found
     quantization = process_layer_quant_config(layer_config)
     quantization["kv_cache_quant_algo"] = kv_cache

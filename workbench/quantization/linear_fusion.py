@@ -40,8 +40,10 @@ def _unify_amax(quantizers, what: str) -> None:
     if any(a is None for a in amaxes):
         return
     if any(a.numel() != 1 for a in amaxes):
-        raise ValueError(f"{what}: only per-tensor amax values can be shared by fused modules, got shapes "
-                         f"{[tuple(a.shape) for a in amaxes]}")
+        raise ValueError(
+            f"{what}: only per-tensor amax values can be shared by fused modules, got shapes "
+            f"{[tuple(a.shape) for a in amaxes]}"
+        )
     shared = torch.stack([a.reshape(()) for a in amaxes]).max()
     for q in quantizers:
         q.amax = shared
@@ -102,11 +104,16 @@ def adjust_attn_amax_values(module: nn.Module) -> None:
     all get the largest of those amax values, so the projections can be fused into one GEMM with
     one weight scale.
     """
-    projections = [child for name, child in module.named_children()
-                   if _is_qkv(name) and getattr(getattr(child, "weight_quantizer", None), "amax", None) is not None]
+    projections = [
+        child
+        for name, child in module.named_children()
+        if _is_qkv(name) and getattr(getattr(child, "weight_quantizer", None), "amax", None) is not None
+    ]
     if not projections:
-        raise ValueError("adjust_attn_amax_values: no q/k/v projection children with a calibrated weight amax in "
-                         f"{type(module).__name__} (children: {[n for n, _ in module.named_children()]})")
+        raise ValueError(
+            "adjust_attn_amax_values: no q/k/v projection children with a calibrated weight amax in "
+            f"{type(module).__name__} (children: {[n for n, _ in module.named_children()]})"
+        )
     _unify_amax([p.weight_quantizer for p in projections], "adjust_attn_amax_values")
     if float(projections[0].weight_quantizer.amax) <= 0:
         raise ValueError("adjust_attn_amax_values: the q/k/v weight amax is 0 (all-zero weights?)")

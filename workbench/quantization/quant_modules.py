@@ -26,15 +26,31 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .formats import (
-    KV_CACHE_FP8, KV_CACHE_INT8, KV_CACHE_NVFP4, QUANTIZATION_FP8, QUANTIZATION_FP8_PB_WO, QUANTIZATION_INT4_AWQ,
-    QUANTIZATION_INT8_SQ, QUANTIZATION_INT8_WO, QUANTIZATION_MXFP4, QUANTIZATION_NVFP4, QUANTIZATION_NVFP4_AWQ,
-    QUANTIZATION_W4A8_AWQ, check_format,
+    KV_CACHE_FP8,
+    KV_CACHE_INT8,
+    KV_CACHE_NVFP4,
+    QUANTIZATION_FP8,
+    QUANTIZATION_FP8_PB_WO,
+    QUANTIZATION_INT4_AWQ,
+    QUANTIZATION_INT8_SQ,
+    QUANTIZATION_INT8_WO,
+    QUANTIZATION_MXFP4,
+    QUANTIZATION_NVFP4,
+    QUANTIZATION_NVFP4_AWQ,
+    QUANTIZATION_W4A8_AWQ,
+    check_format,
 )
 from .quantizer import SequentialQuantizer, TensorQuantizer
 
 # Block sizes each format uses when none is given (ModelOpt's defaults).
-DEFAULT_BLOCK_SIZE = {QUANTIZATION_FP8_PB_WO: 128, QUANTIZATION_INT4_AWQ: 128, QUANTIZATION_W4A8_AWQ: 128,
-                      QUANTIZATION_NVFP4: 16, QUANTIZATION_NVFP4_AWQ: 16, QUANTIZATION_MXFP4: 32}
+DEFAULT_BLOCK_SIZE = {
+    QUANTIZATION_FP8_PB_WO: 128,
+    QUANTIZATION_INT4_AWQ: 128,
+    QUANTIZATION_W4A8_AWQ: 128,
+    QUANTIZATION_NVFP4: 16,
+    QUANTIZATION_NVFP4_AWQ: 16,
+    QUANTIZATION_MXFP4: 32,
+}
 
 
 def _fp4(scale_bits: Tuple[int, int], block: int) -> TensorQuantizer:
@@ -89,8 +105,10 @@ def attach_quantizers(linear: nn.Linear, quantization: str, *, block_size: Optio
     AWQ scale afterwards with ``apply_pre_quant_scale``.
     """
     if type(linear) not in (nn.Linear, QuantLinear):
-        raise TypeError(f"attach_quantizers: expected an nn.Linear, got {type(linear).__name__} (subclasses "
-                        "may have their own forward, which the quantizers would not be part of)")
+        raise TypeError(
+            f"attach_quantizers: expected an nn.Linear, got {type(linear).__name__} (subclasses "
+            "may have their own forward, which the quantizers would not be part of)"
+        )
     weight_q, input_q = make_quantizers(quantization, block_size)
     linear.__class__ = QuantLinear
     linear.weight_quantizer = weight_q
@@ -100,12 +118,14 @@ def attach_quantizers(linear: nn.Linear, quantization: str, *, block_size: Optio
     return linear
 
 
-def quantize_linears(model: nn.Module, quantization: str, *, exclude: Tuple[str, ...] = ("lm_head",),
-                     block_size: Optional[int] = None) -> list:
+def quantize_linears(
+    model: nn.Module, quantization: str, *, exclude: Tuple[str, ...] = ("lm_head",), block_size: Optional[int] = None
+) -> list:
     """``attach_quantizers`` on every ``nn.Linear`` of ``model`` whose name's last part is not in
     ``exclude`` (those stay plain and count as unquantized layers). Returns the quantized names."""
-    names = [name for name, m in model.named_modules()
-             if type(m) is nn.Linear and name.rsplit(".", 1)[-1] not in exclude]
+    names = [
+        name for name, m in model.named_modules() if type(m) is nn.Linear and name.rsplit(".", 1)[-1] not in exclude
+    ]
     for name in names:
         attach_quantizers(model.get_submodule(name), quantization, block_size=block_size)
     return names
@@ -115,8 +135,11 @@ def attach_kv_quantizers(attention: nn.Module, kv_cache: str = KV_CACHE_FP8, *, 
     """Add ``k_bmm_quantizer`` / ``v_bmm_quantizer`` for a ``"FP8"``, ``"INT8"`` or ``"NVFP4"`` KV
     cache to ``attention`` (in place, returned). ``affine`` gives them a zero ``bias_value`` (the
     NVFP4 affine KV cache's per-tensor offset), to be set from calibration."""
-    makers = {KV_CACHE_FP8: lambda: TensorQuantizer((4, 3)), KV_CACHE_INT8: lambda: TensorQuantizer(8),
-              KV_CACHE_NVFP4: lambda: _fp4((4, 3), 16)}
+    makers = {
+        KV_CACHE_FP8: lambda: TensorQuantizer((4, 3)),
+        KV_CACHE_INT8: lambda: TensorQuantizer(8),
+        KV_CACHE_NVFP4: lambda: _fp4((4, 3), 16),
+    }
     if kv_cache not in makers:
         raise ValueError(f"attach_kv_quantizers: unsupported KV cache format {kv_cache!r}; use one of {list(makers)}")
     for name in ("k_bmm_quantizer", "v_bmm_quantizer"):
@@ -160,8 +183,9 @@ def apply_pre_quant_scale(linear: QuantLinear, pre_quant_scale: torch.Tensor) ->
     recalibrated (the weight changed)."""
     k = linear.in_features
     if pre_quant_scale.shape != (k,) or not bool((pre_quant_scale > 0).all()):
-        raise ValueError(f"apply_pre_quant_scale: needs a positive scale of shape ({k},), got "
-                         f"{tuple(pre_quant_scale.shape)}")
+        raise ValueError(
+            f"apply_pre_quant_scale: needs a positive scale of shape ({k},), got {tuple(pre_quant_scale.shape)}"
+        )
     with torch.no_grad():
         linear.weight.div_(pre_quant_scale.to(linear.weight.dtype))
     linear.input_quantizer.pre_quant_scale = pre_quant_scale

@@ -52,15 +52,24 @@ def _nonzero(scale: torch.Tensor) -> torch.Tensor:
 class TensorQuantizer(nn.Module):
     """Fake quantizer with ModelOpt's attributes; see the module docstring for the layouts."""
 
-    def __init__(self, num_bits: NumBits = 8, *, axis: Optional[int] = None, block_sizes: Optional[dict] = None,
-                 unsigned: bool = False, enabled: bool = True):
+    def __init__(
+        self,
+        num_bits: NumBits = 8,
+        *,
+        axis: Optional[int] = None,
+        block_sizes: Optional[dict] = None,
+        unsigned: bool = False,
+        enabled: bool = True,
+    ):
         super().__init__()
         if isinstance(num_bits, list):
             num_bits = tuple(num_bits)
         if isinstance(num_bits, tuple):
             if num_bits not in FLOAT_MAXBOUND:
-                raise ValueError(f"TensorQuantizer: float num_bits {num_bits} not supported; use (4, 3) (fp8 "
-                                 "e4m3) or (2, 1) (fp4 e2m1)")
+                raise ValueError(
+                    f"TensorQuantizer: float num_bits {num_bits} not supported; use (4, 3) (fp8 "
+                    "e4m3) or (2, 1) (fp4 e2m1)"
+                )
         elif not isinstance(num_bits, int) or not 2 <= num_bits <= 8:
             raise ValueError(f"TensorQuantizer: num_bits must be an int in 2..8 or (4, 3) / (2, 1), got {num_bits!r}")
         if axis is not None and block_sizes:
@@ -69,17 +78,25 @@ class TensorQuantizer(nn.Module):
         if block_sizes is not None:
             dims = [k for k in block_sizes if isinstance(k, int)]
             if not dims or not set(dims) <= {-1, -2} or any(block_sizes[d] < 1 for d in dims):
-                raise ValueError(f"TensorQuantizer: block_sizes needs positive sizes for -1 (and optionally -2), "
-                                 f"got {block_sizes}")
+                raise ValueError(
+                    f"TensorQuantizer: block_sizes needs positive sizes for -1 (and optionally -2), got {block_sizes}"
+                )
             if block_sizes.get("type", "static") not in ("static", "dynamic"):
-                raise ValueError(f"TensorQuantizer: block_sizes type must be 'static' or 'dynamic', got "
-                                 f"{block_sizes['type']!r}")
+                raise ValueError(
+                    f"TensorQuantizer: block_sizes type must be 'static' or 'dynamic', got {block_sizes['type']!r}"
+                )
         if num_bits == (2, 1):
-            ok = (block_sizes is not None and block_sizes.get("type") == "dynamic" and -2 not in block_sizes
-                  and tuple(block_sizes.get("scale_bits", ())) in ((4, 3), (8, 0)))
+            ok = (
+                block_sizes is not None
+                and block_sizes.get("type") == "dynamic"
+                and -2 not in block_sizes
+                and tuple(block_sizes.get("scale_bits", ())) in ((4, 3), (8, 0))
+            )
             if not ok:
-                raise ValueError("TensorQuantizer: FP4 needs block_sizes={-1: 16, 'type': 'dynamic', 'scale_bits': "
-                                 "(4, 3)} (NVFP4) or {-1: 32, 'type': 'dynamic', 'scale_bits': (8, 0)} (MXFP4)")
+                raise ValueError(
+                    "TensorQuantizer: FP4 needs block_sizes={-1: 16, 'type': 'dynamic', 'scale_bits': "
+                    "(4, 3)} (NVFP4) or {-1: 32, 'type': 'dynamic', 'scale_bits': (8, 0)} (MXFP4)"
+                )
         self.num_bits = num_bits
         self.axis = axis
         self.block_sizes = block_sizes
@@ -103,7 +120,7 @@ class TensorQuantizer(nn.Module):
         """The largest quantized magnitude: 2^(b-1) - 1 for signed ints (127, 7), 448 fp8, 6 fp4."""
         if isinstance(self.num_bits, tuple):
             return FLOAT_MAXBOUND[self.num_bits]
-        return float(2 ** self.num_bits - 1 if self.unsigned else 2 ** (self.num_bits - 1) - 1)
+        return float(2**self.num_bits - 1 if self.unsigned else 2 ** (self.num_bits - 1) - 1)
 
     @property
     def block_size(self) -> int:
@@ -173,8 +190,9 @@ class TensorQuantizer(nn.Module):
         bk = self.block_sizes[-1]
         if -2 not in self.block_sizes:
             if a.shape[-1] % bk:
-                raise ValueError(f"TensorQuantizer: last dim of {tuple(a.shape)} is not a multiple of the block size "
-                                 f"{bk}")
+                raise ValueError(
+                    f"TensorQuantizer: last dim of {tuple(a.shape)} is not a multiple of the block size {bk}"
+                )
             return a.reshape(*a.shape[:-1], -1, bk).amax(dim=-1)
         bn = self.block_sizes[-2]
         n, k = a.shape[-2:]
@@ -187,8 +205,10 @@ class TensorQuantizer(nn.Module):
         new = self.amax_of(x)
         old = self.amax
         if old is not None and old.shape != new.shape:
-            raise ValueError(f"TensorQuantizer: amax of shape {tuple(new.shape)} does not match the calibrated "
-                             f"{tuple(old.shape)}; reset_amax() before calibrating another tensor shape")
+            raise ValueError(
+                f"TensorQuantizer: amax of shape {tuple(new.shape)} does not match the calibrated "
+                f"{tuple(old.shape)}; reset_amax() before calibrating another tensor shape"
+            )
         self.amax = new if old is None else torch.maximum(old, new.to(old.device))
 
     # ----------------------------------------------------------------------------- fake quant
@@ -212,8 +232,10 @@ class TensorQuantizer(nn.Module):
             return codecs.mxfp4_dequantize(packed, scales, self.block_size).to(x.dtype)
         amax = self.amax
         if amax is None:
-            raise RuntimeError("TensorQuantizer: no amax; calibrate first (collect(tensor), or run the module "
-                               "inside workbench.quantization.calibrating(module))")
+            raise RuntimeError(
+                "TensorQuantizer: no amax; calibrate first (collect(tensor), or run the module "
+                "inside workbench.quantization.calibrating(module))"
+            )
         amax = amax.to(x.device)
         if self.num_bits == (2, 1):
             return torch.ops.workbench.torch_fake_quant_nvfp4(x, amax, self.block_size)

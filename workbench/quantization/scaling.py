@@ -26,9 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..ops.quant import codecs
-from .formats import (
-    NVFP4_FORMATS, QUANTIZATION_MXFP4, QUANTIZATION_NONE, weight_format, quantizer_names,
-)
+from .formats import NVFP4_FORMATS, QUANTIZATION_MXFP4, QUANTIZATION_NONE, quantizer_names, weight_format
 from .quantizer import SequentialQuantizer, TensorQuantizer
 
 NVFP4_GLOBAL_MAXBOUND = codecs.E2M1_MAX * codecs.FP8_E4M3_MAX  # 6 * 448: the largest NVFP4 value
@@ -72,8 +70,9 @@ def get_scaling_factor_from_weight(weight: torch.Tensor, group_size: int) -> tor
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
-def get_activation_scaling_factor(module: nn.Module,
-                                  input_quantizer_name: str = "input_quantizer") -> Optional[torch.Tensor]:
+def get_activation_scaling_factor(
+    module: nn.Module, input_quantizer_name: str = "input_quantizer"
+) -> Optional[torch.Tensor]:
     """Returns the activation scaling factor.
 
     ``get_scaling_factor`` of the module's input quantizer: amax / 448 for FP8, amax / 127 for INT8,
@@ -135,8 +134,10 @@ def get_prequant_scaling_factor(module: nn.Module) -> Optional[torch.Tensor]:
         return None
     scale = scale.squeeze()
     if not bool((scale > 0).all()):
-        raise ValueError("get_prequant_scaling_factor: the pre_quant_scale has non-positive entries; it divides "
-                         "the weight columns, so every entry must be > 0")
+        raise ValueError(
+            "get_prequant_scaling_factor: the pre_quant_scale has non-positive entries; it divides "
+            "the weight columns, so every entry must be > 0"
+        )
     return scale
 
 

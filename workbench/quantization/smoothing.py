@@ -22,9 +22,14 @@ from .scaling import get_scaling_factor_from_weight
 _RESMOOTH_FORMATS = (None, *INT4_FORMATS, QUANTIZATION_INT8_SQ, QUANTIZATION_NVFP4_AWQ)
 
 
-def resmooth_and_get_scale(merged_weights: torch.Tensor, pre_quant_scales: List[torch.Tensor], ranks: int,
-                           group_size: int, new_pre_quant_scale: Optional[torch.Tensor] = None,
-                           quantization: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def resmooth_and_get_scale(
+    merged_weights: torch.Tensor,
+    pre_quant_scales: List[torch.Tensor],
+    ranks: int,
+    group_size: int,
+    new_pre_quant_scale: Optional[torch.Tensor] = None,
+    quantization: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Resmooths weights from a single or multiple ranks and get scaling factors and amax.
 
     ``merged_weights`` [ranks * N_r, K] holds each rank's smoothed weight rows (rank r's are chunk r),
@@ -38,11 +43,15 @@ def resmooth_and_get_scale(merged_weights: torch.Tensor, pre_quant_scales: List[
     if merged_weights.dim() != 2:
         raise ValueError(f"resmooth_and_get_scale: needs a 2-D merged weight, got {tuple(merged_weights.shape)}")
     if ranks < 1 or len(pre_quant_scales) != ranks or merged_weights.shape[0] % ranks:
-        raise ValueError(f"resmooth_and_get_scale: needs one pre_quant_scale per rank and rows divisible by ranks; "
-                         f"got {len(pre_quant_scales)} scales, ranks={ranks}, weight {tuple(merged_weights.shape)}")
+        raise ValueError(
+            f"resmooth_and_get_scale: needs one pre_quant_scale per rank and rows divisible by ranks; "
+            f"got {len(pre_quant_scales)} scales, ranks={ranks}, weight {tuple(merged_weights.shape)}"
+        )
     if quantization not in _RESMOOTH_FORMATS:
-        raise ValueError(f"resmooth_and_get_scale: quantization {quantization!r} has no pre-quant scale; use one of "
-                         f"{_RESMOOTH_FORMATS}")
+        raise ValueError(
+            f"resmooth_and_get_scale: quantization {quantization!r} has no pre-quant scale; use one of "
+            f"{_RESMOOTH_FORMATS}"
+        )
     k = merged_weights.shape[1]
     if new_pre_quant_scale is None:
         new_pre_quant_scale = torch.stack([s.reshape(-1) for s in pre_quant_scales]).mean(dim=0)
@@ -72,8 +81,9 @@ def pre_quant_scales_of(modules: Sequence[nn.Module], what: str) -> List[torch.T
         q = getattr(m, "input_quantizer", None)
         s = getattr(q, "pre_quant_scale", None) if q is not None else None
         if s is None:
-            raise ValueError(f"{what}: every module needs an input_quantizer with a pre_quant_scale; "
-                             f"{type(m).__name__} has none")
+            raise ValueError(
+                f"{what}: every module needs an input_quantizer with a pre_quant_scale; {type(m).__name__} has none"
+            )
         scales.append(s)
     return scales
 
@@ -93,13 +103,17 @@ def fuse_prequant_layernorm(layernorm_module: nn.Module, modules: Sequence[nn.Mo
         raise ValueError("fuse_prequant_layernorm: no modules given")
     scales = pre_quant_scales_of(modules, "fuse_prequant_layernorm")
     if not all(torch.equal(scales[0], s) for s in scales[1:]):
-        raise ValueError("fuse_prequant_layernorm: the modules' pre_quant_scales differ, so one norm weight cannot "
-                         "absorb them; call preprocess_linear_fusion(modules) first to re-smooth them to their mean")
+        raise ValueError(
+            "fuse_prequant_layernorm: the modules' pre_quant_scales differ, so one norm weight cannot "
+            "absorb them; call preprocess_linear_fusion(modules) first to re-smooth them to their mean"
+        )
     scale = torch.stack(scales).mean(dim=0)
     weight = getattr(layernorm_module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.shape != scale.shape:
-        raise ValueError(f"fuse_prequant_layernorm: the norm needs a weight of shape {tuple(scale.shape)}, got "
-                         f"{None if weight is None else tuple(weight.shape)}")
+        raise ValueError(
+            f"fuse_prequant_layernorm: the norm needs a weight of shape {tuple(scale.shape)}, got "
+            f"{None if weight is None else tuple(weight.shape)}"
+        )
     with torch.no_grad():
         layernorm_module.weight = nn.Parameter(weight * scale.to(weight.dtype), requires_grad=weight.requires_grad)
         bias = getattr(layernorm_module, "bias", None)

@@ -58,15 +58,20 @@ def postprocess_state_dict(state_dict: dict, maxbound: float, quantization: Opti
             continue
         if "_amax" in suffix:
             if quantization not in KV_SCALE_FORMATS:
-                raise ValueError(f"postprocess_state_dict: {key!r} is a KV-cache amax but quantization is "
-                                 f"{quantization!r}; pass the KV-cache format, one of {KV_SCALE_FORMATS}")
+                raise ValueError(
+                    f"postprocess_state_dict: {key!r} is a KV-cache amax but quantization is "
+                    f"{quantization!r}; pass the KV-cache format, one of {KV_SCALE_FORMATS}"
+                )
             if not maxbound > 0:
                 raise ValueError(f"postprocess_state_dict: maxbound must be positive, got {maxbound}")
             value = value.float() / maxbound
             if quantization == KV_CACHE_FP8:
                 if float(value.max()) > LARGE_FP8_KV_SCALE:
-                    warnings.warn(f"Large KV activations at {key!r}; a quantized KV cache may lose accuracy "
-                                  "(the FP8 scale is set to at least 1)")
+                    warnings.warn(
+                        f"Large KV activations at {key!r}; a quantized KV cache may lose accuracy "
+                        "(the FP8 scale is set to at least 1)",
+                        stacklevel=2,
+                    )
                 value = value.clamp(min=1.0)
         out[key[: -len(suffix)] + RENAMES[suffix]] = value
     for key, value in out.items():
@@ -79,7 +84,9 @@ def postprocess_state_dict(state_dict: dict, maxbound: float, quantization: Opti
             continue  # meta tensors have no storage to compare
         alias = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.stride())
         if alias in seen:
-            warnings.warn(f"postprocess_state_dict: {key!r} is tied to {seen[alias]!r}; the duplicate is dropped")
+            warnings.warn(
+                f"postprocess_state_dict: {key!r} is tied to {seen[alias]!r}; the duplicate is dropped", stacklevel=2
+            )
             del out[key]
         else:
             seen[alias] = key

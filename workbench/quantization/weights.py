@@ -28,7 +28,12 @@ import torch
 
 from ..ops.quant import codecs
 from .formats import (
-    INT4_FORMATS, INT8_FORMATS, NVFP4_FORMATS, QUANTIZATION_FP8, QUANTIZATION_FP8_PB_WO, QUANTIZATION_MXFP4,
+    INT4_FORMATS,
+    INT8_FORMATS,
+    NVFP4_FORMATS,
+    QUANTIZATION_FP8,
+    QUANTIZATION_FP8_PB_WO,
+    QUANTIZATION_MXFP4,
     check_format,
 )
 
@@ -44,16 +49,20 @@ def _per_expert(scale: torch.Tensor, weight: torch.Tensor, what: str) -> torch.T
         return scale.reshape(())
     if weight.dim() == 3 and scale.numel() == weight.shape[0]:
         return scale.reshape(-1, 1, 1)
-    raise ValueError(f"{what}: a per-tensor scale must be 0-d (or [E] for [E, N, K] expert weights); got scale "
-                     f"{tuple(scale.shape)} for weight {tuple(weight.shape)}")
+    raise ValueError(
+        f"{what}: a per-tensor scale must be 0-d (or [E] for [E, N, K] expert weights); got scale "
+        f"{tuple(scale.shape)} for weight {tuple(weight.shape)}"
+    )
 
 
 def _group_size(k: int, scale: torch.Tensor, block_size: Optional[int], what: str) -> int:
     """The block along K implied by per-group scales [..., K/g] (checked against ``block_size``)."""
     groups = scale.shape[-1] if scale.dim() else 0
     if not groups or k % groups or (block_size and block_size != k // groups):
-        raise ValueError(f"{what}: per-group scales {tuple(scale.shape)} do not divide K={k} into groups"
-                         + (f" of block_size={block_size}" if block_size else ""))
+        raise ValueError(
+            f"{what}: per-group scales {tuple(scale.shape)} do not divide K={k} into groups"
+            + (f" of block_size={block_size}" if block_size else "")
+        )
     return k // groups
 
 
@@ -77,11 +86,15 @@ def pack_int4_in_uint8(weight: torch.Tensor, weights_scaling_factor: torch.Tenso
     """
     *lead, n, k = weight.shape
     if weight.dim() not in (2, 3) or n % 2:
-        raise ValueError(f"pack_int4_in_uint8: needs a [N, K] or [E, N, K] weight with an even N (two output rows "
-                         f"per byte), got {tuple(weight.shape)}")
+        raise ValueError(
+            f"pack_int4_in_uint8: needs a [N, K] or [E, N, K] weight with an even N (two output rows "
+            f"per byte), got {tuple(weight.shape)}"
+        )
     if tuple(weights_scaling_factor.shape[:-1]) != (*lead, n):
-        raise ValueError(f"pack_int4_in_uint8: scales {tuple(weights_scaling_factor.shape)} do not match weight "
-                         f"{tuple(weight.shape)}; expected [..., {n}, K/group]")
+        raise ValueError(
+            f"pack_int4_in_uint8: scales {tuple(weights_scaling_factor.shape)} do not match weight "
+            f"{tuple(weight.shape)}; expected [..., {n}, K/group]"
+        )
     _group_size(k, weights_scaling_factor, None, "pack_int4_in_uint8")
     scale = _nonzero(_expand_groups(weights_scaling_factor, k))
     codes = torch.round(weight.float() / scale).clamp(-8, 7).to(torch.int16) & 0xF
@@ -105,9 +118,13 @@ def _fp4_codes(weight: torch.Tensor, step: torch.Tensor, block: int) -> torch.Te
     return codecs.pack_fp4(codes)
 
 
-def to_quantized_weight(weight: torch.Tensor, weights_scaling_factor: Optional[torch.Tensor], quantization: str,
-                        weights_scaling_factor2: Optional[torch.Tensor] = None,
-                        block_size: Optional[int] = None) -> torch.Tensor:
+def to_quantized_weight(
+    weight: torch.Tensor,
+    weights_scaling_factor: Optional[torch.Tensor],
+    quantization: str,
+    weights_scaling_factor2: Optional[torch.Tensor] = None,
+    block_size: Optional[int] = None,
+) -> torch.Tensor:
     """Converts the weight to the quantized (packed) format of ``quantization`` (module docstring),
     dividing by the given scaling factors (those of ``get_weight_scaling_factor`` /
     ``get_weight_scaling_factor_2``)."""
@@ -118,7 +135,7 @@ def to_quantized_weight(weight: torch.Tensor, weights_scaling_factor: Optional[t
         raise ValueError(f"to_quantized_weight: {quantization} needs weights_scaling_factor")
     if quantization == QUANTIZATION_FP8:
         if weight.dtype == torch.float8_e4m3fn:
-            warnings.warn("to_quantized_weight: weight is already float8_e4m3fn; returned as is")
+            warnings.warn("to_quantized_weight: weight is already float8_e4m3fn; returned as is", stacklevel=2)
             return weight
         return codecs.to_fp8(weight, _per_expert(weights_scaling_factor, weight, "to_quantized_weight"))
     if quantization == QUANTIZATION_FP8_PB_WO:
@@ -127,14 +144,18 @@ def to_quantized_weight(weight: torch.Tensor, weights_scaling_factor: Optional[t
         n, k = weight.shape[-2:]
         want = (*weight.shape[:-2], -(-n // block_size), -(-k // block_size))
         if tuple(weights_scaling_factor.shape) != want:
-            raise ValueError(f"to_quantized_weight: fp8_pb_wo weight {tuple(weight.shape)} with block {block_size} "
-                             f"needs scales of shape {want}, got {tuple(weights_scaling_factor.shape)}")
+            raise ValueError(
+                f"to_quantized_weight: fp8_pb_wo weight {tuple(weight.shape)} with block {block_size} "
+                f"needs scales of shape {want}, got {tuple(weights_scaling_factor.shape)}"
+            )
         scale = weights_scaling_factor.float().repeat_interleave(block_size, -2)[..., :n, :]
         return codecs.to_fp8(weight, _nonzero(scale.repeat_interleave(block_size, -1)[..., :k]))
     if quantization in INT8_FORMATS:
         if tuple(weights_scaling_factor.shape) != tuple(weight.shape[:-1]):
-            raise ValueError(f"to_quantized_weight: int8 scales must be per output row {tuple(weight.shape[:-1])}, "
-                             f"got {tuple(weights_scaling_factor.shape)}")
+            raise ValueError(
+                f"to_quantized_weight: int8 scales must be per output row {tuple(weight.shape[:-1])}, "
+                f"got {tuple(weights_scaling_factor.shape)}"
+            )
         scale = _nonzero(weights_scaling_factor.float()).unsqueeze(-1)
         return torch.round(weight.float() / scale).clamp(-128, 127).to(torch.int8)
     if quantization in INT4_FORMATS:
@@ -142,8 +163,10 @@ def to_quantized_weight(weight: torch.Tensor, weights_scaling_factor: Optional[t
     k = weight.shape[-1]
     if quantization in NVFP4_FORMATS:
         if weights_scaling_factor2 is None:
-            raise ValueError("to_quantized_weight: nvfp4 needs weights_scaling_factor2 (the global scale, "
-                             "get_weight_scaling_factor_2)")
+            raise ValueError(
+                "to_quantized_weight: nvfp4 needs weights_scaling_factor2 (the global scale, "
+                "get_weight_scaling_factor_2)"
+            )
         block = _group_size(k, weights_scaling_factor, block_size, "to_quantized_weight")
         global_scale = _per_expert(weights_scaling_factor2.to(weight.device), weight, "to_quantized_weight")
         return _fp4_codes(weight, weights_scaling_factor.float() * global_scale, block)
@@ -154,10 +177,15 @@ def to_quantized_weight(weight: torch.Tensor, weights_scaling_factor: Optional[t
     return _fp4_codes(weight, codecs.e8m0_decode(weights_scaling_factor), block)
 
 
-def from_quantized_weight(weight: torch.Tensor, weights_scaling_factor: Optional[torch.Tensor],
-                          quantization: Optional[str], torch_dtype: torch.dtype, *,
-                          weights_scaling_factor2: Optional[torch.Tensor] = None,
-                          block_size: Optional[int] = None) -> torch.Tensor:
+def from_quantized_weight(
+    weight: torch.Tensor,
+    weights_scaling_factor: Optional[torch.Tensor],
+    quantization: Optional[str],
+    torch_dtype: torch.dtype,
+    *,
+    weights_scaling_factor2: Optional[torch.Tensor] = None,
+    block_size: Optional[int] = None,
+) -> torch.Tensor:
     """Converts the quantized weight to the target torch_dtype format (dequantizes, in fp32, then
     casts). A weight of 2+ bytes per element, no scaling factor or no ``quantization`` is taken as
     not quantized and only cast. FP8 stored as int8/uint8 bytes (safetensors without fp8) is read
@@ -188,15 +216,17 @@ def from_quantized_weight(weight: torch.Tensor, weights_scaling_factor: Optional
         global_scale = weights_scaling_factor2.to(weight.device).float()
         if global_scale.numel() == 1:
             return codecs.nvfp4_dequantize(weight, scale, global_scale, block).to(torch_dtype)
-        per_expert = [codecs.nvfp4_dequantize(weight[e], scale[e], global_scale.reshape(-1)[e], block)
-                      for e in range(weight.shape[0])]
+        per_expert = [
+            codecs.nvfp4_dequantize(weight[e], scale[e], global_scale.reshape(-1)[e], block)
+            for e in range(weight.shape[0])
+        ]
         return torch.stack(per_expert).to(torch_dtype)
     return codecs.mxfp4_dequantize(weight, scale, block).to(torch_dtype)
 
 
-def maybe_transpose_expert_weight_dimensions(weight: torch.Tensor, weight_scale: Optional[torch.Tensor] = None,
-                                             is_bmm_expert_weight: bool = True
-                                             ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def maybe_transpose_expert_weight_dimensions(
+    weight: torch.Tensor, weight_scale: Optional[torch.Tensor] = None, is_bmm_expert_weight: bool = True
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Transpose the last two dimensions of expert weights.
 
     Stacked (bmm-style) expert weights are stored (num_experts, input_dim, output_dim) in some models

@@ -12,7 +12,20 @@ from .scheduler import Request, Scheduler, Step  # noqa: F401
 from .sequence_info import SequenceInfo  # noqa: F401
 
 __all__ = [
-    "generate", "GenerationOutput", "GenerationResult", "GenerationStats", "TokenEvent", "CacheSpec",
-    "KVCacheConfig", "PageAllocator", "CachedRunner", "UncachedRunner", "runner_for", "SamplingParams",
-    "Request", "Scheduler", "Step", "SequenceInfo",
+    "generate",
+    "GenerationOutput",
+    "GenerationResult",
+    "GenerationStats",
+    "TokenEvent",
+    "CacheSpec",
+    "KVCacheConfig",
+    "PageAllocator",
+    "CachedRunner",
+    "UncachedRunner",
+    "runner_for",
+    "SamplingParams",
+    "Request",
+    "Scheduler",
+    "Step",
+    "SequenceInfo",
 ]

@@ -118,7 +118,8 @@ class CompileBackend(Backend):
             n = max(1, min(cfg.page_size, pieces.buckets[0] - 1))  # < the bucket: padding is checked
             got = runner.scratch_prefill_logits(n)
             details["piecewise_check_max_abs_diff"] = float(
-                (got - runner.scratch_prefill_logits(n, fn=req.module)).abs().max())
+                (got - runner.scratch_prefill_logits(n, fn=req.module)).abs().max()
+            )
         details.update(self_check(runner, req.module, replay=True))
         # Captured graphs keep their own allocator pool (activations of every captured size).
         return Built(runner, details, allocates_cuda_memory="CUDA-graph memory pool of the captured graphs")
@@ -128,9 +129,11 @@ class CompileBackend(Backend):
         cfg = req.cache_config
         buckets = req.piecewise_num_tokens or default_token_buckets(cfg.max_num_tokens)
         if buckets[-1] > cfg.max_num_tokens:
-            raise ValueError(f"piecewise_num_tokens {[b for b in buckets if b > cfg.max_num_tokens]} exceed the "
-                             f"KV cache's max_num_tokens={cfg.max_num_tokens}; lower them or raise "
-                             "initialize_cache.max_num_tokens")
+            raise ValueError(
+                f"piecewise_num_tokens {[b for b in buckets if b > cfg.max_num_tokens]} exceed the "
+                f"KV cache's max_num_tokens={cfg.max_num_tokens}; lower them or raise "
+                "initialize_cache.max_num_tokens"
+            )
         pieces = PiecewiseGraphs(gm, buckets, use_cuda_graphs=True, compile_pieces=self.torch_compile)
         details.update(piecewise_num_tokens=pieces.buckets, piecewise_captured_pieces=pieces.num_captured_pieces)
         return pieces
@@ -147,8 +150,10 @@ def static_decode_sizes(req: BuildRequest, torch_compile: bool) -> List[int]:
         sizes = [1]
     too_big = [b for b in sizes if b > req.cache_config.max_batch_size]
     if too_big:
-        raise ValueError(f"static_decode_batch_sizes {too_big} exceed the KV cache's max_batch_size="
-                         f"{req.cache_config.max_batch_size}; lower them or raise initialize_cache.max_batch_size")
+        raise ValueError(
+            f"static_decode_batch_sizes {too_big} exceed the KV cache's max_batch_size="
+            f"{req.cache_config.max_batch_size}; lower them or raise initialize_cache.max_batch_size"
+        )
     return sorted(set(sizes))
 
 
@@ -182,8 +187,9 @@ def compile_options(device: torch.device, cache_inputs: Iterable[str] = ()) -> D
 
     def keep(entries: List[Any]) -> List[bool]:
         # the module is named ``self`` (torch 2.13: "self._modules[...]"), ``L['self']`` in older names
-        return [not (e.name.startswith(("self.", "self[", "L['self']")) or _input_name(e.name) in static)
-                for e in entries]
+        return [
+            not (e.name.startswith(("self.", "self[", "L['self']")) or _input_name(e.name) in static) for e in entries
+        ]
 
     return {**inductor_options(device), "guard_filter_fn": keep}
 
@@ -220,19 +226,37 @@ def self_check(runner: CompiledRunner, module: fx.GraphModule, replay: bool) -> 
     return {"check_max_abs_diff": float((got - ref).abs().max())}
 
 
-COMPILE_BACKENDS: BackendRegistry[CompileBackend] = BackendRegistry("compile", [
-    CompileBackend("torch-simple", "nothing beyond PyTorch", "the graph module as is"),
-    CompileBackend("torch-compile", "nothing beyond PyTorch", "torch.compile(dynamic=True) of an inlined copy",
-                   torch_compile=True),
-    CompileBackend("torch-cudagraph", "a CUDA GPU and a capturable attention backend (triton, flashinfer)",
-                   "CUDA graphs per decode batch size", cuda_graphs=True),
-    CompileBackend("torch-opt", "a CUDA GPU and a capturable attention backend (triton, flashinfer)",
-                   "torch.compile, then CUDA graphs of the compiled forward", torch_compile=True, cuda_graphs=True),
-# auto: CUDA graphs on CUDA when the graph can be captured (compile_model refuses them otherwise), else
-# the plain graph; CPU: the plain graph over the C++ kernels, chosen for the time to an answer (the
-# first torch-compile of a model costs 2-4 min of C++ compilation on 2 cores; its decode is faster:
-# docs/benchmarks.md)
-], default="torch-simple", auto_order={"cuda": ("torch-cudagraph", "torch-simple"), "cpu": ("torch-simple",)})
+COMPILE_BACKENDS: BackendRegistry[CompileBackend] = BackendRegistry(
+    "compile",
+    [
+        CompileBackend("torch-simple", "nothing beyond PyTorch", "the graph module as is"),
+        CompileBackend(
+            "torch-compile",
+            "nothing beyond PyTorch",
+            "torch.compile(dynamic=True) of an inlined copy",
+            torch_compile=True,
+        ),
+        CompileBackend(
+            "torch-cudagraph",
+            "a CUDA GPU and a capturable attention backend (triton, flashinfer)",
+            "CUDA graphs per decode batch size",
+            cuda_graphs=True,
+        ),
+        CompileBackend(
+            "torch-opt",
+            "a CUDA GPU and a capturable attention backend (triton, flashinfer)",
+            "torch.compile, then CUDA graphs of the compiled forward",
+            torch_compile=True,
+            cuda_graphs=True,
+        ),
+        # auto: CUDA graphs on CUDA when the graph can be captured (compile_model refuses them otherwise), else
+        # the plain graph; CPU: the plain graph over the C++ kernels, chosen for the time to an answer (the
+        # first torch-compile of a model costs 2-4 min of C++ compilation on 2 cores; its decode is faster:
+        # docs/benchmarks.md)
+    ],
+    default="torch-simple",
+    auto_order={"cuda": ("torch-cudagraph", "torch-simple"), "cpu": ("torch-simple",)},
+)
 
 
 __all__ = ["COMPILE_BACKENDS", "CompileBackend", "BuildRequest", "Built", "inlined_copy", "self_check"]

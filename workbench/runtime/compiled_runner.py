@@ -50,9 +50,15 @@ class CompiledRunner(CachedRunner):
 
     backend = "compiled"
 
-    def __init__(self, module: torch.nn.Module, caches: Mapping[str, torch.Tensor], cfg: KVCacheConfig,
-                 device: torch.device | str, fn: Optional[Callable[..., Any]] = None,
-                 piecewise: Optional[PiecewiseGraphs] = None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        caches: Mapping[str, torch.Tensor],
+        cfg: KVCacheConfig,
+        device: torch.device | str,
+        fn: Optional[Callable[..., Any]] = None,
+        piecewise: Optional[PiecewiseGraphs] = None,
+    ):
         if cfg.num_pages < 2:
             raise ValueError("a compiled runner keeps one KV page as scratch: the cache needs >= 2 pages")
         super().__init__(module, caches, cfg, device)
@@ -89,9 +95,14 @@ class CompiledRunner(CachedRunner):
         that gathers before the LM head returns the last token's row only: [1, V]."""
         if num_tokens > self.cfg.page_size:
             raise ValueError(f"a scratch prefill fits one page ({self.cfg.page_size} tokens), not {num_tokens}")
-        self.seq_info.set_batch([list(range(1, num_tokens + 1))], [0], [[self.scratch_page]], num_prefill=1,
-                                slots=[self.cfg.scratch_slot],
-                                page_size=self.cfg.page_size)
+        self.seq_info.set_batch(
+            [list(range(1, num_tokens + 1))],
+            [0],
+            [[self.scratch_page]],
+            num_prefill=1,
+            slots=[self.cfg.scratch_slot],
+            page_size=self.cfg.page_size,
+        )
         with torch.no_grad(), self.planned():
             if fn is not None:
                 out = fn(*self._inputs())
@@ -106,8 +117,14 @@ class CompiledRunner(CachedRunner):
 
     def set_scratch_decode(self, batch_size: int, token_id: int = 0) -> None:
         """``batch_size`` decode sequences at position 0, all on the scratch page (warm-up, checks)."""
-        self.seq_info.set_batch([[token_id]] * batch_size, [0] * batch_size, [[self.scratch_page]] * batch_size,
-                                num_prefill=0, page_size=self.cfg.page_size, slots=[self.cfg.scratch_slot] * batch_size)
+        self.seq_info.set_batch(
+            [[token_id]] * batch_size,
+            [0] * batch_size,
+            [[self.scratch_page]] * batch_size,
+            num_prefill=0,
+            page_size=self.cfg.page_size,
+            slots=[self.cfg.scratch_slot] * batch_size,
+        )
 
     def scratch_decode_logits(self, batch_size: int, fn: Optional[Callable[..., Any]] = None) -> torch.Tensor:
         """Logits [B, V] of a scratch decode step through ``fn`` (default: this runner's forward)."""
@@ -116,8 +133,9 @@ class CompiledRunner(CachedRunner):
             out = (fn or self.fn)(*self._inputs())
         return out[0, :batch_size].float().clone()
 
-    def add_static_decode(self, module: torch.nn.Module, batch_sizes: Sequence[int],
-                          options: Mapping[str, Any]) -> Dict[str, Any]:
+    def add_static_decode(
+        self, module: torch.nn.Module, batch_sizes: Sequence[int], options: Mapping[str, Any]
+    ) -> Dict[str, Any]:
         """Compile ``module`` for decode steps of each of ``batch_sizes`` (``static_decode``) and
         check each graph against ``self.module`` on a scratch decode step; returns the facts."""
         graphs, diffs = None, {}
@@ -125,10 +143,15 @@ class CompiledRunner(CachedRunner):
             self.set_scratch_decode(b)
             inputs = self._inputs()
             if graphs is None:  # keyed by the shapes of the step's tensors (the caches never change)
-                graphs = StaticDecodeGraphs([i for i, (n, v) in enumerate(zip(self.input_names, inputs))
-                                             if n not in self.caches and isinstance(v, torch.Tensor)])
+                graphs = StaticDecodeGraphs(
+                    [
+                        i
+                        for i, (n, v) in enumerate(zip(self.input_names, inputs))
+                        if n not in self.caches and isinstance(v, torch.Tensor)
+                    ]
+                )
             graphs.add(module, inputs, options)
-            got = self.scratch_decode_logits(b, fn=lambda *inputs: graphs(graphs.lookup(inputs), inputs))
+            got = self.scratch_decode_logits(b, fn=graphs.replay)
             diffs[b] = float((got - self.scratch_decode_logits(b, fn=self.module)).abs().max())
         graphs.calls = 0  # counts the steps that ran a static graph, not these checks
         self.static_decode = graphs
@@ -140,17 +163,26 @@ class CudaGraphRunner(CompiledRunner):
 
     backend = "cudagraph"
 
-    def __init__(self, module: torch.nn.Module, caches: Mapping[str, torch.Tensor], cfg: KVCacheConfig,
-                 device: torch.device | str, batch_sizes: Sequence[int], fn: Optional[Callable[..., Any]] = None,
-                 piecewise: Optional[PiecewiseGraphs] = None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        caches: Mapping[str, torch.Tensor],
+        cfg: KVCacheConfig,
+        device: torch.device | str,
+        batch_sizes: Sequence[int],
+        fn: Optional[Callable[..., Any]] = None,
+        piecewise: Optional[PiecewiseGraphs] = None,
+    ):
         super().__init__(module, caches, cfg, device, fn, piecewise)
         if self.device.type != "cuda" or not torch.cuda.is_available():
             raise RuntimeError(f"CUDA graphs need a CUDA device; this runner is on {self.device}")
         sizes = sorted({int(b) for b in batch_sizes})
         too_big = [b for b in sizes if b > cfg.max_batch_size]
         if too_big:
-            raise ValueError(f"cuda_graph_batch_sizes {too_big} exceed the KV cache's max_batch_size="
-                             f"{cfg.max_batch_size}; lower them or raise initialize_cache.max_batch_size")
+            raise ValueError(
+                f"cuda_graph_batch_sizes {too_big} exceed the KV cache's max_batch_size="
+                f"{cfg.max_batch_size}; lower them or raise initialize_cache.max_batch_size"
+            )
         self.batch_sizes = sizes
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: Dict[int, torch.Tensor] = {}
@@ -203,7 +235,7 @@ class CudaGraphRunner(CompiledRunner):
             if self.piecewise is None or self.piecewise.bucket(step.num_tokens) is None:
                 self.eager_steps += 1
             return super().forward(step, sched)
-        tokens = [r.tokens[r.num_cached: r.num_cached + 1] for r, _ in step.items] + [[0]] * (padded - b)
+        tokens = [r.tokens[r.num_cached : r.num_cached + 1] for r, _ in step.items] + [[0]] * (padded - b)
         pos = [r.num_cached for r, _ in step.items] + [0] * (padded - b)
         pages = [sched.pages(r) for r, _ in step.items] + [[self.scratch_page]] * (padded - b)
         slots = [sched.slot(r) for r, _ in step.items] + [self.cfg.scratch_slot] * (padded - b)

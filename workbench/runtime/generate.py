@@ -20,6 +20,7 @@ alone. The rules, per prompt:
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -92,11 +93,14 @@ class GenerationStats:
 
     def __str__(self) -> str:
         ttft = f", ttft {self.time_to_first_token_s * 1e3:.0f} ms" if self.time_to_first_token_s else ""
-        return (f"{self.generated_tokens} tokens for {self.num_prompts} prompt(s) in {self.total_s:.2f}s: "
-                f"{self.tokens_per_s:.1f} tok/s overall, {self.decode_tokens_per_s:.1f} tok/s decode "
-                f"({self.steps} steps, {self.mixed_steps} mixed, up to {self.max_concurrency} sequences{ttft}"
-                + (f", {self.cache}" if self.cache else "") + ")"
-                + (f"; decode step (median ms): {format_step_profile(self.decode_step_ms)}" if self.decode_step_ms else ""))
+        return (
+            f"{self.generated_tokens} tokens for {self.num_prompts} prompt(s) in {self.total_s:.2f}s: "
+            f"{self.tokens_per_s:.1f} tok/s overall, {self.decode_tokens_per_s:.1f} tok/s decode "
+            f"({self.steps} steps, {self.mixed_steps} mixed, up to {self.max_concurrency} sequences{ttft}"
+            + (f", {self.cache}" if self.cache else "")
+            + ")"
+            + (f"; decode step (median ms): {format_step_profile(self.decode_step_ms)}" if self.decode_step_ms else "")
+        )
 
 
 def format_step_profile(ms: Dict[str, float]) -> str:
@@ -221,7 +225,9 @@ def _fit(req: Request, capacity: int, truncate_prompt: bool) -> None:
     if truncate_prompt and len(req.prompt) + req.max_new_tokens > capacity:
         keep = max(1, capacity - req.max_new_tokens)
         if keep < len(req.prompt):
-            req.notes.append(f"prompt truncated from {len(req.prompt)} to its last {keep} tokens (cache holds {capacity})")
+            req.notes.append(
+                f"prompt truncated from {len(req.prompt)} to its last {keep} tokens (cache holds {capacity})"
+            )
             req.prompt = req.prompt[-keep:]
             req.tokens = list(req.prompt)
     if len(req.prompt) >= capacity:
@@ -231,7 +237,9 @@ def _fit(req: Request, capacity: int, truncate_prompt: bool) -> None:
         )
     if req.reserve_tokens > capacity:
         new = capacity - len(req.prompt)
-        req.notes.append(f"max_new_tokens reduced from {req.max_new_tokens} to {new} (one sequence holds {capacity} tokens)")
+        req.notes.append(
+            f"max_new_tokens reduced from {req.max_new_tokens} to {new} (one sequence holds {capacity} tokens)"
+        )
         req.max_new_tokens = new
 
 
@@ -284,8 +292,11 @@ def generate(
         except ValueError as e:
             req.finish_reason, req.error = "error", str(e)
 
-    stats = GenerationStats(num_prompts=len(requests), prompt_tokens=sum(len(r.prompt) for r in requests),
-                            cache=getattr(runner, "cache_mode", ""))
+    stats = GenerationStats(
+        num_prompts=len(requests),
+        prompt_tokens=sum(len(r.prompt) for r in requests),
+        cache=getattr(runner, "cache_mode", ""),
+    )
     gen = torch.Generator().manual_seed(seed)
     texts = {}
     t0 = time.perf_counter()
@@ -299,7 +310,7 @@ def generate(
         if profiler is None:
             logits = runner.step(step, sched)  # [B, V]
         else:
-            logits, timing = profiler.runner_call(lambda: runner.step(step, sched))
+            logits, timing = profiler.runner_call(functools.partial(runner.step, step, sched))
             t_sample = time.perf_counter()
         ready = []  # rows whose sequence now needs its next token
         for row, (req, n) in enumerate(step.items):
@@ -326,8 +337,14 @@ def generate(
             stats.decode_tokens += len(new_tokens)
             if profiler is not None:
                 done = time.perf_counter()
-                profiler.rows.append({"schedule": (ts - t_sched) * 1e3, **timing, "sample": (done - t_sample) * 1e3,
-                                      "total": (done - t_sched) * 1e3})
+                profiler.rows.append(
+                    {
+                        "schedule": (ts - t_sched) * 1e3,
+                        **timing,
+                        "sample": (done - t_sample) * 1e3,
+                        "total": (done - t_sched) * 1e3,
+                    }
+                )
     stats.total_s = time.perf_counter() - t0
     stats.decode_step_ms = profiler.medians() if profiler is not None else None
     stats.generated_tokens = sum(len(r.generated) for r in requests)
@@ -335,9 +352,13 @@ def generate(
     stats.time_to_first_token_s = sum(firsts) / len(firsts) if firsts else None
     results = [
         GenerationResult(
-            index=r.index, prompt_token_ids=list(r.prompt), token_ids=list(r.generated),
+            index=r.index,
+            prompt_token_ids=list(r.prompt),
+            token_ids=list(r.generated),
             text=_decode(tokenizer, r.generated) if r.error is None else None,
-            finish_reason=r.finish_reason or "error", error=r.error, notes=list(r.notes),
+            finish_reason=r.finish_reason or "error",
+            error=r.error,
+            notes=list(r.notes),
         )
         for r in requests
     ]
@@ -359,10 +380,16 @@ def _text_delta(req: Request, tokenizer: Any, texts: dict) -> str:
     if full.endswith("\ufffd"):
         return ""  # an incomplete UTF-8 sequence: wait for the next token
     texts[req.index] = full
-    return full[len(prev):] if full.startswith(prev) else full
+    return full[len(prev) :] if full.startswith(prev) else full
 
 
 __all__ = [
-    "generate", "GenerationOutput", "GenerationResult", "GenerationStats", "TokenEvent",
-    "encode_prompt", "as_prompt_list", "default_stop_token_ids",
+    "generate",
+    "GenerationOutput",
+    "GenerationResult",
+    "GenerationStats",
+    "TokenEvent",
+    "encode_prompt",
+    "as_prompt_list",
+    "default_stop_token_ids",
 ]

@@ -19,10 +19,37 @@ from .backends import COMPILE_BACKENDS, BuildRequest, Built, CompileBackend
 from .kv_cache import PAGED, PER_TOKEN, SLOT, CacheSpec, KVCacheConfig, add_specs, allocate_caches
 from .limits import RuntimeLimits
 from .probe import CachedProbe, prefill_forward, run_cached
-from .sequence_info import INPUT_KEY, LAST_TOKEN_INPUT, METADATA_INPUTS, SLOT_INPUT, TOKEN_INPUTS, is_cached_module, module_input_names
+from .sequence_info import (
+    INPUT_KEY,
+    LAST_TOKEN_INPUT,
+    METADATA_INPUTS,
+    SLOT_INPUT,
+    TOKEN_INPUTS,
+    is_cached_module,
+    module_input_names,
+)
 
 __all__ = [
-    "COMPILE_BACKENDS", "BuildRequest", "Built", "CompileBackend", "PAGED", "PER_TOKEN", "SLOT", "SLOT_INPUT", "CacheSpec",
-    "KVCacheConfig", "RuntimeLimits", "add_specs", "allocate_caches", "CachedProbe", "prefill_forward", "run_cached", "INPUT_KEY",
-    "LAST_TOKEN_INPUT", "METADATA_INPUTS", "TOKEN_INPUTS", "is_cached_module", "module_input_names",
+    "COMPILE_BACKENDS",
+    "BuildRequest",
+    "Built",
+    "CompileBackend",
+    "PAGED",
+    "PER_TOKEN",
+    "SLOT",
+    "SLOT_INPUT",
+    "CacheSpec",
+    "KVCacheConfig",
+    "RuntimeLimits",
+    "add_specs",
+    "allocate_caches",
+    "CachedProbe",
+    "prefill_forward",
+    "run_cached",
+    "INPUT_KEY",
+    "LAST_TOKEN_INPUT",
+    "METADATA_INPUTS",
+    "TOKEN_INPUTS",
+    "is_cached_module",
+    "module_input_names",
 ]

@@ -83,11 +83,21 @@ class KVCacheConfig:
             raise ValueError(f"KVCacheConfig.num_pages must be >= 1, got {self.num_pages}")
 
     @classmethod
-    def sized(cls, *, page_size: int, num_pages: int, dtype: torch.dtype, max_batch_size: int, max_seq_len: int,
-              max_num_tokens: int, specs: Sequence[CacheSpec] = ()) -> "KVCacheConfig":
+    def sized(
+        cls,
+        *,
+        page_size: int,
+        num_pages: int,
+        dtype: torch.dtype,
+        max_batch_size: int,
+        max_seq_len: int,
+        max_num_tokens: int,
+        specs: Sequence[CacheSpec] = (),
+    ) -> "KVCacheConfig":
         """A pool with limits of its own (the numerics probe's one-off batch, tests)."""
-        limits = RuntimeLimits(max_batch_size=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=max_num_tokens,
-                               page_size=page_size)
+        limits = RuntimeLimits(
+            max_batch_size=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, page_size=page_size
+        )
         return cls(limits, num_pages, dtype, tuple(specs))
 
     @property
@@ -134,9 +144,7 @@ class KVCacheConfig:
 
     def bytes_per_page(self) -> int:
         """Bytes one page costs across every paged cache tensor (all layers, K and V)."""
-        return sum(
-            self.page_size * s.token_elems() * s.resolved_dtype(self).itemsize for s in self.paged_specs
-        )
+        return sum(self.page_size * s.token_elems() * s.resolved_dtype(self).itemsize for s in self.paged_specs)
 
     def bytes_per_token(self) -> int:
         return self.bytes_per_page() // self.page_size
@@ -173,13 +181,21 @@ class KVCacheConfig:
 
     def summary(self) -> Dict[str, object]:
         return {
-            "page_size": self.page_size, "num_pages": self.num_pages, "dtype": str(self.dtype),
-            "token_capacity": self.token_capacity, "bytes": self.total_bytes(),
-            "bytes_per_token": self.bytes_per_token(), "max_batch_size": self.max_batch_size,
-            "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens,
+            "page_size": self.page_size,
+            "num_pages": self.num_pages,
+            "dtype": str(self.dtype),
+            "token_capacity": self.token_capacity,
+            "bytes": self.total_bytes(),
+            "bytes_per_token": self.bytes_per_token(),
+            "max_batch_size": self.max_batch_size,
+            "max_seq_len": self.max_seq_len,
+            "max_num_tokens": self.max_num_tokens,
             "num_cache_tensors": len(self.specs),
-            **({"state_bytes_per_seq": self.state_bytes_per_seq(), "num_slots": self.num_slots}
-               if any(s.kind == SLOT for s in self.specs) else {}),
+            **(
+                {"state_bytes_per_seq": self.state_bytes_per_seq(), "num_slots": self.num_slots}
+                if any(s.kind == SLOT for s in self.specs)
+                else {}
+            ),
         }
 
 
@@ -195,8 +211,14 @@ def allocate_caches(cfg: KVCacheConfig, device: torch.device) -> Dict[str, torch
     return {s.name: _zeros(s.tensor_shape(cfg), s.resolved_dtype(cfg), torch.device(device)) for s in cfg.specs}
 
 
-_NUMPY_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.int8: "int8", torch.uint8: "uint8",
-                 torch.int32: "int32", torch.int64: "int64"}
+_NUMPY_DTYPES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
 
 
 def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -294,6 +316,15 @@ class PageAllocator:
 
 
 __all__ = [
-    "PAGED", "PER_TOKEN", "SLOT", "CACHE_KINDS", "SlotAllocator", "CacheSpec", "KVCacheConfig", "allocate_caches", "add_specs", "PageAllocator",
+    "PAGED",
+    "PER_TOKEN",
+    "SLOT",
+    "CACHE_KINDS",
+    "SlotAllocator",
+    "CacheSpec",
+    "KVCacheConfig",
+    "allocate_caches",
+    "add_specs",
+    "PageAllocator",
     "CacheFullError",
 ]

@@ -42,10 +42,13 @@ from .sequence_info import INPUT_KEY, LAST_TOKEN_INPUT
 
 logger = logging.getLogger("workbench.runtime")
 
+
 # ops that run eagerly between captured pieces: the cached-attention ops of every backend, which read
 # the per-sequence layout of a step (the op objects themselves: ``import workbench.ops`` registers them)
 def eager_ops() -> frozenset:
     return frozenset(b.op for b in ATTENTION_BACKENDS)
+
+
 SMALLEST_DEFAULT_BUCKET = 64
 
 
@@ -98,8 +101,11 @@ class CapturedPiece(torch.nn.Module):
         cap = self.captures.get(st.bucket)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         others = [a for a in args if not isinstance(a, torch.Tensor)]
-        if cap is None or others != cap.other_inputs or any(
-                t.shape != c.shape for t, c in zip(tensors, cap.tensor_inputs)):
+        if (
+            cap is None
+            or others != cap.other_inputs
+            or any(t.shape != c.shape for t, c in zip(tensors, cap.tensor_inputs))
+        ):
             st.eager_pieces += 1
             return self.fn(*args)
         for t, c in zip(tensors, cap.tensor_inputs):
@@ -120,8 +126,11 @@ class CapturedPiece(torch.nn.Module):
         with torch.cuda.graph(graph, pool=st.pool):
             out = self.fn(*args)
         self.captures[st.bucket] = _Capture(
-            graph, [a for a in args if isinstance(a, torch.Tensor)],
-            [a for a in args if not isinstance(a, torch.Tensor)], out)
+            graph,
+            [a for a in args if isinstance(a, torch.Tensor)],
+            [a for a in args if not isinstance(a, torch.Tensor)],
+            out,
+        )
         return out
 
 
@@ -159,8 +168,9 @@ class PiecewiseGraphs:
     padded token counts. ``compile_pieces``: ``torch.compile`` each captured piece (``torch-opt``).
     """
 
-    def __init__(self, module: fx.GraphModule, buckets: Sequence[int], use_cuda_graphs: bool,
-                 compile_pieces: bool = False):
+    def __init__(
+        self, module: fx.GraphModule, buckets: Sequence[int], use_cuda_graphs: bool, compile_pieces: bool = False
+    ):
         if not isinstance(module, fx.GraphModule):
             raise TypeError(f"piecewise CUDA graphs split an fx graph, not a {type(module).__name__}")
         if use_cuda_graphs and not torch.cuda.is_available():
@@ -220,8 +230,12 @@ class PiecewiseGraphs:
 
 def _is_last_token_gather(node: fx.Node) -> bool:
     index = node.args[2] if node.op == "call_function" and len(node.args) > 2 else None
-    return (node.target is torch.ops.aten.index_select.default and isinstance(index, fx.Node)
-            and index.op == "placeholder" and index.meta.get(INPUT_KEY, index.name) == LAST_TOKEN_INPUT)
+    return (
+        node.target is torch.ops.aten.index_select.default
+        and isinstance(index, fx.Node)
+        and index.op == "placeholder"
+        and index.meta.get(INPUT_KEY, index.name) == LAST_TOKEN_INPUT
+    )
 
 
 def _split_at_eager_ops(gm: fx.GraphModule) -> Tuple[fx.GraphModule, int, Optional[int]]:

@@ -42,8 +42,15 @@ class CachedProbe:
         ids, pos = probe.input_ids, probe.position_ids
         b, s = ids.shape
         per_seq = -(-s // self.page_size)
-        cfg = KVCacheConfig.sized(page_size=self.page_size, num_pages=b * per_seq, dtype=self.dtype, max_batch_size=b,
-                                  max_seq_len=s, max_num_tokens=b * s, specs=self.specs)
+        cfg = KVCacheConfig.sized(
+            page_size=self.page_size,
+            num_pages=b * per_seq,
+            dtype=self.dtype,
+            max_batch_size=b,
+            max_seq_len=s,
+            max_num_tokens=b * s,
+            specs=self.specs,
+        )
         info = SequenceInfo.from_config(cfg, ids.device)
         pages = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
         info.set_batch(ids.tolist(), [0] * b, pages, num_prefill=b, page_size=self.page_size)
@@ -59,8 +66,14 @@ class CachedProbe:
         return f"CachedProbe({len(self.specs)} cache inputs, scratch pages of {self.page_size})"
 
 
-def prefill_forward(module: torch.nn.Module, caches: Mapping[str, torch.Tensor], cfg: KVCacheConfig,
-                    num_tokens: int, vocab_size: int, device: torch.device) -> int:
+def prefill_forward(
+    module: torch.nn.Module,
+    caches: Mapping[str, torch.Tensor],
+    cfg: KVCacheConfig,
+    num_tokens: int,
+    vocab_size: int,
+    device: torch.device,
+) -> int:
     """One prefill of ``num_tokens`` seeded random tokens through the cached module on ``caches``
     (clamped to what one step and one sequence can hold). Returns the tokens it ran."""
     n = max(1, min(num_tokens, cfg.max_num_tokens, cfg.max_seq_len, cfg.token_capacity))

@@ -31,16 +31,22 @@ logger = logging.getLogger("workbench.runtime")
 def describe_caches(cfg: KVCacheConfig) -> str:
     """How a cached runner reaches earlier tokens: "paged KV cache", "per-sequence state", or both."""
     kinds = {s.kind for s in cfg.specs}
-    parts = (["paged KV cache"] if PAGED in kinds or not kinds else []) + (["per-sequence state"] if SLOT in kinds else [])
+    parts = (["paged KV cache"] if PAGED in kinds or not kinds else []) + (
+        ["per-sequence state"] if SLOT in kinds else []
+    )
     return " + ".join(parts)
 
 
 class CachedRunner:
     """Runs steps on a cached module with the caches of a ``KVCacheConfig``."""
 
-
-    def __init__(self, module: torch.nn.Module, caches: Mapping[str, torch.Tensor], cfg: KVCacheConfig,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        caches: Mapping[str, torch.Tensor],
+        cfg: KVCacheConfig,
+        device: torch.device | str = "cpu",
+    ):
         self.module, self.cfg, self.device = module, cfg, torch.device(device)
         self.input_names = module_input_names(module)
         self.seq_info = SequenceInfo.from_config(cfg, self.device)
@@ -76,7 +82,7 @@ class CachedRunner:
 
     def set_step(self, step: Step, sched: Scheduler) -> None:
         """Fill the fixed-address ``SequenceInfo`` buffers with the step's new tokens and pages."""
-        tokens = [r.tokens[r.num_cached: r.num_cached + n] for r, n in step.items]
+        tokens = [r.tokens[r.num_cached : r.num_cached + n] for r, n in step.items]
         fresh = [sched.slot(r) for r, _ in step.items if r.num_cached == 0]
         if fresh and self.slot_states:
             # a new sequence's state rows start at zero: the stateful ops already start from zero at
@@ -86,8 +92,12 @@ class CachedRunner:
             for t in self.slot_states:
                 t.index_fill_(0, idx, 0)
         self.seq_info.set_batch(
-            tokens, [r.num_cached for r, _ in step.items], [sched.pages(r) for r, _ in step.items],
-            num_prefill=step.num_prefill, page_size=self.cfg.page_size, slots=[sched.slot(r) for r, _ in step.items],
+            tokens,
+            [r.num_cached for r, _ in step.items],
+            [sched.pages(r) for r, _ in step.items],
+            num_prefill=step.num_prefill,
+            page_size=self.cfg.page_size,
+            slots=[sched.slot(r) for r, _ in step.items],
         )
 
     def _inputs(self, **overrides: Any) -> List[Any]:

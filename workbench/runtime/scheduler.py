@@ -48,7 +48,7 @@ class Request:
 
     @property
     def generated(self) -> List[int]:
-        return self.tokens[len(self.prompt):]
+        return self.tokens[len(self.prompt) :]
 
     @property
     def done(self) -> bool:

@@ -42,8 +42,9 @@ INPUT_KEY = "wb_cache_input"
 class SequenceInfo:
     """Fixed-address input buffers for a cached graph, refilled every step by ``set_batch``."""
 
-    def __init__(self, max_batch_size: int, max_num_tokens: int, max_pages_per_seq: int,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self, max_batch_size: int, max_num_tokens: int, max_pages_per_seq: int, device: torch.device | str = "cpu"
+    ):
         self.max_batch_size, self.max_num_tokens = max_batch_size, max_num_tokens
         self.max_pages_per_seq = max_pages_per_seq
         self.device = torch.device(device)
@@ -88,8 +89,10 @@ class SequenceInfo:
         b = len(tokens)
         slots = list(range(b)) if slots is None else list(slots)
         if not (len(input_pos) == len(pages) == len(slots) == b):
-            raise ValueError(f"tokens, input_pos, pages and slots describe {b}, {len(input_pos)}, {len(pages)}, "
-                             f"{len(slots)} sequences")
+            raise ValueError(
+                f"tokens, input_pos, pages and slots describe {b}, {len(input_pos)}, {len(pages)}, "
+                f"{len(slots)} sequences"
+            )
         if b > self.max_batch_size:
             raise ValueError(f"{b} sequences in one step, the buffers hold max_batch_size={self.max_batch_size}")
         if not 0 <= num_prefill <= b:
@@ -107,9 +110,7 @@ class SequenceInfo:
                 raise ValueError(f"sequence {i} ({kind}) has {lens[i]} new tokens")
             need = -(-(start + lens[i]) // page_size)
             if len(pg) < need or len(pg) > self.max_pages_per_seq:
-                raise ValueError(
-                    f"sequence {i} holds {len(pg)} pages, needs {need} (max {self.max_pages_per_seq})"
-                )
+                raise ValueError(f"sequence {i} holds {len(pg)} pages, needs {need} (max {self.max_pages_per_seq})")
             flat_ids.extend(toks)
             flat_pos.extend(range(start, start + lens[i]))
             rows[i, : len(pg)] = torch.tensor(pg, dtype=torch.int32)
@@ -148,10 +149,12 @@ class SequenceInfo:
         """``input_ids``/``position_ids`` [1, num_tokens]: the step's tokens, then padding rows of token
         0 at position 0 (valid for any embedding and RoPE) up to ``num_tokens`` (a CUDA-graph bucket)."""
         if num_tokens < self.num_tokens or num_tokens > self.max_num_tokens:
-            raise ValueError(f"padding {self.num_tokens} tokens to {num_tokens}: must be in "
-                             f"[{self.num_tokens}, {self.max_num_tokens}]")
-        self._input_ids[0, self.num_tokens: num_tokens].zero_()
-        self._position_ids[0, self.num_tokens: num_tokens].zero_()
+            raise ValueError(
+                f"padding {self.num_tokens} tokens to {num_tokens}: must be in "
+                f"[{self.num_tokens}, {self.max_num_tokens}]"
+            )
+        self._input_ids[0, self.num_tokens : num_tokens].zero_()
+        self._position_ids[0, self.num_tokens : num_tokens].zero_()
         return {"input_ids": self._input_ids[:, :num_tokens], "position_ids": self._position_ids[:, :num_tokens]}
 
     @property
@@ -180,4 +183,13 @@ def is_cached_module(module: torch.nn.Module) -> bool:
     return "seq_lens" in module_input_names(module)
 
 
-__all__ = ["SequenceInfo", "TOKEN_INPUTS", "METADATA_INPUTS", "LAST_TOKEN_INPUT", "SLOT_INPUT", "INPUT_KEY", "module_input_names", "is_cached_module"]
+__all__ = [
+    "SequenceInfo",
+    "TOKEN_INPUTS",
+    "METADATA_INPUTS",
+    "LAST_TOKEN_INPUT",
+    "SLOT_INPUT",
+    "INPUT_KEY",
+    "module_input_names",
+    "is_cached_module",
+]

@@ -65,6 +65,13 @@ class StaticDecodeGraphs:
         self.calls += 1
         return graph.rebuild(graph.fn(*[inputs[i] for i in graph.tensor_positions]))
 
+    def replay(self, *inputs: Any) -> Any:
+        """Run the graph compiled for these inputs (the runner's ``fn(*inputs)`` contract)."""
+        graph = self.lookup(inputs)
+        if graph is None:
+            raise KeyError("no static decode graph was compiled for these input shapes")
+        return self(graph, inputs)
+
 
 def _rebuild(module: fx.GraphModule) -> Callable[[Sequence[Any]], Any]:
     """Inductor's callable returns the graph's outputs as a flat sequence; the module returns them
@@ -94,7 +101,9 @@ def _static_copy(module: fx.GraphModule, inputs: Sequence[Any]) -> Tuple[fx.Grap
             positions.append(i)
             continue
         if not isinstance(value, int):
-            raise TypeError(f"input {node.name} is a {type(value).__name__}; static decode graphs take tensors and ints")
+            raise TypeError(
+                f"input {node.name} is a {type(value).__name__}; static decode graphs take tensors and ints"
+            )
         for user in list(node.users):
             user.args = fx.node.map_arg(user.args, lambda a, n=node, v=value: v if a is n else a)
             user.kwargs = fx.node.map_arg(user.kwargs, lambda a, n=node, v=value: v if a is n else a)

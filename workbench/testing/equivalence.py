@@ -51,8 +51,11 @@ def assert_rmse_close(actual: torch.Tensor, expected: torch.Tensor, rmse_ratio_t
     return ratio
 
 
-def copy_weights(reference: torch.nn.Module, custom: torch.nn.Module,
-                 convert: Optional[Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]] = None) -> None:
+def copy_weights(
+    reference: torch.nn.Module,
+    custom: torch.nn.Module,
+    convert: Optional[Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]] = None,
+) -> None:
     """Give ``custom`` the reference's weights: its state dict, through ``convert`` (key renames, stacking
     experts, de-interleaving RoPE rows...) when the layouts differ. Strict: a missing or unexpected key
     is an error naming it, never a silently random weight."""
@@ -61,9 +64,11 @@ def copy_weights(reference: torch.nn.Module, custom: torch.nn.Module,
         state = convert(state)
     result = custom.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
-        raise EquivalenceError(f"weights do not line up: missing in the reference's state dict "
-                               f"{list(result.missing_keys)[:6]}, unexpected {list(result.unexpected_keys)[:6]}; "
-                               "pass convert= to map the reference's keys/layouts to the custom module's")
+        raise EquivalenceError(
+            f"weights do not line up: missing in the reference's state dict "
+            f"{list(result.missing_keys)[:6]}, unexpected {list(result.unexpected_keys)[:6]}; "
+            "pass convert= to map the reference's keys/layouts to the custom module's"
+        )
 
 
 def _first(out: Any) -> torch.Tensor:
@@ -77,8 +82,16 @@ def _first(out: Any) -> torch.Tensor:
     raise EquivalenceError(f"cannot tell which tensor of a {type(out).__name__} output to compare")
 
 
-def _compare(level: str, reference: Callable, custom: Callable, args: Sequence[Any], kwargs: Mapping[str, Any],
-             ref_kwargs: Optional[Mapping[str, Any]], tol: float, identical_math: bool) -> float:
+def _compare(
+    level: str,
+    reference: Callable,
+    custom: Callable,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    ref_kwargs: Optional[Mapping[str, Any]],
+    tol: float,
+    identical_math: bool,
+) -> float:
     with torch.no_grad():
         expected = _first(reference(*args, **(kwargs if ref_kwargs is None else ref_kwargs)))
         actual = _first(custom(*args, **kwargs))
@@ -91,21 +104,35 @@ def _compare(level: str, reference: Callable, custom: Callable, args: Sequence[A
     return assert_rmse_close(actual, expected, tol, level)
 
 
-def check_block(reference: Callable, custom: Callable, *args: Any, tol: float = 1e-5, identical_math: bool = False,
-                ref_kwargs: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> float:
+def check_block(
+    reference: Callable,
+    custom: Callable,
+    *args: Any,
+    tol: float = 1e-5,
+    identical_math: bool = False,
+    ref_kwargs: Optional[Mapping[str, Any]] = None,
+    **kwargs: Any,
+) -> float:
     """Level 1: one block (MLP, attention, norm, MoE) on the same inputs; returns the rmse ratio.
     ``ref_kwargs`` when the reference takes other keyword arguments (e.g. HF attention's masks)."""
     return _compare("block", reference, custom, args, kwargs, ref_kwargs, tol, identical_math)
 
 
-def check_layer(reference: Callable, custom: Callable, *args: Any, tol: float = 1e-5,
-                ref_kwargs: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> float:
+def check_layer(
+    reference: Callable,
+    custom: Callable,
+    *args: Any,
+    tol: float = 1e-5,
+    ref_kwargs: Optional[Mapping[str, Any]] = None,
+    **kwargs: Any,
+) -> float:
     """Level 2: a whole decoder layer (one call per layer type of a hybrid model)."""
     return _compare("layer", reference, custom, args, kwargs, ref_kwargs, tol, False)
 
 
-def check_model(reference: Callable, custom: Callable, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                tol: float = 1e-5) -> float:
+def check_model(
+    reference: Callable, custom: Callable, input_ids: torch.Tensor, position_ids: torch.Tensor, tol: float = 1e-5
+) -> float:
     """Level 3: end-to-end logits. ``reference`` is called HF-style (``input_ids=, position_ids=``),
     ``custom`` with the export contract ``(input_ids, position_ids)``."""
     with torch.no_grad():
@@ -114,26 +141,43 @@ def check_model(reference: Callable, custom: Callable, input_ids: torch.Tensor, 
     return assert_rmse_close(actual, expected, tol, "model")
 
 
-def check_export(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                 second: Optional[Sequence[int]] = None, tol: float = 1e-5, max_batch: int = 64,
-                 max_seq: int = 4096) -> torch.fx.GraphModule:
+def check_export(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    second: Optional[Sequence[int]] = None,
+    tol: float = 1e-5,
+    max_batch: int = 64,
+    max_seq: int = 4096,
+) -> torch.fx.GraphModule:
     """Level 4: ``torch.export`` with dynamic batch and sequence dims (the export contract
     ``(input_ids, position_ids) -> logits``), a finite output equal to eager, and a second
     ``[batch, seq]`` shape (default: one more of each) that runs and agrees too. Returns the module."""
     b = torch.export.Dim.DYNAMIC(min=1, max=max_batch)
     s = torch.export.Dim.DYNAMIC(min=1, max=max_seq)
     with torch.no_grad():
-        ep = torch.export.export(model, (input_ids, position_ids), dynamic_shapes=({0: b, 1: s}, {0: b, 1: s}),
-                                 strict=False)
+        ep = torch.export.export(
+            model, (input_ids, position_ids), dynamic_shapes=({0: b, 1: s}, {0: b, 1: s}), strict=False
+        )
     gm = ep.module()
     shapes = [tuple(input_ids.shape), tuple(second or (input_ids.shape[0] + 1, input_ids.shape[1] + 1))]
     for batch, seq in shapes:
-        ids = torch.randint(0, int(input_ids.max()) + 1, (batch, seq), generator=torch.Generator().manual_seed(batch * 1000 + seq))
+        ids = torch.randint(
+            0, int(input_ids.max()) + 1, (batch, seq), generator=torch.Generator().manual_seed(batch * 1000 + seq)
+        )
         pos = torch.arange(seq).expand(batch, seq)
         with torch.no_grad():
             assert_rmse_close(_first(gm(ids, pos)), _first(model(ids, pos)), tol, f"export at shape {(batch, seq)}")
     return gm
 
 
-__all__ = ["EquivalenceError", "rmse_ratio", "assert_rmse_close", "copy_weights", "check_block", "check_layer",
-           "check_model", "check_export"]
+__all__ = [
+    "EquivalenceError",
+    "rmse_ratio",
+    "assert_rmse_close",
+    "copy_weights",
+    "check_block",
+    "check_layer",
+    "check_model",
+    "check_export",
+]

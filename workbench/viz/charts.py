@@ -45,12 +45,20 @@ def timing_frame(snapshots: Snapshots) -> pd.DataFrame:
     """Per transform: wall time by phase (seconds), node count and its change."""
     rows, prev = [], 0
     for s in _snaps(snapshots):
-        rows.append({
-            "#": s.index, "transform": s.key, "stage": s.stage.value, "status": s.status,
-            "pre_cleanup_s": s.times.pre_cleanup, "apply_s": s.times.apply,
-            "post_cleanup_s": s.times.post_cleanup, "total_s": s.times.total,
-            "nodes": s.num_nodes, "d_nodes": s.num_nodes - prev,
-        })
+        rows.append(
+            {
+                "#": s.index,
+                "transform": s.key,
+                "stage": s.stage.value,
+                "status": s.status,
+                "pre_cleanup_s": s.times.pre_cleanup,
+                "apply_s": s.times.apply,
+                "post_cleanup_s": s.times.post_cleanup,
+                "total_s": s.times.total,
+                "nodes": s.num_nodes,
+                "d_nodes": s.num_nodes - prev,
+            }
+        )
         prev = s.num_nodes
     return pd.DataFrame(rows)
 
@@ -60,16 +68,23 @@ def memory_frame(snapshots: Snapshots) -> pd.DataFrame:
     rows = []
     for s in _snaps(snapshots):
         b, a = s.mem_before, s.mem_after
-        rows.append({
-            "#": s.index, "transform": s.key,
-            "tracked_before_MiB": tracked_bytes(b) / MiB, "tracked_after_MiB": tracked_bytes(a) / MiB,
-            "delta_MiB": s.mem_delta / MiB,
-            "params_after_MiB": a.param_bytes / MiB, "buffers_after_MiB": a.buffer_bytes / MiB,
-            "cache_after_MiB": a.cache_bytes / MiB,
-            "rss_before_MiB": b.rss_bytes / MiB, "rss_after_MiB": a.rss_bytes / MiB,
-            "expect_mem_change": s.config.expect_mem_change,
-            "unexpected": s.mem_warning is not None, "warning": s.mem_warning or "",
-        })
+        rows.append(
+            {
+                "#": s.index,
+                "transform": s.key,
+                "tracked_before_MiB": tracked_bytes(b) / MiB,
+                "tracked_after_MiB": tracked_bytes(a) / MiB,
+                "delta_MiB": s.mem_delta / MiB,
+                "params_after_MiB": a.param_bytes / MiB,
+                "buffers_after_MiB": a.buffer_bytes / MiB,
+                "cache_after_MiB": a.cache_bytes / MiB,
+                "rss_before_MiB": b.rss_bytes / MiB,
+                "rss_after_MiB": a.rss_bytes / MiB,
+                "expect_mem_change": s.config.expect_mem_change,
+                "unexpected": s.mem_warning is not None,
+                "warning": s.mem_warning or "",
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -119,8 +134,14 @@ def draw_memory(ax, snaps: List[Snapshot]) -> None:
     ax.bar([i + 0.2 for i in x], after, width=0.4, color=colors, label="after")
     for i, s in enumerate(snaps):
         if s.mem_warning:
-            ax.annotate(f"unexpected {s.mem_delta / MiB:+.1f} MiB", (i + 0.2, after[i]),
-                        color=UNEXPECTED, fontsize=8, ha="center", va="bottom")
+            ax.annotate(
+                f"unexpected {s.mem_delta / MiB:+.1f} MiB",
+                (i + 0.2, after[i]),
+                color=UNEXPECTED,
+                fontsize=8,
+                ha="center",
+                va="bottom",
+            )
     ax.set_ylabel("tracked memory (MiB)")
     ax.set_title("memory before/after (red: changed although not expected)")
     ax.legend(fontsize=8, loc="upper right")

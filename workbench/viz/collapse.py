@@ -70,7 +70,7 @@ def _child_module(path: Optional[str], layer: int, pattern: str) -> str:
     m = re.search(pattern, path)
     if not m or int(m.group(1)) != layer:
         return ""
-    rest = path[m.end():].lstrip(".")
+    rest = path[m.end() :].lstrip(".")
     return rest.split(".", 1)[0]
 
 
@@ -88,7 +88,7 @@ def op_summary(nodes: Iterable[fx.Node], max_ops: int = 6) -> List[str]:
     counts = collections.Counter(base_op(op_name(n)) for n in nodes if n.op == "call_function")
     ranked = sorted(counts.items(), key=lambda kv: (op_kind(kv[0]) == "call_function", -kv[1], kv[0]))
     parts = [f"{c}x {op.replace('aten.', '')}" for op, c in ranked[:max_ops]]
-    lines = [", ".join(parts[i:i + 3]) for i in range(0, len(parts), 3)]
+    lines = [", ".join(parts[i : i + 3]) for i in range(0, len(parts), 3)]
     if len(ranked) > max_ops:
         lines.append(f"+{len(ranked) - max_ops} more op kinds")
     return lines
@@ -147,9 +147,15 @@ def group_id(layer: int, prefix: str = "") -> str:
 
 
 def add_collapsed(
-    dot: graphviz.Digraph, gm: fx.GraphModule, *, expand: Sequence[int] = (), prefix: str = "",
-    show_provenance: bool = False, marks: Optional[Dict[str, str]] = None,
-    max_nodes: Optional[int] = DEFAULT_MAX_NODES, pattern: str = LAYER_PATTERN,
+    dot: graphviz.Digraph,
+    gm: fx.GraphModule,
+    *,
+    expand: Sequence[int] = (),
+    prefix: str = "",
+    show_provenance: bool = False,
+    marks: Optional[Dict[str, str]] = None,
+    max_nodes: Optional[int] = DEFAULT_MAX_NODES,
+    pattern: str = LAYER_PATTERN,
 ) -> CollapsedGraph:
     """Draw ``gm`` collapsed into ``dot``; returns the box assignment."""
     marks = marks or {}
@@ -157,8 +163,7 @@ def add_collapsed(
     unknown = [k for k in view.expand if k not in view.members]
     if unknown:
         raise ValueError(
-            f"expand={list(expand)}: no decoder layer {unknown} in this graph; its layers are "
-            f"{sorted(view.members)}"
+            f"expand={list(expand)}: no decoder layer {unknown} in this graph; its layers are {sorted(view.members)}"
         )
     check_size(view.num_boxes, max_nodes, "collapsed view")
 
@@ -172,20 +177,19 @@ def add_collapsed(
             _add_layer_box(dot, view, layer, nodes, marks, pattern, side)
     for node in gm.graph.nodes:
         if view.layers[node] is None:
-            add_fx_node(dot, node, prefix + node.name, show_provenance=show_provenance,
-                        mark=marks.get(node.name))
+            add_fx_node(dot, node, prefix + node.name, show_provenance=show_provenance, mark=marks.get(node.name))
     _add_edges(dot, view, shared)
     return view
 
 
-def _add_layer_box(dot, view: CollapsedGraph, layer: int, nodes: List[fx.Node],
-                   marks: Dict[str, str], pattern: str, shared: List[str]) -> None:
+def _add_layer_box(
+    dot, view: CollapsedGraph, layer: int, nodes: List[fx.Node], marks: Dict[str, str], pattern: str, shared: List[str]
+) -> None:
     ops = [n for n in nodes if n.op == "call_function"]
     params = sum(1 for n in nodes if n.op == "get_attr")
     typ = _layer_type(nodes, layer, pattern)
     inputs = [n.name for n in nodes if n.op == "placeholder"]
-    lines = [f"layers.{layer}" + (f"  ({typ})" if typ else ""), f"{len(ops)} ops, {params} params",
-             *op_summary(ops)]
+    lines = [f"layers.{layer}" + (f"  ({typ})" if typ else ""), f"{len(ops)} ops, {params} params", *op_summary(ops)]
     if inputs:  # its own graph inputs (cache pages, state), bundled here; expand the layer to see them
         lines.append(f"inputs: {', '.join(inputs[:4])}" + (f", +{len(inputs) - 4}" if len(inputs) > 4 else ""))
     if shared:
@@ -198,19 +202,32 @@ def _add_layer_box(dot, view: CollapsedGraph, layer: int, nodes: List[fx.Node],
         attrs.update(MARK_STYLES["added" if "added" in changed else "modified"])
     # one dot "group" for every layer box: dot keeps edges within a group straight, so the layer chain
     # is a single column whatever the side inputs pull on it
-    dot.node(group_id(layer, view.prefix), label=join_lines(lines), group=f"{view.prefix}layers",
-             tooltip=esc(f"decoder layer {layer}: expand=[{layer}] to open it"), **attrs)
+    dot.node(
+        group_id(layer, view.prefix),
+        label=join_lines(lines),
+        group=f"{view.prefix}layers",
+        tooltip=esc(f"decoder layer {layer}: expand=[{layer}] to open it"),
+        **attrs,
+    )
 
 
-def _add_expanded_layer(dot, view: CollapsedGraph, layer: int, nodes: List[fx.Node],
-                        show_provenance: bool, marks: Dict[str, str], pattern: str) -> None:
+def _add_expanded_layer(
+    dot,
+    view: CollapsedGraph,
+    layer: int,
+    nodes: List[fx.Node],
+    show_provenance: bool,
+    marks: Dict[str, str],
+    pattern: str,
+) -> None:
     typ = _layer_type(nodes, layer, pattern)
     by_child: Dict[str, List[fx.Node]] = collections.defaultdict(list)
     for node in nodes:
         by_child[_child_module(module_path(node), layer, pattern)].append(node)
     with dot.subgraph(name=f"cluster_{view.prefix}layer_{layer}") as sub:
-        sub.attr(label=esc(f"layers.{layer}" + (f" ({typ})" if typ else "")), style="rounded",
-                 color="#795548", penwidth="2")
+        sub.attr(
+            label=esc(f"layers.{layer}" + (f" ({typ})" if typ else "")), style="rounded", color="#795548", penwidth="2"
+        )
         for child, child_nodes in by_child.items():
             if not child:
                 _draw_nodes(sub, view, child_nodes, show_provenance, marks)
@@ -220,11 +237,9 @@ def _add_expanded_layer(dot, view: CollapsedGraph, layer: int, nodes: List[fx.No
                 _draw_nodes(inner, view, child_nodes, show_provenance, marks)
 
 
-def _draw_nodes(dot, view: CollapsedGraph, nodes: List[fx.Node], show_provenance: bool,
-                marks: Dict[str, str]) -> None:
+def _draw_nodes(dot, view: CollapsedGraph, nodes: List[fx.Node], show_provenance: bool, marks: Dict[str, str]) -> None:
     for node in nodes:
-        add_fx_node(dot, node, view.prefix + node.name, show_provenance=show_provenance,
-                    mark=marks.get(node.name))
+        add_fx_node(dot, node, view.prefix + node.name, show_provenance=show_provenance, mark=marks.get(node.name))
 
 
 def _add_edges(dot, view: CollapsedGraph, shared: Dict[fx.Node, List[int]]) -> None:

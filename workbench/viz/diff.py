@@ -27,8 +27,18 @@ from ..pipeline.snapshot import Snapshot
 from .labels import node_shape
 from .provenance import created_by, module_path, replaces, source_location
 
-COLUMNS = ["change", "name", "op", "target", "shape", "source_module", "created_by", "replaces",
-           "replaced_by", "source_line"]
+COLUMNS = [
+    "change",
+    "name",
+    "op",
+    "target",
+    "shape",
+    "source_module",
+    "created_by",
+    "replaces",
+    "replaced_by",
+    "source_line",
+]
 NEW_CHANGES = ("added", "replacement", "modified")
 GONE_CHANGES = ("removed", "replaced")
 
@@ -58,10 +68,15 @@ def target_text(node: fx.Node) -> str:
 
 def _row(change: str, qid: str, node: fx.Node, replaced_by: str = "") -> Dict[str, object]:
     return {
-        "change": change, "name": qid, "op": node.op, "target": target_text(node),
+        "change": change,
+        "name": qid,
+        "op": node.op,
+        "target": target_text(node),
         "shape": node_shape(node) or ("" if node.op == "output" else "?"),
-        "source_module": module_path(node) or "", "created_by": created_by(node) or "",
-        "replaces": ", ".join(replaces(node)), "replaced_by": replaced_by,
+        "source_module": module_path(node) or "",
+        "created_by": created_by(node) or "",
+        "replaces": ", ".join(replaces(node)),
+        "replaced_by": replaced_by,
         "source_line": source_location(node) or "",
     }
 
@@ -88,31 +103,42 @@ class GraphDiff:
 
     def summary(self) -> str:
         counts = self.nodes["change"].value_counts().to_dict()
-        parts = [f"{counts[c]} {c}" for c in ("added", "replacement", "modified", "replaced", "removed")
-                 if counts.get(c)]
+        parts = [
+            f"{counts[c]} {c}" for c in ("added", "replacement", "modified", "replaced", "removed") if counts.get(c)
+        ]
         return f"{self.before_label} -> {self.after_label}: " + (", ".join(parts) or "no graph changes")
 
     def _repr_html_(self) -> str:
-        return (f"<p><b>{self.summary()}</b></p>" + self.op_delta.to_html(index=False)
-                + self.nodes.to_html(index=False))
+        return f"<p><b>{self.summary()}</b></p>" + self.op_delta.to_html(index=False) + self.nodes.to_html(index=False)
 
 
 def op_count_delta(before: Dict[str, int], after: Dict[str, int]) -> pd.DataFrame:
     """Per-op counts before/after and their difference, only for ops whose count changed."""
     rows = [
-        {"op": op, "before": before.get(op, 0), "after": after.get(op, 0),
-         "delta": after.get(op, 0) - before.get(op, 0)}
+        {
+            "op": op,
+            "before": before.get(op, 0),
+            "after": after.get(op, 0),
+            "delta": after.get(op, 0) - before.get(op, 0),
+        }
         for op in sorted(set(before) | set(after))
         if before.get(op, 0) != after.get(op, 0)
     ]
     df = pd.DataFrame(rows, columns=["op", "before", "after", "delta"])
-    return df.sort_values(["delta", "op"], key=lambda s: s.abs() if s.name == "delta" else s,
-                          ascending=[False, True]).reset_index(drop=True)
+    return df.sort_values(
+        ["delta", "op"], key=lambda s: s.abs() if s.name == "delta" else s, ascending=[False, True]
+    ).reset_index(drop=True)
 
 
-def diff_graphs(before: torch.nn.Module, after: torch.nn.Module, *, before_label: str = "before",
-                after_label: str = "after", before_hist: Optional[Dict[str, int]] = None,
-                after_hist: Optional[Dict[str, int]] = None) -> GraphDiff:
+def diff_graphs(
+    before: torch.nn.Module,
+    after: torch.nn.Module,
+    *,
+    before_label: str = "before",
+    after_label: str = "after",
+    before_hist: Optional[Dict[str, int]] = None,
+    after_hist: Optional[Dict[str, int]] = None,
+) -> GraphDiff:
     """Diff two graph modules (see the module docstring for the change kinds)."""
     old, new = qualified_nodes(before), qualified_nodes(after)
     old_keys = {node_key(q, n): q for q, n in old.items()}
@@ -136,8 +162,10 @@ def diff_graphs(before: torch.nn.Module, after: torch.nn.Module, *, before_label
         elif op_name(old[old_keys[key]]) != op_name(node):
             came.append(_row("modified", q, node))
     table = pd.DataFrame(gone + came, columns=COLUMNS)
-    delta = op_count_delta(before_hist if before_hist is not None else op_histogram(before),
-                           after_hist if after_hist is not None else op_histogram(after))
+    delta = op_count_delta(
+        before_hist if before_hist is not None else op_histogram(before),
+        after_hist if after_hist is not None else op_histogram(after),
+    )
     return GraphDiff(before_label, after_label, table, delta, before, after)
 
 
@@ -147,7 +175,10 @@ def diff_snapshots(before: Snapshot, after: Snapshot) -> GraphDiff:
         if snap.module is None:
             raise ValueError(f"snapshot {snap.key} kept no graph (stepper ran with snapshots=False)")
     return diff_graphs(
-        before.module, after.module,
-        before_label=f"#{before.index:02d} {before.key}", after_label=f"#{after.index:02d} {after.key}",
-        before_hist=before.op_histogram, after_hist=after.op_histogram,
+        before.module,
+        after.module,
+        before_label=f"#{before.index:02d} {before.key}",
+        after_label=f"#{after.index:02d} {after.key}",
+        before_hist=before.op_histogram,
+        after_hist=after.op_histogram,
     )

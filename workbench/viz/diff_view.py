@@ -26,8 +26,12 @@ def ghost_id(qid: str) -> str:
 
 
 def render_diff(
-    diff: GraphDiff, *, hops: int = 2, full_below: int = FULL_GRAPH_BELOW,
-    max_nodes: Optional[int] = DEFAULT_MAX_NODES, show_provenance: bool = False,
+    diff: GraphDiff,
+    *,
+    hops: int = 2,
+    full_below: int = FULL_GRAPH_BELOW,
+    max_nodes: Optional[int] = DEFAULT_MAX_NODES,
+    show_provenance: bool = False,
 ) -> graphviz.Digraph:
     """A Digraph of ``diff.after`` with the changes marked (see the module docstring)."""
     old, new = qualified_nodes(diff.before), qualified_nodes(diff.after)
@@ -35,7 +39,8 @@ def render_diff(
     table = diff.nodes
     marks: Dict[str, str] = {
         name: ("modified" if change == "modified" else "added")
-        for name, change in zip(table["name"], table["change"]) if change not in GONE_CHANGES
+        for name, change in zip(table["name"], table["change"])
+        if change not in GONE_CHANGES
     }
     gone = table[table["change"].isin(GONE_CHANGES)]
     ghosts = {name: old[name] for name in gone["name"]}
@@ -61,15 +66,13 @@ def render_diff(
     new_qid = {n: q for q, n in new.items()}
     ordered = [n for n in new.values() if n in shown]
     for node in ordered:
-        add_fx_node(dot, node, new_qid[node], show_provenance=show_provenance,
-                    mark=marks.get(new_qid[node]))
+        add_fx_node(dot, node, new_qid[node], show_provenance=show_provenance, mark=marks.get(new_qid[node]))
     for node in ordered:
         for src in node.all_input_nodes:
             if src in shown:
                 add_fx_edge(dot, src, new_qid[src], new_qid[node])
     replaced_by = dict(zip(gone["name"], gone["replaced_by"]))
-    _add_ghosts(dot, ghosts, replaced_by, old_qid, survivor, {new_qid[n] for n in shown},
-                show_provenance)
+    _add_ghosts(dot, ghosts, replaced_by, old_qid, survivor, {new_qid[n] for n in shown}, show_provenance)
     return dot
 
 
@@ -95,5 +98,12 @@ def _add_ghosts(dot, ghosts, replaced_by, old_qid, survivor, shown_ids, show_pro
             last_replaced[replaced_by[qid]] = qid
     for target, qid in last_replaced.items():
         if target in shown_ids:
-            dot.edge(ghost_id(qid), target, label="replaced by", style="dotted", color="#2e7d32",
-                     fontcolor="#2e7d32", constraint="false")
+            dot.edge(
+                ghost_id(qid),
+                target,
+                label="replaced by",
+                style="dotted",
+                color="#2e7d32",
+                fontcolor="#2e7d32",
+                constraint="false",
+            )

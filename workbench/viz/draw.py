@@ -22,19 +22,26 @@ MARK_PREFIX = {"added": "+ ", "modified": "~ ", "removed": "- "}
 
 def new_digraph(title: Optional[str] = None, name: str = "graph") -> graphviz.Digraph:
     dot = graphviz.Digraph(name=name, format="svg", engine="dot")
-    dot.attr("graph", rankdir="TB", fontname="Helvetica", fontsize="11", nodesep="0.2",
-             ranksep="0.3", labelloc="t", labeljust="l", newrank="true")
+    dot.attr(
+        "graph",
+        rankdir="TB",
+        fontname="Helvetica",
+        fontsize="11",
+        nodesep="0.2",
+        ranksep="0.3",
+        labelloc="t",
+        labeljust="l",
+        newrank="true",
+    )
     dot.attr("node", fontname="Helvetica", fontsize="9", margin="0.08,0.03", height="0.3")
-    dot.attr("edge", fontname="Helvetica", fontsize="7", fontcolor="#616161", arrowsize="0.5",
-             color="#546e7a")
+    dot.attr("edge", fontname="Helvetica", fontsize="7", fontcolor="#616161", arrowsize="0.5", color="#546e7a")
     if title:
         dot.attr("graph", label=esc(title))
     return dot
 
 
 def add_fx_node(
-    dot: graphviz.Digraph, node: fx.Node, nid: str, *, show_provenance: bool = False,
-    mark: Optional[str] = None,
+    dot: graphviz.Digraph, node: fx.Node, nid: str, *, show_provenance: bool = False, mark: Optional[str] = None
 ) -> None:
     """One fx node: kind style, ``?`` + dashed border when shape metadata is missing, diff mark."""
     attrs: Dict[str, str] = dict(node_style(node))
@@ -48,8 +55,7 @@ def add_fx_node(
     dot.node(nid, label=label, tooltip=node_tooltip(node), **attrs)
 
 
-def add_fx_edge(dot: graphviz.Digraph, src: fx.Node, src_id: str, dst_id: str, *,
-                ghost: bool = False) -> None:
+def add_fx_edge(dot: graphviz.Digraph, src: fx.Node, src_id: str, dst_id: str, *, ghost: bool = False) -> None:
     attrs = edge_attrs(src)
     if ghost:
         attrs.update(style="dashed", color="#bdbdbd")
@@ -57,16 +63,19 @@ def add_fx_edge(dot: graphviz.Digraph, src: fx.Node, src_id: str, dst_id: str, *
 
 
 def add_flat(
-    dot: graphviz.Digraph, nodes: Iterable[fx.Node], *, prefix: str = "",
-    show_provenance: bool = False, marks: Optional[Dict[str, str]] = None,
+    dot: graphviz.Digraph,
+    nodes: Iterable[fx.Node],
+    *,
+    prefix: str = "",
+    show_provenance: bool = False,
+    marks: Optional[Dict[str, str]] = None,
 ) -> None:
     """Draw ``nodes`` one box each, with the edges among them (in graph order)."""
     marks = marks or {}
     drawn = list(nodes)
     members = set(drawn)
     for node in drawn:
-        add_fx_node(dot, node, prefix + node.name, show_provenance=show_provenance,
-                    mark=marks.get(node.name))
+        add_fx_node(dot, node, prefix + node.name, show_provenance=show_provenance, mark=marks.get(node.name))
     for node in drawn:
         for src in node.all_input_nodes:
             if src in members:

@@ -20,8 +20,15 @@ from .provenance import provenance_lines
 
 MISSING = "?"
 _DTYPE_SHORT = {
-    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
-    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float64: "f64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
     torch.bool: "b8",
 }
 # Used for the edge width only, when a symbolic dim carries no example value.
@@ -117,8 +124,9 @@ def node_label(node: fx.Node, show_provenance: bool = False, prefix: str = "") -
 
 def node_tooltip(node: fx.Node) -> str:
     """Hover text: op, shape and provenance (always, even when not in the label)."""
-    return join_lines([f"{node.name}: {op_name(node)}", node_shape(node) or "no shape metadata",
-                       *provenance_lines(node)])
+    return join_lines(
+        [f"{node.name}: {op_name(node)}", node_shape(node) or "no shape metadata", *provenance_lines(node)]
+    )
 
 
 def edge_attrs(src: fx.Node) -> Dict[str, str]:

@@ -50,22 +50,28 @@ def mark_given(key: str) -> None:
 
 def report_notice(what: str = "report") -> str:
     """Said once, before the pipeline when the CLI writes the report."""
-    return (f"{what}: the graphviz 'dot' binary is missing, so the report is written without its graph "
-            f"pictures (tables, numbers and chart only; each graph's Graphviz source under dot/); "
-            f"{DOT_FIX} to get them")
+    return (
+        f"{what}: the graphviz 'dot' binary is missing, so the report is written without its graph "
+        f"pictures (tables, numbers and chart only; each graph's Graphviz source under dot/); "
+        f"{DOT_FIX} to get them"
+    )
 
 
 def report_notice_html() -> str:
     """The same, at the top of the report itself: whoever opens it later knows why it has no pictures."""
-    return ("No graph pictures: there was no graphviz 'dot' binary where this report was written. The tables, "
-            "numbers and chart are complete; each graph's Graphviz source is under dot/ (draw one with "
-            f"`dot -Tsvg FILE -O`). To get the pictures, {DOT_FIX} and run again.")
+    return (
+        "No graph pictures: there was no graphviz 'dot' binary where this report was written. The tables, "
+        "numbers and chart are complete; each graph's Graphviz source is under dot/ (draw one with "
+        f"`dot -Tsvg FILE -O`). To get the pictures, {DOT_FIX} and run again."
+    )
 
 
 def renders_notice(out_dir: Union[str, Path], what: str = "debug_visualize_dir") -> str:
-    return (f"{what}: the graphviz 'dot' binary is missing, so each snapshot is written as its Graphviz "
-            f"source {Path(out_dir) / 'NN_<transform>.dot'} instead of an SVG (render one later with "
-            f"`dot -Tsvg FILE -O`); {DOT_FIX} to get SVGs")
+    return (
+        f"{what}: the graphviz 'dot' binary is missing, so each snapshot is written as its Graphviz "
+        f"source {Path(out_dir) / 'NN_<transform>.dot'} instead of an SVG (render one later with "
+        f"`dot -Tsvg FILE -O`); {DOT_FIX} to get SVGs"
+    )
 
 
 def source_name(snap: Snapshot) -> str:
@@ -118,6 +124,15 @@ def failure_line(what: str, target: Union[str, Path], exc: BaseException) -> str
 
 
 __all__ = [
-    "DOT_FIX", "dot_available", "explain_failure", "failure_line", "mark_given",
-    "renders_notice", "report_notice", "report_notice_html", "source_name", "warn_once", "write_snapshot_render",
+    "DOT_FIX",
+    "dot_available",
+    "explain_failure",
+    "failure_line",
+    "mark_given",
+    "renders_notice",
+    "report_notice",
+    "report_notice_html",
+    "source_name",
+    "warn_once",
+    "write_snapshot_render",
 ]

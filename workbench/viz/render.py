@@ -60,8 +60,15 @@ def render_graph(
         raise ValueError("region= draws a flat neighbourhood; do not combine it with collapsed/expand")
     gms = _graphs(mod)
     dot = new_digraph(title)
-    draw = dict(collapsed=collapsed or bool(expand), expand=expand, region=region, hops=hops,
-                max_nodes=max_nodes, show_provenance=show_provenance, marks=marks)
+    draw = dict(
+        collapsed=collapsed or bool(expand),
+        expand=expand,
+        region=region,
+        hops=hops,
+        max_nodes=max_nodes,
+        show_provenance=show_provenance,
+        marks=marks,
+    )
     if len(gms) == 1:
         _draw_one(dot, gms[0], "", **draw)
         return dot
@@ -72,11 +79,11 @@ def render_graph(
     return dot
 
 
-def _draw_one(dot, gm, prefix, *, collapsed, expand, region, hops, max_nodes, show_provenance,
-              marks) -> None:
+def _draw_one(dot, gm, prefix, *, collapsed, expand, region, hops, max_nodes, show_provenance, marks) -> None:
     if collapsed:
-        add_collapsed(dot, gm, expand=expand, prefix=prefix, show_provenance=show_provenance,
-                      marks=marks, max_nodes=max_nodes)
+        add_collapsed(
+            dot, gm, expand=expand, prefix=prefix, show_provenance=show_provenance, marks=marks, max_nodes=max_nodes
+        )
         return
     if region is not None:
         chosen = select_region(gm, region, hops)
@@ -89,8 +96,10 @@ def _draw_one(dot, gm, prefix, *, collapsed, expand, region, hops, max_nodes, sh
 
 
 def snapshot_title(snap: Snapshot) -> str:
-    return (f"#{snap.index:02d} {snap.key} [{snap.stage.value}] {snap.status}: "
-            f"{snap.num_nodes} nodes, {snap.info.num_matches} matches")
+    return (
+        f"#{snap.index:02d} {snap.key} [{snap.stage.value}] {snap.status}: "
+        f"{snap.num_nodes} nodes, {snap.info.num_matches} matches"
+    )
 
 
 def render_snapshot(snap: Snapshot, **kwargs) -> graphviz.Digraph:

@@ -92,6 +92,7 @@ class _Pictures:
 def inline_svg(svg: str, id_prefix: str) -> str:
     """SVG text fit for inlining: no XML prolog/doctype, ids (and refs to them) made unique."""
     body = _SVG_PROLOG.sub("", svg, count=1)
+
     def fix(m: re.Match) -> str:
         attr, hash_, value = m.groups()
         if attr.strip() != "id" and not hash_:
@@ -122,8 +123,7 @@ def _pipeline_table(snaps: List[Snapshot]) -> str:
         head = head or list(row)
         cells = []
         for k, v in row.items():
-            text = f'<a href="#{_section_id(s.index)}">{_e(v)}</a>' if k == "transform" else _e(
-                "" if v is None else v)
+            text = f'<a href="#{_section_id(s.index)}">{_e(v)}</a>' if k == "transform" else _e("" if v is None else v)
             cells.append(f"<td>{text}</td>")
         cls = ' class="warn"' if s.mem_warning else ""
         rows.append(f"<tr{cls}>{''.join(cells)}</tr>")
@@ -141,8 +141,9 @@ def _diff_html(diff: GraphDiff, sid: str, pictures: _Pictures) -> str:
     if len(table) > MAX_DIFF_ROWS:
         parts.append(f'<p class="note">first {MAX_DIFF_ROWS} of {len(table)} changed nodes</p>')
         table = table.head(MAX_DIFF_ROWS)
-    parts.append('<h4>Changed nodes</h4><div class="scroll">'
-                 + table.to_html(index=False, classes="diff-table") + "</div>")
+    parts.append(
+        '<h4>Changed nodes</h4><div class="scroll">' + table.to_html(index=False, classes="diff-table") + "</div>"
+    )
     if not diff.empty:
         parts.append(_diff_picture(diff, sid, pictures))
     return "\n".join(parts)
@@ -158,18 +159,19 @@ def _diff_picture(diff: GraphDiff, sid: str, pictures: _Pictures) -> str:
             continue
         if svg is None:
             return '<p class="note">no diff picture: the graphviz dot binary is missing</p>'
-        return (f'<h4>Diff picture ({hops} hops of context)</h4>'
-                f'<div class="graph diff-graph" id="{sid}-diff">{inline_svg(svg, sid + "-diff-")}</div>')
-    hint = " The collapsed graph below outlines the layers with new nodes." if diff.names(
-        *NEW_CHANGES) else ""
+        return (
+            f"<h4>Diff picture ({hops} hops of context)</h4>"
+            f'<div class="graph diff-graph" id="{sid}-diff">{inline_svg(svg, sid + "-diff-")}</div>'
+        )
+    hint = " The collapsed graph below outlines the layers with new nodes." if diff.names(*NEW_CHANGES) else ""
     return f'<p class="note">no diff picture: {_e(reason)}, too many to lay out.{hint}</p>'
-
 
 
 def _first_graph_html(snap: Snapshot) -> str:
     hist = pd.DataFrame(list(snap.op_histogram.items())[:20], columns=["op", "count"])
-    return (f"<p><b>first graph: {snap.num_nodes} nodes</b> (most frequent ops)</p>"
-            + hist.to_html(index=False, classes="op-histogram"))
+    return f"<p><b>first graph: {snap.num_nodes} nodes</b> (most frequent ops)</p>" + hist.to_html(
+        index=False, classes="op-histogram"
+    )
 
 
 def _marks(diff: Optional[GraphDiff]) -> Dict[str, str]:
@@ -183,22 +185,36 @@ def _marks(diff: Optional[GraphDiff]) -> Dict[str, str]:
 def _nav(snap: Snapshot, prev: Optional[Snapshot], nxt: Optional[Snapshot]) -> str:
     links = ['<a href="#top">pipeline</a>']
     if prev is not None:
-        links.insert(0, f'<a class="prev" href="#{_section_id(prev.index)}">&larr; #{prev.index:02d} '
-                        f"{_e(prev.key)}</a>")
+        links.insert(
+            0, f'<a class="prev" href="#{_section_id(prev.index)}">&larr; #{prev.index:02d} {_e(prev.key)}</a>'
+        )
     if nxt is not None:
-        links.append(f'<a class="next" href="#{_section_id(nxt.index)}">#{nxt.index:02d} '
-                     f"{_e(nxt.key)} &rarr;</a>")
+        links.append(f'<a class="next" href="#{_section_id(nxt.index)}">#{nxt.index:02d} {_e(nxt.key)} &rarr;</a>')
     return f'<nav class="steplinks">{" ".join(links)}</nav>'
 
 
-def _section(snap: Snapshot, prev: Optional[Snapshot], nav: str, diff: Optional[GraphDiff],
-             svg: Optional[str], svg_file: Optional[str], timing: Dict[str, Any],
-             memory: Dict[str, Any], pictures: _Pictures) -> str:
+def _section(
+    snap: Snapshot,
+    prev: Optional[Snapshot],
+    nav: str,
+    diff: Optional[GraphDiff],
+    svg: Optional[str],
+    svg_file: Optional[str],
+    timing: Dict[str, Any],
+    memory: Dict[str, Any],
+    pictures: _Pictures,
+) -> str:
     sid = _section_id(snap.index)
     n = snap.numerics
-    numerics = {"probe": "off"} if n is None else (
-        {"error": n.error} if not n.ok else
-        {"max_abs": n.max_abs, "rmse_ratio": n.rmse_ratio, "top1_agreement": n.top1_agreement})
+    numerics = (
+        {"probe": "off"}
+        if n is None
+        else (
+            {"error": n.error}
+            if not n.ok
+            else {"max_abs": n.max_abs, "rmse_ratio": n.rmse_ratio, "top1_agreement": n.top1_agreement}
+        )
+    )
     mem_note = f'<p class="warn">unexpected memory change: {_e(snap.mem_warning)}</p>' if snap.mem_warning else ""
     if diff is not None:
         changes = _diff_html(diff, sid, pictures)
@@ -206,11 +222,15 @@ def _section(snap: Snapshot, prev: Optional[Snapshot], nav: str, diff: Optional[
         changes = _first_graph_html(snap) if prev is None else '<p class="note">no graph kept</p>'
     graph = '<p class="note">no graph kept for this snapshot</p>'
     if svg is not None:
-        graph = (f'<div class="graph" id="{sid}-graph">{inline_svg(svg, sid + "-")}</div>'
-                 f'<p><a href="{_e(svg_file)}">open the SVG</a></p>')
+        graph = (
+            f'<div class="graph" id="{sid}-graph">{inline_svg(svg, sid + "-")}</div>'
+            f'<p><a href="{_e(svg_file)}">open the SVG</a></p>'
+        )
     elif svg_file is not None:  # no dot here: the source, for a machine that has it
-        graph = (f'<p class="note">no picture: the graphviz dot binary is missing; its Graphviz source is '
-                 f'<a href="{_e(svg_file)}">{_e(svg_file)}</a> (<code>dot -Tsvg FILE -O</code>)</p>')
+        graph = (
+            f'<p class="note">no picture: the graphviz dot binary is missing; its Graphviz source is '
+            f'<a href="{_e(svg_file)}">{_e(svg_file)}</a> (<code>dot -Tsvg FILE -O</code>)</p>'
+        )
     return f"""
 <section class="step" id="{sid}" data-key="{_e(snap.key)}">
 <h2>#{snap.index:02d} {_e(snap.key)} <span class="stage">[{_e(snap.stage.value)}]</span>
@@ -223,7 +243,7 @@ def _section(snap: Snapshot, prev: Optional[Snapshot], nav: str, diff: Optional[
 <div><h3>Memory</h3>{mem_note}{_kv_table(memory)}</div>
 <div><h3>Numerics</h3>{_kv_table(numerics)}</div>
 </div>
-<h3>Changes{f' vs #{prev.index:02d} {_e(prev.key)}' if prev is not None else ''}</h3>
+<h3>Changes{f" vs #{prev.index:02d} {_e(prev.key)}" if prev is not None else ""}</h3>
 {changes}
 <h3>Graph (collapsed; new nodes' layers outlined green)</h3>
 {graph}
@@ -246,8 +266,10 @@ def _sharding_html(snaps: List[Snapshot], out: Path, pictures: _Pictures) -> str
         else:
             (out / "svg").mkdir(exist_ok=True)
             (out / "svg" / "sharded_layer.svg").write_text(svg, encoding="utf-8")
-            picture = (f'<div class="graph" id="sharding-graph">{inline_svg(svg, "sharding-")}</div>'
-                       '<p><a href="svg/sharded_layer.svg">open the SVG</a></p>')
+            picture = (
+                f'<div class="graph" id="sharding-graph">{inline_svg(svg, "sharding-")}</div>'
+                '<p><a href="svg/sharded_layer.svg">open the SVG</a></p>'
+            )
     except (ValueError, GraphTooLargeError) as e:
         picture = f'<p class="note">no layer render: {_e(e)}</p>'
     return f"""
@@ -261,8 +283,9 @@ def _sharding_html(snaps: List[Snapshot], out: Path, pictures: _Pictures) -> str
 </section>"""
 
 
-def write_report(stepper: Any, out_dir: Union[str, Path], *, title: Optional[str] = None,
-                 warn_no_dot: bool = True) -> Path:
+def write_report(
+    stepper: Any, out_dir: Union[str, Path], *, title: Optional[str] = None, warn_no_dot: bool = True
+) -> Path:
     """Write ``out_dir/index.html`` (+ ``out_dir/svg/*.svg``) for ``stepper``'s snapshots.
 
     ``stepper`` is a ``Workbench``/``PipelineStepper`` (anything with ``.snapshots``); it is only
@@ -290,9 +313,19 @@ def write_report(stepper: Any, out_dir: Union[str, Path], *, title: Optional[str
         svg, svg_file = None, None
         if snap.module is not None:
             svg, svg_file = _graph_file(snap, _marks(diff), svgs, pictures, out)
-        sections.append(_section(snap, prev, _nav(snap, prev, nxt), diff, svg, svg_file,
-                                 timing.loc[snap.index].to_dict(), memory.loc[snap.index].to_dict(),
-                                 pictures))
+        sections.append(
+            _section(
+                snap,
+                prev,
+                _nav(snap, prev, nxt),
+                diff,
+                svg,
+                svg_file,
+                timing.loc[snap.index].to_dict(),
+                memory.loc[snap.index].to_dict(),
+                pictures,
+            )
+        )
 
     chart = ""
     if snaps:
@@ -312,7 +345,7 @@ def write_report(stepper: Any, out_dir: Union[str, Path], *, title: Optional[str
 <body id="top" data-num-steps="{len(snaps)}">
 <h1>{_e(title)}</h1>
 {no_dot_html}
-<p>model: {_e(model if model is not None else '?')} &middot; {len(snaps)} transforms &middot;
+<p>model: {_e(model if model is not None else "?")} &middot; {len(snaps)} transforms &middot;
 {total:.2f} s in transforms</p>
 {error_html}
 <h2>Pipeline</h2>
@@ -320,7 +353,7 @@ def write_report(stepper: Any, out_dir: Union[str, Path], *, title: Optional[str
 {sharding}
 <h2>Time, nodes, memory</h2>
 <div class="chart">{chart}</div>
-{''.join(sections)}
+{"".join(sections)}
 <script>{_MEASURE_JS}</script>
 </body></html>
 """
@@ -334,8 +367,9 @@ def write_report(stepper: Any, out_dir: Union[str, Path], *, title: Optional[str
     return path
 
 
-def _graph_file(snap: Snapshot, marks: Dict[str, str], svgs: Dict[int, str], pictures: _Pictures,
-                out: Path) -> Tuple[Optional[str], str]:
+def _graph_file(
+    snap: Snapshot, marks: Dict[str, str], svgs: Dict[int, str], pictures: _Pictures, out: Path
+) -> Tuple[Optional[str], str]:
     """(svg, file) of the snapshot's collapsed render, written under ``out``: the SVG, or with no
     ``dot`` (None, the Graphviz source's file) so that a machine with graphviz can still draw it."""
     svg = None if marks else svgs.get(id(snap.module))

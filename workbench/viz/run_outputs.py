@@ -37,8 +37,9 @@ def report_dir(out_dir: str, rank: int) -> str:
     return out_dir if rank == 0 else os.path.join(out_dir, f"rank{rank}")
 
 
-def write_reports(wb: Any, out_dir: str, ranks: Iterable[int], say: Callable[[str], None], *,
-                  sharded: bool) -> List[str]:
+def write_reports(
+    wb: Any, out_dir: str, ranks: Iterable[int], say: Callable[[str], None], *, sharded: bool
+) -> List[str]:
     """Write the HTML report of each of ``ranks`` (a ``ShardedWorkbench`` has each rank write its
     own; a one-process ``Workbench`` writes its own), saying where; returns the failures as lines."""
     failures = []
@@ -65,8 +66,10 @@ def render_failures(wb: Any, flag: str, out_dir: Optional[str]) -> List[str]:
     if not failed:
         return []
     first = failed[0]
-    return [f"{flag} {out_dir!r}: {len(failed)} render(s) failed, the first #{first.index:02d} {first.key} "
-            f"({first.error}); {first.fix}"]
+    return [
+        f"{flag} {out_dir!r}: {len(failed)} render(s) failed, the first #{first.index:02d} {first.key} "
+        f"({first.error}); {first.fix}"
+    ]
 
 
 def say_failures(failures: List[str]) -> None:

@@ -15,6 +15,7 @@ import graphviz
 from ..pipeline.snapshot import Snapshot
 from .render import render_graph
 
+
 def plan_of(snap: Snapshot) -> Any:
     """The sharding plan recorded with ``snap`` (None when the run was not sharded)."""
     return getattr(snap.context, "sharding", None) if snap.context is not None else None
@@ -40,8 +41,10 @@ def render_sharded_layer(snap: Snapshot, layer: Optional[int] = None, hops: int 
     this rank holds, and the all-reduce after each row-parallel op (``hops`` of context)."""
     plan = plan_of(snap)
     if plan is None or not plan.applied:
-        raise ValueError(f"snapshot {snap.key} holds no applied sharding plan: render the snapshot of "
-                         "sharding_transform_executor (or a later one) of a sharded run")
+        raise ValueError(
+            f"snapshot {snap.key} holds no applied sharding plan: render the snapshot of "
+            "sharding_transform_executor (or a later one) of a sharded run"
+        )
     if layer is None:
         layer = next((r.layer for r in plan.sharded if r.layer is not None), None)
     names = set(sharded_layer_nodes(plan, layer))

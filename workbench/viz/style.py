@@ -37,10 +37,7 @@ KIND_STYLE: Dict[str, Dict[str, str]] = {
 # Diff marks, layered on top of the kind style.
 ADDED_STYLE = {"color": "#2e7d32", "penwidth": "4"}
 MODIFIED_STYLE = {"color": "#ef6c00", "penwidth": "4"}
-GHOST_STYLE = {
-    "style": "dashed", "color": "#9e9e9e", "fontcolor": "#9e9e9e", "fillcolor": "#ffffff",
-    "shape": "box",
-}
+GHOST_STYLE = {"style": "dashed", "color": "#9e9e9e", "fontcolor": "#9e9e9e", "fillcolor": "#ffffff", "shape": "box"}
 MISSING_META_STYLE = {"style": "filled,dashed", "color": "#d32f2f"}
 
 
@@ -86,8 +83,13 @@ def node_kind(node: fx.Node) -> str:
 
 # Border of a node the sharding stage cut (node.meta["sharding"] starts with the kind).
 SHARD_BORDER = {
-    "column": "#1565c0", "row": "#2e7d32", "column+row": "#00838f", "vocab": "#6a1b9a", "expert": "#ef6c00",
-    "all_reduce": "#c62828", "all_gather": "#c62828",
+    "column": "#1565c0",
+    "row": "#2e7d32",
+    "column+row": "#00838f",
+    "vocab": "#6a1b9a",
+    "expert": "#ef6c00",
+    "all_reduce": "#c62828",
+    "all_gather": "#c62828",
 }
 
 

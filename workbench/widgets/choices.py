@@ -72,12 +72,26 @@ class Selector:
 
 # Options come from the backend registries and the config Literals, never from a list of our own.
 SELECTORS: Tuple[Selector, ...] = (
-    Selector("attention", "attention backend", ("auto", *ATTENTION_BACKENDS.names()),
-             (("insert_cached_attention", "backend"),), attention_backend_reason),
-    Selector("compile", "compile backend", ("auto", *COMPILE_BACKENDS.names()),
-             (("compile_model", "backend"),), compile_backend_reason),
-    Selector("layout", "attention + RoPE layout", _literal_options("match_attention_layout", "attn_layout"),
-             (("match_attention_layout", "attn_layout"), ("match_rope_layout", "expected_layout"))),
+    Selector(
+        "attention",
+        "attention backend",
+        ("auto", *ATTENTION_BACKENDS.names()),
+        (("insert_cached_attention", "backend"),),
+        attention_backend_reason,
+    ),
+    Selector(
+        "compile",
+        "compile backend",
+        ("auto", *COMPILE_BACKENDS.names()),
+        (("compile_model", "backend"),),
+        compile_backend_reason,
+    ),
+    Selector(
+        "layout",
+        "attention + RoPE layout",
+        _literal_options("match_attention_layout", "attn_layout"),
+        (("match_attention_layout", "attn_layout"), ("match_rope_layout", "expected_layout")),
+    ),
     # Not a transform field: the weights are loaded in this dtype, so picking one reloads the model.
     Selector("dtype", "dtype", ("float32", "bfloat16", "float16"), ()),
 )

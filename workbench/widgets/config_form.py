@@ -90,8 +90,12 @@ class FieldEditor:
 
 def _editor(name: str, info, value: Any) -> FieldEditor:
     kind, choices, optional = field_kind(info.annotation)
-    common = dict(description=name, description_tooltip=info.description or "",
-                  style={"description_width": "190px"}, layout=W.Layout(width="460px"))
+    common = dict(
+        description=name,
+        description_tooltip=info.description or "",
+        style={"description_width": "190px"},
+        layout=W.Layout(width="460px"),
+    )
     if isinstance(value, enum.Enum):
         value = value.value
     if kind == "choice":
@@ -115,7 +119,10 @@ class ConfigForm:
         self.editors: Dict[str, FieldEditor] = {
             n: _editor(n, fields[n], getattr(config, n)) for n in own + list(COMMON_FIELDS)
         }
-        desc = lambda n: f"<span style='color:#666;font-size:90%'>{fields[n].description or ''}</span>"
+
+        def desc(n: str) -> str:
+            return f"<span style='color:#666;font-size:90%'>{fields[n].description or ''}</span>"
+
         rows: List[W.Widget] = [W.HTML(f"<b>{key}</b> <code>{type(config).__name__}</code>")]
         if own:
             rows.append(W.HTML("<i>transform fields</i>"))

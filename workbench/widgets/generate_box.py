@@ -16,8 +16,10 @@ import ipywidgets as W
 
 from .panes import error, esc, note
 
-NO_GENERATE = ("this Workbench has no generate() yet: generation needs the KV-cache runtime "
-               "(cache_init stage), which is not in this build")
+NO_GENERATE = (
+    "this Workbench has no generate() yet: generation needs the KV-cache runtime "
+    "(cache_init stage), which is not in this build"
+)
 
 
 class GenerationStopped(Exception):
@@ -35,21 +37,26 @@ def parse_prompt(text: str, has_tokenizer: bool) -> Union[str, List[int]]:
 
 
 class GenerateBox:
-    def __init__(self, start_job: Callable[[Callable[[], None], str], bool],
-                 should_stop: Callable[[], bool]):
+    def __init__(self, start_job: Callable[[Callable[[], None], str], bool], should_stop: Callable[[], bool]):
         self._start_job, self._should_stop = start_job, should_stop
         self.prompt = W.Textarea(placeholder="prompt", layout=W.Layout(width="600px", height="70px"))
-        self.max_new_tokens = W.BoundedIntText(value=32, min=1, max=4096, description="max new tokens",
-                                               style={"description_width": "110px"},
-                                               layout=W.Layout(width="220px"))
+        self.max_new_tokens = W.BoundedIntText(
+            value=32,
+            min=1,
+            max=4096,
+            description="max new tokens",
+            style={"description_width": "110px"},
+            layout=W.Layout(width="220px"),
+        )
         self.button = W.Button(description="Generate", icon="play", button_style="primary")
         self.button.on_click(lambda _b: self.generate())
         self.output = W.HTML()
         self.output.add_class("wb-generated")
         self.stats = W.HTML()
         self.reason = W.HTML()
-        self.box = W.VBox([self.reason, self.prompt, W.HBox([self.max_new_tokens, self.button]),
-                           self.stats, self.output])
+        self.box = W.VBox(
+            [self.reason, self.prompt, W.HBox([self.max_new_tokens, self.button]), self.stats, self.output]
+        )
         self.wb: Any = None
 
     def update(self, wb: Any, busy: bool) -> None:
@@ -79,8 +86,10 @@ class GenerateBox:
 
         def draw(final: bool = False) -> None:
             dt = max(time.perf_counter() - t0, 1e-9)
-            self.stats.value = (f"{len(pieces)} tokens in {dt:.2f} s &middot; "
-                                f"<b>{len(pieces) / dt:.1f} tokens/s</b>{'' if final else ' …'}")
+            self.stats.value = (
+                f"{len(pieces)} tokens in {dt:.2f} s &middot; "
+                f"<b>{len(pieces) / dt:.1f} tokens/s</b>{'' if final else ' …'}"
+            )
             self.output.value = f"<pre>{esc(''.join(pieces))}</pre>"
 
         def stream(event: Any) -> None:

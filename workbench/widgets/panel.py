@@ -30,8 +30,7 @@ TABS = ("Graph", "Diff", "Config", "Charts", "Numerics", "Generate")
 
 
 def _button(description: str, icon: str, tooltip: str, style: str = "") -> W.Button:
-    b = W.Button(description=description, icon=icon, tooltip=tooltip, button_style=style,
-                 layout=W.Layout(width="auto"))
+    b = W.Button(description=description, icon=icon, tooltip=tooltip, button_style=style, layout=W.Layout(width="auto"))
     b.add_class("wb-" + description.lower().replace(" ", "-"))
     return b
 
@@ -50,8 +49,7 @@ class WorkbenchPanel(PanelActions):
     ``auto_rerun`` re-runs an edited pipeline back to where it was; ``tol`` is the numerics
     tolerance (rmse ratio vs eager) that marks the first divergent transform."""
 
-    def __init__(self, wb: Any, *, background: Optional[bool] = None, auto_rerun: bool = True,
-                 tol: float = 1e-3):
+    def __init__(self, wb: Any, *, background: Optional[bool] = None, auto_rerun: bool = True, tol: float = 1e-3):
         self.wb = wb
         self.worker = Worker(background)
         self.seen: Dict[str, Snapshot] = {}
@@ -76,16 +74,25 @@ class WorkbenchPanel(PanelActions):
         self.stop_button = _button("Stop", "stop", "stop after the current transform", "warning")
         self.rewind_button = _button("Rewind", "undo", "go back so the selected transform runs next")
         self.reset_button = _button("Reset", "refresh", "back to the eager model", "danger")
-        for b, fn in ((self.step_button, self.step), (self.run_to_button, self.run_to_selected),
-                      (self.run_all_button, self.run_all), (self.stop_button, self.stop),
-                      (self.rewind_button, self.rewind), (self.reset_button, self.reset)):
+        for b, fn in (
+            (self.step_button, self.step),
+            (self.run_to_button, self.run_to_selected),
+            (self.run_all_button, self.run_all),
+            (self.stop_button, self.stop),
+            (self.rewind_button, self.rewind),
+            (self.reset_button, self.reset),
+        ):
             b.on_click(lambda _b, fn=fn: fn())
-        self.auto_rerun = W.Checkbox(value=auto_rerun, description="re-run after edits",
-                                     indent=False, layout=W.Layout(width="160px"))
-        self.tol = W.FloatText(value=tol, description="tol", layout=W.Layout(width="150px"),
-                               description_tooltip="rmse ratio vs eager that counts as divergent")
-        self.progress = W.IntProgress(min=0, max=max(len(self.wb.entries), 1),
-                                      layout=W.Layout(width="300px"))
+        self.auto_rerun = W.Checkbox(
+            value=auto_rerun, description="re-run after edits", indent=False, layout=W.Layout(width="160px")
+        )
+        self.tol = W.FloatText(
+            value=tol,
+            description="tol",
+            layout=W.Layout(width="150px"),
+            description_tooltip="rmse ratio vs eager that counts as divergent",
+        )
+        self.progress = W.IntProgress(min=0, max=max(len(self.wb.entries), 1), layout=W.Layout(width="300px"))
         self.message = W.HTML()
         self.pipeline = PipelineList(self.wb.entries, self._on_toggle, self.select)
         self.facts = W.HTML()
@@ -93,13 +100,13 @@ class WorkbenchPanel(PanelActions):
         self.layer = W.Dropdown(description="layer", layout=W.Layout(width="260px"))
         self.graph = W.HTML()
         self.graph.add_class("wb-graph")
-        self.compare = W.Dropdown(description="compare with", layout=W.Layout(width="360px"),
-                                  style={"description_width": "100px"})
+        self.compare = W.Dropdown(
+            description="compare with", layout=W.Layout(width="360px"), style={"description_width": "100px"}
+        )
         self.diff = W.HTML()
         self.diff.add_class("wb-diff")
         self.config_box = W.VBox()
-        self.apply_button = _button("Apply", "check", "validate and apply the changed fields",
-                                    "success")
+        self.apply_button = _button("Apply", "check", "validate and apply the changed fields", "success")
         self.apply_button.layout.width = "120px"
         self.apply_button.on_click(lambda _b: self.apply_config())
         self.config_error = W.HTML()
@@ -107,21 +114,46 @@ class WorkbenchPanel(PanelActions):
         self.chart_table = W.HTML()
         self.numerics = W.HTML()
         self.generate_box = GenerateBox(self._start_job, lambda: self.worker.stop_requested)
-        self.tabs = W.Tab([
-            W.VBox([self.layer, self.graph]), W.VBox([self.compare, self.diff]),
-            W.VBox([self.config_box, self.apply_button, self.config_error]),
-            W.VBox([self.chart, self.chart_table]), self.numerics, self.generate_box.box,
-        ], titles=TABS, layout=W.Layout(width="100%"))
+        self.tabs = W.Tab(
+            [
+                W.VBox([self.layer, self.graph]),
+                W.VBox([self.compare, self.diff]),
+                W.VBox([self.config_box, self.apply_button, self.config_error]),
+                W.VBox([self.chart, self.chart_table]),
+                self.numerics,
+                self.generate_box.box,
+            ],
+            titles=TABS,
+            layout=W.Layout(width="100%"),
+        )
         for w in (self.tabs, self.layer, self.compare, self.tol):
             w.observe(lambda _ch: self.render(), names="selected_index" if w is self.tabs else "value")
-        controls = W.HBox([self.step_button, self.run_to_button, self.run_all_button,
-                           self.stop_button, self.rewind_button, self.reset_button,
-                           self.auto_rerun, self.tol])
-        self.widget = W.VBox([
-            self.title, self.selectors.box, controls, W.HBox([self.progress, self.message]),
-            W.HBox([self.pipeline.box, W.VBox([self.facts, self.tabs],
-                                              layout=W.Layout(flex="1 1 auto", min_width="480px"))]),
-        ])
+        controls = W.HBox(
+            [
+                self.step_button,
+                self.run_to_button,
+                self.run_all_button,
+                self.stop_button,
+                self.rewind_button,
+                self.reset_button,
+                self.auto_rerun,
+                self.tol,
+            ]
+        )
+        self.widget = W.VBox(
+            [
+                self.title,
+                self.selectors.box,
+                controls,
+                W.HBox([self.progress, self.message]),
+                W.HBox(
+                    [
+                        self.pipeline.box,
+                        W.VBox([self.facts, self.tabs], layout=W.Layout(flex="1 1 auto", min_width="480px")),
+                    ]
+                ),
+            ]
+        )
         self.widget.add_class("wb-panel")
 
     def _ipython_display_(self) -> None:
@@ -151,12 +183,15 @@ class WorkbenchPanel(PanelActions):
         for s in snaps:
             self.seen[s.key] = s
         n = len(wb.entries)
-        self.title.value = (f"<h3 style='margin:4px 0'>workbench: {panes.esc(wb.ctx.spec)} "
-                            f"<small>{str(wb.ctx.dtype).replace('torch.', '')} on {wb.ctx.device}"
-                            f" &middot; {len(snaps)}/{n} transforms run</small></h3>")
+        self.title.value = (
+            f"<h3 style='margin:4px 0'>workbench: {panes.esc(wb.ctx.spec)} "
+            f"<small>{str(wb.ctx.dtype).replace('torch.', '')} on {wb.ctx.device}"
+            f" &middot; {len(snaps)}/{n} transforms run</small></h3>"
+        )
         self.progress.max, self.progress.value = n, len(snaps)
-        self.progress.bar_style = ("info" if busy else "danger" if wb.last_error else
-                                   "success" if len(snaps) == n else "")
+        self.progress.bar_style = (
+            "info" if busy else "danger" if wb.last_error else "success" if len(snaps) == n else ""
+        )
         for b in (self.step_button, self.run_to_button, self.run_all_button):
             b.disabled = busy or wb.done
         self.rewind_button.disabled = self.reset_button.disabled = busy
@@ -181,31 +216,39 @@ class WorkbenchPanel(PanelActions):
                 snap, status = snaps[i], snaps[i].status
             else:
                 snap = self.seen.get(e.key)
-                status = ("failed" if wb.status(e.key) == "failed"
-                          else "stale" if snap is not None else "pending")
-            out.append(RowView(e.key, e.config.enabled, status, snap, e.key == self.selected,
-                               snap is bad and bad is not None, i == len(snaps)))
+                status = "failed" if wb.status(e.key) == "failed" else "stale" if snap is not None else "pending"
+            out.append(
+                RowView(
+                    e.key,
+                    e.config.enabled,
+                    status,
+                    snap,
+                    e.key == self.selected,
+                    snap is bad and bad is not None,
+                    i == len(snaps),
+                )
+            )
         return out
 
     def _render_pane(self, snaps: List[Snapshot], snap: Optional[Snapshot]) -> None:
         tab = TABS[self.tabs.selected_index or 0]
         layers = int(getattr(self.wb.ctx.config, "num_hidden_layers", 0) or 0)
-        _set_options(self.layer, [("all layers collapsed", -1)]
-                     + [(f"layer {i}", i) for i in range(layers)])
-        _set_options(self.compare, [("previous snapshot", -1)]
-                     + [(f"#{s.index:02d} {s.key}", s.index) for s in snaps])
+        _set_options(self.layer, [("all layers collapsed", -1)] + [(f"layer {i}", i) for i in range(layers)])
+        _set_options(self.compare, [("previous snapshot", -1)] + [(f"#{s.index:02d} {s.key}", s.index) for s in snaps])
         expand = None if self.layer.value in (None, -1) else self.layer.value
         if tab == "Config":
             self._render_config()
             return
-        key = (tab, tuple(id(s) for s in snaps), self.selected, expand, self.compare.value,
-               self.tol.value)
+        key = (tab, tuple(id(s) for s in snaps), self.selected, expand, self.compare.value, self.tol.value)
         if key == self._pane_key:
             return
         self._pane_key = key
         if tab == "Graph":
-            empty = (f"{self.selected} has not run yet: run to it, or select one that has run."
-                     if snaps else "Nothing has run yet: press Step (or Run all) to export the model.")
+            empty = (
+                f"{self.selected} has not run yet: run to it, or select one that has run."
+                if snaps
+                else "Nothing has run yet: press Step (or Run all) to export the model."
+            )
             self.graph.value = panes.graph_html(snap, expand, self.svgs, empty)
         elif tab == "Diff":
             c = self.compare.value

@@ -24,8 +24,7 @@ class PanelActions:
 
     wb: Any
 
-    def _start_job(self, job: Callable[[], None], what: str,
-                   after: Callable[[], None] = lambda: None) -> bool:
+    def _start_job(self, job: Callable[[], None], what: str, after: Callable[[], None] = lambda: None) -> bool:
         def done(err: Optional[BaseException]) -> None:
             if err is not None:
                 if what == "generating":
@@ -117,8 +116,11 @@ class PanelActions:
         where.value = ""
         if self.auto_rerun.value and self.wb.position < goal:
             return self.run_to_position(goal, follow=False)
-        self._say(f"{before - self.wb.position} snapshot(s) invalidated: stale until re-run"
-                  if self.wb.position < before else "changed (nothing had run past it)")
+        self._say(
+            f"{before - self.wb.position} snapshot(s) invalidated: stale until re-run"
+            if self.wb.position < before
+            else "changed (nothing had run past it)"
+        )
         self.render()
         return True
 
@@ -170,8 +172,7 @@ class PanelActions:
         if sel.name == "dtype":
             return self._reload(option)
         wb = self.wb
-        return self._edit(lambda: [wb.configure(k, **{f: option}) for k, f in sel.present(wb.keys)],
-                          self.message)
+        return self._edit(lambda: [wb.configure(k, **{f: option}) for k, f in sel.present(wb.keys)], self.message)
 
     def _reload(self, dtype: str) -> bool:
         """Load the model again in ``dtype``: the panel then drives a new Workbench (``panel.wb``)."""
@@ -192,7 +193,9 @@ class PanelActions:
 
         def after() -> None:
             if self.wb is not old:
-                self._say(f"reloaded in {dtype}: the panel now drives panel.wb, a new Workbench "
-                          f"(the one you passed keeps {str(old.ctx.dtype).replace('torch.', '')})")
+                self._say(
+                    f"reloaded in {dtype}: the panel now drives panel.wb, a new Workbench "
+                    f"(the one you passed keeps {str(old.ctx.dtype).replace('torch.', '')})"
+                )
 
         return self._start_job(job, f"reloading in {dtype}", after)

@@ -18,10 +18,7 @@ from ..pipeline.snapshot import Snapshot
 from ..viz import GraphTooLargeError, diff_snapshots, render_diff, render_snapshot, to_svg
 from ..viz.diff import GONE_CHANGES, GraphDiff
 
-STATUS_COLORS = {
-    "done": "#2e7d32", "skipped": "#757575", "failed": "#c62828", "stale": "#ef6c00",
-    "pending": "#9e9e9e",
-}
+STATUS_COLORS = {"done": "#2e7d32", "skipped": "#757575", "failed": "#c62828", "stale": "#ef6c00", "pending": "#9e9e9e"}
 SCROLL = "<div style='overflow:auto;max-height:{h}px;border:1px solid #ddd'>{body}</div>"
 
 
@@ -34,14 +31,15 @@ def note(text: str, color: str = "#555") -> str:
 
 
 def error(text: str) -> str:
-    return (f"<div class='wb-error' style='color:#b71c1c;background:#ffebee;padding:4px 8px;"
-            f"white-space:pre-wrap;font-family:monospace'>{esc(text)}</div>")
+    return (
+        f"<div class='wb-error' style='color:#b71c1c;background:#ffebee;padding:4px 8px;"
+        f"white-space:pre-wrap;font-family:monospace'>{esc(text)}</div>"
+    )
 
 
 def badge(status: str) -> str:
     color = STATUS_COLORS.get(status, "#555")
-    return (f"<span style='background:{color};color:white;border-radius:3px;padding:0 5px;"
-            f"font-size:85%'>{status}</span>")
+    return f"<span style='background:{color};color:white;border-radius:3px;padding:0 5px;font-size:85%'>{status}</span>"
 
 
 def inline_svg(svg: str, height: int = 640) -> str:
@@ -83,19 +81,27 @@ def snapshot_facts(snap: Optional[Snapshot], key: str, status: str) -> str:
     if snap is None:
         return f"<b>{esc(key)}</b> {badge(status)} <i>not run</i>"
     n = snap.numerics
-    num = ("" if n is None else f" &middot; rmse ratio {n.rmse_ratio:.2e}" if n.ok
-           else f" &middot; numerics: {esc(n.error)}")
+    num = (
+        ""
+        if n is None
+        else f" &middot; rmse ratio {n.rmse_ratio:.2e}"
+        if n.ok
+        else f" &middot; numerics: {esc(n.error)}"
+    )
     extra = "".join(f" &middot; {esc(k)}={esc(v)}" for k, v in snap.info.details.items())
     reason = f" &middot; <i>{esc(snap.info.skip_reason)}</i>" if snap.info.skip_reason else ""
     warn = f" &middot; <span style='color:#c62828'>{esc(snap.mem_warning)}</span>" if snap.mem_warning else ""
-    return (f"<b>#{snap.index:02d} {esc(key)}</b> [{snap.stage.value}] {badge(status)} &middot; "
-            f"{snap.info.num_matches} matches &middot; {snap.times.total * 1000:.1f} ms &middot; "
-            f"{snap.num_nodes} nodes &middot; Δmem {snap.mem_delta / 2**20:+.2f} MiB"
-            f"{num}{reason}{warn}{extra}")
+    return (
+        f"<b>#{snap.index:02d} {esc(key)}</b> [{snap.stage.value}] {badge(status)} &middot; "
+        f"{snap.info.num_matches} matches &middot; {snap.times.total * 1000:.1f} ms &middot; "
+        f"{snap.num_nodes} nodes &middot; Δmem {snap.mem_delta / 2**20:+.2f} MiB"
+        f"{num}{reason}{warn}{extra}"
+    )
 
 
-def graph_html(snap: Optional[Snapshot], expand: Optional[int], cache: SvgCache,
-               empty: str = "Nothing has run yet.") -> str:
+def graph_html(
+    snap: Optional[Snapshot], expand: Optional[int], cache: SvgCache, empty: str = "Nothing has run yet."
+) -> str:
     """The collapsed render of ``snap`` (decoder layer ``expand`` opened, if given)."""
     if snap is None:
         return note(empty)
@@ -103,8 +109,11 @@ def graph_html(snap: Optional[Snapshot], expand: Optional[int], cache: SvgCache,
         return note(f"{snap.key} kept no graph (the workbench runs with snapshots=False).")
     view = ("graph", expand)
     try:
-        svg = cache.get([snap], view, lambda: to_svg(render_snapshot(
-            snap, collapsed=True, expand=[] if expand is None else [expand])))
+        svg = cache.get(
+            [snap],
+            view,
+            lambda: to_svg(render_snapshot(snap, collapsed=True, expand=[] if expand is None else [expand])),
+        )
     except (ValueError, GraphTooLargeError) as e:
         return error(str(e))
     return inline_svg(svg)
@@ -113,12 +122,14 @@ def graph_html(snap: Optional[Snapshot], expand: Optional[int], cache: SvgCache,
 def diff_marks(diff: GraphDiff) -> Dict[str, str]:
     """Node name -> ``added``/``modified`` for the later graph's changed nodes."""
     t = diff.nodes
-    return {name: ("modified" if change == "modified" else "added")
-            for name, change in zip(t["name"], t["change"]) if change not in GONE_CHANGES}
+    return {
+        name: ("modified" if change == "modified" else "added")
+        for name, change in zip(t["name"], t["change"])
+        if change not in GONE_CHANGES
+    }
 
 
-def diff_html(before: Optional[Snapshot], after: Optional[Snapshot], expand: Optional[int],
-              cache: SvgCache) -> str:
+def diff_html(before: Optional[Snapshot], after: Optional[Snapshot], expand: Optional[int], cache: SvgCache) -> str:
     """Summary, op-count deltas, node table and the highlighted render of ``before -> after``.
 
     A change too large for the node-level diff picture is shown on the collapsed render instead
@@ -134,18 +145,28 @@ def diff_html(before: Optional[Snapshot], after: Optional[Snapshot], expand: Opt
     parts = [f"<p><b>{esc(diff.summary())}</b></p>"]
     if diff.empty:
         return parts[0] + note("The graphs are identical.")
-    parts += ["<b>op counts</b>", frame_html(diff.op_delta), "<b>changed nodes</b>",
-              SCROLL.format(h=240, body=frame_html(diff.nodes, 200))]
+    parts += [
+        "<b>op counts</b>",
+        frame_html(diff.op_delta),
+        "<b>changed nodes</b>",
+        SCROLL.format(h=240, body=frame_html(diff.nodes, 200)),
+    ]
     try:
         svg = cache.get([before, after], ("diff",), lambda: to_svg(render_diff(diff)))
         caption = "new nodes green, removed ones grey"
     except GraphTooLargeError:
         marks = diff_marks(diff)
-        svg = cache.get([before, after], ("diff-collapsed", expand), lambda: to_svg(
-            render_snapshot(after, collapsed=True, expand=[] if expand is None else [expand],
-                            marks=marks)))
-        caption = ("too many changes for the node-level picture: the collapsed graph with the "
-                   "changed nodes highlighted (open a layer to see them one by one)")
+        svg = cache.get(
+            [before, after],
+            ("diff-collapsed", expand),
+            lambda: to_svg(
+                render_snapshot(after, collapsed=True, expand=[] if expand is None else [expand], marks=marks)
+            ),
+        )
+        caption = (
+            "too many changes for the node-level picture: the collapsed graph with the "
+            "changed nodes highlighted (open a layer to see them one by one)"
+        )
     parts += [f"<p><i>{caption}</i></p>", inline_svg(svg, 560)]
     return "".join(parts)
 
@@ -161,9 +182,11 @@ def numerics_html(snaps: Sequence[Snapshot], tol: float, enabled: bool) -> str:
     if not snaps:
         return note("Nothing has run yet.")
     bad = first_divergent(snaps, tol)
-    head = (f"<p style='color:#c62828'><b>first transform past rmse ratio {tol:g}: "
-            f"#{bad.index:02d} {esc(bad.key)}</b></p>" if bad else
-            f"<p style='color:#2e7d32'>every snapshot is within rmse ratio {tol:g} of eager</p>")
+    head = (
+        f"<p style='color:#c62828'><b>first transform past rmse ratio {tol:g}: #{bad.index:02d} {esc(bad.key)}</b></p>"
+        if bad
+        else f"<p style='color:#2e7d32'>every snapshot is within rmse ratio {tol:g} of eager</p>"
+    )
     rows: List[str] = []
     for s in snaps:
         n = s.numerics
@@ -174,11 +197,15 @@ def numerics_html(snaps: Sequence[Snapshot], tol: float, enabled: bool) -> str:
         else:
             cells = ["", "", esc(n.error)]
         style = " style='background:#ffcdd2;font-weight:bold'" if s is bad else ""
-        rows.append(f"<tr{style}><td>{s.index}</td><td>{esc(s.key)}</td><td>{s.status}</td>"
-                    + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    return (head + "<table class='wb-numerics'><tr><th>#</th><th>transform</th><th>status</th>"
-            "<th>max abs</th><th>rmse ratio</th><th>top-1 agree</th></tr>" + "".join(rows)
-            + "</table>")
+        rows.append(
+            f"<tr{style}><td>{s.index}</td><td>{esc(s.key)}</td><td>{s.status}</td>"
+            + "".join(f"<td>{c}</td>" for c in cells)
+            + "</tr>"
+        )
+    return (
+        head + "<table class='wb-numerics'><tr><th>#</th><th>transform</th><th>status</th>"
+        "<th>max abs</th><th>rmse ratio</th><th>top-1 agree</th></tr>" + "".join(rows) + "</table>"
+    )
 
 
 def charts_tables_html(memory: pd.DataFrame, timing: pd.DataFrame) -> str:

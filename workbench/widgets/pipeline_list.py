@@ -35,8 +35,9 @@ ROW = W.Layout(flex="0 0 auto")
 
 
 class PipelineList:
-    def __init__(self, entries: Sequence[PipelineEntry], on_toggle: Callable[[str, bool], None],
-                 on_select: Callable[[str], None]):
+    def __init__(
+        self, entries: Sequence[PipelineEntry], on_toggle: Callable[[str, bool], None], on_select: Callable[[str], None]
+    ):
         self.checkboxes: Dict[str, W.Checkbox] = {}
         self.names: Dict[str, W.Button] = {}
         self.cells: Dict[str, W.HTML] = {}
@@ -45,21 +46,33 @@ class PipelineList:
         for e in entries:
             if e.config.stage != stage:
                 stage = e.config.stage
-                children.append(W.HTML(f"<div style='margin-top:6px;border-bottom:1px solid #ccc'>"
-                                       f"<b>{stage.value}</b></div>", layout=ROW))
-            cb = W.Checkbox(value=e.config.enabled, indent=False, layout=W.Layout(width="24px"),
-                            description_tooltip=f"enable {e.key}")
+                children.append(
+                    W.HTML(
+                        f"<div style='margin-top:6px;border-bottom:1px solid #ccc'><b>{stage.value}</b></div>",
+                        layout=ROW,
+                    )
+                )
+            cb = W.Checkbox(
+                value=e.config.enabled,
+                indent=False,
+                layout=W.Layout(width="24px"),
+                description_tooltip=f"enable {e.key}",
+            )
             cb.observe(lambda ch, k=e.key: on_toggle(k, ch["new"]), names="value")
-            name = W.Button(description=e.key, tooltip=f"select {e.key}", style={"font_size": "12px"},
-                            layout=W.Layout(width="240px", height="24px"))
+            name = W.Button(
+                description=e.key,
+                tooltip=f"select {e.key}",
+                style={"font_size": "12px"},
+                layout=W.Layout(width="240px", height="24px"),
+            )
             name.on_click(lambda _b, k=e.key: on_select(k))
             name.add_class("wb-transform")
             cell = W.HTML(layout=W.Layout(width="320px"))
             self.checkboxes[e.key], self.names[e.key], self.cells[e.key] = cb, name, cell
-            children.append(W.HBox([cb, name, cell], layout=W.Layout(align_items="center",
-                                                                     flex="0 0 auto")))
-        self.box = W.VBox(children, layout=W.Layout(overflow_y="auto", max_height="720px",
-                                                     width="600px", flex="0 0 auto"))
+            children.append(W.HBox([cb, name, cell], layout=W.Layout(align_items="center", flex="0 0 auto")))
+        self.box = W.VBox(
+            children, layout=W.Layout(overflow_y="auto", max_height="720px", width="600px", flex="0 0 auto")
+        )
 
     def update(self, rows: Sequence[RowView], busy: bool) -> None:
         """Set every row's values (the caller guards against the checkbox observers firing)."""
@@ -75,15 +88,21 @@ class PipelineList:
         s = r.snap
         if s is not None:
             dim = " style='color:#999'" if r.status == "stale" else ""
-            parts.append(f"<span{dim}>{s.info.num_matches} matches &middot; "
-                         f"{s.times.total * 1000:.0f} ms</span>")
+            parts.append(f"<span{dim}>{s.info.num_matches} matches &middot; {s.times.total * 1000:.0f} ms</span>")
             n = s.numerics
             if n is not None and n.ok:
-                style = ("background:#ffcdd2;color:#b71c1c;font-weight:bold" if r.divergent
-                         else "color:#999" if r.status == "stale" else "color:#555")
+                style = (
+                    "background:#ffcdd2;color:#b71c1c;font-weight:bold"
+                    if r.divergent
+                    else "color:#999"
+                    if r.status == "stale"
+                    else "color:#555"
+                )
                 flag = " first divergent" if r.divergent else ""
-                parts.append(f"<span class='wb-numerics-cell' style='{style}' "
-                             f"title='rmse ratio vs eager'>{n.rmse_ratio:.1e}{flag}</span>")
+                parts.append(
+                    f"<span class='wb-numerics-cell' style='{style}' "
+                    f"title='rmse ratio vs eager'>{n.rmse_ratio:.1e}{flag}</span>"
+                )
         if r.next_to_run:
             parts.append("<span style='color:#1565c0'>&larr; next</span>")
         return f"<span style='white-space:nowrap' title='{esc(r.key)}'>{' '.join(parts)}</span>"

@@ -24,8 +24,7 @@ class SelectorBar:
         for sel in SELECTORS:
             buttons = {}
             for option in sel.options:
-                b = W.ToggleButton(description=option,
-                                   layout=W.Layout(width=f"{max(64, 9 * len(option) + 30)}px"))
+                b = W.ToggleButton(description=option, layout=W.Layout(width=f"{max(64, 9 * len(option) + 30)}px"))
                 b.observe(lambda ch, s=sel.name, o=option: on_choice(s, o, ch["new"]), names="value")
                 buttons[option] = b
             self.buttons[sel.name], self.notes[sel.name] = buttons, W.HTML()
@@ -50,5 +49,4 @@ class SelectorBar:
                 b.tooltip = "; ".join(r for r in (whole, own) if r) or f"{sel.label}: {option}"
                 if own is not None:  # the short form here, the whole reason in the tooltip
                     notes.append(f"{option}: {own.partition(': ')[0]}")
-            self.notes[sel.name].value = (
-                f"<span style='color:#777;font-size:90%'>{esc('; '.join(notes))}</span>")
+            self.notes[sel.name].value = f"<span style='color:#777;font-size:90%'>{esc('; '.join(notes))}</span>"

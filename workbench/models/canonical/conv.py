@@ -23,8 +23,13 @@ from ...ops import conv as _conv_ops  # noqa: F401  (registers workbench::torch_
 from . import ModulePatch
 
 
-def lfm2_short_conv_forward(module: torch.nn.Module, hidden_states: torch.Tensor, past_key_values=None,
-                            attention_mask: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
+def lfm2_short_conv_forward(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    past_key_values=None,
+    attention_mask: Optional[torch.Tensor] = None,
+    **kwargs,
+) -> torch.Tensor:
     """``Lfm2ShortConv.forward`` through the canonical conv op: [b, s, hidden] -> [b, s, hidden].
 
     ``attention_mask`` is the 2D padding mask transformers 5.2x hands recurrent layers (None
@@ -33,8 +38,10 @@ def lfm2_short_conv_forward(module: torch.nn.Module, hidden_states: torch.Tensor
     as HF's own padding helper did.
     """
     if past_key_values is not None:
-        raise ValueError("the canonical LFM2 short-conv forward is for export (use_cache=False): the cached "
-                         "graph keeps conv state through insert_cached_causal_conv, not an HF cache object")
+        raise ValueError(
+            "the canonical LFM2 short-conv forward is for export (use_cache=False): the cached "
+            "graph keeps conv state through insert_cached_causal_conv, not an HF cache object"
+        )
     if attention_mask is not None and attention_mask.dim() == 2:
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     # HF chunks the channels-first [b, 3h, s] projection on dim -2: the same channel thirds.

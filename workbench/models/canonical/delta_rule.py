@@ -53,8 +53,9 @@ def _qwen3_next_split(module: torch.nn.Module, qkvz: torch.Tensor, ba: torch.Ten
     return q.flatten(-2), k.flatten(-2), v.flatten(-2), z.flatten(-2), b.flatten(-2), a.flatten(-2)
 
 
-def qwen3_next_gated_delta_net_forward(module: torch.nn.Module, hidden_states: torch.Tensor, cache_params=None,
-                                       *_args, attention_mask=None, **_kwargs) -> torch.Tensor:
+def qwen3_next_gated_delta_net_forward(
+    module: torch.nn.Module, hidden_states: torch.Tensor, cache_params=None, *_args, attention_mask=None, **_kwargs
+) -> torch.Tensor:
     """``Qwen3NextGatedDeltaNet``: hidden_states [b, s, hidden] -> [b, s, hidden], HF's torch fallback
     without cache, with the short conv and the gated delta rule as canonical ops."""
     _refuse_cache(module, cache_params)
@@ -68,15 +69,20 @@ def qwen3_next_gated_delta_net_forward(module: torch.nn.Module, hidden_states: t
     # g in fp32 as HF computes it (exp(A_log) overflows fp16 for strongly decaying heads)
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
     o = torch.ops.workbench.torch_gated_delta_rule(
-        q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (h, dv)), g, b.sigmoid(),
+        q.unflatten(-1, (hk, dk)),
+        k.unflatten(-1, (hk, dk)),
+        v.unflatten(-1, (h, dv)),
+        g,
+        b.sigmoid(),
         use_qk_l2norm=True,
     )  # [b, s, h, dv]
     o = module.norm(o, z.unflatten(-1, (h, dv)))  # gated RMSNorm over each head's dv
     return module.out_proj(o.flatten(-2))
 
 
-def deltanet_mixer_forward(module: torch.nn.Module, hidden_states: torch.Tensor, cache_params=None,
-                           *_args, attention_mask=None, **_kwargs) -> torch.Tensor:
+def deltanet_mixer_forward(
+    module: torch.nn.Module, hidden_states: torch.Tensor, cache_params=None, *_args, attention_mask=None, **_kwargs
+) -> torch.Tensor:
     """``DeltaNetMixer`` (the tiny DeltaNet, ``models/tiny_families/deltanet_model.py``): its eager
     forward is the token-by-token recurrence; here the rule is ``torch_delta_rule``."""
     _refuse_cache(module, cache_params)
@@ -87,8 +93,11 @@ def deltanet_mixer_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     )
     q, k, v = qkv.split([heads * dk, heads * dk, heads * dv], dim=-1)
     o = torch.ops.workbench.torch_delta_rule(
-        q.unflatten(-1, (heads, dk)), k.unflatten(-1, (heads, dk)), v.unflatten(-1, (heads, dv)),
-        module.beta_proj(hidden_states).sigmoid(), use_qk_l2norm=True,
+        q.unflatten(-1, (heads, dk)),
+        k.unflatten(-1, (heads, dk)),
+        v.unflatten(-1, (heads, dv)),
+        module.beta_proj(hidden_states).sigmoid(),
+        use_qk_l2norm=True,
     )
     return module.out_proj(o.flatten(-2))
 

@@ -44,11 +44,13 @@ def _require_uncached(module: torch.nn.Module, past_key_values) -> None:
     if past_key_values is not None:
         raise ValueError(
             f"the canonical {type(module).__name__} forward is for export (use_cache=False): the cached graph keeps "
-            "MLA latents through insert_cached_mla_attention, not an HF cache object")
+            "MLA latents through insert_cached_mla_attention, not an HF cache object"
+        )
 
 
-def _require_causal(module: torch.nn.Module, hidden_states: torch.Tensor,
-                    attention_mask: Optional[torch.Tensor]) -> None:
+def _require_causal(
+    module: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor]
+) -> None:
     """torch_mla is causal attention over whole sequences; check that the mask says nothing more.
 
     The export contract (``input_ids, position_ids``) has no padding-mask input, so the 4D mask HF
@@ -60,8 +62,10 @@ def _require_causal(module: torch.nn.Module, hidden_states: torch.Tensor,
     """
     window = getattr(module.config, "sliding_window", None)
     if window is not None:
-        raise ValueError(f"{type(module).__name__}: config.sliding_window={window}, but torch_mla is plain causal "
-                         "attention; disable this export patch to export HF's own spelling")
+        raise ValueError(
+            f"{type(module).__name__}: config.sliding_window={window}, but torch_mla is plain causal "
+            "attention; disable this export patch to export HF's own spelling"
+        )
     if attention_mask is None:
         return
     s = hidden_states.shape[1]
@@ -69,7 +73,8 @@ def _require_causal(module: torch.nn.Module, hidden_states: torch.Tensor,
         raise ValueError(
             f"the canonical {type(module).__name__} forward computes causal attention over the new tokens only, but "
             f"got an attention_mask {tuple(attention_mask.shape)} for {s} tokens (a KV cache or padding?). Export "
-            "through the workbench contract (input_ids, position_ids), or disable this export patch")
+            "through the workbench contract (input_ids, position_ids), or disable this export patch"
+        )
 
 
 def _queries(module: torch.nn.Module, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +85,7 @@ def _queries(module: torch.nn.Module, hidden_states: torch.Tensor) -> Tuple[torc
     else:
         q = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden_states)))
     q = q.view(b, s, -1, module.qk_head_dim)
-    return q[..., : module.qk_nope_head_dim], q[..., module.qk_nope_head_dim:]
+    return q[..., : module.qk_nope_head_dim], q[..., module.qk_nope_head_dim :]
 
 
 def _latent(module: torch.nn.Module, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +93,7 @@ def _latent(module: torch.nn.Module, hidden_states: torch.Tensor) -> Tuple[torch
     b, s = hidden_states.shape[:-1]
     kv = module.kv_a_proj_with_mqa(hidden_states)
     latent = module.kv_a_layernorm(kv[..., : module.kv_lora_rank])
-    return latent, kv[..., module.kv_lora_rank:].view(b, s, 1, module.qk_rope_head_dim)
+    return latent, kv[..., module.kv_lora_rank :].view(b, s, 1, module.qk_rope_head_dim)
 
 
 def _attend(module: torch.nn.Module, hidden_states, q_nope, q_pe, latent, k_pe) -> torch.Tensor:
@@ -96,8 +101,9 @@ def _attend(module: torch.nn.Module, hidden_states, q_nope, q_pe, latent, k_pe) 
     import workbench.ops.mla  # noqa: F401  (registers the op; a no-op once workbench.ops imports it)
 
     b, s = hidden_states.shape[:-1]
-    out = torch.ops.workbench.torch_mla(q_nope, q_pe, latent, k_pe, module.kv_b_proj.weight,
-                                        scale=float(module.scaling))  # [b, s, n, dv]
+    out = torch.ops.workbench.torch_mla(
+        q_nope, q_pe, latent, k_pe, module.kv_b_proj.weight, scale=float(module.scaling)
+    )  # [b, s, n, dv]
     return module.o_proj(out.reshape(b, s, -1))
 
 
@@ -115,9 +121,14 @@ def rope_complex_bsnd(q: torch.Tensor, k: torch.Tensor, freqs_cis: torch.Tensor)
     return q_out.type_as(q), k_out.type_as(k)
 
 
-def deepseek_v2_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
-                                  attention_mask: Optional[torch.Tensor] = None, past_key_values=None,
-                                  position_embeddings: Optional[torch.Tensor] = None, **kwargs):
+def deepseek_v2_attention_forward(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    past_key_values=None,
+    position_embeddings: Optional[torch.Tensor] = None,
+    **kwargs,
+):
     """``DeepseekV2Attention.forward`` through ``torch_mla``: [b, s, hidden] -> ([b, s, hidden], None).
     ``position_embeddings``: the complex ``freqs_cis [b, s, dr/2]`` of ``DeepseekV2RotaryEmbedding``."""
     _require_uncached(module, past_key_values)
@@ -135,11 +146,12 @@ def deepseek_v2_attention_forward(module: torch.nn.Module, hidden_states: torch.
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+    return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
 
 
-def rope_cos_sin_bsnd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      interleaved: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin_bsnd(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """HF DeepSeek-V3's rotate-half RoPE for [b, s, heads, dr] tensors, cos/sin [b, s, dr];
     ``interleaved``: de-interleave the pairs first (see the module docstring)."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
@@ -151,9 +163,14 @@ def rope_cos_sin_bsnd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def deepseek_v3_attention_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
-                                  position_embeddings: Tuple[torch.Tensor, torch.Tensor],
-                                  attention_mask: Optional[torch.Tensor] = None, past_key_values=None, **kwargs):
+def deepseek_v3_attention_forward(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: Tuple[torch.Tensor, torch.Tensor],
+    attention_mask: Optional[torch.Tensor] = None,
+    past_key_values=None,
+    **kwargs,
+):
     """``DeepseekV3Attention.forward`` through ``torch_mla``: [b, s, hidden] -> ([b, s, hidden], None)."""
     _require_uncached(module, past_key_values)
     _require_causal(module, hidden_states, attention_mask)

@@ -51,7 +51,8 @@ def canonical_mrope_rotary(module: torch.nn.Module, x: torch.Tensor, position_id
     if traceable_as_op(module) is not None:
         return _hf_forward(module)(x, position_ids)
     cos, sin = torch.ops.workbench.torch_mrope_cos_sin(
-        position_ids, module.inv_freq, [int(n) for n in module.mrope_section], float(module.attention_scaling))
+        position_ids, module.inv_freq, [int(n) for n in module.mrope_section], float(module.attention_scaling)
+    )
     return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 

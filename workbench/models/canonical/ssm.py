@@ -57,8 +57,9 @@ def _conv_and_scan(module: torch.nn.Module, projected: torch.Tensor) -> Tuple[to
     # output. Casts only then (a dtype is static at trace time), so fp32 graphs get no cast nodes.
     weight = module.conv1d.weight
     conv_in = xbc if xbc.dtype == weight.dtype else xbc.to(weight.dtype)
-    conv_out = torch.ops.workbench.torch_causal_conv1d(conv_in, weight, module.conv1d.bias,
-                                                       activation=module.activation)
+    conv_out = torch.ops.workbench.torch_causal_conv1d(
+        conv_in, weight, module.conv1d.bias, activation=module.activation
+    )
     xbc = conv_out if conv_out.dtype == xbc.dtype else conv_out.to(xbc.dtype)
     x, B, C = xbc.split([module.intermediate_size, groups * state, groups * state], dim=-1)
     low, high = _time_step_limits(module)
@@ -86,8 +87,7 @@ def mamba2_mixer_forward(module: torch.nn.Module, hidden_states: torch.Tensor, c
     return module.out_proj(module.norm(y, gate).to(hidden_states.dtype))
 
 
-def falcon_h1_mixer_forward(module: torch.nn.Module, hidden_states: torch.Tensor, cache_params=None,
-                            *_args, **_kwargs):
+def falcon_h1_mixer_forward(module: torch.nn.Module, hidden_states: torch.Tensor, cache_params=None, *_args, **_kwargs):
     """``FalconH1Mixer``: a Mamba-2 mixer with muP multipliers -- the input scaled by
     ``ssm_in_multiplier``, the in_proj output by the per-channel ``mup_vector`` (one factor per
     gate / x / B / C / dt segment) -- and an optional gated norm (``mamba_rms_norm``; without it the

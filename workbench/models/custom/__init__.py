@@ -23,9 +23,8 @@ from .modeling_deepseek_v3 import DeepseekV3ForCausalLM
 from .modeling_qwen3_next import Qwen3NextForCausalLM
 
 #: HF config class name -> custom model class (constructed as ``cls(config)``). Read-only.
-CUSTOM_MODELS: Mapping[str, type] = MappingProxyType({
-    "DeepseekV3Config": DeepseekV3ForCausalLM,
-    "Qwen3NextConfig": Qwen3NextForCausalLM,
-})
+CUSTOM_MODELS: Mapping[str, type] = MappingProxyType(
+    {"DeepseekV3Config": DeepseekV3ForCausalLM, "Qwen3NextConfig": Qwen3NextForCausalLM}
+)
 
 __all__ = ["CUSTOM_MODELS", "DeepseekV3ForCausalLM", "Qwen3NextForCausalLM"]

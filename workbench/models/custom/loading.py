@@ -45,7 +45,8 @@ def share_tensors(reference: torch.nn.Module, custom: torch.nn.Module) -> torch.
     except RuntimeError as e:
         raise CustomModelError(
             f"the HF {type(reference).__name__}'s state dict does not load into custom {type(custom).__name__} "
-            f"unchanged: {e}. Load with custom_models=False to export the HF class") from None
+            f"unchanged: {e}. Load with custom_models=False to export the HF class"
+        ) from None
     held = dict(reference.named_buffers(remove_duplicate=False))
     for name, _ in list(custom.named_buffers(remove_duplicate=False)):
         if name in state:
@@ -53,17 +54,20 @@ def share_tensors(reference: torch.nn.Module, custom: torch.nn.Module) -> torch.
         if name not in held:
             raise CustomModelError(
                 f"custom {type(custom).__name__} has a buffer {name!r} that the HF {type(reference).__name__} does not "
-                "hold: the exported graph could not be bound to the HF model's tensors by name")
+                "hold: the exported graph could not be bound to the HF model's tensors by name"
+            )
         _set_tensor(custom, name, held[name])
     left = [n for n, t in [*custom.named_parameters(), *custom.named_buffers()] if t.is_meta]
     if left and not all(t.is_meta for t in reference.parameters()):
-        raise CustomModelError(f"custom {type(custom).__name__}: tensors without a counterpart in the HF model: "
-                               f"{left[:6]}")
+        raise CustomModelError(
+            f"custom {type(custom).__name__}: tensors without a counterpart in the HF model: {left[:6]}"
+        )
     return custom
 
 
-def build_export_model(reference: torch.nn.Module,
-                       registry: Mapping[str, type] = CUSTOM_MODELS) -> Optional[torch.nn.Module]:
+def build_export_model(
+    reference: torch.nn.Module, registry: Mapping[str, type] = CUSTOM_MODELS
+) -> Optional[torch.nn.Module]:
     """The custom model registered for ``reference.config``, sharing every tensor with ``reference``
     (eval mode, no grad), or None when no custom model is registered for that config class."""
     cls = custom_model_class(reference.config, registry)

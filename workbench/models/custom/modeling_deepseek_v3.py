@@ -74,7 +74,8 @@ def rope_inverse_frequencies(config, dim: int) -> Tuple[torch.Tensor, float]:
     if rope_type not in STATIC_ROPE_TYPES:
         raise NotImplementedError(
             f"custom DeepseekV3ForCausalLM: rope_type {rope_type!r} rescales with the sequence length; supported: "
-            f"{STATIC_ROPE_TYPES}. Load with custom_models=False to export HF's own class")
+            f"{STATIC_ROPE_TYPES}. Load with custom_models=False to export HF's own class"
+        )
     if rope_type == "default":
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
         return 1.0 / (float(params["rope_theta"]) ** exponents), 1.0
@@ -146,7 +147,7 @@ class MultiHeadLatentAttention(nn.Module):
         hidden, bias = config.hidden_size, config.attention_bias
         self.num_heads = config.num_attention_heads
         self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
-        self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.nope_dim, self.rope_dim, self.v_dim = (config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim)
         q_width = self.num_heads * (self.nope_dim + self.rope_dim)
         if self.q_lora_rank is None:
             self.q_proj = nn.Linear(hidden, q_width, bias=False)
@@ -191,8 +192,10 @@ class NoAuxTopKRouter(nn.Module):
         self.n_group = config.n_group or 1
         self.topk_group = config.topk_group or self.n_group
         if self.num_experts % self.n_group or self.num_experts // self.n_group < 2:
-            raise ValueError(f"custom DeepseekV3ForCausalLM: n_routed_experts={self.num_experts} must split into "
-                             f"n_group={self.n_group} groups of at least 2 experts (a group's score sums its best two)")
+            raise ValueError(
+                f"custom DeepseekV3ForCausalLM: n_routed_experts={self.num_experts} must split into "
+                f"n_group={self.n_group} groups of at least 2 experts (a group's score sums its best two)"
+            )
         self.norm_topk_prob, self.routed_scaling_factor = config.norm_topk_prob, config.routed_scaling_factor
         self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
@@ -285,20 +288,25 @@ def _check_config(config) -> None:
     if config.num_key_value_heads not in (None, config.num_attention_heads):
         problems.append("num_key_value_heads != num_attention_heads (MLA shares one latent, not KV groups)")
     if problems:
-        raise NotImplementedError(f"custom DeepseekV3ForCausalLM does not support {'; '.join(problems)}. "
-                                  "Load with custom_models=False to export HF's own class")
+        raise NotImplementedError(
+            f"custom DeepseekV3ForCausalLM does not support {'; '.join(problems)}. "
+            "Load with custom_models=False to export HF's own class"
+        )
 
 
 def check_export_contract(position_ids: Optional[torch.Tensor], unused: dict) -> None:
     """The contract is ``(input_ids, position_ids)``: positions are required (no fallback to arange),
     and HF runtime arguments that would change the result (a mask, a cache) are refused."""
     if position_ids is None:
-        raise ValueError("position_ids is required (the export contract passes them explicitly; there is no "
-                         "fallback to 0..s-1)")
+        raise ValueError(
+            "position_ids is required (the export contract passes them explicitly; there is no fallback to 0..s-1)"
+        )
     live = {k: v for k, v in unused.items() if v is not None and v is not False}
     if live:
-        raise ValueError(f"this prefill-only custom model takes (input_ids, position_ids) only: got {sorted(live)}. "
-                         "Masks and caches are added by the pipeline's cache stage, not passed to the model")
+        raise ValueError(
+            f"this prefill-only custom model takes (input_ids, position_ids) only: got {sorted(live)}. "
+            "Masks and caches are added by the pipeline's cache stage, not passed to the model"
+        )
 
 
 class DeepseekV3ForCausalLM(nn.Module):
@@ -313,8 +321,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                **unused: Any) -> CausalLMOutput:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, **unused: Any
+    ) -> CausalLMOutput:
         check_export_contract(position_ids, unused)
         return CausalLMOutput(logits=self.lm_head(self.model(input_ids, position_ids)))
 

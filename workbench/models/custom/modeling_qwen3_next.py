@@ -64,7 +64,8 @@ def rope_inverse_frequencies(config) -> Tuple[torch.Tensor, float]:
     if rope_type not in STATIC_ROPE_TYPES:
         raise NotImplementedError(
             f"custom Qwen3NextForCausalLM: rope_type {rope_type!r} rescales with the sequence length; supported: "
-            f"{STATIC_ROPE_TYPES}. Load with custom_models=False to export HF's own class")
+            f"{STATIC_ROPE_TYPES}. Load with custom_models=False to export HF's own class"
+        )
     if rope_type == "default":
         dim = rotary_dim(config)
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
@@ -142,7 +143,7 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_dim = rotary_dim(config)
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -175,8 +176,10 @@ class GatedDeltaNet(nn.Module):
         self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"custom Qwen3NextForCausalLM: linear_num_value_heads={self.num_v_heads} is not a "
-                             f"multiple of linear_num_key_heads={self.num_k_heads}")
+            raise ValueError(
+                f"custom Qwen3NextForCausalLM: linear_num_value_heads={self.num_v_heads} is not a "
+                f"multiple of linear_num_key_heads={self.num_k_heads}"
+            )
         key_dim, value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
         conv_dim, kernel = 2 * key_dim + value_dim, config.linear_conv_kernel_dim
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, padding=kernel - 1, bias=False)
@@ -197,8 +200,14 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mixed.split([hk * dk, hk * dk, h * dv], dim=-1)
         # log-decay in fp32 (exp(A_log) overflows half precision for fast-decaying heads)
         g = -self.A_log.to(torch.float32).exp() * F.softplus(decay_in.flatten(-2).to(torch.float32) + self.dt_bias)
-        o = OPS.torch_gated_delta_rule(q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (h, dv)),
-                                       g, beta_in.flatten(-2).sigmoid(), use_qk_l2norm=True)  # [b, s, h, dv]
+        o = OPS.torch_gated_delta_rule(
+            q.unflatten(-1, (hk, dk)),
+            k.unflatten(-1, (hk, dk)),
+            v.unflatten(-1, (h, dv)),
+            g,
+            beta_in.flatten(-2).sigmoid(),
+            use_qk_l2norm=True,
+        )  # [b, s, h, dv]
         o = self.norm(o, z.reshape(o.shape))  # z: [b, s, hk, r dv] -> [b, s, h, dv] (value heads in order)
         return self.out_proj(o.flatten(-2))
 
@@ -251,8 +260,11 @@ class SparseMoE(nn.Module):
 
 def uses_moe(config, layer_idx: int) -> bool:
     """HF's rule: MoE unless the layer is in ``mlp_only_layers`` or off the ``decoder_sparse_step`` grid."""
-    return (layer_idx not in (config.mlp_only_layers or []) and config.num_experts > 0
-            and (layer_idx + 1) % config.decoder_sparse_step == 0)
+    return (
+        layer_idx not in (config.mlp_only_layers or [])
+        and config.num_experts > 0
+        and (layer_idx + 1) % config.decoder_sparse_step == 0
+    )
 
 
 class DecoderLayer(nn.Module):
@@ -266,10 +278,15 @@ class DecoderLayer(nn.Module):
         elif self.layer_type == "full_attention":
             self.self_attn = GatedAttention(config)
         else:
-            raise ValueError(f"custom Qwen3NextForCausalLM: layer {layer_idx} has layer type {self.layer_type!r}; "
-                             "known: 'linear_attention', 'full_attention'")
-        self.mlp = (SparseMoE(config) if uses_moe(config, layer_idx)
-                    else SwiGLUMLP(config.hidden_size, config.intermediate_size))
+            raise ValueError(
+                f"custom Qwen3NextForCausalLM: layer {layer_idx} has layer type {self.layer_type!r}; "
+                "known: 'linear_attention', 'full_attention'"
+            )
+        self.mlp = (
+            SparseMoE(config)
+            if uses_moe(config, layer_idx)
+            else SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        )
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -301,21 +318,26 @@ class Qwen3NextModel(nn.Module):
 def _check_config(config) -> None:
     """Refuse what this prefill-only rewrite does not implement, naming the way out."""
     if config.hidden_act != "silu":
-        raise NotImplementedError(f"custom Qwen3NextForCausalLM: hidden_act={config.hidden_act!r}; the canonical "
-                                  "conv/MLP/MoE ops here use silu. Load with custom_models=False to export HF's own "
-                                  "class")
+        raise NotImplementedError(
+            f"custom Qwen3NextForCausalLM: hidden_act={config.hidden_act!r}; the canonical "
+            "conv/MLP/MoE ops here use silu. Load with custom_models=False to export HF's own "
+            "class"
+        )
 
 
 def check_export_contract(position_ids: Optional[torch.Tensor], unused: dict) -> None:
     """The contract is ``(input_ids, position_ids)``: positions are required, and HF runtime arguments
     that would change the result (a padding mask, a cache) are refused."""
     if position_ids is None:
-        raise ValueError("position_ids is required (the export contract passes them explicitly; there is no "
-                         "fallback to 0..s-1)")
+        raise ValueError(
+            "position_ids is required (the export contract passes them explicitly; there is no fallback to 0..s-1)"
+        )
     live = {k: v for k, v in unused.items() if v is not None and v is not False}
     if live:
-        raise ValueError(f"this prefill-only custom model takes (input_ids, position_ids) only: got {sorted(live)}. "
-                         "Masks and caches are added by the pipeline's cache stage, not passed to the model")
+        raise ValueError(
+            f"this prefill-only custom model takes (input_ids, position_ids) only: got {sorted(live)}. "
+            "Masks and caches are added by the pipeline's cache stage, not passed to the model"
+        )
 
 
 class Qwen3NextForCausalLM(nn.Module):
@@ -330,8 +352,9 @@ class Qwen3NextForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                **unused: Any) -> CausalLMOutput:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, **unused: Any
+    ) -> CausalLMOutput:
         check_export_contract(position_ids, unused)
         return CausalLMOutput(logits=self.lm_head(self.model(input_ids, position_ids)))
 

@@ -38,8 +38,14 @@ def _deepseek_v3():
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
         rope_interleave=True,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 1.0},
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
         max_position_embeddings=512,
     )
 

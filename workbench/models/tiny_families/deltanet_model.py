@@ -37,10 +37,22 @@ L2NORM_EPS = 1e-6  # FLA's q/k normalisation eps (the ops' use_qk_l2norm uses th
 class DeltaNetConfig(PretrainedConfig):
     model_type = MODEL_TYPE
 
-    def __init__(self, vocab_size: int = 512, hidden_size: int = 64, intermediate_size: int = 128,
-                 num_hidden_layers: int = 2, num_heads: int = 4, head_k_dim: int = 16, head_v_dim: int = 16,
-                 conv_kernel_size: int = 4, rms_norm_eps: float = 1e-6, initializer_range: float = 0.02,
-                 max_position_embeddings: int = 512, use_cache: bool = False, **kwargs):
+    def __init__(
+        self,
+        vocab_size: int = 512,
+        hidden_size: int = 64,
+        intermediate_size: int = 128,
+        num_hidden_layers: int = 2,
+        num_heads: int = 4,
+        head_k_dim: int = 16,
+        head_v_dim: int = 16,
+        conv_kernel_size: int = 4,
+        rms_norm_eps: float = 1e-6,
+        initializer_range: float = 0.02,
+        max_position_embeddings: int = 512,
+        use_cache: bool = False,
+        **kwargs,
+    ):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -89,11 +101,17 @@ class DeltaNetMixer(nn.Module):
     def __init__(self, config: DeltaNetConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.head_k_dim, self.head_v_dim = config.num_heads, config.head_k_dim, config.head_v_dim
+        self.num_heads, self.head_k_dim, self.head_v_dim = (config.num_heads, config.head_k_dim, config.head_v_dim)
         channels = config.num_heads * (2 * config.head_k_dim + config.head_v_dim)
         self.qkv_proj = nn.Linear(config.hidden_size, channels, bias=False)
-        self.conv1d = nn.Conv1d(channels, channels, config.conv_kernel_size, groups=channels, bias=False,
-                                padding=config.conv_kernel_size - 1)
+        self.conv1d = nn.Conv1d(
+            channels,
+            channels,
+            config.conv_kernel_size,
+            groups=channels,
+            bias=False,
+            padding=config.conv_kernel_size - 1,
+        )
         self.beta_proj = nn.Linear(config.hidden_size, config.num_heads, bias=False)
         self.out_proj = nn.Linear(config.num_heads * config.head_v_dim, config.hidden_size, bias=False)
 
@@ -107,7 +125,7 @@ class DeltaNetMixer(nn.Module):
         q, k, v = qkv.float().split([h * dk, h * dk, h * dv], dim=-1)
         q, k = (_l2norm(x.unflatten(-1, (h, dk))) for x in (q, k))
         beta = self.beta_proj(hidden_states).float().sigmoid()
-        o = _recurrent_delta_rule(q * dk ** -0.5, k, v.unflatten(-1, (h, dv)), beta)
+        o = _recurrent_delta_rule(q * dk**-0.5, k, v.unflatten(-1, (h, dv)), beta)
         return self.out_proj(o.to(hidden_states.dtype).flatten(-2))
 
 
@@ -174,9 +192,16 @@ class DeltaNetForCausalLM(DeltaNetPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def forward(self, input_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: Optional[bool] = None,
-                logits_to_keep: int = 0, **_kwargs) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        past_key_values=None,
+        use_cache: Optional[bool] = None,
+        logits_to_keep: int = 0,
+        **_kwargs,
+    ) -> CausalLMOutputWithPast:
         """No positional encoding (the conv and the recurrence are ordered): ``position_ids`` is
         accepted for the callers' sake and unused; there is no cache (``past_key_values`` must be None)."""
         if past_key_values is not None or use_cache:

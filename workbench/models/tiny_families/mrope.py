@@ -17,8 +17,15 @@ token id, which is harmless: without pixel values no token is replaced by vision
 from __future__ import annotations
 
 TEXT = dict(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-    vocab_size=512, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_id=None,
 )
 MROPE_SECTION = [2, 3, 3]  # temporal, height, width frequencies; sum = head_dim / 2 = 8
 
@@ -28,10 +35,22 @@ def _qwen2_5_vl():
 
     # head_dim is hidden/heads in this family (16); the text config has no head_dim field of its own.
     text = dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": MROPE_SECTION})
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TEXT["hidden_size"],
-                  fullatt_block_indexes=[0])
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=508, video_token_id=509,
-                            vision_start_token_id=510, vision_end_token_id=511)
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=TEXT["hidden_size"],
+        fullatt_block_indexes=[0],
+    )
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=508,
+        video_token_id=509,
+        vision_start_token_id=510,
+        vision_end_token_id=511,
+    )
 
 
 ARCHS: dict = {"qwen2_5_vl": _qwen2_5_vl}

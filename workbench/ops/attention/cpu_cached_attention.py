@@ -13,6 +13,8 @@ from __future__ import annotations
 from ..library import declare_op
 from .torch_cached_attention import CACHED_ATTENTION_ARGS, cached_attention_fake
 
-cpu_cached_attention = declare_op("cpu_cached_attention" + CACHED_ATTENTION_ARGS, cached_attention_fake,
-                                  host_sync="a C++ CPU kernel that reads the step metadata on the host")
-
+cpu_cached_attention = declare_op(
+    "cpu_cached_attention" + CACHED_ATTENTION_ARGS,
+    cached_attention_fake,
+    host_sync="a C++ CPU kernel that reads the step metadata on the host",
+)

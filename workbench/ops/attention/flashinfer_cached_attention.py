@@ -115,8 +115,10 @@ class FlashInferPlanner:
 
     def begin(self, step: HostStep, graph_batch: Optional[int]) -> None:
         if graph_batch is not None and len(step.seq_lens) != graph_batch:
-            raise ValueError(f"a step of {len(step.seq_lens)} sequences cannot replay the graph of batch size "
-                             f"{graph_batch} (pad the step to it first)")
+            raise ValueError(
+                f"a step of {len(step.seq_lens)} sequences cannot replay the graph of batch size "
+                f"{graph_batch} (pad the step to it first)"
+            )
         self._step, self._graph_batch, self._indices = step, graph_batch, None
         self._step_id += 1
         if graph_batch is not None:
@@ -139,9 +141,11 @@ class FlashInferPlanner:
 
     def _refuse_under_capture(self, key: PlanKey, what: str) -> None:
         if _capturing():
-            raise RuntimeError(f"flashinfer_cached_attention: a layer configuration {what} during CUDA-graph "
-                               f"capture ({key}); FlashInfer plans on the host, so the runner must run the step "
-                               "once outside capture (warm-up) before capturing it")
+            raise RuntimeError(
+                f"flashinfer_cached_attention: a layer configuration {what} during CUDA-graph "
+                f"capture ({key}); FlashInfer plans on the host, so the runner must run the step "
+                "once outside capture (warm-up) before capturing it"
+            )
 
     def _new_wrapper(self, key: PlanKey, max_pages_per_seq: int):
         import flashinfer
@@ -155,20 +159,37 @@ class FlashInferPlanner:
         # plan() copies each step's indices into them (sized for b sequences of the longest length)
         i32 = dict(dtype=torch.int32, device=self.device)
         return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.empty(b + 1, **i32),
+            self._workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=torch.empty(b + 1, **i32),
             paged_kv_indptr_buf=torch.empty(b + 1, **i32),
             paged_kv_indices_buf=torch.empty(b * max_pages_per_seq, **i32),
-            paged_kv_last_page_len_buf=torch.empty(b, **i32), backend=_KERNELS)
+            paged_kv_last_page_len_buf=torch.empty(b, **i32),
+            backend=_KERNELS,
+        )
 
     def _plan(self, w, slot: Tuple[Optional[int], PlanKey]) -> None:
         key = slot[1]
         if self._indices is None:
             self._indices = host_indices(self._step)  # host tensors: plan() reads them without a sync
         qo_indptr, kv_indptr, kv_indices, last_page_len = self._indices
-        w.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads=key.num_qo_heads,
-               num_kv_heads=key.num_kv_heads, head_dim_qk=key.head_dim, page_size=key.page_size, causal=True,
-               sm_scale=key.sm_scale, window_left=key.window_left, logits_soft_cap=key.logits_soft_cap,
-               q_data_type=key.q_dtype, kv_data_type=key.kv_dtype)
+        w.plan(
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            last_page_len,
+            num_qo_heads=key.num_qo_heads,
+            num_kv_heads=key.num_kv_heads,
+            head_dim_qk=key.head_dim,
+            page_size=key.page_size,
+            causal=True,
+            sm_scale=key.sm_scale,
+            window_left=key.window_left,
+            logits_soft_cap=key.logits_soft_cap,
+            q_data_type=key.q_dtype,
+            kv_data_type=key.kv_dtype,
+        )
         self._planned[slot] = self._step_id
         self.plans += 1
 
@@ -199,13 +220,28 @@ def _refusal(q, k, v, k_cache, v_cache, sinks) -> Optional[str]:
     return why
 
 
-def flashinfer_cached_attention(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, scale,
-                                sliding_window=None, logit_cap=None, sinks=None) -> torch.Tensor:
+def flashinfer_cached_attention(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    seq_lens,
+    input_pos,
+    page_table,
+    num_prefill,
+    scale,
+    sliding_window=None,
+    logit_cap=None,
+    sinks=None,
+) -> torch.Tensor:
     """FlashInfer paged attention under the shared cached-attention schema (``torch_cached_attention``)."""
     why = _refusal(q, k, v, k_cache, v_cache, sinks)
     if why is not None:
-        raise ValueError(f"flashinfer_cached_attention cannot serve this call: {why}. Use the {OTHER_BACKENDS} "
-                         "cached attention backend (insert_cached_attention.backend=triton).")
+        raise ValueError(
+            f"flashinfer_cached_attention cannot serve this call: {why}. Use the {OTHER_BACKENDS} "
+            "cached attention backend (insert_cached_attention.backend=triton)."
+        )
     ok, missing = is_available(q.device)
     if not ok:
         raise RuntimeError(f"flashinfer_cached_attention cannot run: {missing}. Use the {OTHER_BACKENDS} backend.")
@@ -215,18 +251,29 @@ def flashinfer_cached_attention(q, k, v, k_cache, v_cache, seq_lens, input_pos, 
     planner = active_planner("flashinfer")
     if planner is None:
         if _capturing():
-            raise RuntimeError("flashinfer_cached_attention is being captured in a CUDA graph outside the workbench "
-                               "runtime: FlashInfer plans each step on the host before a replay. Capture it through "
-                               "compile_model (torch-cudagraph), whose runner plans every step.")
-        planner = _unmanaged_planner(q.device, HostStep.from_device(seq_lens, input_pos, page_table, page_size,
-                                                                    int(num_prefill)))
-    key = PlanKey(q.shape[2], k.shape[2], q.shape[3], page_size, -1 if sliding_window is None else int(sliding_window) - 1,
-                  float(logit_cap) if logit_cap else None, float(scale), q.dtype, k_cache.dtype)
+            raise RuntimeError(
+                "flashinfer_cached_attention is being captured in a CUDA graph outside the workbench "
+                "runtime: FlashInfer plans each step on the host before a replay. Capture it through "
+                "compile_model (torch-cudagraph), whose runner plans every step."
+            )
+        planner = _unmanaged_planner(
+            q.device, HostStep.from_device(seq_lens, input_pos, page_table, page_size, int(num_prefill))
+        )
+    key = PlanKey(
+        q.shape[2],
+        k.shape[2],
+        q.shape[3],
+        page_size,
+        -1 if sliding_window is None else int(sliding_window) - 1,
+        float(logit_cap) if logit_cap else None,
+        float(scale),
+        q.dtype,
+        k_cache.dtype,
+    )
     out = planner.wrapper(key, page_table.shape[1]).run(q[0].contiguous(), (k_cache, v_cache))  # [T, Hq, Dv]
     return out.to(q.dtype).unsqueeze(0)
 
 
 define_cached_attention("flashinfer_cached_attention", flashinfer_cached_attention)
 
-__all__ = ["flashinfer_cached_attention", "FlashInferPlanner", "PlanKey", "host_indices", "unsupported",
-           "is_available"]
+__all__ = ["flashinfer_cached_attention", "FlashInferPlanner", "PlanKey", "host_indices", "unsupported", "is_available"]

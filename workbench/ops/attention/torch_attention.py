@@ -107,21 +107,27 @@ def torch_attention(
     if plain and (not is_causal or s_q == s_k) and (attn_mask is None or not is_causal):
         # SDPA's is_causal is top-left aligned, which equals ours only for s_q == s_k.
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            enable_gqa=n != n_kv,
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=n != n_kv
         )
     else:
         if n != n_kv:
             k, v = k.repeat_interleave(n // n_kv, dim=1), v.repeat_interleave(n // n_kv, dim=1)
-        out = _math_attention(
-            q, k, v, attn_mask, dropout_p, is_causal, scale, sinks, sliding_window, logit_cap
-        )
+        out = _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, sinks, sliding_window, logit_cap)
     return _to_bnsd(out, layout).contiguous()
 
 
 @torch_attention.register_fake
 def _torch_attention_fake(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, sinks=None,
-    sliding_window=None, logit_cap=None, layout="bnsd",
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    sinks=None,
+    sliding_window=None,
+    logit_cap=None,
+    layout="bnsd",
 ):
     return query.new_empty(*query.shape[:-1], value.shape[-1])

@@ -28,8 +28,14 @@ def torch_attention_sdpa(
 ) -> torch.Tensor:
     """Exactly ``F.scaled_dot_product_attention`` with the same arguments."""
     return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-        scale=scale, enable_gqa=enable_gqa,
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
     )
 
 

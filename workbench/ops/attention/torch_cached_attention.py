@@ -54,8 +54,13 @@ def token_layout(seq_lens: torch.Tensor, input_pos: torch.Tensor, num_tokens: in
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    seq_idx: torch.Tensor, pos: torch.Tensor, page_table: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_idx: torch.Tensor,
+    pos: torch.Tensor,
+    page_table: torch.Tensor,
 ) -> None:
     """Scatter the new tokens' k/v ([T, Hkv, D]) into their pages/slots."""
     page_size = k_cache.shape[1]
@@ -75,8 +80,13 @@ def gather_pages(cache: torch.Tensor, page_ids: torch.Tensor, length: int) -> to
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float,
-    logit_cap: Optional[float], sinks: Optional[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor,
+    scale: float,
+    logit_cap: Optional[float],
+    sinks: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """Masked GQA attention in fp32.
 
@@ -167,8 +177,9 @@ def _paged_view(cache: torch.Tensor, grid, b: int, n_pages: int, length: int) ->
     return cache.as_strided(shape, strides, cache.storage_offset() + base * page)[:, :length]
 
 
-def _decode_sdpa(qd, k_cache, v_cache, input_pos, page_table, first: int, b: int, past: List[int],
-                 scale: float) -> torch.Tensor:
+def _decode_sdpa(
+    qd, k_cache, v_cache, input_pos, page_table, first: int, b: int, past: List[int], scale: float
+) -> torch.Tensor:
     """Decode sequences ``first..b-1`` (one token each, queries ``qd [Bd, Hq, D]``) without
     window/cap/sinks: one SDPA call, over a strided view of the cache when the page table allows.
 
@@ -199,8 +210,7 @@ def _decode_sdpa(qd, k_cache, v_cache, input_pos, page_table, first: int, b: int
         if not bool(torch.isfinite(kc[:, :, tail:]).all() & torch.isfinite(vc[:, :, tail:]).all()):
             stale = ~valid[:, None, :, None]
             kc, vc = kc.masked_fill(stale, 0), vc.masked_fill(stale, 0)
-    o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale,
-                                       enable_gqa=True)
+    o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[:, :, 0]
 
 
@@ -268,14 +278,15 @@ def torch_cached_attention(
     # Decode: all sequences together, keys padded to the longest and masked.
     if num_prefill < len(lens) and plain:
         a = starts[num_prefill]
-        out[0, a:] = _decode_sdpa(q[0, a:], k_cache, v_cache, input_pos, page_table, num_prefill, len(lens),
-                                  past[num_prefill:], scale)
+        out[0, a:] = _decode_sdpa(
+            q[0, a:], k_cache, v_cache, input_pos, page_table, num_prefill, len(lens), past[num_prefill:], scale
+        )
     elif num_prefill < len(lens):
         a = starts[num_prefill]
         totals = input_pos[num_prefill:].long() + 1  # [Bd]
         longest = int(max(past[num_prefill:])) + 1
         n_pages = -(-longest // k_cache.shape[1])
-        ids = page_table[num_prefill: len(lens), :n_pages]  # [Bd, n_pages]
+        ids = page_table[num_prefill : len(lens), :n_pages]  # [Bd, n_pages]
         kc = gather_pages(k_cache, ids, longest)  # [Bd, L, Hkv, D]
         vc = gather_pages(v_cache, ids, longest)
         k_pos = torch.arange(longest, device=q.device)
@@ -311,5 +322,8 @@ def define_cached_attention(name: str, impl, host_sync: Optional[str] = None):
     return define_op(name + CACHED_ATTENTION_ARGS, impl, cached_attention_fake, host_sync=host_sync)
 
 
-define_cached_attention("torch_cached_attention", torch_cached_attention,
-                        host_sync="reads seq_lens and input_pos on the host (.tolist()) to slice each sequence")
+define_cached_attention(
+    "torch_cached_attention",
+    torch_cached_attention,
+    host_sync="reads seq_lens and input_pos on the host (.tolist()) to slice each sequence",
+)

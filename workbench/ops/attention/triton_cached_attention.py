@@ -49,8 +49,7 @@ def _block_sizes(device: torch.device, d_pad: int) -> dict:
     return dict(prefill_m=64, prefill_n=64 if d_pad <= 128 else 32, decode_n=64, num_warps=4)
 
 
-def _decode_splits(device: torch.device, num_decode: int, num_kv_heads: int, max_keys: int,
-                   block_n: int) -> int:
+def _decode_splits(device: torch.device, num_decode: int, num_kv_heads: int, max_keys: int, block_n: int) -> int:
     """Split-K factor from static shapes only (so CUDA-graph replays keep one grid): enough
     programs for ~2 waves of SMs, each split keeping >= 2 blocks of keys."""
     if device.type != "cuda" or num_decode == 0:
@@ -62,21 +61,23 @@ def _decode_splits(device: torch.device, num_decode: int, num_kv_heads: int, max
     return max(1, min(want, most, 64))
 
 
-def _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, sliding_window,
-           sinks):
+def _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, sliding_window, sinks):
     """Shape/dtype checks that need no device->host sync."""
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"triton_cached_attention: q must be [1, T, Hq, D], got {tuple(q.shape)}")
     _, t, hq, d = q.shape
     hkv = k.shape[2]
     if k.shape != (1, t, hkv, d) or v.shape != k.shape:
-        raise ValueError(f"triton_cached_attention: k/v must be [1, {t}, Hkv, {d}], got "
-                         f"{tuple(k.shape)} / {tuple(v.shape)}")
+        raise ValueError(
+            f"triton_cached_attention: k/v must be [1, {t}, Hkv, {d}], got {tuple(k.shape)} / {tuple(v.shape)}"
+        )
     if hq % hkv:
         raise ValueError(f"triton_cached_attention: {hq} query heads is not a multiple of {hkv} KV heads")
     if k_cache.dim() != 4 or k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"triton_cached_attention: caches must be [pages, page_size, {hkv}, {d}], "
-                         f"got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"triton_cached_attention: caches must be [pages, page_size, {hkv}, {d}], "
+            f"got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
+        )
     b = seq_lens.shape[0]
     for name, x in (("seq_lens", seq_lens), ("input_pos", input_pos), ("page_table", page_table)):
         if x.dtype != torch.int32:
@@ -92,11 +93,20 @@ def _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefi
 
 
 def cached_attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, seq_lens: torch.Tensor, input_pos: torch.Tensor,
-    page_table: torch.Tensor, num_prefill: int, scale: float,
-    sliding_window: Optional[int] = None, logit_cap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None, num_splits: Optional[int] = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    input_pos: torch.Tensor,
+    page_table: torch.Tensor,
+    num_prefill: int,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    logit_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    num_splits: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch write + prefill + decode; shapes as in the module docstring.
 
@@ -108,8 +118,7 @@ def cached_attention_forward(
     from .triton_kernels.paged_decode import paged_decode_kernel, paged_decode_reduce_kernel
     from .triton_kernels.paged_prefill import paged_prefill_kernel
 
-    _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, sliding_window,
-           sinks)
+    _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, sliding_window, sinks)
     dev = q.device
     _, t, hq, d = q.shape
     hkv = k.shape[2]
@@ -129,20 +138,37 @@ def cached_attention_forward(
     # repeat_interleave: no sync, and zero-length sequences are skipped naturally).
     cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)
     cu[1:] = torch.cumsum(seq_lens, 0)
-    token_seq = torch.searchsorted(cu[1:], torch.arange(t, dtype=torch.int32, device=dev),
-                                   right=True).to(torch.int32)
+    token_seq = torch.searchsorted(cu[1:], torch.arange(t, dtype=torch.int32, device=dev), right=True).to(torch.int32)
 
     paged_cache_write_kernel[(t,)](
-        k3, v3, k_cache, v_cache, token_seq, cu, input_pos, page_table,
-        *k3.stride(), *v3.stride(), *k_cache.stride(), *v_cache.stride(), page_table.stride(0),
-        NUM_KV_HEADS=hkv, HEAD_DIM=d, H_PAD=_next_pow2(hkv), D_PAD=_next_pow2(d),
+        k3,
+        v3,
+        k_cache,
+        v_cache,
+        token_seq,
+        cu,
+        input_pos,
+        page_table,
+        *k3.stride(),
+        *v3.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        page_table.stride(0),
+        NUM_KV_HEADS=hkv,
+        HEAD_DIM=d,
+        H_PAD=_next_pow2(hkv),
+        D_PAD=_next_pow2(d),
         PAGE_SIZE=page_size,
     )
 
     scalars = (float(scale), int(sliding_window or 0), float(logit_cap or 0.0))  # scale, window, cap
     flags = dict(
-        GROUP=hq // hkv, PAGE_SIZE=page_size, HEAD_DIM=d, D_PAD=d_pad,
-        HAS_WINDOW=sliding_window is not None, HAS_CAP=logit_cap is not None,
+        GROUP=hq // hkv,
+        PAGE_SIZE=page_size,
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_CAP=logit_cap is not None,
         HAS_SINKS=sinks is not None,
         # The interpreter keeps bf16 as raw uint16 bits and its tl.dot multiplies those bits
         # (triton-lang/triton#11584: bf16 is unsupported there), so it gets fp32 products.
@@ -163,8 +189,22 @@ def cached_attention_forward(
         first = (tile_end - n_tiles)[tile_seq.clamp(max=num_prefill - 1)]
         tile_start = ((ids - first) * bm).to(torch.int32)
         paged_prefill_kernel[(max_tiles, hq)](
-            q3, k_cache, v_cache, o3, sinks_arg, cu, input_pos, page_table, tile_seq, tile_start,
-            num_prefill, *scalars, *strides, **flags, BLOCK_M=bm, BLOCK_N=cfg["prefill_n"],
+            q3,
+            k_cache,
+            v_cache,
+            o3,
+            sinks_arg,
+            cu,
+            input_pos,
+            page_table,
+            tile_seq,
+            tile_start,
+            num_prefill,
+            *scalars,
+            *strides,
+            **flags,
+            BLOCK_M=bm,
+            BLOCK_N=cfg["prefill_n"],
             num_warps=cfg["num_warps"],
         )
 
@@ -180,26 +220,58 @@ def cached_attention_forward(
         else:
             part_o = part_lse = o3  # never touched with one split
         paged_decode_kernel[(num_decode, hkv, splits)](
-            q3, k_cache, v_cache, o3, part_o, part_lse, sinks_arg, cu, input_pos, page_table,
-            num_prefill, *scalars, *strides, **flags, G_PAD=max(16, _next_pow2(hq // hkv)),
-            BLOCK_N=bn, NUM_SPLITS=splits, num_warps=cfg["num_warps"],
+            q3,
+            k_cache,
+            v_cache,
+            o3,
+            part_o,
+            part_lse,
+            sinks_arg,
+            cu,
+            input_pos,
+            page_table,
+            num_prefill,
+            *scalars,
+            *strides,
+            **flags,
+            G_PAD=max(16, _next_pow2(hq // hkv)),
+            BLOCK_N=bn,
+            NUM_SPLITS=splits,
+            num_warps=cfg["num_warps"],
         )
         if splits > 1:
             paged_decode_reduce_kernel[(num_decode, hq)](
-                part_o, part_lse, o3, cu, num_prefill, *o3.stride(),
-                HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=splits, S_PAD=_next_pow2(splits),
+                part_o,
+                part_lse,
+                o3,
+                cu,
+                num_prefill,
+                *o3.stride(),
+                HEAD_DIM=d,
+                D_PAD=d_pad,
+                NUM_SPLITS=splits,
+                S_PAD=_next_pow2(splits),
             )
     return out
 
 
-def triton_cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, *metadata, **options) -> torch.Tensor:
+def triton_cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *metadata,
+    **options,
+) -> torch.Tensor:
     """Write k/v into the paged caches, then paged causal attention; see the module docstring.
     ``metadata``/``options``: the shared cached-attention schema (``torch_cached_attention``)."""
     ok, why = is_available(q.device)
     if not ok:
-        raise RuntimeError(f"workbench::triton_cached_attention cannot run on {q.device}: {why}. "
-                           "Use the attention backend 'torch' (torch_cached_attention) instead.")
+        raise RuntimeError(
+            f"workbench::triton_cached_attention cannot run on {q.device}: {why}. "
+            "Use the attention backend 'torch' (torch_cached_attention) instead."
+        )
     return cached_attention_forward(q, k, v, k_cache, v_cache, *metadata, **options)
 
 

@@ -54,20 +54,34 @@ def _linear_fake(input, *args, **kwargs):
 
 
 declare_op("cpu_linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor", _linear_fake)
-declare_op("cpu_int4_linear(Tensor input, Tensor qweight, Tensor scales, Tensor offsets, int group_size, "
-           "Tensor? bias=None) -> Tensor", _linear_fake)
-declare_op("cpu_int4_linear_a8(Tensor input, Tensor qweight, Tensor scales, Tensor offsets, int group_size, "
-           "Tensor? bias=None) -> Tensor", _linear_fake)
-declare_op("cpu_int8_linear(Tensor input, Tensor qweight, Tensor scales, int group_size, Tensor? bias=None) "
-           "-> Tensor", _linear_fake)
+declare_op(
+    "cpu_int4_linear(Tensor input, Tensor qweight, Tensor scales, Tensor offsets, int group_size, "
+    "Tensor? bias=None) -> Tensor",
+    _linear_fake,
+)
+declare_op(
+    "cpu_int4_linear_a8(Tensor input, Tensor qweight, Tensor scales, Tensor offsets, int group_size, "
+    "Tensor? bias=None) -> Tensor",
+    _linear_fake,
+)
+declare_op(
+    "cpu_int8_linear(Tensor input, Tensor qweight, Tensor scales, int group_size, Tensor? bias=None) -> Tensor",
+    _linear_fake,
+)
 
 
-declare_op("cpu_rmsnorm(Tensor input, Tensor weight, float eps) -> Tensor",
-           lambda input, weight, eps: torch.empty_like(input, dtype=torch.promote_types(input.dtype, weight.dtype)))
-declare_op("cpu_rope_with_explicit_cos_sin(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) "
-           "-> (Tensor, Tensor)", lambda q, k, cos, sin, unsqueeze_dim=1: (torch.empty_like(q), torch.empty_like(k)))
-declare_op("cpu_silu_and_mul(Tensor input) -> Tensor",
-           lambda input: input.new_empty(*input.shape[:-1], input.shape[-1] // 2))
+declare_op(
+    "cpu_rmsnorm(Tensor input, Tensor weight, float eps) -> Tensor",
+    lambda input, weight, eps: torch.empty_like(input, dtype=torch.promote_types(input.dtype, weight.dtype)),
+)
+declare_op(
+    "cpu_rope_with_explicit_cos_sin(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) "
+    "-> (Tensor, Tensor)",
+    lambda q, k, cos, sin, unsqueeze_dim=1: (torch.empty_like(q), torch.empty_like(k)),
+)
+declare_op(
+    "cpu_silu_and_mul(Tensor input) -> Tensor", lambda input: input.new_empty(*input.shape[:-1], input.shape[-1] // 2)
+)
 
 
 def build_dir() -> Path:
@@ -113,9 +127,15 @@ def load() -> Optional[str]:
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(name="workbench_cpu_kernels", sources=[str(HERE / s) for s in SOURCES if s.endswith(".cpp")],
-                           extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], build_directory=str(directory),
-                           is_python_module=False, verbose=False)
+        cpp_extension.load(
+            name="workbench_cpu_kernels",
+            sources=[str(HERE / s) for s in SOURCES if s.endswith(".cpp")],
+            extra_cflags=list(FLAGS),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
     except Exception as e:  # noqa: BLE001 - a failed build makes the backend unavailable, with the reason
         lines = str(e).strip().splitlines() or [""]
         first_error = next((ln for ln in lines if "error" in ln.lower()), lines[-1])

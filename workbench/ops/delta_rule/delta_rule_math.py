@@ -52,18 +52,23 @@ def check_delta_rule_args(q, k, v, g, beta, chunk_size: int = 64) -> None:
     ``j // (h // hk)``), g/beta ``[b, s, h]`` (g is None for the plain delta rule).
     """
     if q.dim() != 4 or k.shape != q.shape:
-        raise ValueError(f"delta rule expects q and k of one shape [b, s, heads, dk]; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}")
+        raise ValueError(
+            f"delta rule expects q and k of one shape [b, s, heads, dk]; got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
     if v.dim() != 4 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"delta rule expects v [b, s, value_heads, dv] with q's [b, s] = {tuple(q.shape[:2])}; "
-                         f"got v {tuple(v.shape)}")
+        raise ValueError(
+            f"delta rule expects v [b, s, value_heads, dv] with q's [b, s] = {tuple(q.shape[:2])}; "
+            f"got v {tuple(v.shape)}"
+        )
     h = v.shape[2]
     if h % q.shape[2] != 0:
         raise ValueError(f"{h} value heads is not a multiple of {q.shape[2]} query/key heads")
     for name, t in (("beta", beta), ("g", g)):
         if t is not None and tuple(t.shape) != (*v.shape[:2], h):
-            raise ValueError(f"delta rule expects {name} [b, s, value_heads] = {(*v.shape[:2], h)} (one scalar "
-                             f"per token and value head); got {tuple(t.shape)}")
+            raise ValueError(
+                f"delta rule expects {name} [b, s, value_heads] = {(*v.shape[:2], h)} (one scalar "
+                f"per token and value head); got {tuple(t.shape)}"
+            )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
 
@@ -99,8 +104,9 @@ def recurrent_delta_rule(q, k, v, g, beta, state) -> Tuple[torch.Tensor, torch.T
     Returns (o ``[N, h, s, dv]``, final state)."""
     out = []
     for t in range(q.shape[2]):
-        o, state = delta_rule_step(q[:, :, t], k[:, :, t], v[:, :, t], None if g is None else g[:, :, t],
-                                   beta[:, :, t], state)
+        o, state = delta_rule_step(
+            q[:, :, t], k[:, :, t], v[:, :, t], None if g is None else g[:, :, t], beta[:, :, t], state
+        )
         out.append(o)
     return torch.stack(out, dim=2), state
 
@@ -145,5 +151,11 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int) -> Tuple[torch.
     return out.reshape(n, h, chunks * c, dv)[:, :, :s], state
 
 
-__all__ = ["L2NORM_EPS", "check_delta_rule_args", "prepare", "delta_rule_step", "recurrent_delta_rule",
-           "chunked_delta_rule"]
+__all__ = [
+    "L2NORM_EPS",
+    "check_delta_rule_args",
+    "prepare",
+    "delta_rule_step",
+    "recurrent_delta_rule",
+    "chunked_delta_rule",
+]

@@ -24,27 +24,43 @@ from typing import List, Optional
 import torch
 
 from ..library import define_op
-from ..state import STATE_HOST_SYNC, StateSpec, StatefulOp, check_step_metadata, initial_states, register_stateful_op
+from ..state import STATE_HOST_SYNC, StatefulOp, StateSpec, check_step_metadata, initial_states, register_stateful_op
 from .delta_rule_math import check_delta_rule_args, chunked_delta_rule, delta_rule_step, prepare
 from .torch_delta_rule import OPTIONS, delta_rule_output_like
 
 
-def check_cached_delta_rule_args(q, k, v, g, beta, seq_lens, input_pos, slot_idx, num_prefill, state,
-                                 chunk_size: int) -> List[int]:
+def check_cached_delta_rule_args(
+    q, k, v, g, beta, seq_lens, input_pos, slot_idx, num_prefill, state, chunk_size: int
+) -> List[int]:
     """Validate a cached call; returns ``seq_lens`` as a host list."""
     check_delta_rule_args(q, k, v, g, beta, chunk_size)
     if q.shape[0] != 1:
         raise ValueError(f"cached delta rule expects flattened tokens q/k [1, T, hk, dk]; got {tuple(q.shape)}")
     want = (v.shape[2], q.shape[3], v.shape[3])
     if state.dim() != 4 or tuple(state.shape[1:]) != want:
-        raise ValueError(f"delta rule state must be [num_slots, value_heads, dk, dv] = [*, {want[0]}, {want[1]}, "
-                         f"{want[2]}]; got {tuple(state.shape)}")
+        raise ValueError(
+            f"delta rule state must be [num_slots, value_heads, dk, dv] = [*, {want[0]}, {want[1]}, "
+            f"{want[2]}]; got {tuple(state.shape)}"
+        )
     return check_step_metadata(q.shape[1], seq_lens, input_pos, slot_idx, num_prefill, "q")
 
 
-def prefill_rows(q, k, v, g, beta, lens: List[int], input_pos: torch.Tensor, slots: torch.Tensor, num_prefill: int,
-                 state: torch.Tensor, out: torch.Tensor, scale: Optional[float], use_qk_l2norm: bool,
-                 chunk_size: int) -> int:
+def prefill_rows(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    lens: List[int],
+    input_pos: torch.Tensor,
+    slots: torch.Tensor,
+    num_prefill: int,
+    state: torch.Tensor,
+    out: torch.Tensor,
+    scale: Optional[float],
+    use_qk_l2norm: bool,
+    chunk_size: int,
+) -> int:
     """The prefill sequences of a step (``0..num_prefill-1``), one chunked run each from its slot's
     state (or zero); writes their tokens of ``out [1, T, h, dv]`` and their slots. Returns the
     first decode token's index. Shared by every cached backend (prefill is long and rare)."""
@@ -52,16 +68,27 @@ def prefill_rows(q, k, v, g, beta, lens: List[int], input_pos: torch.Tensor, slo
     if num_prefill == 0:
         return 0
     head = slice(0, end)
-    qf, kf, vf, gf, bf = prepare(q[:, head], k[:, head], v[:, head], None if g is None else g[:, head],
-                                 beta[:, head], scale, use_qk_l2norm)  # [1, h, t, d], [1, h, t]
+    qf, kf, vf, gf, bf = prepare(
+        q[:, head], k[:, head], v[:, head], None if g is None else g[:, head], beta[:, head], scale, use_qk_l2norm
+    )  # [1, h, t, d], [1, h, t]
     past = input_pos[:num_prefill].tolist()
     start = 0
     for i in range(num_prefill):
         part = slice(start, start + lens[i])
-        init = (state[slots[i]].to(torch.float32)[None] if past[i] > 0
-                else state.new_zeros(1, *state.shape[1:], dtype=torch.float32))
-        o, final = chunked_delta_rule(qf[:, :, part], kf[:, :, part], vf[:, :, part],
-                                      None if gf is None else gf[:, :, part], bf[:, :, part], init, chunk_size)
+        init = (
+            state[slots[i]].to(torch.float32)[None]
+            if past[i] > 0
+            else state.new_zeros(1, *state.shape[1:], dtype=torch.float32)
+        )
+        o, final = chunked_delta_rule(
+            qf[:, :, part],
+            kf[:, :, part],
+            vf[:, :, part],
+            None if gf is None else gf[:, :, part],
+            bf[:, :, part],
+            init,
+            chunk_size,
+        )
         out[:, part] = o.transpose(1, 2).to(out.dtype)
         state[slots[i]] = final[0].to(state.dtype)
         start = part.stop
@@ -73,14 +100,27 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x[0].transpose(0, 1)
 
 
-def decode_rows(q, k, v, g, beta, input_pos: torch.Tensor, slots: torch.Tensor, state: torch.Tensor,
-                out: torch.Tensor, first: int, scale: Optional[float], use_qk_l2norm: bool) -> None:
+def decode_rows(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    input_pos: torch.Tensor,
+    slots: torch.Tensor,
+    state: torch.Tensor,
+    out: torch.Tensor,
+    first: int,
+    scale: Optional[float],
+    use_qk_l2norm: bool,
+) -> None:
     """Decode sequences ``first..`` (one token each, tokens ``T - Bd..``): one vectorised recurrence step."""
     decode = slots[first:]
     start = q.shape[1] - decode.numel()
     tail = slice(start, q.shape[1])
-    qf, kf, vf, gf, bf = prepare(q[:, tail], k[:, tail], v[:, tail], None if g is None else g[:, tail],
-                                 beta[:, tail], scale, use_qk_l2norm)  # [1, h, Bd, d], [1, h, Bd]
+    qf, kf, vf, gf, bf = prepare(
+        q[:, tail], k[:, tail], v[:, tail], None if g is None else g[:, tail], beta[:, tail], scale, use_qk_l2norm
+    )  # [1, h, Bd, d], [1, h, Bd]
     init = initial_states(state, decode, input_pos[first:], torch.float32)  # [Bd, h, dk, dv]
     o, new = delta_rule_step(_rows(qf), _rows(kf), _rows(vf), None if gf is None else _rows(gf), _rows(bf), init)
     out[0, tail] = o.to(out.dtype)
@@ -88,13 +128,22 @@ def decode_rows(q, k, v, g, beta, input_pos: torch.Tensor, slots: torch.Tensor, 
 
 
 def cached_delta_rule_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: torch.Tensor,
-    seq_lens: torch.Tensor, input_pos: torch.Tensor, slot_idx: torch.Tensor, num_prefill: int,
-    state: torch.Tensor, scale: Optional[float] = None, use_qk_l2norm: bool = False, chunk_size: int = 64,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: Optional[torch.Tensor],
+    beta: torch.Tensor,
+    seq_lens: torch.Tensor,
+    input_pos: torch.Tensor,
+    slot_idx: torch.Tensor,
+    num_prefill: int,
+    state: torch.Tensor,
+    scale: Optional[float] = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
 ) -> torch.Tensor:
     """One step of the (gated when ``g`` is given) delta rule; updates ``state`` in place."""
-    lens = check_cached_delta_rule_args(q, k, v, g, beta, seq_lens, input_pos, slot_idx, num_prefill, state,
-                                        chunk_size)
+    lens = check_cached_delta_rule_args(q, k, v, g, beta, seq_lens, input_pos, slot_idx, num_prefill, state, chunk_size)
     out = delta_rule_output_like(q, v)
     slots = slot_idx.long()
     prefill_rows(q, k, v, g, beta, lens, input_pos, slots, num_prefill, state, out, scale, use_qk_l2norm, chunk_size)
@@ -103,43 +152,112 @@ def cached_delta_rule_reference(
     return out
 
 
-def _cached_gated(q, k, v, g, beta, seq_lens, input_pos, slot_idx, num_prefill, gated_delta_state,
-                  scale=None, use_qk_l2norm=False, chunk_size=64):
-    return cached_delta_rule_reference(q, k, v, g, beta, seq_lens, input_pos, slot_idx, num_prefill,
-                                       gated_delta_state, scale, use_qk_l2norm, chunk_size)
+def _cached_gated(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    seq_lens,
+    input_pos,
+    slot_idx,
+    num_prefill,
+    gated_delta_state,
+    scale=None,
+    use_qk_l2norm=False,
+    chunk_size=64,
+):
+    return cached_delta_rule_reference(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        seq_lens,
+        input_pos,
+        slot_idx,
+        num_prefill,
+        gated_delta_state,
+        scale,
+        use_qk_l2norm,
+        chunk_size,
+    )
 
 
-def _cached_plain(q, k, v, beta, seq_lens, input_pos, slot_idx, num_prefill, delta_state,
-                  scale=None, use_qk_l2norm=False, chunk_size=64):
-    return cached_delta_rule_reference(q, k, v, None, beta, seq_lens, input_pos, slot_idx, num_prefill,
-                                       delta_state, scale, use_qk_l2norm, chunk_size)
+def _cached_plain(
+    q,
+    k,
+    v,
+    beta,
+    seq_lens,
+    input_pos,
+    slot_idx,
+    num_prefill,
+    delta_state,
+    scale=None,
+    use_qk_l2norm=False,
+    chunk_size=64,
+):
+    return cached_delta_rule_reference(
+        q, k, v, None, beta, seq_lens, input_pos, slot_idx, num_prefill, delta_state, scale, use_qk_l2norm, chunk_size
+    )
 
 
-def cached_gated_fake(q, k, v, g, beta, seq_lens, input_pos, slot_idx, num_prefill, gated_delta_state,
-                      scale=None, use_qk_l2norm=False, chunk_size=64):
+def cached_gated_fake(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    seq_lens,
+    input_pos,
+    slot_idx,
+    num_prefill,
+    gated_delta_state,
+    scale=None,
+    use_qk_l2norm=False,
+    chunk_size=64,
+):
     check_delta_rule_args(q, k, v, g, beta, chunk_size)
     return delta_rule_output_like(q, v)
 
 
-def cached_plain_fake(q, k, v, beta, seq_lens, input_pos, slot_idx, num_prefill, delta_state,
-                      scale=None, use_qk_l2norm=False, chunk_size=64):
+def cached_plain_fake(
+    q,
+    k,
+    v,
+    beta,
+    seq_lens,
+    input_pos,
+    slot_idx,
+    num_prefill,
+    delta_state,
+    scale=None,
+    use_qk_l2norm=False,
+    chunk_size=64,
+):
     check_delta_rule_args(q, k, v, None, beta, chunk_size)
     return delta_rule_output_like(q, v)
 
 
 # Every backend of one cached op (torch, triton) shares its schema and fake: interchangeable in a graph.
 _METADATA = "Tensor seq_lens, Tensor input_pos, Tensor slot_idx, SymInt num_prefill"
-CACHED_GATED_ARGS = (f"(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, {_METADATA}, "
-                     f"Tensor(a!) gated_delta_state, {OPTIONS}) -> Tensor")
-CACHED_PLAIN_ARGS = (f"(Tensor q, Tensor k, Tensor v, Tensor beta, {_METADATA}, "
-                     f"Tensor(a!) delta_state, {OPTIONS}) -> Tensor")
+CACHED_GATED_ARGS = (
+    f"(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, {_METADATA}, "
+    f"Tensor(a!) gated_delta_state, {OPTIONS}) -> Tensor"
+)
+CACHED_PLAIN_ARGS = (
+    f"(Tensor q, Tensor k, Tensor v, Tensor beta, {_METADATA}, Tensor(a!) delta_state, {OPTIONS}) -> Tensor"
+)
 
 # ``define_op`` (a Library kernel) rather than ``custom_op``: a mutating custom_op pays ~50-80 us of
 # Python argument handling per call (see library.py), once per linear-attention layer and step.
-torch_cached_gated_delta_rule = define_op("torch_cached_gated_delta_rule" + CACHED_GATED_ARGS, _cached_gated,
-                                          cached_gated_fake, host_sync=STATE_HOST_SYNC)
-torch_cached_delta_rule = define_op("torch_cached_delta_rule" + CACHED_PLAIN_ARGS, _cached_plain, cached_plain_fake,
-                                    host_sync=STATE_HOST_SYNC)
+torch_cached_gated_delta_rule = define_op(
+    "torch_cached_gated_delta_rule" + CACHED_GATED_ARGS, _cached_gated, cached_gated_fake, host_sync=STATE_HOST_SYNC
+)
+torch_cached_delta_rule = define_op(
+    "torch_cached_delta_rule" + CACHED_PLAIN_ARGS, _cached_plain, cached_plain_fake, host_sync=STATE_HOST_SYNC
+)
 
 
 def state_shape(args) -> tuple:
@@ -149,26 +267,44 @@ def state_shape(args) -> tuple:
 
 # The triton ops are defined in triton_delta_rule.py, which the package imports next to this module.
 TRITON_REQUIREMENT = {"triton": "a CUDA device (or TRITON_INTERPRET=1 on CPU, for tests)"}
-GATED_DELTA_RULE = register_stateful_op(StatefulOp(
-    source="workbench::torch_gated_delta_rule",
-    cached={"torch": "workbench::torch_cached_gated_delta_rule",
-            "triton": "workbench::triton_cached_gated_delta_rule"},
-    token_args=("q", "k", "v", "g", "beta"),
-    states=(StateSpec("gated_delta_state", shape=state_shape, dtype=torch.float32),),
-    insert_key="insert_cached_gated_delta_rule",
-    description="fast-weight matrix S [value_heads, dk, dv] per sequence (fp32), decayed by exp(g) each token",
-    backend_requirements=TRITON_REQUIREMENT,
-))
-DELTA_RULE = register_stateful_op(StatefulOp(
-    source="workbench::torch_delta_rule",
-    cached={"torch": "workbench::torch_cached_delta_rule", "triton": "workbench::triton_cached_delta_rule"},
-    token_args=("q", "k", "v", "beta"),
-    states=(StateSpec("delta_state", shape=state_shape, dtype=torch.float32),),
-    insert_key="insert_cached_delta_rule",
-    description="fast-weight matrix S [value_heads, dk, dv] per sequence (fp32)",
-    backend_requirements=TRITON_REQUIREMENT,
-))
+GATED_DELTA_RULE = register_stateful_op(
+    StatefulOp(
+        source="workbench::torch_gated_delta_rule",
+        cached={
+            "torch": "workbench::torch_cached_gated_delta_rule",
+            "triton": "workbench::triton_cached_gated_delta_rule",
+        },
+        token_args=("q", "k", "v", "g", "beta"),
+        states=(StateSpec("gated_delta_state", shape=state_shape, dtype=torch.float32),),
+        insert_key="insert_cached_gated_delta_rule",
+        description="fast-weight matrix S [value_heads, dk, dv] per sequence (fp32), decayed by exp(g) each token",
+        backend_requirements=TRITON_REQUIREMENT,
+    )
+)
+DELTA_RULE = register_stateful_op(
+    StatefulOp(
+        source="workbench::torch_delta_rule",
+        cached={"torch": "workbench::torch_cached_delta_rule", "triton": "workbench::triton_cached_delta_rule"},
+        token_args=("q", "k", "v", "beta"),
+        states=(StateSpec("delta_state", shape=state_shape, dtype=torch.float32),),
+        insert_key="insert_cached_delta_rule",
+        description="fast-weight matrix S [value_heads, dk, dv] per sequence (fp32)",
+        backend_requirements=TRITON_REQUIREMENT,
+    )
+)
 
-__all__ = ["torch_cached_gated_delta_rule", "torch_cached_delta_rule", "cached_delta_rule_reference",
-           "prefill_rows", "decode_rows", "CACHED_GATED_ARGS", "CACHED_PLAIN_ARGS", "cached_gated_fake",
-           "cached_plain_fake", "check_cached_delta_rule_args", "state_shape", "GATED_DELTA_RULE", "DELTA_RULE"]
+__all__ = [
+    "torch_cached_gated_delta_rule",
+    "torch_cached_delta_rule",
+    "cached_delta_rule_reference",
+    "prefill_rows",
+    "decode_rows",
+    "CACHED_GATED_ARGS",
+    "CACHED_PLAIN_ARGS",
+    "cached_gated_fake",
+    "cached_plain_fake",
+    "check_cached_delta_rule_args",
+    "state_shape",
+    "GATED_DELTA_RULE",
+    "DELTA_RULE",
+]

@@ -28,8 +28,14 @@ from .delta_rule_math import check_delta_rule_args, chunked_delta_rule, prepare
 
 
 def delta_rule_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: torch.Tensor,
-    scale: Optional[float] = None, use_qk_l2norm: bool = False, chunk_size: int = 64,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: Optional[torch.Tensor],
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
 ) -> torch.Tensor:
     """The (gated when ``g`` is given) delta rule of whole sequences from a zero state, chunked."""
     check_delta_rule_args(q, k, v, g, beta, chunk_size)
@@ -67,12 +73,11 @@ OPTIONS = "*, float? scale=None, bool use_qk_l2norm=False, int chunk_size=64"
 
 torch_gated_delta_rule = define_op(
     f"torch_gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, {OPTIONS}) -> Tensor",
-    _gated, _gated_fake,
+    _gated,
+    _gated_fake,
 )
 torch_delta_rule = define_op(
-    f"torch_delta_rule(Tensor q, Tensor k, Tensor v, Tensor beta, {OPTIONS}) -> Tensor",
-    _plain, _plain_fake,
+    f"torch_delta_rule(Tensor q, Tensor k, Tensor v, Tensor beta, {OPTIONS}) -> Tensor", _plain, _plain_fake
 )
 
-__all__ = ["torch_gated_delta_rule", "torch_delta_rule", "delta_rule_reference", "delta_rule_output_like",
-           "OPTIONS"]
+__all__ = ["torch_gated_delta_rule", "torch_delta_rule", "delta_rule_reference", "delta_rule_output_like", "OPTIONS"]

@@ -32,7 +32,11 @@ from ..state import TRITON_STATE_HOST_SYNC
 from ..triton_support import triton_available as is_available
 from .delta_rule_math import L2NORM_EPS, check_delta_rule_args
 from .torch_cached_delta_rule import (
-    CACHED_GATED_ARGS, CACHED_PLAIN_ARGS, cached_gated_fake, cached_plain_fake, check_cached_delta_rule_args,
+    CACHED_GATED_ARGS,
+    CACHED_PLAIN_ARGS,
+    cached_gated_fake,
+    cached_plain_fake,
+    check_cached_delta_rule_args,
     prefill_rows,
 )
 from .torch_delta_rule import delta_rule_output_like
@@ -45,13 +49,43 @@ def kernel():
     import triton.language as tl
 
     @triton.jit
-    def delta_rule_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, slot_ptr, pos_ptr,
-                                 first_row, first_token, scale, dk, dv,
-                                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                                 stride_gt, stride_gh, stride_bt, stride_bh,
-                                 stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,
-                                 REP: tl.constexpr, DK_POW2: tl.constexpr, BLOCK_V: tl.constexpr,
-                                 GATED: tl.constexpr, L2NORM: tl.constexpr, EPS: tl.constexpr):
+    def delta_rule_decode_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        g_ptr,
+        beta_ptr,
+        state_ptr,
+        out_ptr,
+        slot_ptr,
+        pos_ptr,
+        first_row,
+        first_token,
+        scale,
+        dk,
+        dv,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_gt,
+        stride_gh,
+        stride_bt,
+        stride_bh,
+        stride_ss,
+        stride_sh,
+        stride_sk,
+        stride_ot,
+        stride_oh,
+        REP: tl.constexpr,
+        DK_POW2: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        GATED: tl.constexpr,
+        L2NORM: tl.constexpr,
+        EPS: tl.constexpr,
+    ):
         row = tl.program_id(0)
         head = tl.program_id(1)
         kd = tl.arange(0, DK_POW2)  # [DK_POW2]
@@ -90,8 +124,21 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def decode_rows_triton(q, k, v, g, beta, input_pos, slot_idx, state, out, first_row: int, first_token: int,
-                       scale: Optional[float], use_qk_l2norm: bool) -> None:
+def decode_rows_triton(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    input_pos,
+    slot_idx,
+    state,
+    out,
+    first_row: int,
+    first_token: int,
+    scale: Optional[float],
+    use_qk_l2norm: bool,
+) -> None:
     """Launch the kernel on rows ``first_row..`` of the metadata (tokens ``first_token..`` of the
     ``[1, T, ...]`` inputs); writes ``out [1, T, h, dv]`` and the state rows in place."""
     import triton
@@ -109,13 +156,41 @@ def decode_rows_triton(q, k, v, g, beta, input_pos, slot_idx, state, out, first_
     block_v = min(64, triton.next_power_of_2(dv))
     grid = (rows, h, triton.cdiv(dv, block_v))
     kernel()[grid](
-        q, k, v, gs if gs is not None else bs, bs, state, o, slot_idx, input_pos, first_row, first_token,
-        dk ** -0.5 if scale is None else scale, dk, dv,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *(gs.stride() if gs is not None else (0, 0)), bs.stride(0), bs.stride(1),
-        state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
-        REP=h // hk, DK_POW2=triton.next_power_of_2(dk), BLOCK_V=block_v, GATED=gs is not None,
-        L2NORM=use_qk_l2norm, EPS=L2NORM_EPS, num_warps=1 if q.device.type != "cuda" else 4,
+        q,
+        k,
+        v,
+        gs if gs is not None else bs,
+        bs,
+        state,
+        o,
+        slot_idx,
+        input_pos,
+        first_row,
+        first_token,
+        dk**-0.5 if scale is None else scale,
+        dk,
+        dv,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        *(gs.stride() if gs is not None else (0, 0)),
+        bs.stride(0),
+        bs.stride(1),
+        state.stride(0),
+        state.stride(1),
+        state.stride(2),
+        o.stride(0),
+        o.stride(1),
+        REP=h // hk,
+        DK_POW2=triton.next_power_of_2(dk),
+        BLOCK_V=block_v,
+        GATED=gs is not None,
+        L2NORM=use_qk_l2norm,
+        EPS=L2NORM_EPS,
+        num_warps=1 if q.device.type != "cuda" else 4,
     )
 
 
@@ -123,52 +198,111 @@ def _check_decode_only(q, k, v, g, beta, input_pos, slot_idx, state, chunk_size)
     """Checks that read nothing on the host (a decode-only step may be captured in a CUDA graph)."""
     check_delta_rule_args(q, k, v, g, beta, chunk_size)
     if q.shape[0] != 1 or slot_idx.numel() != q.shape[1] or input_pos.numel() != q.shape[1]:
-        raise ValueError(f"a decode-only step has one token per sequence: q {tuple(q.shape)}, slot_idx "
-                         f"{slot_idx.numel()}, input_pos {input_pos.numel()}")
+        raise ValueError(
+            f"a decode-only step has one token per sequence: q {tuple(q.shape)}, slot_idx "
+            f"{slot_idx.numel()}, input_pos {input_pos.numel()}"
+        )
     want = (v.shape[2], q.shape[3], v.shape[3])
     if state.dim() != 4 or tuple(state.shape[1:]) != want:
-        raise ValueError(f"delta rule state must be [num_slots, value_heads, dk, dv] = [*, {want[0]}, {want[1]}, "
-                         f"{want[2]}]; got {tuple(state.shape)}")
+        raise ValueError(
+            f"delta rule state must be [num_slots, value_heads, dk, dv] = [*, {want[0]}, {want[1]}, "
+            f"{want[2]}]; got {tuple(state.shape)}"
+        )
 
 
-def triton_cached_delta_rule_impl(q, k, v, g, beta, seq_lens, input_pos, slot_idx, num_prefill, state,
-                                  scale=None, use_qk_l2norm=False, chunk_size=64, name="triton_cached_delta_rule"):
+def triton_cached_delta_rule_impl(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    seq_lens,
+    input_pos,
+    slot_idx,
+    num_prefill,
+    state,
+    scale=None,
+    use_qk_l2norm=False,
+    chunk_size=64,
+    name="triton_cached_delta_rule",
+):
     """The cached (gated when ``g`` is given) delta rule, decode rows in Triton; see the module docstring."""
     ok, why = is_available(q.device)
     if not ok:
         key = "insert_cached_gated_delta_rule" if g is not None else "insert_cached_delta_rule"
-        raise RuntimeError(f"{name} cannot run on {q.device}: {why}. Use the 'torch' backend ({key}.backend=torch) "
-                           "on this device.")
+        raise RuntimeError(
+            f"{name} cannot run on {q.device}: {why}. Use the 'torch' backend ({key}.backend=torch) on this device."
+        )
     out = delta_rule_output_like(q, v)
     if num_prefill == 0:  # decode only: T rows of one token, no host read of the metadata
         _check_decode_only(q, k, v, g, beta, input_pos, slot_idx, state, chunk_size)
         decode_rows_triton(q, k, v, g, beta, input_pos, slot_idx, state, out, 0, 0, scale, use_qk_l2norm)
         return out
-    lens = check_cached_delta_rule_args(q, k, v, g, beta, seq_lens, input_pos, slot_idx, num_prefill, state,
-                                        chunk_size)
-    start = prefill_rows(q, k, v, g, beta, lens, input_pos, slot_idx.long(), num_prefill, state, out, scale,
-                         use_qk_l2norm, chunk_size)
+    lens = check_cached_delta_rule_args(q, k, v, g, beta, seq_lens, input_pos, slot_idx, num_prefill, state, chunk_size)
+    start = prefill_rows(
+        q, k, v, g, beta, lens, input_pos, slot_idx.long(), num_prefill, state, out, scale, use_qk_l2norm, chunk_size
+    )
     decode_rows_triton(q, k, v, g, beta, input_pos, slot_idx, state, out, num_prefill, start, scale, use_qk_l2norm)
     return out
 
 
-def _gated(q, k, v, g, beta, seq_lens, input_pos, slot_idx, num_prefill, gated_delta_state,
-           scale=None, use_qk_l2norm=False, chunk_size=64):
-    return triton_cached_delta_rule_impl(q, k, v, g, beta, seq_lens, input_pos, slot_idx, num_prefill,
-                                         gated_delta_state, scale, use_qk_l2norm, chunk_size,
-                                         name="triton_cached_gated_delta_rule")
+def _gated(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    seq_lens,
+    input_pos,
+    slot_idx,
+    num_prefill,
+    gated_delta_state,
+    scale=None,
+    use_qk_l2norm=False,
+    chunk_size=64,
+):
+    return triton_cached_delta_rule_impl(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        seq_lens,
+        input_pos,
+        slot_idx,
+        num_prefill,
+        gated_delta_state,
+        scale,
+        use_qk_l2norm,
+        chunk_size,
+        name="triton_cached_gated_delta_rule",
+    )
 
 
-def _plain(q, k, v, beta, seq_lens, input_pos, slot_idx, num_prefill, delta_state,
-           scale=None, use_qk_l2norm=False, chunk_size=64):
-    return triton_cached_delta_rule_impl(q, k, v, None, beta, seq_lens, input_pos, slot_idx, num_prefill,
-                                         delta_state, scale, use_qk_l2norm, chunk_size)
+def _plain(
+    q,
+    k,
+    v,
+    beta,
+    seq_lens,
+    input_pos,
+    slot_idx,
+    num_prefill,
+    delta_state,
+    scale=None,
+    use_qk_l2norm=False,
+    chunk_size=64,
+):
+    return triton_cached_delta_rule_impl(
+        q, k, v, None, beta, seq_lens, input_pos, slot_idx, num_prefill, delta_state, scale, use_qk_l2norm, chunk_size
+    )
 
 
-triton_cached_gated_delta_rule = define_op("triton_cached_gated_delta_rule" + CACHED_GATED_ARGS, _gated,
-                                           cached_gated_fake, host_sync=TRITON_STATE_HOST_SYNC)
-triton_cached_delta_rule = define_op("triton_cached_delta_rule" + CACHED_PLAIN_ARGS, _plain, cached_plain_fake,
-                                     host_sync=TRITON_STATE_HOST_SYNC)
+triton_cached_gated_delta_rule = define_op(
+    "triton_cached_gated_delta_rule" + CACHED_GATED_ARGS, _gated, cached_gated_fake, host_sync=TRITON_STATE_HOST_SYNC
+)
+triton_cached_delta_rule = define_op(
+    "triton_cached_delta_rule" + CACHED_PLAIN_ARGS, _plain, cached_plain_fake, host_sync=TRITON_STATE_HOST_SYNC
+)
 
-__all__ = ["triton_cached_gated_delta_rule", "triton_cached_delta_rule", "decode_rows_triton", "kernel",
-           "is_available"]
+__all__ = ["triton_cached_gated_delta_rule", "triton_cached_delta_rule", "decode_rows_triton", "kernel", "is_available"]

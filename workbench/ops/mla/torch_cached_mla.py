@@ -40,8 +40,9 @@ from ..library import define_op
 from .torch_mla import mla_absorbed, mla_dims, mla_expanded, torch_mla_reference
 
 
-def _check(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, seq_lens, input_pos, page_table,
-           num_prefill) -> Tuple[List[int], List[int], int]:
+def _check(
+    q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, seq_lens, input_pos, page_table, num_prefill
+) -> Tuple[List[int], List[int], int]:
     """Validate shapes and metadata; returns (seq_lens, input_pos) as host lists and dv."""
     n, dn, dr, r, dv = mla_dims(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight)
     t = q_nope.shape[1]
@@ -52,16 +53,20 @@ def _check(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, seq_le
             f"kpe {tuple(kpe.shape)}"
         )
     if mla_cache.dim() != 3 or mla_cache.shape[2] != r + dr:
-        raise ValueError(f"mla_cache {tuple(mla_cache.shape)} does not hold latent + rope key rows: expected "
-                         f"[num_pages, page_size, {r} + {dr}]")
+        raise ValueError(
+            f"mla_cache {tuple(mla_cache.shape)} does not hold latent + rope key rows: expected "
+            f"[num_pages, page_size, {r} + {dr}]"
+        )
     lens = seq_lens.tolist()
     if sum(lens) != t:
         raise ValueError(f"seq_lens sum to {sum(lens)} tokens but q_nope has {t}")
     if not 0 <= num_prefill <= len(lens) or any(x != 1 for x in lens[num_prefill:]):
         raise ValueError(f"num_prefill={num_prefill}: sequences after it must be decode steps (1 token), got {lens}")
     if input_pos.numel() != len(lens) or page_table.shape[0] < len(lens):
-        raise ValueError(f"metadata sizes disagree: seq_lens {len(lens)}, input_pos {input_pos.numel()}, "
-                         f"page_table rows {page_table.shape[0]}")
+        raise ValueError(
+            f"metadata sizes disagree: seq_lens {len(lens)}, input_pos {input_pos.numel()}, "
+            f"page_table rows {page_table.shape[0]}"
+        )
     past = input_pos.tolist()
     page_size = mla_cache.shape[1]
     need = max((-(-(p + x) // page_size) for p, x in zip(past, lens)), default=0)
@@ -91,8 +96,9 @@ def torch_cached_mla(
     scale: float,
 ) -> torch.Tensor:
     """Write the step's latents into the paged cache, then attend; see the module docstring."""
-    lens, past, dv = _check(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, seq_lens, input_pos,
-                            page_table, num_prefill)
+    lens, past, dv = _check(
+        q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, seq_lens, input_pos, page_table, num_prefill
+    )
     r = compressed_kv.shape[-1]
     device = q_nope.device
     # Write: one [r + dr] row per new token.
@@ -108,24 +114,25 @@ def torch_cached_mla(
     for i in range(num_prefill):
         a, b, total = starts[i], starts[i + 1], past[i] + lens[i]
         if past[i] == 0 and mla_cache.dtype == compressed_kv.dtype:  # fresh prefill: keys = its new tokens
-            out[0, a:b] = torch_mla_reference(q_nope[:, a:b], q_pe[:, a:b], compressed_kv[:, a:b], kpe[:, a:b],
-                                              kv_b_proj_weight, scale)[0]
+            out[0, a:b] = torch_mla_reference(
+                q_nope[:, a:b], q_pe[:, a:b], compressed_kv[:, a:b], kpe[:, a:b], kv_b_proj_weight, scale
+            )[0]
             continue
-        rows = gather_latents(mla_cache, page_table[i: i + 1, : -(-total // page_size)], total).to(q_nope.dtype)
-        keep = (torch.arange(total, device=device)[None, :] <= torch.arange(past[i], total, device=device)[:, None])
-        out[0, a:b] = mla_expanded(q_nope[:, a:b], q_pe[:, a:b], rows[..., :r], rows[..., r:], kv_b_proj_weight,
-                                   keep[None], scale)[0]
+        rows = gather_latents(mla_cache, page_table[i : i + 1, : -(-total // page_size)], total).to(q_nope.dtype)
+        keep = torch.arange(total, device=device)[None, :] <= torch.arange(past[i], total, device=device)[:, None]
+        out[0, a:b] = mla_expanded(
+            q_nope[:, a:b], q_pe[:, a:b], rows[..., :r], rows[..., r:], kv_b_proj_weight, keep[None], scale
+        )[0]
     if num_prefill < len(lens):  # decode rows: absorbed, keys padded to the longest and masked
         a = starts[num_prefill]
         totals = input_pos[num_prefill:].long().to(device) + 1  # [Bd]
         longest = max(past[num_prefill:]) + 1
-        ids = page_table[num_prefill: len(lens), : -(-longest // page_size)]
+        ids = page_table[num_prefill : len(lens), : -(-longest // page_size)]
         rows = gather_latents(mla_cache, ids, longest)  # [Bd, L, r + dr]
         valid = torch.arange(longest, device=device)[None, :] < totals[:, None]  # [Bd, L]
         rows = rows.masked_fill(~valid[:, :, None], 0)  # stale slots: 0 * inf/nan would still be nan
         q_n, q_p = q_nope[0, a:].unsqueeze(1), q_pe[0, a:].unsqueeze(1)  # [Bd, 1, n, d]
-        out[0, a:] = mla_absorbed(q_n, q_p, rows[..., :r], rows[..., r:], kv_b_proj_weight, valid[:, None],
-                                  scale)[:, 0]
+        out[0, a:] = mla_absorbed(q_n, q_p, rows[..., :r], rows[..., r:], kv_b_proj_weight, valid[:, None], scale)[:, 0]
     return out
 
 
@@ -141,7 +148,11 @@ CACHED_MLA_SCHEMA = (
     "Tensor(a!) mla_cache, Tensor seq_lens, Tensor input_pos, Tensor page_table, SymInt num_prefill, "
     "float scale) -> Tensor"
 )
-torch_cached_mla_op = define_op(CACHED_MLA_SCHEMA, torch_cached_mla, _torch_cached_mla_fake,
-                                host_sync="reads seq_lens and input_pos on the host (.tolist())")
+torch_cached_mla_op = define_op(
+    CACHED_MLA_SCHEMA,
+    torch_cached_mla,
+    _torch_cached_mla_fake,
+    host_sync="reads seq_lens and input_pos on the host (.tolist())",
+)
 
 __all__ = ["torch_cached_mla", "torch_cached_mla_op", "gather_latents", "CACHED_MLA_SCHEMA"]

@@ -29,8 +29,13 @@ import torch.nn.functional as F
 from ..library import define_op
 
 
-def mla_dims(q_nope: torch.Tensor, q_pe: torch.Tensor, compressed_kv: torch.Tensor, kpe: torch.Tensor,
-             kv_b_proj_weight: torch.Tensor) -> Tuple[int, int, int, int, int]:
+def mla_dims(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    compressed_kv: torch.Tensor,
+    kpe: torch.Tensor,
+    kv_b_proj_weight: torch.Tensor,
+) -> Tuple[int, int, int, int, int]:
     """Validate the per-token shapes (also on fakes at trace time); returns ``(n, dn, dr, r, dv)``."""
     if q_nope.dim() != 4 or q_pe.dim() != 4 or compressed_kv.dim() != 3 or kpe.dim() != 4:
         raise ValueError(
@@ -52,8 +57,10 @@ def mla_dims(q_nope: torch.Tensor, q_pe: torch.Tensor, compressed_kv: torch.Tens
         )
     dv = kv_b_proj_weight.shape[0] // n - dn
     if dv < 1:
-        raise ValueError(f"torch_mla: kv_b_proj_weight has {kv_b_proj_weight.shape[0] // n} rows per head, not more "
-                         f"than q_nope's head dim {dn}: no room for the value part")
+        raise ValueError(
+            f"torch_mla: kv_b_proj_weight has {kv_b_proj_weight.shape[0] // n} rows per head, not more "
+            f"than q_nope's head dim {dn}: no room for the value part"
+        )
     return n, dn, dr, r, dv
 
 
@@ -69,8 +76,9 @@ def split_kv_b(kv_b_proj_weight: torch.Tensor, n: int, dn: int) -> Tuple[torch.T
     return w[:, :dn], w[:, dn:]
 
 
-def expand_latent(compressed_kv: torch.Tensor, kpe: torch.Tensor, kv_b_proj_weight: torch.Tensor, n: int,
-                  dn: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def expand_latent(
+    compressed_kv: torch.Tensor, kpe: torch.Tensor, kv_b_proj_weight: torch.Tensor, n: int, dn: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-head keys and values of cached tokens, as HF computes them.
 
     compressed_kv [..., L, r], kpe [..., L, dr] -> k [..., L, n, dn + dr], v [..., L, n, dv].
@@ -82,8 +90,15 @@ def expand_latent(compressed_kv: torch.Tensor, kpe: torch.Tensor, kv_b_proj_weig
     return k, v
 
 
-def mla_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, compressed_kv: torch.Tensor, kpe: torch.Tensor,
-                 kv_b_proj_weight: torch.Tensor, keep: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+def mla_expanded(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    compressed_kv: torch.Tensor,
+    kpe: torch.Tensor,
+    kv_b_proj_weight: torch.Tensor,
+    keep: Optional[torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
     """Attention with the latents expanded to per-head K/V (HF's form).
 
     q_nope [N, s, n, dn], q_pe [N, s, n, dr], compressed_kv [N, L, r], kpe [N, L, dr],
@@ -94,13 +109,21 @@ def mla_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, compressed_kv: torch.
     k, v = expand_latent(compressed_kv, kpe, kv_b_proj_weight, n, dn)
     q = torch.cat([q_nope, q_pe], dim=-1)
     mask = None if keep is None else keep[:, None]  # [N, 1, s, L]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask, is_causal=keep is None, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=keep is None, scale=scale
+    )
     return out.transpose(1, 2)
 
 
-def mla_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, compressed_kv: torch.Tensor, kpe: torch.Tensor,
-                 kv_b_proj_weight: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+def mla_absorbed(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    compressed_kv: torch.Tensor,
+    kpe: torch.Tensor,
+    kv_b_proj_weight: torch.Tensor,
+    keep: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """The same attention without expanding the latents: the key up-projection is *absorbed* into
     the query and the value up-projection applied after the softmax.
 
@@ -123,12 +146,19 @@ def mla_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, compressed_kv: torch.
     return out.to(q_nope.dtype)
 
 
-def torch_mla_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, compressed_kv: torch.Tensor, kpe: torch.Tensor,
-                        kv_b_proj_weight: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+def torch_mla_reference(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    compressed_kv: torch.Tensor,
+    kpe: torch.Tensor,
+    kv_b_proj_weight: torch.Tensor,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
     """Causal MLA over whole sequences, expanded form; see the module docstring."""
     mla_dims(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight)
-    out = mla_expanded(q_nope, q_pe, compressed_kv, kpe[:, :, 0], kv_b_proj_weight, None,
-                       default_scale(q_nope, q_pe, scale))
+    out = mla_expanded(
+        q_nope, q_pe, compressed_kv, kpe[:, :, 0], kv_b_proj_weight, None, default_scale(q_nope, q_pe, scale)
+    )
     return out.contiguous()
 
 
@@ -140,8 +170,17 @@ def _torch_mla_fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, scale=No
 torch_mla = define_op(
     "torch_mla(Tensor q_nope, Tensor q_pe, Tensor compressed_kv, Tensor kpe, Tensor kv_b_proj_weight, *, "
     "float? scale=None) -> Tensor",
-    torch_mla_reference, _torch_mla_fake,
+    torch_mla_reference,
+    _torch_mla_fake,
 )
 
-__all__ = ["torch_mla", "torch_mla_reference", "mla_dims", "default_scale", "split_kv_b", "expand_latent",
-           "mla_expanded", "mla_absorbed"]
+__all__ = [
+    "torch_mla",
+    "torch_mla_reference",
+    "mla_dims",
+    "default_scale",
+    "split_kv_b",
+    "expand_latent",
+    "mla_expanded",
+    "mla_absorbed",
+]

@@ -31,7 +31,6 @@ import torch
 
 from ..library import define_op
 
-
 # Above this many rows (prefill) both orientations are large GEMMs; aten.linear skips the transpose copy.
 MAX_ROWS = 64
 
@@ -56,7 +55,8 @@ def _cpu_linear_wxt_fake(input, weight, bias=None):
     return input.new_empty(*input.shape[:-1], weight.shape[0])
 
 
-cpu_linear_wxt = define_op("cpu_linear_wxt(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor", linear_wxt,
-                           _cpu_linear_wxt_fake)
+cpu_linear_wxt = define_op(
+    "cpu_linear_wxt(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor", linear_wxt, _cpu_linear_wxt_fake
+)
 
 __all__ = ["linear_wxt", "cpu_linear_wxt"]

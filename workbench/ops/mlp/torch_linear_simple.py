@@ -14,9 +14,7 @@ import torch.nn.functional as F
 
 
 @torch.library.custom_op("workbench::torch_linear_simple", mutates_args=())
-def torch_linear_simple(
-    input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
-) -> torch.Tensor:
+def torch_linear_simple(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``input @ weight.T + bias``: input [..., k], weight [n, k], bias [n] -> [..., n]."""
     return F.linear(input, weight, bias)
 

@@ -28,7 +28,5 @@ def torch_swiglu_mlp(
 
 
 @torch_swiglu_mlp.register_fake
-def _torch_swiglu_mlp_fake(
-    input, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None
-):
+def _torch_swiglu_mlp_fake(input, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None):
     return input.new_empty(*input.shape[:-1], down_weight.shape[0])

@@ -53,11 +53,21 @@ def silu_and_mul_forward(input: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], inter, dtype=input.dtype, device=input.device)
     if rows.shape[0] and inter:
-        block = min(1024, triton.next_power_of_2(inter)) if input.device.type == "cuda" else \
-            min(64, triton.next_power_of_2(inter))
+        block = (
+            min(1024, triton.next_power_of_2(inter))
+            if input.device.type == "cuda"
+            else min(64, triton.next_power_of_2(inter))
+        )
         grid = (rows.shape[0], triton.cdiv(inter, block))
-        kernel()[grid](rows, out, inter, rows.stride(0), out.stride(0), BLOCK=block,
-                       num_warps=4 if input.device.type == "cuda" else 1)
+        kernel()[grid](
+            rows,
+            out,
+            inter,
+            rows.stride(0),
+            out.stride(0),
+            BLOCK=block,
+            num_warps=4 if input.device.type == "cuda" else 1,
+        )
     return out.reshape(*input.shape[:-1], inter)
 
 

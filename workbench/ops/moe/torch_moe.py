@@ -52,7 +52,9 @@ def _combine(
     return slots.sum(dim=1).to(x.dtype).reshape(x.shape)
 
 
-@torch.library.custom_op("workbench::torch_moe", mutates_args=(), tags=host_sync_tags("workbench::torch_moe", MOE_HOST_SYNC))
+@torch.library.custom_op(
+    "workbench::torch_moe", mutates_args=(), tags=host_sync_tags("workbench::torch_moe", MOE_HOST_SYNC)
+)
 def torch_moe(
     x: torch.Tensor,
     selected_experts: torch.Tensor,
@@ -80,7 +82,9 @@ def _torch_moe_fake(x, selected_experts, routing_weights, w1_weight, w2_weight, 
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("workbench::torch_moe_fused", mutates_args=(), tags=host_sync_tags("workbench::torch_moe_fused", MOE_HOST_SYNC))
+@torch.library.custom_op(
+    "workbench::torch_moe_fused", mutates_args=(), tags=host_sync_tags("workbench::torch_moe_fused", MOE_HOST_SYNC)
+)
 def torch_moe_fused(
     x: torch.Tensor,
     selected_experts: torch.Tensor,

@@ -15,9 +15,7 @@ import torch
 
 
 @torch.library.custom_op("workbench::torch_moe_topk_softmax", mutates_args=())
-def torch_moe_topk_softmax(
-    logits: torch.Tensor, k: int, renormalize: bool = True
-) -> Tuple[torch.Tensor, torch.Tensor]:
+def torch_moe_topk_softmax(logits: torch.Tensor, k: int, renormalize: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, indices = torch.topk(probs, k, dim=-1)
     if renormalize:

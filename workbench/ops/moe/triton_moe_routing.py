@@ -16,9 +16,8 @@ from typing import Tuple
 
 import torch
 
-from .torch_moe_routing import torch_moe_topk_softmax
-
 from ..triton_support import triton_available as is_available  # noqa: F401  (public per-op name)
+from .torch_moe_routing import torch_moe_topk_softmax
 
 
 def _kernel():
@@ -28,8 +27,16 @@ def _kernel():
 
     @triton.jit
     def topk_softmax_kernel(
-        logits_ptr, weights_ptr, indices_ptr, n_experts, stride_logits, stride_out,
-        K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
+        logits_ptr,
+        weights_ptr,
+        indices_ptr,
+        n_experts,
+        stride_logits,
+        stride_out,
+        K: tl.constexpr,
+        K_PAD: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        RENORMALIZE: tl.constexpr,
     ):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK_E)
@@ -69,8 +76,15 @@ def triton_topk_softmax(logits: torch.Tensor, k: int, renormalize: bool = True):
     indices = torch.empty(flat.shape[0], k, dtype=torch.int64, device=logits.device)
     if flat.shape[0]:
         _kernel()[(flat.shape[0],)](
-            flat, weights, indices, n_experts, flat.stride(0), weights.stride(0),
-            K=k, K_PAD=triton.next_power_of_2(k), BLOCK_E=triton.next_power_of_2(n_experts),
+            flat,
+            weights,
+            indices,
+            n_experts,
+            flat.stride(0),
+            weights.stride(0),
+            K=k,
+            K_PAD=triton.next_power_of_2(k),
+            BLOCK_E=triton.next_power_of_2(n_experts),
             RENORMALIZE=renormalize,
         )
     shape = (*logits.shape[:-1], k)

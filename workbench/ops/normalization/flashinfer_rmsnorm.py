@@ -28,15 +28,18 @@ def flashinfer_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float) ->
     """FlashInfer RMSNorm; see the module docstring. What the inputs are is checked first (on any
     machine), then whether FlashInfer runs here."""
     if input.dtype not in FLASHINFER_DTYPES:
-        raise ValueError(f"flashinfer_rmsnorm takes float16 or bfloat16, got {input.dtype}: use the 'triton' or "
-                         "'torch' RMSNorm backend (fuse_rmsnorm.backend=...) for this model")
+        raise ValueError(
+            f"flashinfer_rmsnorm takes float16 or bfloat16, got {input.dtype}: use the 'triton' or "
+            "'torch' RMSNorm backend (fuse_rmsnorm.backend=...) for this model"
+        )
     if weight.dtype != input.dtype:
-        raise ValueError(f"flashinfer_rmsnorm needs weight dtype == input dtype, got "
-                         f"{weight.dtype} and {input.dtype}")
+        raise ValueError(f"flashinfer_rmsnorm needs weight dtype == input dtype, got {weight.dtype} and {input.dtype}")
     ok, why = is_available(input.device)
     if not ok:
-        raise RuntimeError(f"flashinfer_rmsnorm cannot run: {why}. Use the 'torch' or 'triton' "
-                           "RMSNorm backend (fuse_rmsnorm.backend=...).")
+        raise RuntimeError(
+            f"flashinfer_rmsnorm cannot run: {why}. Use the 'torch' or 'triton' "
+            "RMSNorm backend (fuse_rmsnorm.backend=...)."
+        )
     import flashinfer
 
     rows = input.reshape(-1, input.shape[-1]).contiguous()

@@ -25,8 +25,9 @@ def _torch_rmsnorm_fake(input, weight, eps):
 
 
 # The canonical RMSNorm op: ``rmsnorm_reference`` (on the decode hot path: see ops/library.py).
-torch_rmsnorm = define_op("torch_rmsnorm(Tensor input, Tensor weight, float eps) -> Tensor",
-                          rmsnorm_reference, _torch_rmsnorm_fake)
+torch_rmsnorm = define_op(
+    "torch_rmsnorm(Tensor input, Tensor weight, float eps) -> Tensor", rmsnorm_reference, _torch_rmsnorm_fake
+)
 
 
 @torch.library.custom_op("workbench::torch_l2norm", mutates_args=())

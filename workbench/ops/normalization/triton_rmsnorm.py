@@ -32,8 +32,7 @@ def kernel():
     import triton.language as tl
 
     @triton.jit
-    def rmsnorm_kernel(x_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_out, eps,
-                       BLOCK: tl.constexpr):
+    def rmsnorm_kernel(x_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_out, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
@@ -64,13 +63,19 @@ def rmsnorm_forward(input: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     weight = weight.contiguous()
-    out = torch.empty(rows.shape, dtype=torch.promote_types(input.dtype, weight.dtype),
-                      device=input.device)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(input.dtype, weight.dtype), device=input.device)
     if rows.shape[0]:
         block = triton.next_power_of_2(hidden)
         kernel()[(rows.shape[0],)](
-            rows, weight, out, hidden, rows.stride(0), out.stride(0), float(eps),
-            BLOCK=block, num_warps=_num_warps(block, input.device),
+            rows,
+            weight,
+            out,
+            hidden,
+            rows.stride(0),
+            out.stride(0),
+            float(eps),
+            BLOCK=block,
+            num_warps=_num_warps(block, input.device),
         )
     return out.reshape(input.shape)
 

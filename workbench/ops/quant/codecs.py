@@ -38,8 +38,10 @@ def _nonzero_scale(scale: torch.Tensor) -> torch.Tensor:
 def _last_dim_blocks(x: torch.Tensor, block: int, what: str) -> torch.Tensor:
     """[..., K] -> [..., K/block, block]; K must be a multiple of ``block``."""
     if x.dim() == 0 or x.shape[-1] % block:
-        raise ValueError(f"{what}: the last dimension ({tuple(x.shape)}) must be a multiple of the "
-                         f"block size {block}; pad the tensor or leave this layer unquantized")
+        raise ValueError(
+            f"{what}: the last dimension ({tuple(x.shape)}) must be a multiple of the "
+            f"block size {block}; pad the tensor or leave this layer unquantized"
+        )
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
@@ -106,8 +108,10 @@ def fp8_block_dequantize(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block=(12
     n, k = w_fp8.shape[-2:]
     want = (*w_fp8.shape[:-2], -(-n // bn), -(-k // bk))
     if tuple(scale_inv.shape) != want:
-        raise ValueError(f"fp8_block_dequantize: weight {tuple(w_fp8.shape)} with block {(bn, bk)} needs "
-                         f"scale_inv of shape {want}, got {tuple(scale_inv.shape)}")
+        raise ValueError(
+            f"fp8_block_dequantize: weight {tuple(w_fp8.shape)} with block {(bn, bk)} needs "
+            f"scale_inv of shape {want}, got {tuple(scale_inv.shape)}"
+        )
     return w_fp8.float() * _expand_block_scales(scale_inv.float(), (bn, bk), n, k)
 
 
@@ -127,8 +131,10 @@ def fp8_group_dequantize(x_fp8: torch.Tensor, scales: torch.Tensor, group: int =
     k = x_fp8.shape[-1]
     want = (*x_fp8.shape[:-1], -(-k // group))
     if tuple(scales.shape) != want:
-        raise ValueError(f"fp8_group_dequantize: x {tuple(x_fp8.shape)} with group {group} needs scales "
-                         f"of shape {want}, got {tuple(scales.shape)}")
+        raise ValueError(
+            f"fp8_group_dequantize: x {tuple(x_fp8.shape)} with group {group} needs scales "
+            f"of shape {want}, got {tuple(scales.shape)}"
+        )
     return x_fp8.float() * _expand_last(scales.float(), group, k)
 
 
@@ -172,8 +178,9 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ NVFP4
-def nvfp4_quantize(w: torch.Tensor, global_scale: Optional[torch.Tensor] = None,
-                   block: int = 16) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4_quantize(
+    w: torch.Tensor, global_scale: Optional[torch.Tensor] = None, block: int = 16
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [..., K] -> (packed uint8 [..., K/2], block_scales float8_e4m3fn [..., K/block], global_scale fp32 0-d).
 
     ModelOpt's convention: ``global_scale`` (their ``weight_scale_2``; for activations the
@@ -196,14 +203,17 @@ def nvfp4_quantize(w: torch.Tensor, global_scale: Optional[torch.Tensor] = None,
     return pack_fp4(codes), block_scales, global_scale
 
 
-def nvfp4_dequantize(packed: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor,
-                     block: int = 16) -> torch.Tensor:
+def nvfp4_dequantize(
+    packed: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor, block: int = 16
+) -> torch.Tensor:
     """Inverse of ``nvfp4_quantize``: fp32 [..., K] = e2m1 * block_scale * global_scale."""
     values = e2m1_decode(unpack_fp4(packed))
     want = (*values.shape[:-1], values.shape[-1] // block)
     if values.shape[-1] % block or tuple(block_scales.shape) != want:
-        raise ValueError(f"nvfp4_dequantize: packed {tuple(packed.shape)} (K = {values.shape[-1]}) with block "
-                         f"{block} needs block_scales of shape {want}, got {tuple(block_scales.shape)}")
+        raise ValueError(
+            f"nvfp4_dequantize: packed {tuple(packed.shape)} (K = {values.shape[-1]}) with block "
+            f"{block} needs block_scales of shape {want}, got {tuple(block_scales.shape)}"
+        )
     step = block_scales.float() * global_scale.float().reshape(())
     return (values.reshape(*want, block) * step[..., None]).reshape(values.shape)
 
@@ -244,8 +254,10 @@ def mxfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, block: int = 32
     values = e2m1_decode(unpack_fp4(packed))
     want = (*values.shape[:-1], values.shape[-1] // block)
     if values.shape[-1] % block or tuple(scales.shape) != want:
-        raise ValueError(f"mxfp4_dequantize: packed {tuple(packed.shape)} (K = {values.shape[-1]}) with block "
-                         f"{block} needs scales of shape {want}, got {tuple(scales.shape)}")
+        raise ValueError(
+            f"mxfp4_dequantize: packed {tuple(packed.shape)} (K = {values.shape[-1]}) with block "
+            f"{block} needs scales of shape {want}, got {tuple(scales.shape)}"
+        )
     return (values.reshape(*want, block) * e8m0_decode(scales)[..., None]).reshape(values.shape)
 
 
@@ -256,8 +268,9 @@ _NIBBLES = 8  # 4-bit codes per int32 word
 def _pack_nibbles(codes: torch.Tensor, dim: int, what: str) -> torch.Tensor:
     """Codes 0..15 -> int32 words of 8 consecutive codes along ``dim`` (code j in bits 4j..4j+3)."""
     if codes.dim() != 2 or codes.shape[dim] % _NIBBLES:
-        raise ValueError(f"{what}: needs a 2-D tensor whose dimension {dim} is a multiple of 8, "
-                         f"got shape {tuple(codes.shape)}")
+        raise ValueError(
+            f"{what}: needs a 2-D tensor whose dimension {dim} is a multiple of 8, got shape {tuple(codes.shape)}"
+        )
     c = codes.to(torch.int64).movedim(dim, -1)
     c = c.reshape(*c.shape[:-1], -1, _NIBBLES) & 15
     shifts = torch.arange(0, 4 * _NIBBLES, 4, device=codes.device)
@@ -300,8 +313,9 @@ def gptq_default_g_idx(in_features: int, group_size: int, device=None) -> torch.
     return torch.arange(in_features, device=device, dtype=torch.int32) // group_size
 
 
-def gptq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
-                    zero_offset: int = 1) -> torch.Tensor:
+def gptq_dequantize(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, zero_offset: int = 1
+) -> torch.Tensor:
     """GPTQ storage -> fp32 weight [N, K] (``nn.Linear`` layout):
     w[n, k] = (q[k, n] - (z[g_idx[k], n] + zero_offset)) * scales[g_idx[k], n].
 
@@ -314,17 +328,20 @@ def gptq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     z = gptq_unpack_cols(qzeros)  # [G, N]
     k, n = q.shape
     if tuple(scales.shape) != tuple(z.shape) or z.shape[1] != n or tuple(g_idx.shape) != (k,):
-        raise ValueError(f"gptq_dequantize: qweight {tuple(qweight.shape)} -> codes [K={k}, N={n}] needs "
-                         f"qzeros [G, {n // 8}], scales [G, {n}] and g_idx [{k}]; got qzeros "
-                         f"{tuple(qzeros.shape)}, scales {tuple(scales.shape)}, g_idx {tuple(g_idx.shape)}")
+        raise ValueError(
+            f"gptq_dequantize: qweight {tuple(qweight.shape)} -> codes [K={k}, N={n}] needs "
+            f"qzeros [G, {n // 8}], scales [G, {n}] and g_idx [{k}]; got qzeros "
+            f"{tuple(qzeros.shape)}, scales {tuple(scales.shape)}, g_idx {tuple(g_idx.shape)}"
+        )
     g = g_idx.to(torch.int64)
     zero = z.to(torch.float32).index_select(0, g) + zero_offset  # [K, N]
     return ((q.float() - zero) * scales.float().index_select(0, g)).t()
 
 
 # -------------------------------------------------------------------------------- grouped int4
-def int4_quantize_groups(w: torch.Tensor, group_size: int,
-                         symmetric: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int4_quantize_groups(
+    w: torch.Tensor, group_size: int, symmetric: bool
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [N, K] -> (codes uint8 [N, K] in 0..15, scales fp32 [N, K/g], offsets fp32 [N, K/g]) with
     ``w ~= codes * scales + offsets`` per group of ``group_size`` columns -- the form of
     ``torch_int4_linear`` (pack the codes with ``int4.pack_int4``).

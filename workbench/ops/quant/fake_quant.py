@@ -43,4 +43,5 @@ def _fake(input, amax, *args):
 
 torch_fake_quant_fp8 = define_op("torch_fake_quant_fp8(Tensor input, Tensor amax) -> Tensor", fake_quant_fp8, _fake)
 torch_fake_quant_nvfp4 = define_op(
-    "torch_fake_quant_nvfp4(Tensor input, Tensor amax, int block_size=16) -> Tensor", fake_quant_nvfp4, _fake)
+    "torch_fake_quant_nvfp4(Tensor input, Tensor amax, int block_size=16) -> Tensor", fake_quant_nvfp4, _fake
+)

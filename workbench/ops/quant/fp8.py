@@ -27,15 +27,18 @@ from .row_blocks import by_row_blocks
 
 def _per_tensor(scale: torch.Tensor, what: str) -> torch.Tensor:
     if scale.numel() != 1:
-        raise ValueError(f"{what} must be one per-tensor fp32 scale, got shape {tuple(scale.shape)}; "
-                         "per-block weights go through torch_finegrained_fp8_linear")
+        raise ValueError(
+            f"{what} must be one per-tensor fp32 scale, got shape {tuple(scale.shape)}; "
+            "per-block weights go through torch_finegrained_fp8_linear"
+        )
     return scale.float().reshape(())
 
 
 def _check_fp8(weight: torch.Tensor, what: str) -> None:
     if weight.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"{what} must be float8_e4m3fn, got {weight.dtype}; quantize it with "
-                        "workbench.ops.quant.codecs first")
+        raise TypeError(
+            f"{what} must be float8_e4m3fn, got {weight.dtype}; quantize it with workbench.ops.quant.codecs first"
+        )
 
 
 def fp8_qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -49,8 +52,13 @@ def fp8_group_qdq(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------- per-tensor linear
-def fp8_linear_reference(input: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor,
-                         weight_scale: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def fp8_linear_reference(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    input_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """The plain-torch ground truth of ``torch_fp8_linear`` (any device)."""
     _check_fp8(weight, "torch_fp8_linear's weight")
     x = fp8_qdq(input, _per_tensor(input_scale, "input_scale"))
@@ -67,8 +75,9 @@ def fp8_linear(input, weight, input_scale, weight_scale, bias=None):
         x_scale = _per_tensor(input_scale, "input_scale")
         # fp32 out, bias added in fp32, one rounding to the input dtype: what the reference does
         # (rounding the product first, then the sum, put bf16 results 2 ulps off)
-        y = fp8_scaled_mm(to_fp8(input, x_scale), weight, x_scale, _per_tensor(weight_scale, "weight_scale"),
-                          torch.float32)
+        y = fp8_scaled_mm(
+            to_fp8(input, x_scale), weight, x_scale, _per_tensor(weight_scale, "weight_scale"), torch.float32
+        )
         return (y if bias is None else y + bias.float()).to(input.dtype)
     return fp8_linear_reference(input, weight, input_scale, weight_scale, bias)
 
@@ -79,23 +88,33 @@ def _linear_fake(input, weight, *args, **kwargs):
 
 torch_fp8_linear = define_op(
     "torch_fp8_linear(Tensor input, Tensor weight, Tensor input_scale, Tensor weight_scale, Tensor? bias=None) "
-    "-> Tensor", fp8_linear, _linear_fake)
+    "-> Tensor",
+    fp8_linear,
+    _linear_fake,
+)
 
 
 # ----------------------------------------------------------------------------- fine-grained linear
-def finegrained_fp8_linear(input: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                           block_n: int = 128, block_k: int = 128,
-                           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def finegrained_fp8_linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block_n: int = 128,
+    block_k: int = 128,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     _check_fp8(weight, "torch_finegrained_fp8_linear's weight")
     n, k = weight.shape
     want = (-(-n // block_n), -(-k // block_k))
     if tuple(weight_scale_inv.shape) != want:
-        raise ValueError(f"torch_finegrained_fp8_linear: weight {(n, k)} with blocks {(block_n, block_k)} needs "
-                         f"weight_scale_inv of shape {want}, got {tuple(weight_scale_inv.shape)}")
+        raise ValueError(
+            f"torch_finegrained_fp8_linear: weight {(n, k)} with blocks {(block_n, block_k)} needs "
+            f"weight_scale_inv of shape {want}, got {tuple(weight_scale_inv.shape)}"
+        )
     x = fp8_group_qdq(input, block_k)
 
     def rows(a: int, b: int) -> torch.Tensor:  # a is a multiple of block_n: whole tiles of scales
-        w = fp8_block_dequantize(weight[a:b], weight_scale_inv[a // block_n: -(-b // block_n)], (block_n, block_k))
+        w = fp8_block_dequantize(weight[a:b], weight_scale_inv[a // block_n : -(-b // block_n)], (block_n, block_k))
         return F.linear(x, w, None if bias is None else bias[a:b].float())
 
     return by_row_blocks(rows, n, k, align=block_n).to(input.dtype)
@@ -103,32 +122,41 @@ def finegrained_fp8_linear(input: torch.Tensor, weight: torch.Tensor, weight_sca
 
 torch_finegrained_fp8_linear = define_op(
     "torch_finegrained_fp8_linear(Tensor input, Tensor weight, Tensor weight_scale_inv, int block_n=128, "
-    "int block_k=128, Tensor? bias=None) -> Tensor", finegrained_fp8_linear, _linear_fake)
+    "int block_k=128, Tensor? bias=None) -> Tensor",
+    finegrained_fp8_linear,
+    _linear_fake,
+)
 
 
 # -------------------------------------------------------------------------------------------- bmm
-def fp8_bmm_reference(input: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor,
-                      weight_scale: torch.Tensor) -> torch.Tensor:
+def fp8_bmm_reference(
+    input: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
     """The plain-torch ground truth of ``torch_fp8_bmm``."""
     _check_fp8(weight, "torch_fp8_bmm's weight")
     if input.dim() != 3 or weight.dim() != 3 or input.shape[0] != weight.shape[0] or input.shape[2] != weight.shape[1]:
-        raise ValueError(f"torch_fp8_bmm needs input [B, M, K] and weight [B, K, N], got {tuple(input.shape)} "
-                         f"and {tuple(weight.shape)}")
+        raise ValueError(
+            f"torch_fp8_bmm needs input [B, M, K] and weight [B, K, N], got {tuple(input.shape)} "
+            f"and {tuple(weight.shape)}"
+        )
     x = fp8_qdq(input, _per_tensor(input_scale, "input_scale"))
     w = weight.float() * _per_tensor(weight_scale, "weight_scale")
     return torch.bmm(x, w).to(input.dtype)
 
 
 def fp8_bmm(input, weight, input_scale, weight_scale):
-    if (weight.dtype == torch.float8_e4m3fn and input.dim() == 3 and weight.dim() == 3
-            and scaled_mm_applies(input, weight.shape[2], input.dtype)):
+    if (
+        weight.dtype == torch.float8_e4m3fn
+        and input.dim() == 3
+        and weight.dim() == 3
+        and scaled_mm_applies(input, weight.shape[2], input.dtype)
+    ):
         x_scale = _per_tensor(input_scale, "input_scale")
         w_scale = _per_tensor(weight_scale, "weight_scale")
         x = to_fp8(input, x_scale)
         # weight[b] is [K, N] row-major; cuBLASLt wants it column-major, i.e. [N, K] row-major.
         w_nk = weight.transpose(1, 2).contiguous()
-        return torch.stack([fp8_scaled_mm(x[b], w_nk[b], x_scale, w_scale, input.dtype)
-                            for b in range(input.shape[0])])
+        return torch.stack([fp8_scaled_mm(x[b], w_nk[b], x_scale, w_scale, input.dtype) for b in range(input.shape[0])])
     return fp8_bmm_reference(input, weight, input_scale, weight_scale)
 
 
@@ -137,5 +165,5 @@ def _bmm_fake(input, weight, input_scale, weight_scale):
 
 
 torch_fp8_bmm = define_op(
-    "torch_fp8_bmm(Tensor input, Tensor weight, Tensor input_scale, Tensor weight_scale) -> Tensor",
-    fp8_bmm, _bmm_fake)
+    "torch_fp8_bmm(Tensor input, Tensor weight, Tensor input_scale, Tensor weight_scale) -> Tensor", fp8_bmm, _bmm_fake
+)

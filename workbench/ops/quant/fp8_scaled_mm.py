@@ -27,26 +27,37 @@ def scaled_mm_unavailable_reason(device: torch.device) -> Optional[str]:
         return "CUDA is not available"
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
-        return (f"FP8 tensor cores need compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, "
-                f"{device} has {capability[0]}.{capability[1]}")
+        return (
+            f"FP8 tensor cores need compute capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, "
+            f"{device} has {capability[0]}.{capability[1]}"
+        )
     return None
 
 
 def scaled_mm_applies(x: torch.Tensor, n: int, out_dtype: torch.dtype) -> bool:
     """Whether the fast path serves an [..., K] x [N, K] FP8 product with this output dtype."""
-    return (x.shape[-1] % 16 == 0 and n % 16 == 0 and out_dtype in _OUT_DTYPES
-            and scaled_mm_unavailable_reason(x.device) is None)
+    return (
+        x.shape[-1] % 16 == 0
+        and n % 16 == 0
+        and out_dtype in _OUT_DTYPES
+        and scaled_mm_unavailable_reason(x.device) is None
+    )
 
 
-def fp8_scaled_mm(x_fp8: torch.Tensor, w_fp8: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
-                  out_dtype: torch.dtype) -> torch.Tensor:
+def fp8_scaled_mm(
+    x_fp8: torch.Tensor, w_fp8: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
     """``(x_fp8 * x_scale) @ (w_fp8 * w_scale).T`` -> [..., N] in ``out_dtype``.
 
     x_fp8 [..., K] and w_fp8 [N, K] float8_e4m3fn; the scales one fp32 element each. Accumulates in
     fp32 (``use_fast_accum=False``: Hopper's fast accumulation drops low bits on long K)."""
     lead = x_fp8.shape[:-1]
     out = torch._scaled_mm(
-        x_fp8.reshape(-1, x_fp8.shape[-1]).contiguous(), w_fp8.contiguous().t(),
-        scale_a=x_scale.float().reshape(()), scale_b=w_scale.float().reshape(()),
-        out_dtype=out_dtype, use_fast_accum=False)
+        x_fp8.reshape(-1, x_fp8.shape[-1]).contiguous(),
+        w_fp8.contiguous().t(),
+        scale_a=x_scale.float().reshape(()),
+        scale_b=w_scale.float().reshape(()),
+        out_dtype=out_dtype,
+        use_fast_accum=False,
+    )
     return out.reshape(*lead, w_fp8.shape[0])

@@ -45,18 +45,26 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     if k % RUN:
         raise ValueError(f"int4 packing needs K to be a multiple of {RUN}, got {k}")
     runs = codes.to(torch.uint8).reshape(n, k // RUN, RUN)
-    return (runs[..., : RUN // 2] | (runs[..., RUN // 2:] << 4)).reshape(n, k // 2)
+    return (runs[..., : RUN // 2] | (runs[..., RUN // 2 :] << 4)).reshape(n, k // 2)
 
 
-def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int) -> torch.Tensor:
+def dequantize_int4(
+    qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """The fp32 weight [N, K]: q * scale + offset, per group (multiply, then add, in fp32)."""
     n, k = qweight.shape[0], qweight.shape[1] * 2
     q = unpack_int4(qweight).float().view(n, k // group_size, group_size)
     return (q * scales.float()[..., None] + offsets.float()[..., None]).view(n, k)
 
 
-def int4_linear_reference(input: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                          group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def int4_linear_reference(
+    input: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    group_size: int,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """The op's definition: dequantize (a block of rows at a time), then ``F.linear``."""
 
     def rows(a: int, b: int) -> torch.Tensor:
@@ -66,13 +74,20 @@ def int4_linear_reference(input: torch.Tensor, qweight: torch.Tensor, scales: to
     return by_row_blocks(rows, qweight.shape[0], qweight.shape[1] * 2)
 
 
-def int4_linear(input: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                group_size: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def int4_linear(
+    input: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    group_size: int,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """The op's body: the exact C++ kernel where it runs (see ``cpu_fast_path``), else the reference."""
     kernel = exact_cpu_kernel("cpu_int4_linear", input, scales, offsets)
     if kernel is not None and group_size % 32 == 0:
-        return kernel(input.contiguous(), qweight.contiguous(), scales.contiguous(), offsets.contiguous(),
-                      group_size, bias)
+        return kernel(
+            input.contiguous(), qweight.contiguous(), scales.contiguous(), offsets.contiguous(), group_size, bias
+        )
     return int4_linear_reference(input, qweight, scales, offsets, group_size, bias)
 
 
@@ -82,4 +97,7 @@ def _fake(input, qweight, scales, offsets, group_size, bias=None):
 
 torch_int4_linear = define_op(
     "torch_int4_linear(Tensor input, Tensor qweight, Tensor scales, Tensor offsets, int group_size, "
-    "Tensor? bias=None) -> Tensor", int4_linear, _fake)
+    "Tensor? bias=None) -> Tensor",
+    int4_linear,
+    _fake,
+)

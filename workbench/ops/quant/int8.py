@@ -25,8 +25,13 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int
     return (qweight.float().view(n, k // group_size, group_size) * scales.float()[..., None]).view(n, k)
 
 
-def int8_linear_reference(input: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
-                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def int8_linear_reference(
+    input: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """The op's definition: dequantize (a block of rows at a time), then ``F.linear``."""
 
     def rows(a: int, b: int) -> torch.Tensor:
@@ -36,8 +41,13 @@ def int8_linear_reference(input: torch.Tensor, qweight: torch.Tensor, scales: to
     return by_row_blocks(rows, qweight.shape[0], qweight.shape[1])
 
 
-def int8_linear(input: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def int8_linear(
+    input: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """The op's body: the exact C++ kernel where it runs (see ``cpu_fast_path``), else the reference."""
     kernel = exact_cpu_kernel("cpu_int8_linear", input, scales)
     if kernel is not None and group_size % 32 == 0 and qweight.dtype == torch.int8:
@@ -61,7 +71,11 @@ def _embedding_fake(ids, qweight, scales, group_size):
 
 torch_int8_linear = define_op(
     "torch_int8_linear(Tensor input, Tensor qweight, Tensor scales, int group_size, Tensor? bias=None) -> Tensor",
-    int8_linear, _linear_fake)
+    int8_linear,
+    _linear_fake,
+)
 torch_int8_embedding = define_op(
     "torch_int8_embedding(Tensor ids, Tensor qweight, Tensor scales, int group_size) -> Tensor",
-    int8_embedding, _embedding_fake)
+    int8_embedding,
+    _embedding_fake,
+)

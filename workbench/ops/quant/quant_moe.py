@@ -36,14 +36,29 @@ def _moe_fake(x, *args, **kwargs):
 
 
 # --------------------------------------------------------------------------------------------- FP8
-def fp8_moe(x, selected_experts, routing_weights, w1_w3, w2, w1_w3_input_scale, w2_input_scale,
-            w1_w3_weight_scale, w2_weight_scale, act_fn="silu"):
+def fp8_moe(
+    x,
+    selected_experts,
+    routing_weights,
+    w1_w3,
+    w2,
+    w1_w3_input_scale,
+    w2_input_scale,
+    w1_w3_weight_scale,
+    w2_weight_scale,
+    act_fn="silu",
+):
     act = _act(act_fn)
 
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
-        return _gated(act, xe, w1_w3[e].float() * w1_w3_weight_scale[e].float(),
-                      w2[e].float() * w2_weight_scale[e].float(),
-                      lambda t: fp8_qdq(t, w1_w3_input_scale[e]), lambda t: fp8_qdq(t, w2_input_scale[e]))
+        return _gated(
+            act,
+            xe,
+            w1_w3[e].float() * w1_w3_weight_scale[e].float(),
+            w2[e].float() * w2_weight_scale[e].float(),
+            lambda t: fp8_qdq(t, w1_w3_input_scale[e]),
+            lambda t: fp8_qdq(t, w2_input_scale[e]),
+        )
 
     return _combine(x, selected_experts, routing_weights, expert)
 
@@ -51,7 +66,11 @@ def fp8_moe(x, selected_experts, routing_weights, w1_w3, w2, w1_w3_input_scale, 
 torch_fp8_moe = define_op(
     "torch_fp8_moe(Tensor x, Tensor selected_experts, Tensor routing_weights, Tensor w1_w3, Tensor w2, "
     "Tensor w1_w3_input_scale, Tensor w2_input_scale, Tensor w1_w3_weight_scale, Tensor w2_weight_scale, "
-    "str act_fn=\"silu\") -> Tensor", fp8_moe, _moe_fake, host_sync=MOE_HOST_SYNC)
+    'str act_fn="silu") -> Tensor',
+    fp8_moe,
+    _moe_fake,
+    host_sync=MOE_HOST_SYNC,
+)
 
 
 # ------------------------------------------------------------------------------- fine-grained FP8
@@ -67,15 +86,31 @@ def dequantize_gate_up_blocks(w1_w3: torch.Tensor, scale_inv: torch.Tensor, bloc
     half_tiles = -(-(rows // 2) // block_n)
     if rows % 2 == 0 and scale_inv.shape[0] == 2 * half_tiles:
         gate, up = w1_w3.chunk(2, dim=0)
-        return torch.cat([fp8_block_dequantize(gate, scale_inv[:half_tiles], (block_n, block_k)),
-                          fp8_block_dequantize(up, scale_inv[half_tiles:], (block_n, block_k))])
-    raise ValueError(f"torch_finegrained_fp8_moe: w1_w3 rows {rows} with block_n {block_n} need "
-                     f"{-(-rows // block_n)} (stacked) or {2 * half_tiles} (gate and up apart) scale rows, "
-                     f"got weight_scale_inv of shape {tuple(scale_inv.shape)}")
+        return torch.cat(
+            [
+                fp8_block_dequantize(gate, scale_inv[:half_tiles], (block_n, block_k)),
+                fp8_block_dequantize(up, scale_inv[half_tiles:], (block_n, block_k)),
+            ]
+        )
+    raise ValueError(
+        f"torch_finegrained_fp8_moe: w1_w3 rows {rows} with block_n {block_n} need "
+        f"{-(-rows // block_n)} (stacked) or {2 * half_tiles} (gate and up apart) scale rows, "
+        f"got weight_scale_inv of shape {tuple(scale_inv.shape)}"
+    )
 
 
-def finegrained_fp8_moe(x, selected_experts, routing_weights, w1_w3, w2, w1_w3_weight_scale_inv,
-                        w2_weight_scale_inv, act_fn="silu", block_n=128, block_k=128):
+def finegrained_fp8_moe(
+    x,
+    selected_experts,
+    routing_weights,
+    w1_w3,
+    w2,
+    w1_w3_weight_scale_inv,
+    w2_weight_scale_inv,
+    act_fn="silu",
+    block_n=128,
+    block_k=128,
+):
     act = _act(act_fn)
 
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
@@ -88,20 +123,37 @@ def finegrained_fp8_moe(x, selected_experts, routing_weights, w1_w3, w2, w1_w3_w
 
 torch_finegrained_fp8_moe = define_op(
     "torch_finegrained_fp8_moe(Tensor x, Tensor selected_experts, Tensor routing_weights, Tensor w1_w3, "
-    "Tensor w2, Tensor w1_w3_weight_scale_inv, Tensor w2_weight_scale_inv, str act_fn=\"silu\", "
-    "int block_n=128, int block_k=128) -> Tensor", finegrained_fp8_moe, _moe_fake, host_sync=MOE_HOST_SYNC)
+    'Tensor w2, Tensor w1_w3_weight_scale_inv, Tensor w2_weight_scale_inv, str act_fn="silu", '
+    "int block_n=128, int block_k=128) -> Tensor",
+    finegrained_fp8_moe,
+    _moe_fake,
+    host_sync=MOE_HOST_SYNC,
+)
 
 
 # ------------------------------------------------------------------------------------------ NVFP4
-def nvfp4_moe(x, selected_experts, routing_weights, w1_w3, w2, w1_w3_weight_scale, w2_weight_scale,
-              w1_w3_weight_scale_2, w2_weight_scale_2, w1_w3_input_scale, w2_input_scale, act_fn="silu"):
+def nvfp4_moe(
+    x,
+    selected_experts,
+    routing_weights,
+    w1_w3,
+    w2,
+    w1_w3_weight_scale,
+    w2_weight_scale,
+    w1_w3_weight_scale_2,
+    w2_weight_scale_2,
+    w1_w3_input_scale,
+    w2_input_scale,
+    act_fn="silu",
+):
     act = _act(act_fn)
 
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
         w13 = nvfp4_dequantize(w1_w3[e], w1_w3_weight_scale[e], w1_w3_weight_scale_2[e], NVFP4_BLOCK)
         w2e = nvfp4_dequantize(w2[e], w2_weight_scale[e], w2_weight_scale_2[e], NVFP4_BLOCK)
-        return _gated(act, xe, w13, w2e, lambda t: nvfp4_qdq(t, w1_w3_input_scale[e]),
-                      lambda t: nvfp4_qdq(t, w2_input_scale[e]))
+        return _gated(
+            act, xe, w13, w2e, lambda t: nvfp4_qdq(t, w1_w3_input_scale[e]), lambda t: nvfp4_qdq(t, w2_input_scale[e])
+        )
 
     return _combine(x, selected_experts, routing_weights, expert)
 
@@ -109,23 +161,42 @@ def nvfp4_moe(x, selected_experts, routing_weights, w1_w3, w2, w1_w3_weight_scal
 torch_nvfp4_moe = define_op(
     "torch_nvfp4_moe(Tensor x, Tensor selected_experts, Tensor routing_weights, Tensor w1_w3, Tensor w2, "
     "Tensor w1_w3_weight_scale, Tensor w2_weight_scale, Tensor w1_w3_weight_scale_2, Tensor w2_weight_scale_2, "
-    "Tensor w1_w3_input_scale, Tensor w2_input_scale, str act_fn=\"silu\") -> Tensor", nvfp4_moe, _moe_fake, host_sync=MOE_HOST_SYNC)
+    'Tensor w1_w3_input_scale, Tensor w2_input_scale, str act_fn="silu") -> Tensor',
+    nvfp4_moe,
+    _moe_fake,
+    host_sync=MOE_HOST_SYNC,
+)
 
 
 # ------------------------------------------------------------------------------------------ MXFP4
-def mxfp4_moe(x, selected_experts, routing_weights, w1_w3_blocks, w1_w3_scales, w1_w3_bias: Optional[torch.Tensor],
-              w2_blocks, w2_scales, w2_bias: Optional[torch.Tensor], act_fn="silu"):
+def mxfp4_moe(
+    x,
+    selected_experts,
+    routing_weights,
+    w1_w3_blocks,
+    w1_w3_scales,
+    w1_w3_bias: Optional[torch.Tensor],
+    w2_blocks,
+    w2_scales,
+    w2_bias: Optional[torch.Tensor],
+    act_fn="silu",
+):
     """Weight-only: activations stay unquantized (upcast to fp32 for the products)."""
     act = _act(act_fn)
     if w1_w3_scales.dtype != torch.uint8 or w2_scales.dtype != torch.uint8:
-        raise TypeError("torch_mxfp4_moe: MXFP4 scales are uint8 e8m0 exponents, got "
-                        f"{w1_w3_scales.dtype} and {w2_scales.dtype}")
+        raise TypeError(
+            f"torch_mxfp4_moe: MXFP4 scales are uint8 e8m0 exponents, got {w1_w3_scales.dtype} and {w2_scales.dtype}"
+        )
 
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
-        return _gated(act, xe, mxfp4_dequantize(w1_w3_blocks[e], w1_w3_scales[e], MXFP4_BLOCK),
-                      mxfp4_dequantize(w2_blocks[e], w2_scales[e], MXFP4_BLOCK),
-                      b1_w3=None if w1_w3_bias is None else w1_w3_bias[e].float(),
-                      b2=None if w2_bias is None else w2_bias[e].float())
+        return _gated(
+            act,
+            xe,
+            mxfp4_dequantize(w1_w3_blocks[e], w1_w3_scales[e], MXFP4_BLOCK),
+            mxfp4_dequantize(w2_blocks[e], w2_scales[e], MXFP4_BLOCK),
+            b1_w3=None if w1_w3_bias is None else w1_w3_bias[e].float(),
+            b2=None if w2_bias is None else w2_bias[e].float(),
+        )
 
     return _combine(x, selected_experts, routing_weights, expert)
 
@@ -133,4 +204,8 @@ def mxfp4_moe(x, selected_experts, routing_weights, w1_w3_blocks, w1_w3_scales, 
 torch_mxfp4_moe = define_op(
     "torch_mxfp4_moe(Tensor x, Tensor selected_experts, Tensor routing_weights, Tensor w1_w3_blocks, "
     "Tensor w1_w3_scales, Tensor? w1_w3_bias, Tensor w2_blocks, Tensor w2_scales, Tensor? w2_bias, "
-    "str act_fn=\"silu\") -> Tensor", mxfp4_moe, _moe_fake, host_sync=MOE_HOST_SYNC)
+    'str act_fn="silu") -> Tensor',
+    mxfp4_moe,
+    _moe_fake,
+    host_sync=MOE_HOST_SYNC,
+)

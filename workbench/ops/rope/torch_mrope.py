@@ -35,20 +35,23 @@ def _positions3(position_ids: torch.Tensor) -> torch.Tensor:
         return position_ids.expand(3, *position_ids.shape)
     if position_ids.dim() == 3 and position_ids.shape[0] == 3:
         return position_ids
-    raise ValueError(f"mRoPE positions must be [b, s] or [3, b, s] (temporal, height, width), got "
-                     f"{tuple(position_ids.shape)}")
+    raise ValueError(
+        f"mRoPE positions must be [b, s] or [3, b, s] (temporal, height, width), got {tuple(position_ids.shape)}"
+    )
 
 
 def _check_sections(mrope_section: Sequence[int], half: int) -> List[int]:
     sections = [int(n) for n in mrope_section]
     if sum(sections) != half or any(n < 0 for n in sections):
-        raise ValueError(f"mrope_section {sections} must be non-negative and sum to head_dim/2 = {half} "
-                         "(the number of rotary frequencies, inv_freq.numel()); check rope_parameters['mrope_section']")
+        raise ValueError(
+            f"mrope_section {sections} must be non-negative and sum to head_dim/2 = {half} "
+            "(the number of rotary frequencies, inv_freq.numel()); check rope_parameters['mrope_section']"
+        )
     return sections
 
 
 def mrope_cos_sin_reference(
-    position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_section: Sequence[int], attention_scaling: float = 1.0,
+    position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_section: Sequence[int], attention_scaling: float = 1.0
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """cos/sin ``[b, s, d]`` fp32, ``d = 2 * inv_freq.numel()``, rotate-half layout (both halves equal).
 
@@ -62,7 +65,7 @@ def mrope_cos_sin_reference(
     freq = inv_freq.to(torch.float32)
     parts, start = [], 0
     for i, n in enumerate(sections):
-        parts.append(pos[i % 3].unsqueeze(-1).to(torch.float32) * freq[start:start + n])  # [b, s, n]
+        parts.append(pos[i % 3].unsqueeze(-1).to(torch.float32) * freq[start : start + n])  # [b, s, n]
         start += n
     angles = torch.cat(parts, dim=-1)  # [b, s, d/2]
     cos, sin = angles.cos() * attention_scaling, angles.sin() * attention_scaling
@@ -78,7 +81,10 @@ def _cos_sin_fake(position_ids, inv_freq, mrope_section, attention_scaling=1.0):
 # The canonical mRoPE table, traced by export through ``models/canonical/mrope.py``.
 torch_mrope_cos_sin = define_op(
     "torch_mrope_cos_sin(Tensor position_ids, Tensor inv_freq, int[] mrope_section, float attention_scaling=1.0) "
-    "-> (Tensor, Tensor)", mrope_cos_sin_reference, _cos_sin_fake)
+    "-> (Tensor, Tensor)",
+    mrope_cos_sin_reference,
+    _cos_sin_fake,
+)
 
 
 def token_sequence(seq_lens: torch.Tensor, num_tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +102,7 @@ def token_sequence(seq_lens: torch.Tensor, num_tokens: int) -> Tuple[torch.Tenso
 
 
 def mrope_delta_positions_reference(
-    position_ids: torch.Tensor, mrope_delta_cache: torch.Tensor, seq_lens: torch.Tensor, slot_idx: torch.Tensor,
+    position_ids: torch.Tensor, mrope_delta_cache: torch.Tensor, seq_lens: torch.Tensor, slot_idx: torch.Tensor
 ) -> torch.Tensor:
     """``position_ids + mrope_delta_cache[slot_idx[seq(t)], 0]`` for every token t.
 
@@ -126,8 +132,16 @@ def _delta_fake(position_ids, mrope_delta_cache, seq_lens, slot_idx):
 
 torch_mrope_delta_positions = define_op(
     "torch_mrope_delta_positions(Tensor position_ids, Tensor mrope_delta_cache, Tensor seq_lens, Tensor slot_idx) "
-    "-> Tensor", mrope_delta_positions_reference, _delta_fake)
+    "-> Tensor",
+    mrope_delta_positions_reference,
+    _delta_fake,
+)
 
 
-__all__ = ["torch_mrope_cos_sin", "torch_mrope_delta_positions", "mrope_cos_sin_reference",
-           "mrope_delta_positions_reference", "token_sequence"]
+__all__ = [
+    "torch_mrope_cos_sin",
+    "torch_mrope_delta_positions",
+    "mrope_cos_sin_reference",
+    "mrope_delta_positions_reference",
+    "token_sequence",
+]

@@ -53,7 +53,10 @@ def _explicit_fake(q, k, cos, sin, unsqueeze_dim=1):
 # ops/library.py).
 torch_rope_with_explicit_cos_sin = define_op(
     "torch_rope_with_explicit_cos_sin(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) "
-    "-> (Tensor, Tensor)", rope_explicit_reference, _explicit_fake)
+    "-> (Tensor, Tensor)",
+    rope_explicit_reference,
+    _explicit_fake,
+)
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:

@@ -35,9 +35,29 @@ def kernel():
 
     @triton.jit
     def rope_kernel(
-        x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, seq_len,
-        sx_b, sx_s, sx_n, sx_d, sc_b, sc_s, sc_d, ss_b, ss_s, ss_d, so_b, so_s, so_n, so_d,
-        HALF: tl.constexpr, H_PAD: tl.constexpr, N_PAD: tl.constexpr,
+        x_ptr,
+        cos_ptr,
+        sin_ptr,
+        out_ptr,
+        n_heads,
+        seq_len,
+        sx_b,
+        sx_s,
+        sx_n,
+        sx_d,
+        sc_b,
+        sc_s,
+        sc_d,
+        ss_b,
+        ss_s,
+        ss_d,
+        so_b,
+        so_s,
+        so_n,
+        so_d,
+        HALF: tl.constexpr,
+        H_PAD: tl.constexpr,
+        N_PAD: tl.constexpr,
     ):
         token = tl.program_id(0)
         b = (token // seq_len).to(tl.int64)
@@ -73,13 +93,16 @@ def rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_di
     import triton
 
     if unsqueeze_dim not in (1, 2) or x.dim() != 4 or cos.dim() != 3 or sin.dim() != 3:
-        raise ValueError(f"triton rope needs 4-D q/k, 3-D cos/sin and unsqueeze_dim 1 or 2, got "
-                         f"{x.dim()}-D, {cos.dim()}-D, {unsqueeze_dim}")
+        raise ValueError(
+            f"triton rope needs 4-D q/k, 3-D cos/sin and unsqueeze_dim 1 or 2, got "
+            f"{x.dim()}-D, {cos.dim()}-D, {unsqueeze_dim}"
+        )
     xv = _bsnd(x, unsqueeze_dim)
     b, s, n, d = xv.shape
     if d % 2 or cos.shape[-1] != d or sin.shape[-1] != d:
-        raise ValueError(f"triton rope needs an even head dim equal to cos/sin's last dim, got "
-                         f"{d}, {cos.shape[-1]}, {sin.shape[-1]}")
+        raise ValueError(
+            f"triton rope needs an even head dim equal to cos/sin's last dim, got {d}, {cos.shape[-1]}, {sin.shape[-1]}"
+        )
     dtype = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     ov = _bsnd(out, unsqueeze_dim)
@@ -87,8 +110,19 @@ def rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_di
     if b * s and n:
         half = d // 2
         kernel()[(b * s,)](
-            xv, cos, sin, ov, n, s, *xv.stride(), *cos.stride(), *sin.stride(), *ov.stride(),
-            HALF=half, H_PAD=triton.next_power_of_2(half), N_PAD=triton.next_power_of_2(n),
+            xv,
+            cos,
+            sin,
+            ov,
+            n,
+            s,
+            *xv.stride(),
+            *cos.stride(),
+            *sin.stride(),
+            *ov.stride(),
+            HALF=half,
+            H_PAD=triton.next_power_of_2(half),
+            N_PAD=triton.next_power_of_2(n),
             num_warps=4 if x.device.type == "cuda" else 1,
         )
     return out
@@ -111,5 +145,7 @@ def triton_rope_with_explicit_cos_sin(
 @triton_rope_with_explicit_cos_sin.register_fake
 def _triton_rope_fake(q, k, cos, sin, unsqueeze_dim=1):
     dtype = torch.promote_types(cos.dtype, sin.dtype)
-    return (q.new_empty(q.shape, dtype=torch.promote_types(q.dtype, dtype)),
-            k.new_empty(k.shape, dtype=torch.promote_types(k.dtype, dtype)))
+    return (
+        q.new_empty(q.shape, dtype=torch.promote_types(q.dtype, dtype)),
+        k.new_empty(k.shape, dtype=torch.promote_types(k.dtype, dtype)),
+    )

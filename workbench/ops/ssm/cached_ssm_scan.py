@@ -24,22 +24,26 @@ from typing import List, Optional
 import torch
 
 from ..library import define_op
-from ..state import STATE_HOST_SYNC, StateSpec, StatefulOp, check_step_metadata, initial_states, register_stateful_op
+from ..state import STATE_HOST_SYNC, StatefulOp, StateSpec, check_step_metadata, initial_states, register_stateful_op
 from .ssd import discretize_dt, heads_from_groups, ssd_chunked, ssm_step
 from .ssm_scan import SSM_OPTIONS, check_ssm_args
 
 
-def check_cached_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, seq_lens, input_pos, slot_idx, num_prefill,
-                          ssm_state, chunk_size) -> List[int]:
+def check_cached_ssm_args(
+    hidden_states, A, B, C, D, dt, dt_bias, seq_lens, input_pos, slot_idx, num_prefill, ssm_state, chunk_size
+) -> List[int]:
     """Validate the cached op's arguments; returns ``seq_lens`` as a host list."""
     check_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, chunk_size)
     _, _, h, d = hidden_states.shape
     if hidden_states.shape[0] != 1:
-        raise ValueError(f"torch_cached_ssm expects flattened tokens hidden_states [1, T, h, d]; "
-                         f"got {tuple(hidden_states.shape)}")
+        raise ValueError(
+            f"torch_cached_ssm expects flattened tokens hidden_states [1, T, h, d]; got {tuple(hidden_states.shape)}"
+        )
     if ssm_state.dim() != 4 or tuple(ssm_state.shape[1:]) != (h, d, B.shape[-1]):
-        raise ValueError(f"ssm_state must be [num_slots, heads, head_dim, state] = [*, {h}, {d}, {B.shape[-1]}]; "
-                         f"got {tuple(ssm_state.shape)}")
+        raise ValueError(
+            f"ssm_state must be [num_slots, heads, head_dim, state] = [*, {h}, {d}, {B.shape[-1]}]; "
+            f"got {tuple(ssm_state.shape)}"
+        )
     return check_step_metadata(hidden_states.shape[1], seq_lens, input_pos, slot_idx, num_prefill, "hidden_states")
 
 
@@ -51,16 +55,31 @@ def _scan_inputs(hidden_states, B, C, dt, dt_bias, a: int, e: int, time_step_min
     return x, step, heads_from_groups(B[0, a:e], h), heads_from_groups(C[0, a:e], h)
 
 
-def prefill_rows(hidden_states, A, B, C, D, dt, dt_bias, lens: List[int], input_pos, slots, num_prefill: int,
-                 ssm_state, time_step_min: float, time_step_max: Optional[float], chunk_size: int,
-                 out: torch.Tensor) -> int:
+def prefill_rows(
+    hidden_states,
+    A,
+    B,
+    C,
+    D,
+    dt,
+    dt_bias,
+    lens: List[int],
+    input_pos,
+    slots,
+    num_prefill: int,
+    ssm_state,
+    time_step_min: float,
+    time_step_max: Optional[float],
+    chunk_size: int,
+    out: torch.Tensor,
+) -> int:
     """Sequences ``0..num_prefill-1``, one chunked scan each from their initial state. Writes their
     tokens of ``out [1, T, h, d]`` and their state rows; returns the first token of the decode rows."""
     start = 0
     for i in range(num_prefill):
         end = start + lens[i]
         x, step, Bh, Ch = _scan_inputs(hidden_states, B, C, dt, dt_bias, start, end, time_step_min, time_step_max)
-        init = initial_states(ssm_state, slots[i:i + 1], input_pos[i:i + 1], torch.float32)  # [1, h, d, n]
+        init = initial_states(ssm_state, slots[i : i + 1], input_pos[i : i + 1], torch.float32)  # [1, h, d, n]
         y, final = ssd_chunked(x[None], step[None], A.float(), Bh[None], Ch[None], chunk_size, initial_state=init)
         out[0, start:end] = y[0] + D.float()[:, None] * x
         ssm_state[slots[i]] = final[0].to(ssm_state.dtype)
@@ -68,11 +87,27 @@ def prefill_rows(hidden_states, A, B, C, D, dt, dt_bias, lens: List[int], input_
     return start
 
 
-def decode_rows(hidden_states, A, B, C, D, dt, dt_bias, input_pos, slots, ssm_state, time_step_min: float,
-                time_step_max: Optional[float], out: torch.Tensor, first_row: int, first_token: int) -> None:
+def decode_rows(
+    hidden_states,
+    A,
+    B,
+    C,
+    D,
+    dt,
+    dt_bias,
+    input_pos,
+    slots,
+    ssm_state,
+    time_step_min: float,
+    time_step_max: Optional[float],
+    out: torch.Tensor,
+    first_row: int,
+    first_token: int,
+) -> None:
     """Decode rows ``first_row..`` (tokens ``first_token..``, one each): one recurrence step for all."""
-    x, step, Bh, Ch = _scan_inputs(hidden_states, B, C, dt, dt_bias, first_token, hidden_states.shape[1],
-                                   time_step_min, time_step_max)
+    x, step, Bh, Ch = _scan_inputs(
+        hidden_states, B, C, dt, dt_bias, first_token, hidden_states.shape[1], time_step_min, time_step_max
+    )
     decode = slots[first_row:]
     init = initial_states(ssm_state, decode, input_pos[first_row:], torch.float32)  # [Bd, h, d, n]
     y, new_state = ssm_step(init, x, step, A.float(), Bh, Ch)
@@ -81,26 +116,84 @@ def decode_rows(hidden_states, A, B, C, D, dt, dt_bias, input_pos, slots, ssm_st
 
 
 def torch_cached_ssm(
-    hidden_states: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-    dt: torch.Tensor, dt_bias: torch.Tensor, seq_lens: torch.Tensor, input_pos: torch.Tensor,
-    slot_idx: torch.Tensor, num_prefill: int, ssm_state: torch.Tensor, time_step_min: float = 0.0,
-    time_step_max: Optional[float] = None, chunk_size: int = 256,
+    hidden_states: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt: torch.Tensor,
+    dt_bias: torch.Tensor,
+    seq_lens: torch.Tensor,
+    input_pos: torch.Tensor,
+    slot_idx: torch.Tensor,
+    num_prefill: int,
+    ssm_state: torch.Tensor,
+    time_step_min: float = 0.0,
+    time_step_max: Optional[float] = None,
+    chunk_size: int = 256,
 ) -> torch.Tensor:
     """One continuous-batching step of the scan; updates ``ssm_state`` in place (module docstring)."""
-    lens = check_cached_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, seq_lens, input_pos, slot_idx,
-                                 num_prefill, ssm_state, chunk_size)
+    lens = check_cached_ssm_args(
+        hidden_states, A, B, C, D, dt, dt_bias, seq_lens, input_pos, slot_idx, num_prefill, ssm_state, chunk_size
+    )
     slots = slot_idx.long()
     out = torch.empty_like(hidden_states)
-    start = prefill_rows(hidden_states, A, B, C, D, dt, dt_bias, lens, input_pos, slots, num_prefill, ssm_state,
-                         time_step_min, time_step_max, chunk_size, out)
+    start = prefill_rows(
+        hidden_states,
+        A,
+        B,
+        C,
+        D,
+        dt,
+        dt_bias,
+        lens,
+        input_pos,
+        slots,
+        num_prefill,
+        ssm_state,
+        time_step_min,
+        time_step_max,
+        chunk_size,
+        out,
+    )
     if num_prefill < len(lens):
-        decode_rows(hidden_states, A, B, C, D, dt, dt_bias, input_pos, slots, ssm_state, time_step_min,
-                    time_step_max, out, num_prefill, start)
+        decode_rows(
+            hidden_states,
+            A,
+            B,
+            C,
+            D,
+            dt,
+            dt_bias,
+            input_pos,
+            slots,
+            ssm_state,
+            time_step_min,
+            time_step_max,
+            out,
+            num_prefill,
+            start,
+        )
     return out
 
 
-def cached_ssm_fake(hidden_states, A, B, C, D, dt, dt_bias, seq_lens, input_pos, slot_idx, num_prefill,
-                    ssm_state, time_step_min=0.0, time_step_max=None, chunk_size=256):
+def cached_ssm_fake(
+    hidden_states,
+    A,
+    B,
+    C,
+    D,
+    dt,
+    dt_bias,
+    seq_lens,
+    input_pos,
+    slot_idx,
+    num_prefill,
+    ssm_state,
+    time_step_min=0.0,
+    time_step_max=None,
+    chunk_size=256,
+):
     """Output of every cached-SSM op: [1, T, h, d] like hidden_states."""
     check_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, chunk_size)
     return hidden_states.new_empty(hidden_states.shape)
@@ -115,8 +208,9 @@ CACHED_SSM_ARGS = (
 
 # ``define_op`` (a Library kernel) rather than ``custom_op``: a mutating custom_op pays ~50-80 us of
 # Python argument handling per call (see library.py), a decode step calls this once per SSM layer.
-torch_cached_ssm_op = define_op("torch_cached_ssm" + CACHED_SSM_ARGS, torch_cached_ssm, cached_ssm_fake,
-                                host_sync=STATE_HOST_SYNC)
+torch_cached_ssm_op = define_op(
+    "torch_cached_ssm" + CACHED_SSM_ARGS, torch_cached_ssm, cached_ssm_fake, host_sync=STATE_HOST_SYNC
+)
 
 
 def _ssm_state_shape(args) -> tuple:
@@ -125,15 +219,25 @@ def _ssm_state_shape(args) -> tuple:
     return (int(h), int(d), int(args["B"].shape[-1]))
 
 
-SSM_STATEFUL_OP = register_stateful_op(StatefulOp(
-    source="workbench::torch_ssm",
-    cached={"torch": "workbench::torch_cached_ssm", "triton": "workbench::triton_cached_ssm"},
-    token_args=("hidden_states", "B", "C", "dt"),
-    states=(StateSpec("ssm_state", shape=_ssm_state_shape, dtype=torch.float32),),
-    insert_key="insert_cached_ssm_attention",
-    description="Mamba-2 SSM state per sequence: [heads, head_dim, state_size], fp32",
-    backend_requirements={"triton": "a CUDA device (or TRITON_INTERPRET=1 on CPU, for tests)"},
-))
+SSM_STATEFUL_OP = register_stateful_op(
+    StatefulOp(
+        source="workbench::torch_ssm",
+        cached={"torch": "workbench::torch_cached_ssm", "triton": "workbench::triton_cached_ssm"},
+        token_args=("hidden_states", "B", "C", "dt"),
+        states=(StateSpec("ssm_state", shape=_ssm_state_shape, dtype=torch.float32),),
+        insert_key="insert_cached_ssm_attention",
+        description="Mamba-2 SSM state per sequence: [heads, head_dim, state_size], fp32",
+        backend_requirements={"triton": "a CUDA device (or TRITON_INTERPRET=1 on CPU, for tests)"},
+    )
+)
 
-__all__ = ["torch_cached_ssm", "torch_cached_ssm_op", "check_cached_ssm_args", "prefill_rows", "decode_rows",
-           "cached_ssm_fake", "CACHED_SSM_ARGS", "SSM_STATEFUL_OP"]
+__all__ = [
+    "torch_cached_ssm",
+    "torch_cached_ssm_op",
+    "check_cached_ssm_args",
+    "prefill_rows",
+    "decode_rows",
+    "cached_ssm_fake",
+    "CACHED_SSM_ARGS",
+    "SSM_STATEFUL_OP",
+]

@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 
-def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, time_step_min: float,
-                  time_step_max: Optional[float]) -> torch.Tensor:
+def discretize_dt(
+    dt: torch.Tensor, dt_bias: torch.Tensor, time_step_min: float, time_step_max: Optional[float]
+) -> torch.Tensor:
     """Per-token step sizes in fp32: ``clamp(softplus(dt + dt_bias), min, max)``; dt [..., h], dt_bias [h].
     ``time_step_max=None`` is no upper limit (HF's ``time_step_limit=(0.0, inf)``)."""
     step = F.softplus(dt.float() + dt_bias.float())
@@ -57,7 +58,12 @@ def _segment_decay(a: torch.Tensor) -> torch.Tensor:
 
 
 def ssd_chunked(
-    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk_size: int,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
     initial_state: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The scan of whole sequences, without the ``D * x`` skip.
@@ -105,7 +111,7 @@ def ssd_chunked(
 
 
 def ssm_step(
-    state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One token of the recurrence for N rows at once, without the ``D * x`` skip.
 
@@ -119,7 +125,11 @@ def ssm_step(
 
 
 def ssm_recurrence(
-    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
     initial_state: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The scan token by token (the definition ``ssd_chunked`` must equal); same arguments and

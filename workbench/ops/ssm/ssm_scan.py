@@ -35,8 +35,10 @@ def check_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, chunk_size: int) -> N
         raise ValueError(f"torch_ssm expects hidden_states [b, s, heads, head_dim]; got {tuple(hidden_states.shape)}")
     b, s, h, _ = hidden_states.shape
     if B.dim() != 4 or C.dim() != 4 or tuple(B.shape[:2]) != (b, s) or B.shape != C.shape:
-        raise ValueError(f"torch_ssm expects B and C [b, s, groups, state] matching hidden_states' [b, s] = "
-                         f"[{b}, {s}]; got B {tuple(B.shape)}, C {tuple(C.shape)}")
+        raise ValueError(
+            f"torch_ssm expects B and C [b, s, groups, state] matching hidden_states' [b, s] = "
+            f"[{b}, {s}]; got B {tuple(B.shape)}, C {tuple(C.shape)}"
+        )
     if h % B.shape[2]:
         raise ValueError(f"torch_ssm: {h} heads cannot share {B.shape[2]} groups of B/C (heads % groups != 0)")
     if tuple(dt.shape) != (b, s, h):
@@ -49,8 +51,15 @@ def check_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, chunk_size: int) -> N
 
 
 def torch_ssm(
-    hidden_states: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-    dt: torch.Tensor, dt_bias: torch.Tensor, time_step_min: float = 0.0, time_step_max: Optional[float] = None,
+    hidden_states: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt: torch.Tensor,
+    dt_bias: torch.Tensor,
+    time_step_min: float = 0.0,
+    time_step_max: Optional[float] = None,
     chunk_size: int = 256,
 ) -> torch.Tensor:
     """The scan of whole sequences starting from a zero state; see the module docstring."""
@@ -62,8 +71,7 @@ def torch_ssm(
     return (y + D.float()[:, None] * x).to(hidden_states.dtype)
 
 
-def _torch_ssm_fake(hidden_states, A, B, C, D, dt, dt_bias, time_step_min=0.0, time_step_max=None,
-                    chunk_size=256):
+def _torch_ssm_fake(hidden_states, A, B, C, D, dt, dt_bias, time_step_min=0.0, time_step_max=None, chunk_size=256):
     check_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, chunk_size)
     return hidden_states.new_empty(hidden_states.shape)
 
@@ -74,7 +82,8 @@ SSM_OPTIONS = "float time_step_min=0.0, float? time_step_max=None, int chunk_siz
 torch_ssm_op = define_op(
     "torch_ssm(Tensor hidden_states, Tensor A, Tensor B, Tensor C, Tensor D, Tensor dt, Tensor dt_bias, "
     f"*, {SSM_OPTIONS}) -> Tensor",
-    torch_ssm, _torch_ssm_fake,
+    torch_ssm,
+    _torch_ssm_fake,
 )
 
 __all__ = ["torch_ssm", "torch_ssm_op", "check_ssm_args", "SSM_OPTIONS"]

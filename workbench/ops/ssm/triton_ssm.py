@@ -45,11 +45,41 @@ def kernel():
     import triton.language as tl
 
     @triton.jit
-    def ssm_decode_kernel(x_ptr, dt_ptr, dt_bias_ptr, a_ptr, b_ptr, c_ptr, d_ptr, state_ptr, out_ptr,
-                          slot_ptr, pos_ptr, first_row, first_token, heads_per_group, head_dim, state_size,
-                          dt_min, dt_max, stride_xt, stride_xh, stride_dtt, stride_bt, stride_bg, stride_ct,
-                          stride_cg, stride_ss, stride_sh, stride_sd, stride_ot, stride_oh,
-                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MAX: tl.constexpr):
+    def ssm_decode_kernel(
+        x_ptr,
+        dt_ptr,
+        dt_bias_ptr,
+        a_ptr,
+        b_ptr,
+        c_ptr,
+        d_ptr,
+        state_ptr,
+        out_ptr,
+        slot_ptr,
+        pos_ptr,
+        first_row,
+        first_token,
+        heads_per_group,
+        head_dim,
+        state_size,
+        dt_min,
+        dt_max,
+        stride_xt,
+        stride_xh,
+        stride_dtt,
+        stride_bt,
+        stride_bg,
+        stride_ct,
+        stride_cg,
+        stride_ss,
+        stride_sh,
+        stride_sd,
+        stride_ot,
+        stride_oh,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HAS_MAX: tl.constexpr,
+    ):
         row = tl.program_id(0)
         head = tl.program_id(1)
         dd = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] channels of the head
@@ -93,9 +123,23 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def decode_rows_triton(hidden_states, A, B, C, D, dt, dt_bias, input_pos, slot_idx, ssm_state,
-                       time_step_min: float, time_step_max: Optional[float], out: torch.Tensor,
-                       first_row: int, first_token: int) -> None:
+def decode_rows_triton(
+    hidden_states,
+    A,
+    B,
+    C,
+    D,
+    dt,
+    dt_bias,
+    input_pos,
+    slot_idx,
+    ssm_state,
+    time_step_min: float,
+    time_step_max: Optional[float],
+    out: torch.Tensor,
+    first_row: int,
+    first_token: int,
+) -> None:
     """Launch the kernel on rows ``first_row..`` of the metadata (tokens ``first_token..`` of the
     flattened [1, T, ...] inputs); writes ``out [1, T, h, d]`` and the state rows in place."""
     import triton
@@ -114,49 +158,142 @@ def decode_rows_triton(hidden_states, A, B, C, D, dt, dt_bias, input_pos, slot_i
     block_d = min(triton.next_power_of_2(d), max(1, TILE_ELEMS // block_n))
     grid = (rows, h, triton.cdiv(d, block_d))
     kernel()[grid](
-        x, dts, dt_bias, A, bs, cs, D, ssm_state, os_, slot_idx, input_pos, first_row, first_token, h // g, d, n,
-        float(time_step_min), 0.0 if time_step_max is None else float(time_step_max),
-        x.stride(0), x.stride(1), dts.stride(0), bs.stride(0), bs.stride(1), cs.stride(0), cs.stride(1),
-        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), os_.stride(0), os_.stride(1),
-        BLOCK_D=block_d, BLOCK_N=block_n, HAS_MAX=time_step_max is not None,
+        x,
+        dts,
+        dt_bias,
+        A,
+        bs,
+        cs,
+        D,
+        ssm_state,
+        os_,
+        slot_idx,
+        input_pos,
+        first_row,
+        first_token,
+        h // g,
+        d,
+        n,
+        float(time_step_min),
+        0.0 if time_step_max is None else float(time_step_max),
+        x.stride(0),
+        x.stride(1),
+        dts.stride(0),
+        bs.stride(0),
+        bs.stride(1),
+        cs.stride(0),
+        cs.stride(1),
+        ssm_state.stride(0),
+        ssm_state.stride(1),
+        ssm_state.stride(2),
+        os_.stride(0),
+        os_.stride(1),
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        HAS_MAX=time_step_max is not None,
         num_warps=4 if x.device.type == "cuda" else 1,
     )
 
 
 def triton_cached_ssm(
-    hidden_states: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-    dt: torch.Tensor, dt_bias: torch.Tensor, seq_lens: torch.Tensor, input_pos: torch.Tensor,
-    slot_idx: torch.Tensor, num_prefill: int, ssm_state: torch.Tensor, time_step_min: float = 0.0,
-    time_step_max: Optional[float] = None, chunk_size: int = 256,
+    hidden_states: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt: torch.Tensor,
+    dt_bias: torch.Tensor,
+    seq_lens: torch.Tensor,
+    input_pos: torch.Tensor,
+    slot_idx: torch.Tensor,
+    num_prefill: int,
+    ssm_state: torch.Tensor,
+    time_step_min: float = 0.0,
+    time_step_max: Optional[float] = None,
+    chunk_size: int = 256,
 ) -> torch.Tensor:
     """The cached scan, decode rows in Triton; see the module docstring."""
     ok, why = is_available(hidden_states.device)
     if not ok:
-        raise RuntimeError(f"triton_cached_ssm cannot run on {hidden_states.device}: {why}. Use the 'torch' backend "
-                           "(insert_cached_ssm_attention.backend=torch) on this device.")
+        raise RuntimeError(
+            f"triton_cached_ssm cannot run on {hidden_states.device}: {why}. Use the 'torch' backend "
+            "(insert_cached_ssm_attention.backend=torch) on this device."
+        )
     out = torch.empty_like(hidden_states)
     if num_prefill == 0:  # decode only: T rows of one token, no host read of the metadata
         check_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, chunk_size)
         t, (_, _, h, d), n = hidden_states.shape[1], hidden_states.shape, B.shape[-1]
         if slot_idx.numel() != t or input_pos.numel() != t:
-            raise ValueError(f"a decode-only step has one token per sequence: {t} tokens, slot_idx "
-                             f"{slot_idx.numel()}, input_pos {input_pos.numel()}")
+            raise ValueError(
+                f"a decode-only step has one token per sequence: {t} tokens, slot_idx "
+                f"{slot_idx.numel()}, input_pos {input_pos.numel()}"
+            )
         if ssm_state.dim() != 4 or tuple(ssm_state.shape[1:]) != (h, d, n):
-            raise ValueError(f"ssm_state must be [num_slots, heads, head_dim, state] = [*, {h}, {d}, {n}]; "
-                             f"got {tuple(ssm_state.shape)}")
-        decode_rows_triton(hidden_states, A, B, C, D, dt, dt_bias, input_pos, slot_idx, ssm_state, time_step_min,
-                           time_step_max, out, 0, 0)
+            raise ValueError(
+                f"ssm_state must be [num_slots, heads, head_dim, state] = [*, {h}, {d}, {n}]; "
+                f"got {tuple(ssm_state.shape)}"
+            )
+        decode_rows_triton(
+            hidden_states,
+            A,
+            B,
+            C,
+            D,
+            dt,
+            dt_bias,
+            input_pos,
+            slot_idx,
+            ssm_state,
+            time_step_min,
+            time_step_max,
+            out,
+            0,
+            0,
+        )
         return out
-    lens = check_cached_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, seq_lens, input_pos, slot_idx, num_prefill,
-                                 ssm_state, chunk_size)
-    start = prefill_rows(hidden_states, A, B, C, D, dt, dt_bias, lens, input_pos, slot_idx.long(), num_prefill,
-                         ssm_state, time_step_min, time_step_max, chunk_size, out)
-    decode_rows_triton(hidden_states, A, B, C, D, dt, dt_bias, input_pos, slot_idx, ssm_state, time_step_min,
-                       time_step_max, out, num_prefill, start)
+    lens = check_cached_ssm_args(
+        hidden_states, A, B, C, D, dt, dt_bias, seq_lens, input_pos, slot_idx, num_prefill, ssm_state, chunk_size
+    )
+    start = prefill_rows(
+        hidden_states,
+        A,
+        B,
+        C,
+        D,
+        dt,
+        dt_bias,
+        lens,
+        input_pos,
+        slot_idx.long(),
+        num_prefill,
+        ssm_state,
+        time_step_min,
+        time_step_max,
+        chunk_size,
+        out,
+    )
+    decode_rows_triton(
+        hidden_states,
+        A,
+        B,
+        C,
+        D,
+        dt,
+        dt_bias,
+        input_pos,
+        slot_idx,
+        ssm_state,
+        time_step_min,
+        time_step_max,
+        out,
+        num_prefill,
+        start,
+    )
     return out
 
 
-triton_cached_ssm_op = define_op("triton_cached_ssm" + CACHED_SSM_ARGS, triton_cached_ssm, cached_ssm_fake,
-                                 host_sync=TRITON_STATE_HOST_SYNC)
+triton_cached_ssm_op = define_op(
+    "triton_cached_ssm" + CACHED_SSM_ARGS, triton_cached_ssm, cached_ssm_fake, host_sync=TRITON_STATE_HOST_SYNC
+)
 
 __all__ = ["triton_cached_ssm", "triton_cached_ssm_op", "decode_rows_triton", "is_available", "kernel"]

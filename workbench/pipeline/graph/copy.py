@@ -14,12 +14,15 @@ from typing import Dict, Optional
 import torch
 import torch.fx as fx
 
-from .weights import fetch_attr
 from .utils import graph_modules, lazy_graph_module
+from .weights import fetch_attr
 
 _HOOK_DICTS = (
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-    "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
 )
 # Attributes every GraphModule has; anything else on an instance was attached by its creator
 # (export attaches validate_inputs, _in_spec, _out_spec, range_constraints, ...).
@@ -50,8 +53,7 @@ class GraphCopy:
         self._graph = copy_graph(mod.graph)
         self._class_name = type(mod).__name__
         self._attrs = {
-            n.target: fetch_attr(mod, n.target)
-            for n in mod.graph.nodes if n.op in ("get_attr", "call_module")
+            n.target: fetch_attr(mod, n.target) for n in mod.graph.nodes if n.op in ("get_attr", "call_module")
         }
         buffer_names = {name for name, _ in mod.named_buffers()}
         # fx.GraphModule(dict, graph) re-attaches tensors as plain attributes; remember which were

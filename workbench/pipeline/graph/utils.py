@@ -111,11 +111,13 @@ def run_shape_prop(gm: fx.GraphModule) -> None:
 
 
 # Export's runtime checks on inputs: scalar asserts and range constraints on input dims.
-INPUT_ASSERT_OPS = frozenset({
-    torch.ops.aten._assert_scalar.default,
-    torch.ops.aten.sym_constrain_range_for_size.default,
-    torch.ops.aten.sym_constrain_range.default,
-})
+INPUT_ASSERT_OPS = frozenset(
+    {
+        torch.ops.aten._assert_scalar.default,
+        torch.ops.aten.sym_constrain_range_for_size.default,
+        torch.ops.aten.sym_constrain_range.default,
+    }
+)
 
 
 def remove_tensor_metadata_asserts(gm: fx.GraphModule) -> int:
@@ -229,7 +231,6 @@ def tensor_meta(node: Any) -> Optional[torch.Tensor]:
         if isinstance(val, torch.Tensor):
             return val
     return None
-
 
 
 def require_tensor_meta(node: Any) -> torch.Tensor:

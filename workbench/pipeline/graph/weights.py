@@ -45,7 +45,7 @@ def _owner_and_names(targets: Sequence[str]) -> Tuple[str, List[str]]:
         if len(set(level)) != 1:
             break
         common.append(level[0])
-    return ".".join(common), [".".join(t.split(".")[len(common):]) for t in targets]
+    return ".".join(common), [".".join(t.split(".")[len(common) :]) for t in targets]
 
 
 def _fused_attr_name(module: torch.nn.Module, local: Sequence[str]) -> str:
@@ -149,4 +149,13 @@ def release_weights(gm: fx.GraphModule, targets: Sequence[str]) -> Released:
     return out
 
 
-__all__ = ["LINEAR", "linear_bias", "fetch_attr", "param_of", "fake_value", "concat_weights", "release_weights", "Released"]
+__all__ = [
+    "LINEAR",
+    "linear_bias",
+    "fetch_attr",
+    "param_of",
+    "fake_value",
+    "concat_weights",
+    "release_weights",
+    "Released",
+]

@@ -6,12 +6,33 @@
 """
 
 from .engine import COMMUTATIVE, Match, Pattern, PatternMatcher, named_args, traced_pattern
-from .rewrite import (annotate_new_nodes, erase_dead, match_info, propagate_fake_values, replace_match,
-                      repropagate_users, same_shape, same_size)
+from .rewrite import (
+    annotate_new_nodes,
+    erase_dead,
+    match_info,
+    propagate_fake_values,
+    replace_match,
+    repropagate_users,
+    same_shape,
+    same_size,
+)
 from .trace import automatic_dims, export_graph_module
 
 __all__ = [
-    "COMMUTATIVE", "Match", "Pattern", "PatternMatcher", "named_args", "traced_pattern", "annotate_new_nodes",
-    "erase_dead", "match_info", "propagate_fake_values", "replace_match", "repropagate_users", "same_shape", "same_size",
-    "automatic_dims", "export_graph_module",
+    "COMMUTATIVE",
+    "Match",
+    "Pattern",
+    "PatternMatcher",
+    "named_args",
+    "traced_pattern",
+    "annotate_new_nodes",
+    "erase_dead",
+    "match_info",
+    "propagate_fake_values",
+    "replace_match",
+    "repropagate_users",
+    "same_shape",
+    "same_size",
+    "automatic_dims",
+    "export_graph_module",
 ]

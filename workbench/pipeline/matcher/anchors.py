@@ -37,10 +37,18 @@ def pattern_key(pattern: Any) -> Optional[str]:
     except (OSError, TypeError):
         return None
     closure = [repr(c.cell_contents) for c in (getattr(fn, "__closure__", None) or ())]
-    examples = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t)
-                for t in pattern.example_inputs()]
-    parts = [pattern.name, source, repr(closure), repr(getattr(fn, "__defaults__", None)),
-             repr(sorted((k, repr(v)) for k, v in pattern.literals.items())), repr(examples), torch.__version__]
+    examples = [
+        (tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t) for t in pattern.example_inputs()
+    ]
+    parts = [
+        pattern.name,
+        source,
+        repr(closure),
+        repr(getattr(fn, "__defaults__", None)),
+        repr(sorted((k, repr(v)) for k, v in pattern.literals.items())),
+        repr(examples),
+        torch.__version__,
+    ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 

@@ -196,8 +196,7 @@ class PatternMatcher:
         for state in self._node(pattern, outs[0], node, _State()):
             for full in self._more_outputs(pattern, gm, outs[1:], state, by_target):
                 match = Match(
-                    pattern, gm, dict(full.inputs), dict(full.literals), dict(full.nodes),
-                    [full.nodes[o] for o in outs],
+                    pattern, gm, dict(full.inputs), dict(full.literals), dict(full.nodes), [full.nodes[o] for o in outs]
                 )
                 if not _self_contained(match):
                     continue
@@ -256,10 +255,7 @@ class PatternMatcher:
         # Sentinels only count where the pattern passed a value: a filled-in default (add's
         # alpha=1) must not be mistaken for a literal sentinel that happens to equal it.
         explicit = {name for name, _ in p_args[: len(p.args)]} | set(p.kwargs)
-        pairs = [
-            (pv, gv, name in explicit)
-            for (name, pv), (_, gv) in zip(p_args, g_args) if name not in ignored
-        ]
+        pairs = [(pv, gv, name in explicit) for (name, pv), (_, gv) in zip(p_args, g_args) if name not in ignored]
         orders = [pairs]
         if p.target in COMMUTATIVE and len(pairs) >= 2 and not ignored:
             (a, ga, wa), (b, gb, wb_) = pairs[0], pairs[1]
@@ -328,8 +324,6 @@ def _self_contained(match: Match) -> bool:
     inner = inside - set(match.outputs)
     shareable = set(match.pattern.shareable)
     return all(u in inside for n in inner if n.target not in shareable for u in n.users)
-
-
 
 
 __all__ = ["Pattern", "PatternMatcher", "Match", "traced_pattern", "named_args", "COMMUTATIVE"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-
 import operator
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
@@ -36,9 +35,7 @@ def replace_match(match: "Match") -> bool:
     order = {n: i for i, n in enumerate(graph.nodes)}
     input_nodes = [n for n in match.inputs.values() if isinstance(n, fx.Node)]
     last = max(input_nodes, key=order.__getitem__) if input_nodes else next(iter(graph.nodes))
-    first_user = min(
-        (order[u] for o in match.outputs for u in o.users), default=len(order)
-    )
+    first_user = min((order[u] for o in match.outputs for u in o.users), default=len(order))
     if order[last] >= first_user:
         return False
     tracer = fx.proxy.GraphAppendingTracer(graph)
@@ -81,17 +78,9 @@ def propagate_fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> bool:
     for node in nodes:
         if node.op != "call_function":
             continue
-        missing = []
-
-        def value(a: fx.Node) -> Any:
-            v = a.meta.get("val")
-            if v is None:
-                missing.append(a)
-            return v
-
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
-        if missing:
+        if any(a.meta.get("val") is None for a in node.all_input_nodes):
             return False
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
         flat = [v for v in torch.utils._pytree.tree_leaves((args, kwargs))]
         mode = detect_fake_mode(flat)
         if node.target is operator.getitem:
@@ -124,8 +113,9 @@ def _cache_pays(target: Any) -> bool:
     return not ((view and not composite) or target.namespace != "aten")
 
 
-def repropagate_users(gm: fx.GraphModule, roots: Sequence[fx.Node],
-                      known: Optional[Mapping[fx.Node, Any]] = None) -> bool:
+def repropagate_users(
+    gm: fx.GraphModule, roots: Sequence[fx.Node], known: Optional[Mapping[fx.Node, Any]] = None
+) -> bool:
     """Re-derive ``meta['val']`` downstream of ``roots`` (nodes whose values a rewrite changed, e.g.
     in strides) in graph order, stopping wherever a recomputed value equals the recorded one.
 
@@ -161,8 +151,12 @@ def _same_value(a: Any, b: Any) -> bool:
     """Same fake value for metadata purposes: dtype, device, sizes and strides (symbolic ones
     provably equal); containers element-wise; other values by equality."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return (a.dtype == b.dtype and a.device == b.device and same_shape(a.shape, b.shape)
-                and same_shape(a.stride(), b.stride()))
+        return (
+            a.dtype == b.dtype
+            and a.device == b.device
+            and same_shape(a.shape, b.shape)
+            and same_shape(a.stride(), b.stride())
+        )
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
     if isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt)):
@@ -203,5 +197,12 @@ def match_info(gm: fx.GraphModule, counts: Mapping[str, int], **details: Any):
     return rewrite_info(gm, sum(counts.values()), {"matches": dict(counts), **details})
 
 
-__all__ = ["replace_match", "annotate_new_nodes", "propagate_fake_values", "erase_dead", "same_size", "same_shape",
-           "match_info"]
+__all__ = [
+    "replace_match",
+    "annotate_new_nodes",
+    "propagate_fake_values",
+    "erase_dead",
+    "same_size",
+    "same_shape",
+    "match_info",
+]

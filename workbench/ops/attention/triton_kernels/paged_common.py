@@ -35,8 +35,7 @@ def soft_cap(x, cap):
 
 
 @triton.jit
-def attend_block(q, k, v, visible, m_i, l_i, acc, scale, cap,
-                 HAS_CAP: tl.constexpr, FP32_DOT: tl.constexpr):
+def attend_block(q, k, v, visible, m_i, l_i, acc, scale, cap, HAS_CAP: tl.constexpr, FP32_DOT: tl.constexpr):
     """One online-softmax step over a block of keys (the flash-attention update).
 
     q [M, D] (M query rows), k/v [N, D] in q's dtype, visible [M, N] bool; running state

@@ -19,17 +19,46 @@ from .paged_common import attend_block, initial_state, paged_row_offsets
 
 @triton.jit
 def paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, sinks_ptr,
-    cu_seqlens_ptr, input_pos_ptr, page_table_ptr,
-    num_prefill, scale, window, cap,
-    stride_qt, stride_qh, stride_qd,
-    stride_ot, stride_oh, stride_od,
-    stride_kcp, stride_kcs, stride_kch, stride_kcd,
-    stride_vcp, stride_vcs, stride_vch, stride_vcd,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    sinks_ptr,
+    cu_seqlens_ptr,
+    input_pos_ptr,
+    page_table_ptr,
+    num_prefill,
+    scale,
+    window,
+    cap,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_kcp,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcp,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
     stride_pt,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP32_DOT: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     """Decode sequence j = program_id(0) is sequence num_prefill + j; its token sits at
     logical position input_pos[b] and sees positions max(0, pos - window + 1) .. pos.
@@ -58,8 +87,11 @@ def paged_decode_kernel(
     heads = kv_head * GROUP + offs_g
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=g_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if FP32_DOT:
         q = q.to(tl.float32)  # k/v follow q's dtype below
 
@@ -76,21 +108,27 @@ def paged_decode_kernel(
         n_ok = offs_n < end
         kv_mask = n_ok[:, None] & d_ok[None, :]
         rows = paged_row_offsets(pt_row, offs_n, n_ok, stride_kcp, stride_kcs, PAGE_SIZE)
-        k = tl.load(k_cache_ptr + rows[:, None] + kv_head * stride_kch + offs_d[None, :] * stride_kcd,
-                    mask=kv_mask, other=0.0)
+        k = tl.load(
+            k_cache_ptr + rows[:, None] + kv_head * stride_kch + offs_d[None, :] * stride_kcd, mask=kv_mask, other=0.0
+        )
         rows = paged_row_offsets(pt_row, offs_n, n_ok, stride_vcp, stride_vcs, PAGE_SIZE)
-        v = tl.load(v_cache_ptr + rows[:, None] + kv_head * stride_vch + offs_d[None, :] * stride_vcd,
-                    mask=kv_mask, other=0.0)
+        v = tl.load(
+            v_cache_ptr + rows[:, None] + kv_head * stride_vch + offs_d[None, :] * stride_vcd, mask=kv_mask, other=0.0
+        )
         # Causality and the window are already in [start, end): only the block tail is masked.
         visible = g_ok[:, None] & n_ok[None, :]
-        m_i, l_i, acc = attend_block(q, k.to(q.dtype), v.to(q.dtype), visible, m_i, l_i, acc,
-                                     scale, cap, HAS_CAP, FP32_DOT)
+        m_i, l_i, acc = attend_block(
+            q, k.to(q.dtype), v.to(q.dtype), visible, m_i, l_i, acc, scale, cap, HAS_CAP, FP32_DOT
+        )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # l == 0: padded group rows, or an empty split
     out = acc / l_safe[:, None]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(
+            out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_ok[:, None] & d_ok[None, :],
+        )
     else:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         row = (j * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [G_PAD]
@@ -100,9 +138,18 @@ def paged_decode_kernel(
 
 @triton.jit
 def paged_decode_reduce_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, cu_seqlens_ptr, num_prefill,
-    stride_ot, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    cu_seqlens_ptr,
+    num_prefill,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
 ):
     """Merge the splits of decode sequence j = program_id(0), query head h = program_id(1):
     out = sum_s 2^lse_s * o_s / sum_s 2^lse_s (split 0 is never empty, so max lse is finite)."""
@@ -115,8 +162,10 @@ def paged_decode_reduce_kernel(
     offs_d = tl.arange(0, D_PAD)
     lse = tl.load(part_lse_ptr + row + offs_s, mask=s_ok, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))  # empty splits: 2^-inf = 0
-    o = tl.load(part_o_ptr + (row + offs_s)[:, None] * D_PAD + offs_d[None, :],
-                mask=s_ok[:, None], other=0.0)
+    o = tl.load(part_o_ptr + (row + offs_s)[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(
+        out_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )

@@ -15,17 +15,45 @@ from .paged_common import attend_block, initial_state, paged_row_offsets
 
 @triton.jit
 def paged_prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
-    cu_seqlens_ptr, input_pos_ptr, page_table_ptr, tile_seq_ptr, tile_start_ptr,
-    num_prefill, scale, window, cap,
-    stride_qt, stride_qh, stride_qd,
-    stride_ot, stride_oh, stride_od,
-    stride_kcp, stride_kcs, stride_kch, stride_kcd,
-    stride_vcp, stride_vcs, stride_vch, stride_vcd,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    sinks_ptr,
+    cu_seqlens_ptr,
+    input_pos_ptr,
+    page_table_ptr,
+    tile_seq_ptr,
+    tile_start_ptr,
+    num_prefill,
+    scale,
+    window,
+    cap,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_kcp,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcp,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
     stride_pt,
-    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, FP32_DOT: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     """out[0, rows of the tile, head] for q [T, Hq, D] and caches [pages, PAGE_SIZE, Hkv, D].
 
@@ -49,8 +77,11 @@ def paged_prefill_kernel(
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     tok = (seq_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if FP32_DOT:
         q = q.to(tl.float32)  # k/v follow q's dtype below
 
@@ -63,8 +94,7 @@ def paged_prefill_kernel(
     else:
         lo = 0
 
-    m_i, l_i = initial_state(sinks_ptr, head + tl.zeros([BLOCK_M], tl.int32), row_ok, BLOCK_M,
-                             HAS_SINKS)
+    m_i, l_i = initial_state(sinks_ptr, head + tl.zeros([BLOCK_M], tl.int32), row_ok, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     pt_row = page_table_ptr + b * stride_pt
     for start in range(lo, hi, BLOCK_N):
@@ -72,17 +102,23 @@ def paged_prefill_kernel(
         n_ok = offs_n < hi
         rows = paged_row_offsets(pt_row, offs_n, n_ok, stride_kcp, stride_kcs, PAGE_SIZE)
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + kv_head * stride_kch + offs_d[None, :] * stride_kcd,
-                    mask=kv_mask, other=0.0)
+        k = tl.load(
+            k_cache_ptr + rows[:, None] + kv_head * stride_kch + offs_d[None, :] * stride_kcd, mask=kv_mask, other=0.0
+        )
         rows = paged_row_offsets(pt_row, offs_n, n_ok, stride_vcp, stride_vcs, PAGE_SIZE)
-        v = tl.load(v_cache_ptr + rows[:, None] + kv_head * stride_vch + offs_d[None, :] * stride_vcd,
-                    mask=kv_mask, other=0.0)
+        v = tl.load(
+            v_cache_ptr + rows[:, None] + kv_head * stride_vch + offs_d[None, :] * stride_vcd, mask=kv_mask, other=0.0
+        )
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         if HAS_WINDOW:
             visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
-        m_i, l_i, acc = attend_block(q, k.to(q.dtype), v.to(q.dtype), visible, m_i, l_i, acc,
-                                     scale, cap, HAS_CAP, FP32_DOT)
+        m_i, l_i, acc = attend_block(
+            q, k.to(q.dtype), v.to(q.dtype), visible, m_i, l_i, acc, scale, cap, HAS_CAP, FP32_DOT
+        )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0 only on rows past the sequence
-    tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )

@@ -21,9 +21,9 @@ import torch.fx as fx
 from pydantic import Field, field_validator
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ...graph.utils import tensor_meta
 from ...interface import Transform, TransformConfig, register
 from ...matcher import annotate_new_nodes, match_info, named_args, same_shape
-from ...graph.utils import tensor_meta
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
@@ -88,8 +88,7 @@ _ROPE_LAYOUT = {1: "bnsd", 2: "bsnd"}  # unsqueeze_dim of cos/sin -> layout of q
 
 class MatchRopeLayoutConfig(TransformConfig):
     expected_layout: str = Field(
-        default="bsnd",
-        description="The expected layout of the rope operation. Must be one of 'bsnd' or 'bnsd'.",
+        default="bsnd", description="The expected layout of the rope operation. Must be one of 'bsnd' or 'bnsd'."
     )
 
     @field_validator("expected_layout")

@@ -28,9 +28,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ...graph.utils import tensor_meta
 from ...interface import Transform, register
 from ...matcher import Match, Pattern, PatternMatcher, match_info, named_args, same_shape, same_size
-from ...graph.utils import tensor_meta
 from .masks import MaskKind, attention_mask_arguments, classify_mask
 
 aten = torch.ops.aten
@@ -75,7 +75,10 @@ def _repeat_kv_check(m: Match) -> Optional[Dict[str, Any]]:
 
 
 REPEAT_KV_PATTERN = Pattern(
-    "repeat_kv", _repeat_kv, _repeat_kv_replacement, lambda: (torch.randn(1, 2, 4, 8),),
+    "repeat_kv",
+    _repeat_kv,
+    _repeat_kv_replacement,
+    lambda: (torch.randn(1, 2, 4, 8),),
     ignore=((aten.expand.default, "size"), (aten.reshape.default, "shape")),
     check=_repeat_kv_check,
 )
@@ -137,8 +140,12 @@ def _eager_attention(scale_op: str, with_mask: bool, with_dropout: bool) -> Patt
 
     return Pattern(
         f"eager_attention_{scale_op}{'_mask' if with_mask else ''}{'_dropout' if with_dropout else ''}",
-        search, replacement, examples,
-        literals={"scale": _SCALE}, ignore=((aten.to.dtype, "dtype"),), check=check,
+        search,
+        replacement,
+        examples,
+        literals={"scale": _SCALE},
+        ignore=((aten.to.dtype, "dtype"),),
+        check=check,
         inputs=("q", "k", "v", "attn_mask") if with_mask else ("q", "k", "v"),
     )
 
@@ -156,8 +163,15 @@ def _variant_masking(m: Match, with_mask: bool) -> Optional[Dict[str, Any]]:
 
 def _variant_replacement(q, k, v, mask, *, scale, keep_mask, is_causal, sliding_window, **variant):
     return wb.torch_attention.default(
-        q, k, v, attn_mask=mask[0] if mask and keep_mask else None, is_causal=is_causal, scale=float(scale),
-        sliding_window=sliding_window, layout="bnsd", **variant,
+        q,
+        k,
+        v,
+        attn_mask=mask[0] if mask and keep_mask else None,
+        is_causal=is_causal,
+        scale=float(scale),
+        sliding_window=sliding_window,
+        layout="bnsd",
+        **variant,
     )
 
 
@@ -192,8 +206,12 @@ def _softcapped_eager_attention(with_mask: bool, with_dropout: bool) -> Pattern:
 
     return Pattern(
         f"softcapped_eager_attention{'_mask' if with_mask else ''}{'_dropout' if with_dropout else ''}",
-        search, replacement, examples,
-        literals={"scale": _SCALE, "cap": _CAP}, ignore=((aten.to.dtype, "dtype"),), check=check,
+        search,
+        replacement,
+        examples,
+        literals={"scale": _SCALE, "cap": _CAP},
+        ignore=((aten.to.dtype, "dtype"),),
+        check=check,
         inputs=("q", "k", "v", "attn_mask") if with_mask else ("q", "k", "v"),
     )
 
@@ -244,7 +262,10 @@ def _sink_eager_attention(with_mask: bool, with_dropout: bool, with_cast: bool) 
     return Pattern(
         f"sink_eager_attention{'_mask' if with_mask else ''}{'_dropout' if with_dropout else ''}"
         f"{'_cast' if with_cast else ''}",
-        search, replacement, examples, literals={"scale": _SCALE},
+        search,
+        replacement,
+        examples,
+        literals={"scale": _SCALE},
         ignore=((aten.expand.default, "size"), (aten.softmax.int, "dtype"), (aten.to.dtype, "dtype")),
         check=check,
         inputs=("q", "k", "v", "sinks", "attn_mask") if with_mask else ("q", "k", "v", "sinks"),
@@ -293,8 +314,15 @@ def _sdpa_pattern(source: str, repeated: bool, with_mask: bool) -> Pattern:
 
     def replacement(q, k, v, *mask, keep_mask, dropout_p, is_causal, scale, sliding_window, **_):
         return wb.torch_attention.default(
-            q, k, v, attn_mask=mask[0] if mask and keep_mask else None, dropout_p=dropout_p,
-            is_causal=is_causal, scale=scale, sliding_window=sliding_window, layout="bnsd",
+            q,
+            k,
+            v,
+            attn_mask=mask[0] if mask and keep_mask else None,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            sliding_window=sliding_window,
+            layout="bnsd",
         )
 
     def check(m: Match) -> Optional[Dict[str, Any]]:
@@ -305,8 +333,11 @@ def _sdpa_pattern(source: str, repeated: bool, with_mask: bool) -> Pattern:
             return None
         flags = dict(named_args(m.outputs[0]))
         mask = m.inputs["attn_mask"] if with_mask else None
-        return {"dropout_p": flags["dropout_p"], "scale": flags["scale"],
-                **attention_mask_arguments(mask, q, k, is_causal=bool(flags["is_causal"]))}
+        return {
+            "dropout_p": flags["dropout_p"],
+            "scale": flags["scale"],
+            **attention_mask_arguments(mask, q, k, is_causal=bool(flags["is_causal"])),
+        }
 
     def examples():
         n_kv = 2 if repeated else 6
@@ -315,8 +346,12 @@ def _sdpa_pattern(source: str, repeated: bool, with_mask: bool) -> Pattern:
 
     return Pattern(
         f"{source}_sdpa{'_repeat_kv' if repeated else ''}{'_mask' if with_mask else ''}",
-        search, replacement, examples, literals={"n_rep": _N_REP} if repeated else {},
-        ignore=tuple((op, name) for name in _SDPA_FLAGS), check=check,
+        search,
+        replacement,
+        examples,
+        literals={"n_rep": _N_REP} if repeated else {},
+        ignore=tuple((op, name) for name in _SDPA_FLAGS),
+        check=check,
         inputs=("q", "k", "v", "attn_mask") if with_mask else ("q", "k", "v"),
     )
 
@@ -367,6 +402,11 @@ class MatchGroupedAttention(Transform):
 
 
 __all__ = [
-    "REPEAT_KV_PATTERN", "EAGER_ATTENTION_PATTERNS", "EAGER_VARIANT_PATTERNS", "SDPA_PATTERNS", "MaskKind",
-    "classify_mask", "repeat_kv_source",
+    "REPEAT_KV_PATTERN",
+    "EAGER_ATTENTION_PATTERNS",
+    "EAGER_VARIANT_PATTERNS",
+    "SDPA_PATTERNS",
+    "MaskKind",
+    "classify_mask",
+    "repeat_kv_source",
 ]

@@ -40,29 +40,36 @@ CPU_FORWARD_TOKENS = 32
 
 
 class InitializeCacheConfig(TransformConfig):
-    expect_mem_change: bool = Field(
-        default=True, description="Allocating the caches changes memory: this is expected."
+    expect_mem_change: bool = Field(default=True, description="Allocating the caches changes memory: this is expected.")
+    page_size: Optional[int] = Field(
+        default=None,
+        ge=1,
+        description="Tokens per KV-cache page; None: the pipeline's page_size (16 unless Workbench(page_size=...)).",
     )
-    page_size: Optional[int] = Field(default=None, ge=1, description="Tokens per KV-cache page; None: the "
-                                     "pipeline's page_size (16 unless Workbench(page_size=...)).")
     dtype: Optional[str] = Field(
         default=None, description="KV-cache dtype (float32, bfloat16, float16); None: the model's dtype."
     )
     max_batch_size: Optional[int] = Field(
-        default=None, ge=1, description="Sequences in flight at once; None: the pipeline's max_batch_size (set "
+        default=None,
+        ge=1,
+        description="Sequences in flight at once; None: the pipeline's max_batch_size (set "
         "here, it overrides it for the rest of the pipeline and the runtime; so do the fields below).",
     )
     max_seq_len: Optional[int] = Field(
-        default=None, ge=1, description="Tokens one sequence may hold (prompt + generated); None: the "
-        "pipeline's max_seq_len.",
+        default=None,
+        ge=1,
+        description="Tokens one sequence may hold (prompt + generated); None: the pipeline's max_seq_len.",
     )
     max_num_tokens: Optional[int] = Field(
-        default=None, ge=1, description="Flattened tokens per forward step (longer prompts are prefilled "
+        default=None,
+        ge=1,
+        description="Flattened tokens per forward step (longer prompts are prefilled "
         "in chunks); None: the pipeline's, by default min(2048, max_batch_size * max_seq_len).",
     )
     num_pages: Optional[int] = Field(
-        default=None, ge=1, description="Pages to allocate; None: conservative (one max-length sequence "
-        "and one full step).",
+        default=None,
+        ge=1,
+        description="Pages to allocate; None: conservative (one max-length sequence and one full step).",
     )
 
     @field_validator("dtype")
@@ -100,7 +107,8 @@ def _refuse_uncached_state(mod) -> None:
             f"{len(left)} recurrent node(s) have no state cache while the graph is otherwise cached: "
             f"{', '.join(list(left)[:4])}{' ...' if len(left) > 4 else ''}. Each step would feed them only the new "
             f"tokens, without the state of earlier ones. Enable {', '.join(keys)} (or disable the whole cache_init "
-            "stage to run uncached).")
+            "stage to run uncached)."
+        )
 
 
 @register("initialize_cache")
@@ -116,8 +124,13 @@ class InitializeCache(Transform):
             return mod, _no_specs(self.key)
         _refuse_uncached_state(mod)
         c: InitializeCacheConfig = self.config
-        ctx.limits = ctx.limits.override(self.key, max_batch_size=c.max_batch_size, max_seq_len=c.max_seq_len,
-                                         max_num_tokens=c.max_num_tokens, page_size=c.page_size)
+        ctx.limits = ctx.limits.override(
+            self.key,
+            max_batch_size=c.max_batch_size,
+            max_seq_len=c.max_seq_len,
+            max_num_tokens=c.max_num_tokens,
+            page_size=c.page_size,
+        )
         lim = ctx.limits
         cfg = KVCacheConfig(lim, 1, resolve_dtype(c.dtype) if c.dtype else ctx.dtype, tuple(ctx.cache.specs))
         cfg = cfg.with_pages(c.num_pages or (conservative_pages(cfg) if cfg.bytes_per_page() else cfg.pages_to_fill()))
@@ -135,16 +148,20 @@ class ResizeKVCacheConfig(TransformConfig):
         default=True, description="Re-allocating the caches changes memory: this is expected."
     )
     free_mem_ratio: float = Field(
-        default=0.8, gt=0.0, le=1.0,
+        default=0.8,
+        gt=0.0,
+        le=1.0,
         description="On a GPU: fraction of the memory left after weights and the measured activation "
         "peak that the KV cache may take.",
     )
     cpu_budget_bytes: int = Field(
-        default=DEFAULT_CPU_BUDGET, ge=1,
+        default=DEFAULT_CPU_BUDGET,
+        ge=1,
         description="On CPU: bytes the KV cache may take (CPU has no reliable free-memory figure).",
     )
     forward_num_tokens: Optional[int] = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="Tokens of the measurement forward; None: max_num_tokens on a GPU (the activation "
         f"peak of a full step), {CPU_FORWARD_TOKENS} on CPU (the forward only checks the cached graph runs).",
     )
@@ -194,18 +211,22 @@ class ResizeKVCache(Transform):
             tokens = c.forward_num_tokens or CPU_FORWARD_TOKENS
             rss = psutil.Process().memory_info().rss
             prefill_forward(mod, ctx.cache.tensors, cfg, tokens, ctx.vocab_size, ctx.device)
-            details.update(
-                rss_growth_bytes=psutil.Process().memory_info().rss - rss, budget_bytes=c.cpu_budget_bytes
-            )
+            details.update(rss_growth_bytes=psutil.Process().memory_info().rss - rss, budget_bytes=c.cpu_budget_bytes)
             budget = c.cpu_budget_bytes
         budget -= cfg.fixed_bytes()
         # a model without paged caches (pure SSM) pays nothing per page: its "pages" only count tokens
-        pages = min(budget // cfg.bytes_per_page(), cfg.pages_to_fill()) if cfg.bytes_per_page() else cfg.pages_to_fill()
+        pages = (
+            min(budget // cfg.bytes_per_page(), cfg.pages_to_fill()) if cfg.bytes_per_page() else cfg.pages_to_fill()
+        )
         if pages < cfg.max_pages_per_seq:
             logger.warning(
                 "[stage=%s, transform=%s] the KV-cache budget holds %d pages (%d tokens), less than one "
-                "max_seq_len=%d sequence; long prompts will be refused", self.config.stage.value, self.key,
-                max(pages, 1), max(pages, 1) * cfg.page_size, cfg.max_seq_len,
+                "max_seq_len=%d sequence; long prompts will be refused",
+                self.config.stage.value,
+                self.key,
+                max(pages, 1),
+                max(pages, 1) * cfg.page_size,
+                cfg.max_seq_len,
             )
         new_cfg = cfg.with_pages(max(int(pages), 1))
         tensors = ctx.cache.tensors

@@ -32,12 +32,12 @@ import torch.fx as fx
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ....runtime.interface import PAGED, CacheSpec
-from .attention_backend import InsertCachedAttentionConfig, LayerShape, resolve_backend
 from ...context import CACHE_SPECS
-from ...interface import Transform, TransformInfo, register
-from .inputs import cache_input, metadata_inputs
 from ...graph.utils import require_tensor_meta
+from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes, named_args
+from .attention_backend import InsertCachedAttentionConfig, LayerShape, resolve_backend
+from .inputs import cache_input, metadata_inputs
 
 aten = torch.ops.aten
 
@@ -62,7 +62,7 @@ def _unsupported(args: Dict[str, Any]) -> Optional[str]:
 
 
 def rewrite_attention(
-    gm: fx.GraphModule, node: fx.Node, layer: int, op: Callable, meta: Dict[str, fx.Node], device: torch.device,
+    gm: fx.GraphModule, node: fx.Node, layer: int, op: Callable, meta: Dict[str, fx.Node], device: torch.device
 ) -> Tuple[CacheSpec, CacheSpec]:
     """Replace one ``torch_attention`` node; returns the K and V cache specs it reads."""
     args = dict(named_args(node))
@@ -86,6 +86,7 @@ def rewrite_attention(
     g = gm.graph
     before = set(g.nodes)
     with g.inserting_before(node):
+
         def flat(x: fx.Node, heads: int, dim: int) -> fx.Node:
             if bnsd:  # [b, h, s, d] -> [b, s, h, d]
                 x = g.call_function(aten.transpose.int, (x, 1, 2))
@@ -94,8 +95,18 @@ def rewrite_attention(
         qf, kf, vf = flat(q, hq, d), flat(k, hkv, d), flat(v, hkv, dv)
         out = g.call_function(
             op,
-            (qf, kf, vf, k_cache, v_cache, meta["seq_lens"], meta["input_pos"], meta["page_table"],
-             meta["num_prefill"], float(scale)),
+            (
+                qf,
+                kf,
+                vf,
+                k_cache,
+                v_cache,
+                meta["seq_lens"],
+                meta["input_pos"],
+                meta["page_table"],
+                meta["num_prefill"],
+                float(scale),
+            ),
             {"sliding_window": args["sliding_window"], "logit_cap": args["logit_cap"], "sinks": args["sinks"]},
         )
         # Back to q's own [b, s] (or [b, h, s]) shape: sizes read from q itself.
@@ -122,15 +133,24 @@ def layer_shapes(nodes: List[fx.Node]) -> List[LayerShape]:
 
 
 # Attention spelled in ops the cache cannot serve, and why each is left (see ``uncached_attention``).
-_SDPA_LEFT = ("SDPA the pattern matcher did not canonicalize (an explicit mask, soft-capping, sinks or a "
-              "layout it does not know)")
+_SDPA_LEFT = (
+    "SDPA the pattern matcher did not canonicalize (an explicit mask, soft-capping, sinks or a layout it does not know)"
+)
 _EAGER_LEFT = "an eager softmax over q @ k^T (matmul + softmax attention the pattern matcher did not canonicalize)"
 _SOFTMAX = (aten._softmax.default, aten.softmax.int)
 _SCORES = (aten.matmul.default, aten.bmm.default, aten.einsum.default)
 # what may stand between the q @ k^T product and the softmax: scaling, masking, soft-capping, casts,
 # and for attention sinks the sink column concatenated and the row max subtracted
-_ON_SCORES = (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.tanh.default,
-              aten.to.dtype, aten._to_copy.default, aten.cat.default)
+_ON_SCORES = (
+    aten.mul.Tensor,
+    aten.div.Tensor,
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.tanh.default,
+    aten.to.dtype,
+    aten._to_copy.default,
+    aten.cat.default,
+)
 
 
 def _softmax_over_scores(node: fx.Node, depth: int = 6) -> bool:
@@ -157,7 +177,8 @@ def uncached_attention(gm: fx.GraphModule) -> Dict[str, str]:
             continue
         if node.target is torch.ops.workbench.torch_attention.default:
             left[node.name] = "canonical attention not made cached: " + (
-                _unsupported(dict(named_args(node))) or "insert_cached_attention did not run on it")
+                _unsupported(dict(named_args(node))) or "insert_cached_attention did not run on it"
+            )
         elif node.target is aten.scaled_dot_product_attention.default:
             left[node.name] = _SDPA_LEFT
         elif node.target in _SOFTMAX and _softmax_over_scores(node):
@@ -167,12 +188,18 @@ def uncached_attention(gm: fx.GraphModule) -> Dict[str, str]:
 
 def _refuse_or_report(left: Dict[str, str], require: bool) -> str:
     """The warning for attention left uncached; raises instead when ``require_cached_attention``."""
-    shown = "; ".join(f"{k}: {v}" for k, v in list(left.items())[:3]) + (f"; +{len(left) - 3} more" if len(left) > 3 else "")
-    text = (f"{len(left)} attention node(s) left without a KV cache -- generate re-runs the whole sequence "
-            f"every step (uncached, full re-forward) -- {shown}")
+    shown = "; ".join(f"{k}: {v}" for k, v in list(left.items())[:3]) + (
+        f"; +{len(left) - 3} more" if len(left) > 3 else ""
+    )
+    text = (
+        f"{len(left)} attention node(s) left without a KV cache -- generate re-runs the whole sequence "
+        f"every step (uncached, full re-forward) -- {shown}"
+    )
     if require:
-        raise ValueError(text + ". Canonicalize them (see the pattern_matcher stage's matches) or set "
-                         "insert_cached_attention.require_cached_attention=false to run them uncached.")
+        raise ValueError(
+            text + ". Canonicalize them (see the pattern_matcher stage's matches) or set "
+            "insert_cached_attention.require_cached_attention=false to run them uncached."
+        )
     return text
 
 
@@ -195,8 +222,9 @@ class InsertCachedAttention(Transform):
             left = uncached_attention(gm)
             if left:
                 warning = _refuse_or_report(left, self.config.require_cached_attention)
-                return gm, TransformInfo(num_matches=0, skip_reason=warning,
-                                         details={"uncached_attention": left, "warning": warning})
+                return gm, TransformInfo(
+                    num_matches=0, skip_reason=warning, details={"uncached_attention": left, "warning": warning}
+                )
             return gm, TransformInfo(
                 num_matches=0, skip_reason="no torch_attention nodes (run the pattern_matcher stage first)"
             )
@@ -208,7 +236,8 @@ class InsertCachedAttention(Transform):
                 f"would feed those layers only each step's new tokens (wrong results, not just slow): "
                 + "; ".join(f"{k}: {v}" for k, v in list(left.items())[:3])
                 + ". Canonicalize them in the pattern_matcher stage, or disable insert_cached_attention "
-                "(and the cache stage) to run the model uncached.")
+                "(and the cache stage) to run the model uncached."
+            )
         device = ctx.device
         # every layer's shape is checked before the graph changes
         choice = resolve_backend(self.config.backend, device, layer_shapes(nodes))
@@ -220,8 +249,11 @@ class InsertCachedAttention(Transform):
         gm.graph.lint()
         gm.recompile()
         details = {
-            "backend": choice.name, "chosen": choice.why, "layers": len(nodes),
-            "kv_heads": sorted({s.shape[0] for s in specs}), "head_dim": sorted({s.shape[1] for s in specs}),
+            "backend": choice.name,
+            "chosen": choice.why,
+            "layers": len(nodes),
+            "kv_heads": sorted({s.shape[0] for s in specs}),
+            "head_dim": sorted({s.shape[1] for s in specs}),
             "new_inputs": ["seq_lens", "input_pos", "page_table", "num_prefill"] + [s.name for s in specs],
         }
         ctx.cache.declare(specs, ctx.dtype, ctx.limits.page_size)

@@ -45,17 +45,21 @@ def unsupported_layers(backend: AttentionBackend, layers: Sequence[LayerShape]) 
 
 
 def describe_refusal(refused: Dict[str, List[int]]) -> str:
-    return "; ".join(f"{why} (layers {layers[:4]}{'...' if len(layers) > 4 else ''})" for why, layers in refused.items())
+    return "; ".join(
+        f"{why} (layers {layers[:4]}{'...' if len(layers) > 4 else ''})" for why, layers in refused.items()
+    )
 
 
-def resolve_backend(name: Optional[str], device: torch.device,
-                    layers: Sequence[LayerShape] = ()) -> Choice[AttentionBackend]:
+def resolve_backend(
+    name: Optional[str], device: torch.device, layers: Sequence[LayerShape] = ()
+) -> Choice[AttentionBackend]:
     """The attention backend for ``name`` on ``device`` and why (``BackendRegistry.choose``): an
     explicit name that cannot run or serve a layer of ``layers`` is a clear error naming what it
     needs and what to use instead; ``None``/``auto``: the first backend of ``ATTENTION_AUTO`` that
     runs here and serves every layer."""
-    return ATTENTION_BACKENDS.choose(name, device, FIELD,
-                                     refuse=lambda b: describe_refusal(unsupported_layers(b, layers)) or None)
+    return ATTENTION_BACKENDS.choose(
+        name, device, FIELD, refuse=lambda b: describe_refusal(unsupported_layers(b, layers)) or None
+    )
 
 
 class InsertCachedAttentionConfig(TransformConfig):

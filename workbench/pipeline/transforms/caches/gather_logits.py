@@ -24,9 +24,9 @@ import torch
 import torch.fx as fx
 
 from ....runtime.interface import LAST_TOKEN_INPUT
+from ...graph.weights import param_of
 from ...interface import Transform, TransformInfo, register
 from .inputs import find_input, per_sequence_input
-from ...graph.weights import param_of
 
 aten = torch.ops.aten
 
@@ -62,8 +62,11 @@ class GatherLogitsBeforeLMHead(Transform):
         if not isinstance(gm, fx.GraphModule):
             return gm, TransformInfo(num_matches=0, skip_reason="not a graph (transformers mode keeps its LM head)")
         if find_input(gm, "seq_lens") is None:
-            return gm, TransformInfo(num_matches=0, skip_reason="no cache stage ran: the graph returns logits "
-                                     "for every position (enable insert_cached_attention)")
+            return gm, TransformInfo(
+                num_matches=0,
+                skip_reason="no cache stage ran: the graph returns logits "
+                "for every position (enable insert_cached_attention)",
+            )
         if find_input(gm, LAST_TOKEN_INPUT) is not None:
             return gm, TransformInfo(num_matches=0, skip_reason="already gathered")
         head = find_lm_head(gm)

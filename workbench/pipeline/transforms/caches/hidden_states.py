@@ -75,9 +75,7 @@ class DetectHiddenStatesForCapture(Transform):
             wanted = default_layers_to_capture(len(outputs))
         missing: List[int] = sorted(set(wanted) - set(outputs))
         if missing:
-            raise ValueError(
-                f"layers {missing} not found; the graph has decoder layers 0..{len(outputs) - 1}"
-            )
+            raise ValueError(f"layers {missing} not found; the graph has decoder layers 0..{len(outputs) - 1}")
         captured = {}
         for i in sorted(wanted):
             outputs[i].meta[CAPTURE_KEY] = i

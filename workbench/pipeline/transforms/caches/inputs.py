@@ -134,6 +134,12 @@ def cache_input(gm: fx.GraphModule, spec: CacheSpec, dtype: torch.dtype, device:
 
 
 __all__ = [
-    "CAPTURE_KEY", "graph_fake_mode", "find_input", "add_graph_input", "metadata_inputs", "per_sequence_input", "cache_input",
+    "CAPTURE_KEY",
+    "graph_fake_mode",
+    "find_input",
+    "add_graph_input",
+    "metadata_inputs",
+    "per_sequence_input",
+    "cache_input",
     "slot_input",
 ]

@@ -33,12 +33,12 @@ from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ....ops import mla as _mla_ops  # noqa: F401  (torch_mla / torch_cached_mla, until ops/__init__ imports it)
 from ....ops.mla.torch_mla import default_scale
 from ....runtime.interface import PAGED, CacheSpec
-from .attention_backend import InsertCachedAttentionConfig
-from .inputs import cache_input, metadata_inputs
-from ...graph.utils import require_tensor_meta
 from ...context import CACHE_SPECS
+from ...graph.utils import require_tensor_meta
 from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes, named_args
+from .attention_backend import InsertCachedAttentionConfig
+from .inputs import cache_input, metadata_inputs
 
 aten = torch.ops.aten
 
@@ -63,8 +63,9 @@ def mla_shape(node: fx.Node) -> Dict[str, int]:
     return dims
 
 
-def rewrite_mla(gm: fx.GraphModule, node: fx.Node, layer: int, meta: Dict[str, fx.Node],
-                device: torch.device) -> CacheSpec:
+def rewrite_mla(
+    gm: fx.GraphModule, node: fx.Node, layer: int, meta: Dict[str, fx.Node], device: torch.device
+) -> CacheSpec:
     """Replace one ``torch_mla`` node by ``torch_cached_mla``; returns the latent page pool it reads."""
     args = dict(named_args(node))
     d = mla_shape(node)
@@ -76,14 +77,25 @@ def rewrite_mla(gm: fx.GraphModule, node: fx.Node, layer: int, meta: Dict[str, f
     g = gm.graph
     before = set(g.nodes)
     with g.inserting_before(node):
+
         def flat(x: fx.Node, *trailing: int) -> fx.Node:  # [b, s, ...] -> [1, b*s, ...]
             return g.call_function(aten.reshape.default, (x, [1, -1, *trailing]))
 
         out = g.call_function(
             torch.ops.workbench.torch_cached_mla.default,
-            (flat(args["q_nope"], d["n"], d["dn"]), flat(args["q_pe"], d["n"], d["dr"]),
-             flat(args["compressed_kv"], d["r"]), flat(args["kpe"], 1, d["dr"]), args["kv_b_proj_weight"], cache,
-             meta["seq_lens"], meta["input_pos"], meta["page_table"], meta["num_prefill"], float(scale)),
+            (
+                flat(args["q_nope"], d["n"], d["dn"]),
+                flat(args["q_pe"], d["n"], d["dr"]),
+                flat(args["compressed_kv"], d["r"]),
+                flat(args["kpe"], 1, d["dr"]),
+                args["kv_b_proj_weight"],
+                cache,
+                meta["seq_lens"],
+                meta["input_pos"],
+                meta["page_table"],
+                meta["num_prefill"],
+                float(scale),
+            ),
         )
         b = g.call_function(aten.sym_size.int, (args["q_nope"], 0))
         s = g.call_function(aten.sym_size.int, (args["q_nope"], 1))
@@ -99,8 +111,12 @@ def cache_footprint(shapes: List[Dict[str, int]], dtype: torch.dtype) -> Dict[st
     size = dtype.itemsize
     latent = sum((d["r"] + d["dr"]) * size for d in shapes)
     per_head = sum(d["n"] * (d["dn"] + d["dr"] + d["dv"]) * size for d in shapes)
-    return {"cache_dtype": str(dtype), "bytes_per_token": latent, "bytes_per_token_per_head_kv": per_head,
-            "saving_ratio": round(per_head / latent, 3) if latent else None}
+    return {
+        "cache_dtype": str(dtype),
+        "bytes_per_token": latent,
+        "bytes_per_token_per_head_kv": per_head,
+        "saving_ratio": round(per_head / latent, 3) if latent else None,
+    }
 
 
 @register("insert_cached_mla_attention")
@@ -118,12 +134,17 @@ class InsertCachedMLAAttention(Transform):
             raise ValueError(
                 f"insert_cached_mla_attention has no {backend!r} backend: MLA runs on "
                 f"{' | '.join(repr(b) for b in MLA_BACKENDS)} only ({', '.join(MLA_BACKENDS.values())}). Set "
-                "insert_cached_mla_attention.backend to 'torch' (or leave it unset).")
+                "insert_cached_mla_attention.backend to 'torch' (or leave it unset)."
+            )
         nodes = mla_nodes(gm)
         if not nodes:
-            return gm, TransformInfo(num_matches=0, skip_reason=(
-                "no torch_mla nodes (the model has no multi-head latent attention, or export_to_gm's "
-                "canonical_deepseek_v*_mla patch was switched off)"))
+            return gm, TransformInfo(
+                num_matches=0,
+                skip_reason=(
+                    "no torch_mla nodes (the model has no multi-head latent attention, or export_to_gm's "
+                    "canonical_deepseek_v*_mla patch was switched off)"
+                ),
+            )
         shapes = [mla_shape(n) for n in nodes]  # all layers, before the graph changes
         device = ctx.device
         meta = metadata_inputs(gm, device)
@@ -132,8 +153,10 @@ class InsertCachedMLAAttention(Transform):
         gm.recompile()
         ctx.cache.declare(specs, ctx.dtype, ctx.limits.page_size)
         details = {
-            "backend": "torch", "layers": len(nodes),
-            "kv_lora_rank": sorted({d["r"] for d in shapes}), "qk_rope_head_dim": sorted({d["dr"] for d in shapes}),
+            "backend": "torch",
+            "layers": len(nodes),
+            "kv_lora_rank": sorted({d["r"] for d in shapes}),
+            "qk_rope_head_dim": sorted({d["dr"] for d in shapes}),
             **cache_footprint(shapes, ctx.dtype),
             "new_inputs": ["seq_lens", "input_pos", "page_table", "num_prefill"] + [s.name for s in specs],
         }

@@ -34,10 +34,10 @@ import torch.fx as fx
 
 from ....ops.rope import torch_mrope  # noqa: F401  (registers the mRoPE ops)
 from ....runtime.interface import SLOT, CacheSpec
-from .inputs import cache_input, find_input, metadata_inputs, slot_input
 from ...context import CACHE_SPECS
 from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes
+from .inputs import cache_input, find_input, metadata_inputs, slot_input
 
 MROPE_DELTA_CACHE = "mrope_delta_cache"
 DELTA_SPEC = CacheSpec(MROPE_DELTA_CACHE, SLOT, (1,), torch.int64)
@@ -67,8 +67,9 @@ def add_position_deltas(gm: fx.GraphModule, device: torch.device) -> int:
     for node in nodes:
         before = set(g.nodes)
         with g.inserting_before(node):
-            shifted = g.call_function(torch.ops.workbench.torch_mrope_delta_positions.default,
-                                      (node.args[0], cache, meta["seq_lens"], slot))
+            shifted = g.call_function(
+                torch.ops.workbench.torch_mrope_delta_positions.default, (node.args[0], cache, meta["seq_lens"], slot)
+            )
         node.args = (shifted, *node.args[1:])
         annotate_new_nodes(gm, [n for n in g.nodes if n not in before], [node.name], anchor=node)
     return len(nodes)
@@ -89,14 +90,20 @@ class InitializeMropeDeltaCache(Transform):
                 "(torch_mrope_cos_sin): the model is not an mRoPE model (Qwen2-VL / Qwen2.5-VL), or export ran "
                 "without the 'canonical_mrope_rotary' patch, or that patch left HF's own forward in place (a "
                 "runtime-recomputed rope_type, or a transformers that selects the sections in the attention). "
-                "Disable initialize_mrope_delta_cache for this model.")
+                "Disable initialize_mrope_delta_cache for this model."
+            )
         n = add_position_deltas(gm, ctx.device)
         gm.graph.lint()
         gm.recompile()
         ctx.cache.declare([DELTA_SPEC], ctx.dtype, ctx.limits.page_size)
-        details = {"tables": len(mrope_table_nodes(gm)), "rewritten": n, "cache": MROPE_DELTA_CACHE,
-                   "shape": ["num_slots", 1], "dtype": "int64",
-                   "new_inputs": ["seq_lens", "slot_idx", MROPE_DELTA_CACHE]}
+        details = {
+            "tables": len(mrope_table_nodes(gm)),
+            "rewritten": n,
+            "cache": MROPE_DELTA_CACHE,
+            "shape": ["num_slots", 1],
+            "dtype": "int64",
+            "new_inputs": ["seq_lens", "slot_idx", MROPE_DELTA_CACHE],
+        }
         return gm, TransformInfo(num_matches=n, is_clean=True, has_valid_shapes=True, details=details)
 
 

@@ -26,8 +26,8 @@ import torch.fx as fx
 from ....runtime.interface import PER_TOKEN, CacheSpec
 from ...context import CACHE_SPECS
 from ...interface import Transform, TransformInfo, register
-from .inputs import CAPTURE_KEY, cache_input
 from ...matcher import annotate_new_nodes
+from .inputs import CAPTURE_KEY, cache_input
 
 aten = torch.ops.aten
 
@@ -73,7 +73,9 @@ class InsertCachedResidualAdd(Transform):
         gm.recompile()
         ctx.cache.declare(specs, ctx.dtype, ctx.limits.page_size)
         return gm, TransformInfo(
-            num_matches=len(specs), is_clean=True, has_valid_shapes=True,
+            num_matches=len(specs),
+            is_clean=True,
+            has_valid_shapes=True,
             details={"captured_layers": sorted(s.layer for s in specs), "new_inputs": [s.name for s in specs]},
         )
 

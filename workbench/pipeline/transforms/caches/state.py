@@ -53,8 +53,10 @@ class SSMCacheTransformConfig(InsertCachedStateConfig):
     @classmethod
     def _no_replay(cls, v: bool) -> bool:
         if v:
-            raise ValueError("ssm_replay=true needs the MTP (speculative) extend path, which the workbench does not "
-                             "have; leave it false")
+            raise ValueError(
+                "ssm_replay=true needs the MTP (speculative) extend path, which the workbench does not "
+                "have; leave it false"
+            )
         return v
 
 
@@ -63,11 +65,14 @@ def _pick_backend(requested: Optional[str], available: Tuple[str, ...], device: 
     if requested in (None, "auto"):
         if device.type == "cuda" and "triton" in available and triton_available(device)[0]:
             return "triton", "auto: CUDA device and a Triton kernel"
-        return "torch", "auto: the torch reference (" + ("no Triton kernel for this op" if "triton" not in available
-                                                          else f"{device.type} device") + ")"
+        return "torch", "auto: the torch reference (" + (
+            "no Triton kernel for this op" if "triton" not in available else f"{device.type} device"
+        ) + ")"
     if requested not in available:
-        raise ValueError(f"backend {requested!r} has no cached kernel for this op (available: {list(available)}); "
-                         "set backend: torch (runs everywhere) or auto")
+        raise ValueError(
+            f"backend {requested!r} has no cached kernel for this op (available: {list(available)}); "
+            "set backend: torch (runs everywhere) or auto"
+        )
     if requested == "triton":
         ok, why = triton_available(device)
         if not ok:
@@ -88,8 +93,11 @@ class _InsertCachedState(Transform):
         nodes = stateful_nodes(gm, self.key)
         if not nodes:
             owned = sorted(op.source.split("::")[1] for op in stateful_ops().values() if op.insert_key == self.key)
-            return gm, TransformInfo(num_matches=0, skip_reason=f"no {self.mechanism} nodes ({', '.join(owned) or 'no op'}"
-                                     " not in the graph: this model has none, or export did not canonicalize them)")
+            return gm, TransformInfo(
+                num_matches=0,
+                skip_reason=f"no {self.mechanism} nodes ({', '.join(owned) or 'no op'}"
+                " not in the graph: this model has none, or export did not canonicalize them)",
+            )
         device = ctx.device
         specs: List[CacheSpec] = []
         backends: Dict[str, str] = {}
@@ -140,5 +148,11 @@ class InsertCachedGatedDeltaRule(_InsertCachedState):
     mechanism = "gated delta rule"
 
 
-__all__ = ["SSMCacheTransform", "InitializeCausalConvCache", "InsertCachedDeltaRule", "InsertCachedGatedDeltaRule",
-           "InsertCachedStateConfig", "SSMCacheTransformConfig"]
+__all__ = [
+    "SSMCacheTransform",
+    "InitializeCausalConvCache",
+    "InsertCachedDeltaRule",
+    "InsertCachedGatedDeltaRule",
+    "InsertCachedStateConfig",
+    "SSMCacheTransformConfig",
+]

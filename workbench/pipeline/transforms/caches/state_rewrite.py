@@ -26,9 +26,9 @@ import torch.fx as fx
 
 from ....ops.state import StatefulOp, stateful_op_for
 from ....runtime.interface import SLOT, CacheSpec
-from .inputs import cache_input, metadata_inputs, slot_input
 from ...graph.utils import require_tensor_meta
 from ...matcher import annotate_new_nodes, named_args
+from .inputs import cache_input, metadata_inputs, slot_input
 
 aten = torch.ops.aten
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|decoder\.layers)\.(\d+)(?:\.|$)")
@@ -65,7 +65,12 @@ def _static_rest(node: fx.Node, what: str) -> List[int]:
 
 
 def rewrite_stateful_node(
-    gm: fx.GraphModule, node: fx.Node, op: StatefulOp, backend: str, index: int, dtype: torch.dtype,
+    gm: fx.GraphModule,
+    node: fx.Node,
+    op: StatefulOp,
+    backend: str,
+    index: int,
+    dtype: torch.dtype,
     device: torch.device,
 ) -> List[CacheSpec]:
     """Replace one uncached stateful node by its cached op; returns the state specs it reads."""

@@ -28,8 +28,8 @@ import torch
 from pydantic import Field
 
 from ....runtime.interface import METADATA_INPUTS, PAGED, TOKEN_INPUTS, CacheSpec
-from ...interface import Transform, TransformConfig, TransformInfo, register
 from ...context import CACHE_SPECS, HF_ATTENTION_LAYERS
+from ...interface import Transform, TransformConfig, TransformInfo, register
 from .attention_backend import InsertCachedAttentionConfig, LayerShape, resolve_backend
 
 CACHED_IMPL = "workbench_cached"
@@ -82,17 +82,34 @@ def _register() -> None:
     AttentionInterface.register(CACHED_IMPL, _cached_attention)
 
 
-def _detect_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      sliding_window=None, softcap=None, **kwargs):
+def _detect_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None, **kwargs
+):
     """Record the call, then compute plain causal attention so the forward continues."""
     record: List[Tuple[torch.nn.Module, Dict[str, Any]]] = kwargs["wb_detect"]
-    record.append((module, dict(
-        num_heads=query.shape[1], num_kv_heads=key.shape[1], head_dim=query.shape[-1],
-        v_head_dim=value.shape[-1], scale=float(scaling if scaling is not None else query.shape[-1] ** -0.5),
-        sliding_window=sliding_window, logit_cap=softcap, has_sinks=getattr(module, "sinks", None) is not None,
-    )))
+    record.append(
+        (
+            module,
+            dict(
+                num_heads=query.shape[1],
+                num_kv_heads=key.shape[1],
+                head_dim=query.shape[-1],
+                v_head_dim=value.shape[-1],
+                scale=float(scaling if scaling is not None else query.shape[-1] ** -0.5),
+                sliding_window=sliding_window,
+                logit_cap=softcap,
+                has_sinks=getattr(module, "sinks", None) is not None,
+            ),
+        )
+    )
     out = torch.ops.workbench.torch_attention(
-        query, key, value, is_causal=True, scale=scaling, sliding_window=sliding_window, logit_cap=softcap,
+        query,
+        key,
+        value,
+        is_causal=True,
+        scale=scaling,
+        sliding_window=sliding_window,
+        logit_cap=softcap,
         sinks=getattr(module, "sinks", None),
     )
     return out.transpose(1, 2).contiguous(), None
@@ -111,8 +128,9 @@ class _CachedCall:
     num_prefill: int
 
 
-def _cached_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      sliding_window=None, softcap=None, **kwargs):
+def _cached_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, softcap=None, **kwargs
+):
     """HF attention signature -> our cached op. query [b, Hq, s, D], key/value [b, Hkv, s, D]."""
     call: Optional[_CachedCall] = kwargs.get("wb_cached")
     if call is None:
@@ -121,10 +139,19 @@ def _cached_attention(module, query, key, value, attention_mask, scaling=None, d
     flat = lambda x: x.transpose(1, 2).reshape(1, b * s, x.shape[1], x.shape[-1])  # noqa: E731
     i = call.slots[module]
     out = call.op(
-        flat(query), flat(key), flat(value), call.caches[2 * i], call.caches[2 * i + 1], call.seq_lens,
-        call.input_pos, call.page_table, call.num_prefill,
-        float(scaling if scaling is not None else d ** -0.5), sliding_window=sliding_window,
-        logit_cap=softcap, sinks=getattr(module, "sinks", None),
+        flat(query),
+        flat(key),
+        flat(value),
+        call.caches[2 * i],
+        call.caches[2 * i + 1],
+        call.seq_lens,
+        call.input_pos,
+        call.page_table,
+        call.num_prefill,
+        float(scaling if scaling is not None else d**-0.5),
+        sliding_window=sliding_window,
+        logit_cap=softcap,
+        sinks=getattr(module, "sinks", None),
     )
     return out.reshape(b, s, hq, value.shape[-1]), None  # HF expects [b, s, Hq, Dv]
 
@@ -136,7 +163,7 @@ class HFCachedLM(torch.nn.Module):
         super().__init__()
         self.model = model
         self.layers, self.op, self.backend = tuple(layers), op, backend
-        self.slots = {model.get_submodule(l.module_name): l.index for l in self.layers}
+        self.slots = {model.get_submodule(layer.module_name): layer.index for layer in self.layers}
         self.input_names = (*TOKEN_INPUTS, *METADATA_INPUTS, *[s.name for s in cache_specs(self.layers)])
 
     def forward(self, input_ids, position_ids, seq_lens, input_pos, page_table, num_prefill, *caches):
@@ -151,9 +178,11 @@ class HFCachedLM(torch.nn.Module):
 
 def cache_specs(layers: Sequence[HFAttnLayer]) -> List[CacheSpec]:
     out = []
-    for l in layers:
-        out.append(CacheSpec(f"k_cache_{l.index}", PAGED, (l.num_kv_heads, l.head_dim), None, l.index))
-        out.append(CacheSpec(f"v_cache_{l.index}", PAGED, (l.num_kv_heads, l.v_head_dim), None, l.index))
+    for layer in layers:
+        out.append(CacheSpec(f"k_cache_{layer.index}", PAGED, (layer.num_kv_heads, layer.head_dim), None, layer.index))
+        out.append(
+            CacheSpec(f"v_cache_{layer.index}", PAGED, (layer.num_kv_heads, layer.v_head_dim), None, layer.index)
+        )
     return out
 
 
@@ -206,14 +235,15 @@ class HFReplaceCachedAttn(Transform):
     def _apply(self, mod, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         model = _hf_model(mod)
         layers = ctx.hf_attn_layers  # a required need: the framework refused to run without them
-        shapes = [LayerShape(l.index, l.head_dim, l.v_head_dim, ctx.dtype, l.has_sinks) for l in layers]
+        shapes = [LayerShape(x.index, x.head_dim, x.v_head_dim, ctx.dtype, x.has_sinks) for x in layers]
         choice = resolve_backend(self.config.backend, ctx.device, shapes)
         _register()
         wrapper = HFCachedLM(model, layers, choice.backend.op, choice.name)
         ctx.cache.declare(cache_specs(layers), ctx.dtype, ctx.limits.page_size)
         ctx.cache.attention = choice
-        return wrapper, TransformInfo(num_matches=len(layers), details={"backend": choice.name, "chosen": choice.why,
-                                                                        "layers": len(layers)})
+        return wrapper, TransformInfo(
+            num_matches=len(layers), details={"backend": choice.name, "chosen": choice.why, "layers": len(layers)}
+        )
 
 
 def transformers_mode_entries(backend: str = "torch", **cache_fields: Any):
@@ -224,16 +254,23 @@ def transformers_mode_entries(backend: str = "torch", **cache_fields: Any):
     """
     from ...config import resolve_pipeline
 
-    base = {"transforms": {
-        "detect_hf_attn_layers": {"stage": "cache_init"},
-        "transformers_replace_cached_attn": {"stage": "cache_init", "backend": backend},
-        "initialize_cache": {"stage": "cache_init", **cache_fields},
-        "resize_kv_cache": {"stage": "cache_init"},
-    }}
+    base = {
+        "transforms": {
+            "detect_hf_attn_layers": {"stage": "cache_init"},
+            "transformers_replace_cached_attn": {"stage": "cache_init", "backend": backend},
+            "initialize_cache": {"stage": "cache_init", **cache_fields},
+            "resize_kv_cache": {"stage": "cache_init"},
+        }
+    }
     return resolve_pipeline(base=base)
 
 
 __all__ = [
-    "HFAttnLayer", "HFCachedLM", "DetectHFAttnLayers", "HFReplaceCachedAttn", "transformers_mode_entries",
-    "attn_implementation", "CACHED_IMPL",
+    "HFAttnLayer",
+    "HFCachedLM",
+    "DetectHFAttnLayers",
+    "HFReplaceCachedAttn",
+    "transformers_mode_entries",
+    "attn_implementation",
+    "CACHED_IMPL",
 ]

@@ -80,8 +80,10 @@ def is_noop_add(node: fx.Node) -> Optional[fx.Node]:
         xv, out = tensor_meta(x), tensor_meta(node)
         if xv is None or out is None:
             continue
-        if xv.dtype == out.dtype and len(xv.shape) == len(out.shape) and all(
-            statically_known_true(p == q) for p, q in zip(xv.shape, out.shape)
+        if (
+            xv.dtype == out.dtype
+            and len(xv.shape) == len(out.shape)
+            and all(statically_known_true(p == q) for p, q in zip(xv.shape, out.shape))
         ):
             return x
     return None

@@ -29,12 +29,16 @@ logger = logging.getLogger("workbench.pipeline")
 
 CompileBackendName = Literal["torch-simple", "torch-compile", "torch-cudagraph", "torch-opt"]
 if set(CompileBackendName.__args__) != set(COMPILE_BACKENDS.names()):  # the config Literal follows the registry
-    raise ImportError(f"compile_model's backend Literal {CompileBackendName.__args__} differs from "
-                      f"COMPILE_BACKENDS {COMPILE_BACKENDS.names()}")
+    raise ImportError(
+        f"compile_model's backend Literal {CompileBackendName.__args__} differs from "
+        f"COMPILE_BACKENDS {COMPILE_BACKENDS.names()}"
+    )
 CUDA_BACKENDS = tuple(b.name for b in COMPILE_BACKENDS if b.cuda_graphs)
 # what a user can change when some node cannot be captured
-CAPTURE_HINT = ("cached attention captures with insert_cached_attention.backend=triton or flashinfer; "
-                "MoE dispatch and per-sequence state ops run outside CUDA graphs")
+CAPTURE_HINT = (
+    "cached attention captures with insert_cached_attention.backend=triton or flashinfer; "
+    "MoE dispatch and per-sequence state ops run outside CUDA graphs"
+)
 # why ``auto`` picks what it picks (``COMPILE_BACKENDS.auto_order``), said in the snapshot's details
 AUTO_NOTES = {"cpu": " (fastest decode measured there)", "cuda": " (every node of the graph can be captured)"}
 
@@ -62,19 +66,25 @@ def resolve_auto(device: torch.device, blockers: Mapping[str, str]) -> Tuple[str
 
 class CompileModelConfig(TransformConfig):
     backend: Union[Literal["auto"], CompileBackendName] = Field(
-        default="auto", description="The backend to use for compiling the model; 'auto': the fastest for the "
+        default="auto",
+        description="The backend to use for compiling the model; 'auto': the fastest for the "
         "device (CPU: torch-simple over the C++ kernels; CUDA: torch-cudagraph when every node of the graph can be "
-        "captured, else torch-simple), reported in the snapshot's details.")
+        "captured, else torch-simple), reported in the snapshot's details.",
+    )
     cuda_graph_batch_sizes: Optional[List[int]] = Field(
-        default=None, description="The batch sizes to use for CUDA graphs. None: 1, 2, 4, 8, 16, 24, 32, "
+        default=None,
+        description="The batch sizes to use for CUDA graphs. None: 1, 2, 4, 8, 16, 24, 32, "
         "48, 64, ... up to the KV cache's max_batch_size.",
     )
     num_batched_inputs: Optional[int] = Field(
-        default=None, ge=1, description="The number of batched inputs to use for CUDA graphs. If unset, "
+        default=None,
+        ge=1,
+        description="The number of batched inputs to use for CUDA graphs. If unset, "
         "infer it from runtime inputs by excluding explicit cache/resource inputs.",
     )
     static_decode_batch_sizes: Optional[List[int]] = Field(
-        default=None, description="torch-compile on CPU: decode steps of exactly these batch sizes run a "
+        default=None,
+        description="torch-compile on CPU: decode steps of exactly these batch sizes run a "
         "static-shape Inductor graph called without Dynamo (no guards, no Python frame around the C++ "
         "wrapper: ~0.7 ms a token less on SmolLM2), each compiled here and checked against the graph. "
         "Other steps go through torch.compile. None: [1]; []: off. Ignored by the other backends.",
@@ -83,7 +93,8 @@ class CompileModelConfig(TransformConfig):
         default=False, description="Enable piecewise CUDA graph for prefill/mixed batches (dual-mode)."
     )
     piecewise_num_tokens: Optional[List[int]] = Field(
-        default=None, description="Total token counts to pre-capture piecewise CUDA graphs for. If null "
+        default=None,
+        description="Total token counts to pre-capture piecewise CUDA graphs for. If null "
         "and piecewise_enabled=true, auto-generates power-of-2 buckets up to max_num_tokens.",
     )
 
@@ -106,8 +117,9 @@ class CompileModelConfig(TransformConfig):
     @model_validator(mode="after")
     def _cuda_fields_need_a_cuda_backend(self) -> "CompileModelConfig":
         if self.piecewise_enabled and self.backend not in (*CUDA_BACKENDS, "auto"):
-            raise ValueError(f"piecewise_enabled needs a CUDA-graph backend ({' or '.join(CUDA_BACKENDS)}), "
-                             f"not {self.backend!r}")
+            raise ValueError(
+                f"piecewise_enabled needs a CUDA-graph backend ({' or '.join(CUDA_BACKENDS)}), not {self.backend!r}"
+            )
         return self
 
 
@@ -145,18 +157,30 @@ class CompileModel(Transform):
             ctx.runner = None  # generate builds the plain runner for the graph
             return gm, TransformInfo(num_matches=0, details=details)
         if not is_cached_module(gm):
-            raise RuntimeError(f"backend {name!r} compiles the cached graph, but no cache stage ran "
-                               "(enable insert_cached_attention and initialize_cache)")
+            raise RuntimeError(
+                f"backend {name!r} compiles the cached graph, but no cache stage ran "
+                "(enable insert_cached_attention and initialize_cache)"
+            )
         cfg = ctx.cache.require_config(self.key)
         batched = batched_input_count(gm, set(ctx.cache.tensors))
         if c.num_batched_inputs is not None and c.num_batched_inputs != batched:
-            raise ValueError(f"num_batched_inputs={c.num_batched_inputs}, but the graph has {batched} batched "
-                             f"inputs (tokens, positions and step metadata); leave it unset to infer it")
+            raise ValueError(
+                f"num_batched_inputs={c.num_batched_inputs}, but the graph has {batched} batched "
+                f"inputs (tokens, positions and step metadata); leave it unset to infer it"
+            )
         details["num_batched_inputs"] = batched
-        built = backend.build(BuildRequest(
-            module=gm, caches=ctx.cache.tensors, cache_config=cfg, device=ctx.device,
-            cuda_graph_batch_sizes=c.cuda_graph_batch_sizes, piecewise_enabled=c.piecewise_enabled,
-            piecewise_num_tokens=c.piecewise_num_tokens, static_decode_batch_sizes=c.static_decode_batch_sizes))
+        built = backend.build(
+            BuildRequest(
+                module=gm,
+                caches=ctx.cache.tensors,
+                cache_config=cfg,
+                device=ctx.device,
+                cuda_graph_batch_sizes=c.cuda_graph_batch_sizes,
+                piecewise_enabled=c.piecewise_enabled,
+                piecewise_num_tokens=c.piecewise_num_tokens,
+                static_decode_batch_sizes=c.static_decode_batch_sizes,
+            )
+        )
         details.update(built.details)
         if built.allocates_cuda_memory:  # e.g. CUDA-graph pools: memory the stepper must not flag
             details[EXPECTED_MEM_CHANGE] = built.allocates_cuda_memory

@@ -28,8 +28,8 @@ import torch.fx as fx
 from pydantic import Field
 
 from ...interface import Transform, TransformInfo, register
-from .cuda_only import CudaOnlyConfig, cuda_skip_reason
 from ...matcher import annotate_new_nodes, named_args
+from .cuda_only import CudaOnlyConfig, cuda_skip_reason
 
 aten = torch.ops.aten
 
@@ -115,8 +115,7 @@ class FuseCausalConvActivation(Transform):
         details: Dict[str, Any] = {"fused": [f"{c} + {a}" for c, a in done], "unregistered": missing}
         if not ops:
             details["note"] = "none of conv_ops is registered (no cached causal conv in this build)"
-        return gm, TransformInfo(num_matches=len(done), is_clean=not done,
-                                 has_valid_shapes=bool(done), details=details)
+        return gm, TransformInfo(num_matches=len(done), is_clean=not done, has_valid_shapes=bool(done), details=details)
 
 
 __all__ = ["FuseCausalConvActivation", "fuse_conv_activations", "resolve_conv_ops"]

@@ -32,11 +32,11 @@ import torch
 import torch.fx as fx
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
-from ...interface import Transform, TransformInfo, register
-from .cuda_only import CudaOnlyConfig, cuda_skip_reason
 from ...graph.weights import param_of
-from .aux_streams import AuxEnd, AuxFork, AuxSite, AuxStreams, AuxWait, passthrough
+from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes
+from .aux_streams import AuxEnd, AuxFork, AuxSite, AuxStreams, AuxWait, passthrough
+from .cuda_only import CudaOnlyConfig, cuda_skip_reason
 
 aten = torch.ops.aten
 
@@ -93,8 +93,14 @@ def branch_refusal(branch: Sequence[fx.Node], x: fx.Node) -> Optional[str]:
     return None
 
 
-def run_on_aux(gm: fx.GraphModule, branch: Iterable[fx.Node], x: fx.Node, streams: AuxStreams,
-               name: str, hoist: Sequence[fx.Node] = ()) -> Dict[str, Any]:
+def run_on_aux(
+    gm: fx.GraphModule,
+    branch: Iterable[fx.Node],
+    x: fx.Node,
+    streams: AuxStreams,
+    name: str,
+    hoist: Sequence[fx.Node] = (),
+) -> Dict[str, Any]:
     """Move ``branch`` (nodes reading only ``x``, parameters and scalars) to the aux stream.
 
     ``hoist``: main-stream nodes to move right after the fork/end pair (they must only read what
@@ -120,8 +126,14 @@ def run_on_aux(gm: fx.GraphModule, branch: Iterable[fx.Node], x: fx.Node, stream
     hoist = [n for n in hoist if n not in inside and order[n] > order[anchor]]
     if any(order[a] > order[anchor] for n in hoist for a in _inputs(n)):
         return {"refused": "a node to run beside the branch reads something computed after its input"}
-    overlap = [n for n in g.nodes if (order[anchor] < order[n] < order[first_use] or n in hoist)
-               and n not in inside and n.op == "call_function" and n.target not in COMPUTE_SKIP]
+    overlap = [
+        n
+        for n in g.nodes
+        if (order[anchor] < order[n] < order[first_use] or n in hoist)
+        and n not in inside
+        and n.op == "call_function"
+        and n.target not in COMPUTE_SKIP
+    ]
     if not overlap:
         return {"refused": "no main-stream work between the branch input and its first consumer"}
 
@@ -149,9 +161,14 @@ def run_on_aux(gm: fx.GraphModule, branch: Iterable[fx.Node], x: fx.Node, stream
         out.replace_all_uses_with(w, delete_user_cb=lambda u: u not in inside and u is not end)
     items = (ended if len(ended) > 1 else []) + (waited if len(waited) > 1 else [])
     annotate_new_nodes(gm, items, [], anchor=outputs[0])
-    return {"site": site.name, "input": x.name, "branch": [n.name for n in nodes],
-            "outputs": [o.name for o in outputs], "overlaps": [n.name for n in overlap],
-            "hoisted": [n.name for n in hoist]}
+    return {
+        "site": site.name,
+        "input": x.name,
+        "branch": [n.name for n in nodes],
+        "outputs": [o.name for o in outputs],
+        "overlaps": [n.name for n in overlap],
+        "hoisted": [n.name for n in hoist],
+    }
 
 
 class MultiStreamTransform(Transform):
@@ -180,8 +197,12 @@ class MultiStreamTransform(Transform):
             gm.graph.lint()
             gm.recompile()
         # Markers carry their inputs' fake values; with no rewrite the incoming state stands.
-        return gm, TransformInfo(num_matches=len(done), is_clean=not done, has_valid_shapes=bool(done),
-                                 details={"sites": done, "refused": refused})
+        return gm, TransformInfo(
+            num_matches=len(done),
+            is_clean=not done,
+            has_valid_shapes=bool(done),
+            details={"sites": done, "refused": refused},
+        )
 
 
 def _ancestors(node: fx.Node) -> Set[fx.Node]:
@@ -226,14 +247,22 @@ MOE_OPS = ("torch_moe", "torch_moe_fused", "torch_moe_dense_mlp")
 # linear spellings with (input, weight [N, K], bias): aten's, ours, and the CPU decode GEMM
 LINEAR_OPS = ("linear", "torch_linear_simple", "cpu_linear_wxt", "cpu_linear")
 GEMM_OPS = (*LINEAR_OPS, "mm", "matmul", "bmm", "torch_swiglu_mlp")
-PASS_OPS = {aten.view.default, aten.reshape.default, aten.to.dtype, aten._to_copy.default,
-            aten.contiguous.default, aten.clone.default, aten.alias.default}
+PASS_OPS = {
+    aten.view.default,
+    aten.reshape.default,
+    aten.to.dtype,
+    aten._to_copy.default,
+    aten.contiguous.default,
+    aten.clone.default,
+    aten.alias.default,
+}
 
 
 def _op_is(node: fx.Node, names: Sequence[str]) -> bool:
     t = node.target
-    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and \
-        t._schema.name.split("::")[-1] in names
+    return (
+        node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t._schema.name.split("::")[-1] in names
+    )
 
 
 @register("multi_stream_moe")
@@ -357,14 +386,22 @@ class MultiStreamMLAAttn(MultiStreamTransform):
                 # pattern 1: kv_a is a fused [q_a | kv_a] GEMM; its KV part splits off k_pe later.
                 split = path[0]
                 kv_part = path[1] if split.target is aten.split_with_sizes.default and len(path) > 1 else split
-                rest = path[path.index(kv_part) + 1:]
-                siblings = [u for u in (split.users if kv_part is not split else kv_a.users)
-                            if u is not kv_part]
+                rest = path[path.index(kv_part) + 1 :]
+                siblings = [u for u in (split.users if kv_part is not split else kv_a.users) if u is not kv_part]
                 if siblings and any(p.target in SPLITS for p in rest):
-                    pattern1.append((f"{kv_a.name}:p1", forward_branch(list(kv_part.users), kv_part),
-                                     kv_part, []))
+                    pattern1.append((f"{kv_a.name}:p1", forward_branch(list(kv_part.users), kv_part), kv_part, []))
         return found or pattern1
 
 
-__all__ = ["AuxStreams", "AuxFork", "AuxEnd", "AuxWait", "run_on_aux", "MultiStreamMOE",
-           "MultiStreamGemm", "MultiStreamMLAAttn", "exclusive_branch", "forward_branch"]
+__all__ = [
+    "AuxStreams",
+    "AuxFork",
+    "AuxEnd",
+    "AuxWait",
+    "run_on_aux",
+    "MultiStreamMOE",
+    "MultiStreamGemm",
+    "MultiStreamMLAAttn",
+    "exclusive_branch",
+    "forward_branch",
+]

@@ -79,12 +79,16 @@ class ExportToGMConfig(TransformConfig):
         default=8, ge=2, description="Sequence length of the example inputs (>= 2 so it stays dynamic)."
     )
     max_batch_size: Optional[int] = Field(
-        default=None, ge=2, description="Upper bound of the dynamic batch dim; None: the pipeline's "
-        "max_batch_size (set here, it overrides it for the rest of the pipeline)."
+        default=None,
+        ge=2,
+        description="Upper bound of the dynamic batch dim; None: the pipeline's "
+        "max_batch_size (set here, it overrides it for the rest of the pipeline).",
     )
     max_seq_len: Optional[int] = Field(
-        default=None, ge=2, description="Upper bound of the dynamic sequence dim; None: the pipeline's "
-        "max_seq_len (set here, it overrides it for the rest of the pipeline)."
+        default=None,
+        ge=2,
+        description="Upper bound of the dynamic sequence dim; None: the pipeline's "
+        "max_seq_len (set here, it overrides it for the rest of the pipeline).",
     )
     stamp_repeated_layers: bool = Field(
         default=True,
@@ -129,9 +133,7 @@ class ExportToGM(Transform):
                 )
         mod, model_class = _model_to_export(mod, ctx)
         traced, trace_device = _module_to_trace(mod, cfg.trace_device)
-        example = make_batch(
-            ctx.vocab_size, cfg.example_batch_size, cfg.example_seq_len, seed=0, device=trace_device
-        )
+        example = make_batch(ctx.vocab_size, cfg.example_batch_size, cfg.example_seq_len, seed=0, device=trace_device)
         batch = torch.export.Dim.DYNAMIC(min=1, max=max_b)
         seq = torch.export.Dim.DYNAMIC(min=1, max=max_s)
         dyn = ({0: batch, 1: seq}, {0: batch, 1: seq})
@@ -168,14 +170,22 @@ class ExportToGM(Transform):
         # code only when it runs. Same graph, tensors, buffers, meta and hooks.
         gm = GraphCopy(gm).module
         info = TransformInfo(
-            num_matches=1, is_clean=True, has_valid_shapes=True,
-            details={"patches": [p.name for p in patches], "asserts_removed": removed,
-                     "trace_device": str(trace_device), "export_ranges": ranges,
-                     "normalized": normalized, "torch": torch.__version__, "layers": stamping,
-                     "model_class": model_class,
-                     "summary": f"{model_class.split(' (')[0]} traced on {trace_device} with torch "
-                                f"{torch.__version__}; dims batch {ranges['batch']}, seq {ranges['seq']} "
-                                "(export's ranges; 1 works too)"},
+            num_matches=1,
+            is_clean=True,
+            has_valid_shapes=True,
+            details={
+                "patches": [p.name for p in patches],
+                "asserts_removed": removed,
+                "trace_device": str(trace_device),
+                "export_ranges": ranges,
+                "normalized": normalized,
+                "torch": torch.__version__,
+                "layers": stamping,
+                "model_class": model_class,
+                "summary": f"{model_class.split(' (')[0]} traced on {trace_device} with torch "
+                f"{torch.__version__}; dims batch {ranges['batch']}, seq {ranges['seq']} "
+                "(export's ranges; 1 works too)",
+            },
         )
         return gm, info
 
@@ -186,8 +196,12 @@ def _model_to_export(mod: torch.nn.Module, ctx) -> Tuple[torch.nn.Module, str]:
     under the same names), it is exported in place of the HF model the stepper wraps; the HF model
     stays the numerics reference."""
     loaded = getattr(ctx, "loaded", None)
-    if (isinstance(mod, CausalLMLogits) and loaded is not None and mod.model is loaded.model
-            and getattr(loaded, "export_model", None) is not None):
+    if (
+        isinstance(mod, CausalLMLogits)
+        and loaded is not None
+        and mod.model is loaded.model
+        and getattr(loaded, "export_model", None) is not None
+    ):
         return CausalLMLogits(loaded.export_model), loaded.export_model_class
     inner = mod.model if isinstance(mod, CausalLMLogits) else mod
     return mod, describe_model_class(inner, custom=False)
@@ -241,8 +255,7 @@ def _check_dynamic(gm: fx.GraphModule, ep: Any) -> Dict[str, str]:
 
 def normalize_device_branches(gm: fx.GraphModule) -> Dict[str, int]:
     """The device-neutralising rewrites (see the module docstring); counts per rewrite."""
-    return {"contiguous_before_reshape": drop_contiguous_before_reshape(gm),
-            "histc_on_float": histc_on_float(gm)}
+    return {"contiguous_before_reshape": drop_contiguous_before_reshape(gm), "histc_on_float": histc_on_float(gm)}
 
 
 def histc_on_float(gm: fx.GraphModule) -> int:
@@ -259,8 +272,13 @@ def histc_on_float(gm: fx.GraphModule) -> int:
         if node.op != "call_function" or node.target is not aten.histc.default:
             continue
         src = node.args[0]
-        if (isinstance(src, fx.Node) and src.target is aten.to.dtype and len(src.args) >= 2
-                and not src.args[1].is_floating_point and len(src.users) == 1):
+        if (
+            isinstance(src, fx.Node)
+            and src.target is aten.to.dtype
+            and len(src.args) >= 2
+            and not src.args[1].is_floating_point
+            and len(src.users) == 1
+        ):
             src.args = (src.args[0], torch.float32, *src.args[2:])
             val = src.meta.get("val")
             if isinstance(val, torch.Tensor):

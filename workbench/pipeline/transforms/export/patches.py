@@ -93,21 +93,17 @@ EXPORT_PATCHES: Dict[str, ExportPatch] = {
 }
 # Canonical forwards of HF modules no graph pattern can recover (SSM mixers, delta-rule layers, MLA):
 # see ``workbench.models.canonical``. On by default; each touches only modules of its own classes.
-EXPORT_PATCHES.update({
-    p.name: ExportPatch(p.name, p.description, True, _module_patch_enter(p)) for p in MODULE_PATCHES
-})
+EXPORT_PATCHES.update(
+    {p.name: ExportPatch(p.name, p.description, True, _module_patch_enter(p)) for p in MODULE_PATCHES}
+)
 
 
 def resolve_patches(overrides: Dict[str, bool]) -> List[ExportPatch]:
     """The patches to apply: defaults, with ``overrides`` switching individual ones on or off."""
     unknown = sorted(set(overrides) - set(EXPORT_PATCHES))
     if unknown:
-        raise ValueError(
-            f"unknown export patch(es) {unknown}; known: {sorted(EXPORT_PATCHES)}"
-        )
-    return [
-        p for name, p in EXPORT_PATCHES.items() if overrides.get(name, p.enabled_by_default)
-    ]
+        raise ValueError(f"unknown export patch(es) {unknown}; known: {sorted(EXPORT_PATCHES)}")
+    return [p for name, p in EXPORT_PATCHES.items() if overrides.get(name, p.enabled_by_default)]
 
 
 @contextlib.contextmanager

@@ -33,8 +33,9 @@ _INDEX_ATTRS = frozenset({"layer_idx", "layer_id", "layer_number", "idx"})
 
 def find_layer_stack(module: torch.nn.Module, num_layers: int) -> Optional[str]:
     """Qualified name of the one ``nn.ModuleList`` holding ``num_layers`` modules, else None."""
-    hits = [name for name, sub in module.named_modules()
-            if isinstance(sub, torch.nn.ModuleList) and len(sub) == num_layers]
+    hits = [
+        name for name, sub in module.named_modules() if isinstance(sub, torch.nn.ModuleList) and len(sub) == num_layers
+    ]
     return hits[0] if len(hits) == 1 else None
 
 
@@ -42,11 +43,19 @@ def _signature(layer: torch.nn.Module) -> Tuple:
     """What makes two layers the same graph: classes, parameter/buffer shapes and plain attributes."""
     parts = []
     for name, sub in layer.named_modules():
-        plain = tuple(sorted((k, repr(v)) for k, v in vars(sub).items()
-                             if not k.startswith("_") and k not in _INDEX_ATTRS and k != "training"
-                             and isinstance(v, (int, float, bool, str, type(None), tuple))))
-        tensors = tuple((k, tuple(t.shape), t.dtype) for k, t in [*sub._parameters.items(), *sub._buffers.items()]
-                        if t is not None)
+        plain = tuple(
+            sorted(
+                (k, repr(v))
+                for k, v in vars(sub).items()
+                if not k.startswith("_")
+                and k not in _INDEX_ATTRS
+                and k != "training"
+                and isinstance(v, (int, float, bool, str, type(None), tuple))
+            )
+        )
+        tensors = tuple(
+            (k, tuple(t.shape), t.dtype) for k, t in [*sub._parameters.items(), *sub._buffers.items()] if t is not None
+        )
         parts.append((name, type(sub).__qualname__, plain, tensors))
     return tuple(parts)
 
@@ -100,7 +109,11 @@ def _layer_of(node: fx.Node, pattern: "re.Pattern[str]") -> Optional[int]:
 
 
 def _rename(value: Any, path: str, src: int, dst: int) -> Any:
-    return re.sub(rf"(?<![\w.]){re.escape(path)}\.{src}(?=\.|$)", f"{path}.{dst}", value) if isinstance(value, str) else value
+    return (
+        re.sub(rf"(?<![\w.]){re.escape(path)}\.{src}(?=\.|$)", f"{path}.{dst}", value)
+        if isinstance(value, str)
+        else value
+    )
 
 
 def _renamed_stack(stack: Dict[str, Tuple[str, Any]], path: str, src: int, dst: int) -> Dict[str, Tuple[str, Any]]:
@@ -197,13 +210,13 @@ def stamp_layers(gm: fx.GraphModule, path: str, layers: torch.nn.ModuleList) -> 
         env: Dict[fx.Node, fx.Node] = {ins_last[0]: prev_out}
         for a in a_nodes:
             with graph.inserting_after(anchor):
-                new = graph.node_copy(a, lambda x: env.get(x, x))
+                new = graph.node_copy(a, lambda x, env=env: env.get(x, x))
             anchor = env[a] = new
             if "nn_module_stack" in a.meta:
                 new.meta["nn_module_stack"] = _renamed_stack(a.meta["nn_module_stack"], path, last, i)
             if a.op == "get_attr":
                 new.target = _rename(a.target, path, last, i)
-                rest = new.target[len(f"{path}.{i}."):]
+                rest = new.target[len(f"{path}.{i}.") :]
                 try:
                     value = layers[i].get_parameter(rest)
                 except AttributeError:

@@ -26,7 +26,6 @@ The weight helpers (``concat_weights``, ``release_weights``) are in ``pipeline/g
 from __future__ import annotations
 
 import operator
-
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -59,9 +58,11 @@ def linear_forms() -> Dict[Any, LinearForm]:
     import workbench.ops.quant  # noqa: F401  (registers the quantized ops)
 
     ops = torch.ops.workbench
-    return {LINEAR: LinearForm((1,), (), 2),
-            ops.torch_int4_linear.default: LinearForm((1, 2, 3), (4,), 5),
-            ops.torch_int8_linear.default: LinearForm((1, 2), (3,), 4)}
+    return {
+        LINEAR: LinearForm((1,), (), 2),
+        ops.torch_int4_linear.default: LinearForm((1, 2, 3), (4,), 5),
+        ops.torch_int8_linear.default: LinearForm((1, 2), (3,), 4),
+    }
 
 
 def _fusable_key(gm: fx.GraphModule, node: fx.Node, form: LinearForm) -> Optional[tuple]:
@@ -124,8 +125,7 @@ def split_outputs(gm: fx.GraphModule, fused: fx.Node, sizes: Sequence[int], old:
     return new
 
 
-def fix_views(gm: fx.GraphModule, outputs: Sequence[fx.Node],
-              values: Optional[Dict[fx.Node, Any]] = None) -> int:
+def fix_views(gm: fx.GraphModule, outputs: Sequence[fx.Node], values: Optional[Dict[fx.Node, Any]] = None) -> int:
     """Turn ``aten.view`` users of strided split outputs that cannot be views into reshapes.
 
     ``values``: where to put the fake value of each view that stays one (computed to decide it), so
@@ -164,7 +164,7 @@ def fuse_linear_group(gm: fx.GraphModule, group: Sequence[fx.Node]) -> Dict[str,
             node = g.get_attr(target)
             node.meta["val"] = fake_value(gm, fetch_attr(gm, target))
             reads.append(node)
-        args = [x, *reads[:len(form.weights)], *(first.args[i] for i in form.consts)]
+        args = [x, *reads[: len(form.weights)], *(first.args[i] for i in form.consts)]
         if has_bias:
             args.append(reads[-1])
         fused = g.call_function(first.target, tuple(args))
@@ -177,9 +177,16 @@ def fuse_linear_group(gm: fx.GraphModule, group: Sequence[fx.Node]) -> Dict[str,
     views: Dict[fx.Node, Any] = {}
     reshaped = fix_views(gm, outputs[1:], views)
     originals = [n.target for nodes in tensor_groups for n in nodes]
-    return {"fused": names, "weight": targets[0], "sizes": sizes, "new_bytes": new_bytes,
-            "originals": originals, "views_made_reshapes": reshaped, "outputs": outputs[1:],
-            "view_values": views}
+    return {
+        "fused": names,
+        "weight": targets[0],
+        "sizes": sizes,
+        "new_bytes": new_bytes,
+        "originals": originals,
+        "views_made_reshapes": reshaped,
+        "outputs": outputs[1:],
+        "view_values": views,
+    }
 
 
 @register("fuse_gemms")
@@ -207,8 +214,9 @@ class FuseGemms(Transform):
         # The views fix_views kept were derived on the new inputs there: not derived again.
         known = {node: v for d in done for node, v in d["view_values"].items()}
         shapes_valid = repropagate_users(gm, [o for d in done for o in d["outputs"]], known) if done else False
-        return gm, TransformInfo(num_matches=len(done), is_clean=not done, has_valid_shapes=shapes_valid,
-                                 details=details)
+        return gm, TransformInfo(
+            num_matches=len(done), is_clean=not done, has_valid_shapes=shapes_valid, details=details
+        )
 
 
 __all__ = ["FuseGemms", "linear_groups", "fuse_linear_group", "split_outputs", "fix_views"]

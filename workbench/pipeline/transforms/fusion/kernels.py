@@ -30,12 +30,11 @@ import torch.fx as fx
 from pydantic import Field
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
-from ...interface import Transform, TransformConfig, register, rewrite_info
-
 from ....ops.backends import choose_fusion_backend
 from ....ops.flashinfer_support import FLASHINFER_DTYPES
-from ...graph.weights import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights
 from ...graph.utils import tensor_meta
+from ...graph.weights import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights
+from ...interface import Transform, TransformConfig, register, rewrite_info
 from ...matcher import annotate_new_nodes, erase_dead, named_args
 
 wb = torch.ops.workbench
@@ -46,8 +45,9 @@ def _nodes(gm: fx.GraphModule, target: Callable) -> List[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
 
 
-def swap_node(gm: fx.GraphModule, node: fx.Node, target: Callable, args: tuple,
-              kwargs: Optional[Dict[str, Any]] = None) -> fx.Node:
+def swap_node(
+    gm: fx.GraphModule, node: fx.Node, target: Callable, args: tuple, kwargs: Optional[Dict[str, Any]] = None
+) -> fx.Node:
     """Replace ``node`` by a call to ``target`` (new name, provenance, fake value)."""
     g = gm.graph
     with g.inserting_before(node):
@@ -240,14 +240,24 @@ def split_silu_mul(node: fx.Node) -> Optional[fx.Node]:
         if not (isinstance(gate, fx.Node) and gate.target is operator.getitem and up.target is operator.getitem):
             continue
         split = gate.args[0]
-        if (split is not up.args[0] or split.target is not aten.split_with_sizes.default
-                or (gate.args[1], up.args[1]) != (0, 1)):
+        if (
+            split is not up.args[0]
+            or split.target is not aten.split_with_sizes.default
+            or (gate.args[1], up.args[1]) != (0, 1)
+        ):
             continue
         sizes, dim = split.args[1], (split.args[2] if len(split.args) > 2 else 0)
         x_val = split.args[0].meta.get("val")
         last = dim == -1 or (x_val is not None and dim == x_val.dim() - 1)
-        if (len(sizes) == 2 and sizes[0] == sizes[1] and last and len(split.users) == 2
-                and len(gate.users) == 1 and len(act.users) == 1 and len(up.users) == 1):
+        if (
+            len(sizes) == 2
+            and sizes[0] == sizes[1]
+            and last
+            and len(split.users) == 2
+            and len(gate.users) == 1
+            and len(act.users) == 1
+            and len(up.users) == 1
+        ):
             return split.args[0]
     return None
 
@@ -263,7 +273,7 @@ def fuse_split_silu_mul(gm: fx.GraphModule, silu_mul: Callable) -> int:
             fused = g.call_function(silu_mul, (x,))
         annotate_new_nodes(gm, [fused], [node.name], anchor=node)
         node.replace_all_uses_with(fused)
-        act, up = (node.args if node.args[0].target is aten.silu.default else node.args[::-1])
+        act, up = node.args if node.args[0].target is aten.silu.default else node.args[::-1]
         gate, split = act.args[0], act.args[0].args[0]
         erase_dead(g, [node, act, gate, up, split])
         n += 1
@@ -280,8 +290,14 @@ class FuseSwiGLU(Transform):
     def _apply(self, gm, ctx):
         nodes = _nodes(gm, wb.torch_swiglu_mlp.default)
         if not nodes and not any(n.op == "call_function" and split_silu_mul(n) is not None for n in gm.graph.nodes):
-            return rewrite_info(gm, 0, {"note": "no torch_swiglu_mlp nodes (run match_swiglu_pattern first) and "
-                                                "no fused gate/up GEMM followed by silu * mul"})
+            return rewrite_info(
+                gm,
+                0,
+                {
+                    "note": "no torch_swiglu_mlp nodes (run match_swiglu_pattern first) and "
+                    "no fused gate/up GEMM followed by silu * mul"
+                },
+            )
         choice = choose_fusion_backend("silu_mul", self.config.backend, ctx.device, f"{self.key}.backend")
         backend, why = choice.backend, choice.why
         if not nodes:
@@ -296,8 +312,12 @@ class FuseSwiGLU(Transform):
             done.append(fuse_swiglu_node(gm, node, backend.op))
         released = release_weights(gm, [t for d in done for t in d["originals"]])
         details = {
-            "backend": backend.name, "why": why, "candidates": len(nodes), "left": left,
-            "new_bytes": sum(d["new_bytes"] for d in done), "freed_bytes": released.freed_bytes,
+            "backend": backend.name,
+            "why": why,
+            "candidates": len(nodes),
+            "left": left,
+            "new_bytes": sum(d["new_bytes"] for d in done),
+            "freed_bytes": released.freed_bytes,
             "kept_originals": released.kept + released.tied,
         }
         return rewrite_info(gm, len(done), details)

@@ -35,8 +35,8 @@ import torch
 import torch.fx as fx
 from pydantic import Field
 
-from ...interface import Transform, TransformConfig, TransformInfo, register
 from ...graph.weights import LINEAR, fake_value, fetch_attr, linear_bias, param_of, release_weights
+from ...interface import Transform, TransformConfig, TransformInfo, register
 from ...matcher import annotate_new_nodes
 
 aten = torch.ops.aten
@@ -44,21 +44,23 @@ aten = torch.ops.aten
 
 class LinearWeightLayoutConfig(TransformConfig):
     layout: Literal["auto", "nk", "kn", "wxt", "kernel"] = Field(
-        default="auto", description="How linears read their weights: 'nk' (aten.linear on the weight as "
+        default="auto",
+        description="How linears read their weights: 'nk' (aten.linear on the weight as "
         "loaded, [out, in]), 'kn' (matmul on a transposed copy [in, out]), 'wxt' (the weight as loaded, "
         "computed as (W @ x.T).T by workbench.cpu_linear_wxt: MKL's fastest orientation for decode "
         "batches), 'kernel' (the workbench's C++ CPU kernels, fp32 and int4/int8), 'auto' (kernel on CPU where it "
         "builds, else wxt for fp32 weights; nk on other devices).",
     )
     int4_activations: Literal["fp32", "int8"] = Field(
-        default="fp32", description="What the int4 CPU kernel multiplies the 4-bit weights with in decode "
+        default="fp32",
+        description="What the int4 CPU kernel multiplies the 4-bit weights with in decode "
         "steps (<= 16 rows): 'fp32' (the activations as they are: equal to the reference op up to summation "
         "order) or 'int8' (activations rounded to 8 bits per block of 32, scale max|x|/127, and integer "
         "VNNI dot products, as llama.cpp does for Q4 weights: faster, a numerics change the probe reports; "
         "needs AVX512-VNNI, else the exact kernel runs). Prefill inputs are always exact.",
     )
     expect_mem_change: bool = Field(
-        default=True, description="Transposed copies replace (or, when tied, add to) the weights.",
+        default=True, description="Transposed copies replace (or, when tied, add to) the weights."
     )
 
 
@@ -127,14 +129,21 @@ class LinearWeightLayout(Transform):
 
         rewritten = _rewrite_linears(gm, matmul_kn) + quantized
         released = release_weights(gm, list(done))
-        details = {"layout": layout, "weights": len(done), "new_bytes": new_bytes,
-                   "freed_bytes": released.freed_bytes, "kept_originals": released.kept + released.tied}
-        return gm, TransformInfo(num_matches=rewritten, is_clean=not rewritten, has_valid_shapes=not rewritten,
-                                 details=details)
+        details = {
+            "layout": layout,
+            "weights": len(done),
+            "new_bytes": new_bytes,
+            "freed_bytes": released.freed_bytes,
+            "kept_originals": released.kept + released.tied,
+        }
+        return gm, TransformInfo(
+            num_matches=rewritten, is_clean=not rewritten, has_valid_shapes=not rewritten, details=details
+        )
 
 
-def _rewrite_linears(gm: fx.GraphModule, build: Callable[[fx.Graph, fx.Node, Any], fx.Node],
-                     fp32_only: bool = False) -> int:
+def _rewrite_linears(
+    gm: fx.GraphModule, build: Callable[[fx.Graph, fx.Node, Any], fx.Node], fp32_only: bool = False
+) -> int:
     """Replace every ``aten.linear`` with a 2-D parameter weight by what ``build(graph, node, bias)``
     inserts before it (``fp32_only``: fp32 weights only); returns how many were replaced."""
     g, rewritten = gm.graph, 0
@@ -169,8 +178,12 @@ def _to_wxt(gm: fx.GraphModule, fp32_only: bool) -> Tuple[fx.GraphModule, Transf
 
     rewritten = _rewrite_linears(gm, wxt, fp32_only)
     # the replacement carries the linear's value (same shape, contiguous): shapes stay valid
-    return gm, TransformInfo(num_matches=rewritten, is_clean=not rewritten, has_valid_shapes=True,
-                             details={"layout": "wxt", "new_bytes": 0, "freed_bytes": 0})
+    return gm, TransformInfo(
+        num_matches=rewritten,
+        is_clean=not rewritten,
+        has_valid_shapes=True,
+        details={"layout": "wxt", "new_bytes": 0, "freed_bytes": 0},
+    )
 
 
 QUANTIZED_KERNELS = {  # canonical op -> (CPU kernel op name, index of the scale arguments that must be fp16)
@@ -227,8 +240,12 @@ def _to_kernels(gm: fx.GraphModule, device: torch.device) -> Tuple[fx.GraphModul
         return new
 
     rewritten = _rewrite_linears(gm, kernel, fp32_only=True)
-    return gm, TransformInfo(num_matches=rewritten, is_clean=not rewritten, has_valid_shapes=True,
-                             details={"layout": "kernel", "new_bytes": 0, "freed_bytes": 0})
+    return gm, TransformInfo(
+        num_matches=rewritten,
+        is_clean=not rewritten,
+        has_valid_shapes=True,
+        details={"layout": "kernel", "new_bytes": 0, "freed_bytes": 0},
+    )
 
 
 __all__ = ["LinearWeightLayout", "LinearWeightLayoutConfig", "transposed_weight"]

@@ -1,4 +1,4 @@
 """Gated-MLP matching (stage ``pattern_matcher``).
 
-    swiglu.py   match_swiglu_pattern
+swiglu.py   match_swiglu_pattern
 """

@@ -30,9 +30,7 @@ def _swiglu_bias(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, dow
 
 
 def _swiglu_bias_replacement(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias):
-    return wb.torch_swiglu_mlp.default(
-        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias
-    )
+    return wb.torch_swiglu_mlp.default(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
 
 
 def _examples(bias: bool):

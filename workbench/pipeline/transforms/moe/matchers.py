@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
-from ...interface import Transform, TransformConfig, register
-from ...weights import record_weight_view
-from ...matcher import Match, Pattern, PatternMatcher, annotate_new_nodes, match_info, named_args, same_shape
 from ...graph.utils import tensor_meta
+from ...interface import Transform, TransformConfig, register
+from ...matcher import Match, Pattern, PatternMatcher, annotate_new_nodes, match_info, named_args, same_shape
+from ...weights import record_weight_view
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
@@ -42,10 +42,7 @@ _T, _H, _I, _E, _K = 5, 8, 6, 7, 3
 
 def _moe_examples():
     selected = torch.stack([torch.randperm(_E)[:_K] for _ in range(_T)])
-    return (
-        torch.randn(_T, _H), selected, torch.rand(_T, _K),
-        torch.randn(_E, 2 * _I, _H), torch.randn(_E, _H, _I),
-    )
+    return (torch.randn(_T, _H), selected, torch.rand(_T, _K), torch.randn(_E, 2 * _I, _H), torch.randn(_E, _H, _I))
 
 
 def _grouped_mm_op():
@@ -157,10 +154,17 @@ def _moe_check(m: Match) -> Optional[Dict[str, Any]]:
 
 
 _IGNORE_SHAPES = (
-    (aten.view.default, "size"), (aten.histc.default, "bins"), (aten.histc.default, "min"),
-    (aten.histc.default, "max"), (aten.arange.default, "end"), (aten.arange.default, "device"),
-    (aten.arange.default, "pin_memory"), (aten.to.dtype, "dtype"), (aten.ge.Scalar, "other"),
-    (aten.clamp_.default, "max"), (aten.clamp.default, "max"),
+    (aten.view.default, "size"),
+    (aten.histc.default, "bins"),
+    (aten.histc.default, "min"),
+    (aten.histc.default, "max"),
+    (aten.arange.default, "end"),
+    (aten.arange.default, "device"),
+    (aten.arange.default, "pin_memory"),
+    (aten.to.dtype, "dtype"),
+    (aten.ge.Scalar, "other"),
+    (aten.clamp_.default, "max"),
+    (aten.clamp.default, "max"),
 )
 
 
@@ -172,17 +176,31 @@ def moe_patterns() -> List[Pattern]:
             ("moe_grouped_mm", _moe_grouped_mm, _moe_fused_replacement),
             ("moe_grouped_mm_sentinel", _moe_grouped_mm_sentinel, _moe_fused_replacement_2),
         ):
-            patterns.append(Pattern(
-                name, search, replace, _moe_examples,
-                literals={"k": _K}, ignore=_IGNORE_SHAPES, check=_moe_check,
-                inputs=("x", "selected", "weights", "w1_w3", "w2"),
-            ))
+            patterns.append(
+                Pattern(
+                    name,
+                    search,
+                    replace,
+                    _moe_examples,
+                    literals={"k": _K},
+                    ignore=_IGNORE_SHAPES,
+                    check=_moe_check,
+                    inputs=("x", "selected", "weights", "w1_w3", "w2"),
+                )
+            )
     for name, search in (("moe_batched_mm", _moe_batched_mm), ("moe_batched_mm_clamped", _moe_batched_mm_clamped)):
-        patterns.append(Pattern(
-            name, search, _moe_fused_replacement, _moe_examples,
-            literals={"k": _K}, ignore=_IGNORE_SHAPES, check=_moe_check,
-            inputs=("x", "selected", "weights", "w1_w3", "w2"),
-        ))
+        patterns.append(
+            Pattern(
+                name,
+                search,
+                _moe_fused_replacement,
+                _moe_examples,
+                literals={"k": _K},
+                ignore=_IGNORE_SHAPES,
+                check=_moe_check,
+                inputs=("x", "selected", "weights", "w1_w3", "w2"),
+            )
+        )
     return patterns
 
 
@@ -202,8 +220,7 @@ class MatchMoePattern(Transform):
 
 
 def _dense_examples():
-    return (torch.randn(_T, _H), torch.rand(_T, _E), torch.randn(_E, _H, 2 * _I),
-            torch.randn(_E, _I, _H))
+    return (torch.randn(_T, _H), torch.rand(_T, _E), torch.randn(_E, _H, 2 * _I), torch.randn(_E, _I, _H))
 
 
 def _bmm_moe_routed_input(x, scores, gate_up, down):
@@ -231,9 +248,7 @@ def _dense_replacement(on_input: bool):
         # Weights are stored [E, in, out]; the op takes nn.Linear layout [E, out, in] (views).
         w13 = aten.transpose.int(gate_up, 1, 2)
         w2 = aten.transpose.int(down, 1, 2)
-        return wb.torch_moe_dense_mlp.default(
-            x, scores, w13, w2, apply_routing_on_input=on_input
-        )
+        return wb.torch_moe_dense_mlp.default(x, scores, w13, w2, apply_routing_on_input=on_input)
 
     return replacement
 
@@ -256,20 +271,21 @@ def _dense_check(m: Match) -> Optional[Dict[str, Any]]:
     return {}
 
 
-_DENSE_IGNORE = (
-    (aten.repeat.default, "repeats"), (aten.view.default, "size"), (aten.reshape.default, "shape"),
-)
+_DENSE_IGNORE = ((aten.repeat.default, "repeats"), (aten.view.default, "size"), (aten.reshape.default, "shape"))
 
 BMM_MOE_PATTERNS = (
     Pattern(
-        "bmm_moe_routed_input", _bmm_moe_routed_input, _dense_replacement(True), _dense_examples,
-        ignore=_DENSE_IGNORE, check=_dense_check,
+        "bmm_moe_routed_input",
+        _bmm_moe_routed_input,
+        _dense_replacement(True),
+        _dense_examples,
+        ignore=_DENSE_IGNORE,
+        check=_dense_check,
     ),
 )
 DENSE_MOE_PATTERNS = (
     Pattern(
-        "dense_moe", _dense_moe, _dense_replacement(False), _dense_examples,
-        ignore=_DENSE_IGNORE, check=_dense_check,
+        "dense_moe", _dense_moe, _dense_replacement(False), _dense_examples, ignore=_DENSE_IGNORE, check=_dense_check
     ),
 )
 
@@ -396,16 +412,22 @@ def _routing_patterns(backend: str) -> List[Pattern]:
     out = []
     for renorm in ("inplace", "div", "none"):
         for cast in ("cast", "dtype"):
+
             def replacement(logits, *, k, _renorm=renorm != "none"):
                 res = op(logits, k, _renorm)
                 return res[0], res[1]
 
-            out.append(Pattern(
-                f"routing_{cast}_{renorm}_{backend}", _routing(cast, renorm), replacement,
-                lambda: (torch.randn(_T, _E),), literals={"k": _K},
-                ignore=((aten.to.dtype, "dtype"),) if cast == "cast" else (),
-                check=_routing_check(cast),
-            ))
+            out.append(
+                Pattern(
+                    f"routing_{cast}_{renorm}_{backend}",
+                    _routing(cast, renorm),
+                    replacement,
+                    lambda: (torch.randn(_T, _E),),
+                    literals={"k": _K},
+                    ignore=((aten.to.dtype, "dtype"),) if cast == "cast" else (),
+                    check=_routing_check(cast),
+                )
+            )
     return out
 
 

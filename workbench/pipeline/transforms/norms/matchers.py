@@ -55,13 +55,16 @@ def _fp32_input(m: Match):
 
 RMSNORM_PATTERNS = (
     Pattern(
-        "rmsnorm_with_casts", _rmsnorm_with_casts, _rmsnorm_replacement, _example_norm_inputs,
-        literals={"eps": _EPS, "out_dtype": _CAST_DTYPE}, check=_casts_back_to_input_dtype,
+        "rmsnorm_with_casts",
+        _rmsnorm_with_casts,
+        _rmsnorm_replacement,
+        _example_norm_inputs,
+        literals={"eps": _EPS, "out_dtype": _CAST_DTYPE},
+        check=_casts_back_to_input_dtype,
         shareable=(torch.ops.aten.to.dtype,),
     ),
     Pattern(
-        "rmsnorm", _rmsnorm_plain, _rmsnorm_replacement, _example_norm_inputs,
-        literals={"eps": _EPS}, check=_fp32_input,
+        "rmsnorm", _rmsnorm_plain, _rmsnorm_replacement, _example_norm_inputs, literals={"eps": _EPS}, check=_fp32_input
     ),
 )
 
@@ -82,13 +85,20 @@ def _l2norm_replacement(x, *, eps, out_dtype=None):
 
 L2NORM_PATTERNS = (
     Pattern(
-        "l2norm_with_casts", _l2norm_with_casts, _l2norm_replacement,
-        lambda: (torch.randn(2, 3, 8),), literals={"eps": _EPS, "out_dtype": _CAST_DTYPE},
+        "l2norm_with_casts",
+        _l2norm_with_casts,
+        _l2norm_replacement,
+        lambda: (torch.randn(2, 3, 8),),
+        literals={"eps": _EPS, "out_dtype": _CAST_DTYPE},
         check=_casts_back_to_input_dtype,
     ),
     Pattern(
-        "l2norm", _l2norm, _l2norm_replacement, lambda: (torch.randn(2, 3, 8),),
-        literals={"eps": _EPS}, check=_fp32_input,
+        "l2norm",
+        _l2norm,
+        _l2norm_replacement,
+        lambda: (torch.randn(2, 3, 8),),
+        literals={"eps": _EPS},
+        check=_fp32_input,
     ),
 )
 

@@ -18,8 +18,16 @@ import torch.fx as fx
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...interface import Transform, TransformInfo, register, rewrite_info
-from .graph import (QuantizeFromConfigConfig, GraphTensors, attr_users_elsewhere, checkpoint_skip_reason, get_attr_target, nothing_to_do,
-                            replace_node, scalar_fp32)
+from .graph import (
+    GraphTensors,
+    QuantizeFromConfigConfig,
+    attr_users_elsewhere,
+    checkpoint_skip_reason,
+    get_attr_target,
+    nothing_to_do,
+    replace_node,
+    scalar_fp32,
+)
 
 aten = torch.ops.aten
 wb = torch.ops.workbench

@@ -78,8 +78,11 @@ def _fake_quant(node: Any, op: Any) -> Optional[Tuple[fx.Node, str]]:
 
 def _fold(gm: fx.GraphModule, ctx, key: str, fake_op: Any, fold, fmt: str) -> Tuple[fx.GraphModule, TransformInfo]:
     if not any(n.target is fake_op for n in gm.graph.nodes):
-        return nothing_to_do(gm, f"no {fake_op.name().split('::')[-1]} nodes in the graph (the model has no {fmt} "
-                                 "ModelOpt-style quantizers attached)")
+        return nothing_to_do(
+            gm,
+            f"no {fake_op.name().split('::')[-1]} nodes in the graph (the model has no {fmt} "
+            "ModelOpt-style quantizers attached)",
+        )
     t = GraphTensors(gm, None, ctx.weights)
     done: List[str] = []
     left: List[str] = []
@@ -101,8 +104,7 @@ def _fold(gm: fx.GraphModule, ctx, key: str, fake_op: Any, fold, fmt: str) -> Tu
         args = fold.arguments(t, module, weight, x[1], w[1], node)
         bias = linear_bias(node)
         fq_nodes = [node.args[0], node.args[1], w[0]]
-        replace_node(gm, node, fold.op, (x[0], *args), {"bias": bias} if bias is not None else {}, t,
-                     replaced=fq_nodes)
+        replace_node(gm, node, fold.op, (x[0], *args), {"bias": bias} if bias is not None else {}, t, replaced=fq_nodes)
         amaxes += [x[1], w[1]]
         done.append(module)
     if done:
@@ -110,9 +112,14 @@ def _fold(gm: fx.GraphModule, ctx, key: str, fake_op: Any, fold, fmt: str) -> Tu
     dropped = drop_unread_attrs(gm, amaxes)
     gm, info = rewrite_info(gm, len(done), {"quantized": done, "left": left, "amax_dropped": len(dropped)})
     if not done:
-        info = info.model_copy(update={"skip_reason": left and f"{len(left)} fake-quant linears could not be folded"
-                                       or f"no linear reads {fake_op.name()} outputs (no ModelOpt-style quantizers "
-                                       "were attached to the model before export)"})
+        info = info.model_copy(
+            update={
+                "skip_reason": left
+                and f"{len(left)} fake-quant linears could not be folded"
+                or f"no linear reads {fake_op.name()} outputs (no ModelOpt-style quantizers "
+                "were attached to the model before export)"
+            }
+        )
     return gm, info
 
 
@@ -167,5 +174,11 @@ class QuantizeNvfp4FromGraph(Transform):
         return _fold(gm, ctx, self.key, wb.torch_fake_quant_nvfp4.default, _NVFP4Fold(), "NVFP4")
 
 
-__all__ = ["QuantizeFp8FromGraph", "QuantizeNvfp4FromGraph", "fp8_weight_from_amax", "fp8_scale_from_amax",
-           "nvfp4_weight_from_amax", "nvfp4_global_from_amax"]
+__all__ = [
+    "QuantizeFp8FromGraph",
+    "QuantizeNvfp4FromGraph",
+    "fp8_weight_from_amax",
+    "fp8_scale_from_amax",
+    "nvfp4_weight_from_amax",
+    "nvfp4_global_from_amax",
+]

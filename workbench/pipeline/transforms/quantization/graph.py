@@ -16,7 +16,6 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import torch
 import torch.fx as fx
-
 from pydantic import Field
 
 from ...graph.weights import fake_value, fetch_attr
@@ -31,11 +30,15 @@ def checkpoint_skip_reason(ctx, key: str, algos: Sequence[str]) -> Optional[str]
     """Why ``key`` (which handles checkpoints quantized as ``algos``) has nothing to do, or None."""
     cfg = ctx.quant_config
     if cfg is None:
-        return (f"the model has no quantization config (it was not loaded from a quantized checkpoint "
-                f"directory): {key} left the graph unchanged")
+        return (
+            f"the model has no quantization config (it was not loaded from a quantized checkpoint "
+            f"directory): {key} left the graph unchanged"
+        )
     if cfg.quant_algo not in algos:
-        return (f"the checkpoint is {cfg.quant_algo} (from {cfg.source}); {key} handles "
-                f"{' / '.join(algos)}: graph left unchanged")
+        return (
+            f"the checkpoint is {cfg.quant_algo} (from {cfg.source}); {key} handles "
+            f"{' / '.join(algos)}: graph left unchanged"
+        )
     return None
 
 
@@ -67,8 +70,16 @@ class GraphTensors:
             raise KeyError(f"{namespace} tensor {name!r} not found")
         return table[name]
 
-    def bind(self, target: str, inputs: Sequence[str], convert: Optional[Callable] = None, *,
-             namespace: str = "checkpoint", output: Optional[int] = None, **kwargs: Any) -> torch.Tensor:
+    def bind(
+        self,
+        target: str,
+        inputs: Sequence[str],
+        convert: Optional[Callable] = None,
+        *,
+        namespace: str = "checkpoint",
+        output: Optional[int] = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         """Make ``target`` a meta tensor shaped like ``convert(*inputs)`` and record the binding;
         returns the meta tensor."""
         binding = TensorBinding(tuple(inputs), namespace, convert, tuple(sorted(kwargs.items())), output)
@@ -111,8 +122,15 @@ def attr_users_elsewhere(gm: fx.GraphModule, target: str, node: fx.Node) -> List
     return [u for n in gm.graph.nodes if n.op == "get_attr" and n.target == target for u in n.users if u is not node]
 
 
-def replace_node(gm: fx.GraphModule, node: fx.Node, op: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
-                 tensors: GraphTensors, replaced: Iterable[fx.Node] = ()) -> fx.Node:
+def replace_node(
+    gm: fx.GraphModule,
+    node: fx.Node,
+    op: Any,
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    tensors: GraphTensors,
+    replaced: Iterable[fx.Node] = (),
+) -> fx.Node:
     """Insert ``op(*args, **kwargs)`` before ``node``, reroute ``node``'s users to it, erase ``node``
     (and ``replaced`` nodes left without users); provenance and fake values as every rewrite has."""
     with gm.graph.inserting_before(node):
@@ -158,6 +176,16 @@ class QuantizeFromConfigConfig(TransformConfig):
     )
 
 
-__all__ = ["checkpoint_skip_reason", "nothing_to_do", "scalar_fp32", "GraphTensors", "set_meta_attr",
-           "attr_users_elsewhere", "replace_node", "drop_unread_attrs", "get_attr_target", "to_meta",
-           "QuantizeFromConfigConfig"]
+__all__ = [
+    "checkpoint_skip_reason",
+    "nothing_to_do",
+    "scalar_fp32",
+    "GraphTensors",
+    "set_meta_attr",
+    "attr_users_elsewhere",
+    "replace_node",
+    "drop_unread_attrs",
+    "get_attr_target",
+    "to_meta",
+    "QuantizeFromConfigConfig",
+]

@@ -48,9 +48,18 @@ from ....ops.quant.codecs import gptq_default_g_idx
 from ....ops.quant.int4 import RUN, pack_int4
 from ....quantization.checkpoint_config import module_matches
 from ...graph.weights import linear_bias
-from ...interface import Transform, TransformConfig, register, rewrite_info
-from .graph import (QuantizeFromConfigConfig, GraphTensors, attr_users_elsewhere, checkpoint_skip_reason, drop_unread_attrs,
-                            get_attr_target, nothing_to_do, replace_node, scalar_fp32)
+from ...interface import Transform, register, rewrite_info
+from .graph import (
+    GraphTensors,
+    QuantizeFromConfigConfig,
+    attr_users_elsewhere,
+    checkpoint_skip_reason,
+    drop_unread_attrs,
+    get_attr_target,
+    nothing_to_do,
+    replace_node,
+    scalar_fp32,
+)
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
@@ -98,8 +107,9 @@ class LinearFormat:
 
     def from_model(self, t: GraphTensors, module: str, weight: str, cfg, before: fx.Node) -> Tuple[list, dict]:
         """The op's arguments with the weight quantized at load from the eager tensor ``weight``."""
-        raise NotImplementedError(f"{type(self).__name__} cannot quantize a full-precision weight at load "
-                                  "(it needs calibration data)")
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot quantize a full-precision weight at load (it needs calibration data)"
+        )
 
 
 def unit_scale(weight: torch.Tensor) -> torch.Tensor:
@@ -208,8 +218,10 @@ class AWQLinear(LinearFormat):
             return f"weight {w.dtype} / weight_scale {s.dtype} are not ModelOpt AWQ's uint8 / float"
         n, k = w.shape[0] * 2, w.shape[1]
         if s.dim() != 2 or s.shape[0] != n or k % s.shape[1] or (k // s.shape[1]) % RUN:
-            return (f"weight_scale {tuple(s.shape)} must be [N={n}, K/group] with a group a multiple of {RUN} "
-                    f"(torch_int4_linear's packing)")
+            return (
+                f"weight_scale {tuple(s.shape)} must be [N={n}, K/group] with a group a multiple of {RUN} "
+                f"(torch_int4_linear's packing)"
+            )
         return None
 
     def arguments(self, t, module, ck, parts, cfg, before):
@@ -261,8 +273,15 @@ class QuantizeAtLoadConfig(QuantizeFromConfigConfig):
     )
 
 
-def quantize_linears(gm: fx.GraphModule, ctx, key: str, algos: Sequence[str], fmt: LinearFormat,
-                     exclude: Sequence[str] = (), quantize_unquantized: bool = False):
+def quantize_linears(
+    gm: fx.GraphModule,
+    ctx,
+    key: str,
+    algos: Sequence[str],
+    fmt: LinearFormat,
+    exclude: Sequence[str] = (),
+    quantize_unquantized: bool = False,
+):
     """Rewrite every checkpoint-quantized ``aten.linear`` of ``gm`` with ``fmt`` (modules matching
     ``exclude`` or the checkpoint's exclude list left alone); see the module docstring.
     ``quantize_unquantized``: full-precision linears too, quantized at load (``fmt.from_model``)."""
@@ -314,14 +333,22 @@ def quantize_linears(gm: fx.GraphModule, ctx, key: str, algos: Sequence[str], fm
         if not fmt.replaces_weight:
             dropped.append(weight)
     drop_unread_attrs(gm, dropped)
-    details: Dict[str, Any] = {"quant_algo": cfg.quant_algo if cfg else None, "config_source": cfg.source if cfg else None,
-                               "quantized": done, **({"quantized_at_load": at_load} if at_load else {}),
-                               **{k: v for k, v in left.items() if v}}
+    details: Dict[str, Any] = {
+        "quant_algo": cfg.quant_algo if cfg else None,
+        "config_source": cfg.source if cfg else None,
+        "quantized": done,
+        **({"quantized_at_load": at_load} if at_load else {}),
+        **{k: v for k, v in left.items() if v},
+    }
     gm, info = rewrite_info(gm, len(done) + len(at_load), details)
     if not done and not at_load:
         what = ", ".join(k for k, v in left.items() if v) or "no linears"
-        info = info.model_copy(update={"skip_reason": f"no linear of this graph is stored as {cfg.quant_algo if cfg else key} "
-                                                      f"in the checkpoint ({what})"})
+        info = info.model_copy(
+            update={
+                "skip_reason": f"no linear of this graph is stored as {cfg.quant_algo if cfg else key} "
+                f"in the checkpoint ({what})"
+            }
+        )
     return gm, info
 
 
@@ -333,31 +360,63 @@ def _linear_transform(key: str, algos: Tuple[str, ...], fmt: LinearFormat, doc: 
         config_class = QuantizeAtLoadConfig if at_load else QuantizeFromConfigConfig
 
         def _apply(self, gm, ctx):
-            return quantize_linears(gm, ctx, self.key, algos, fmt, self.config.exclude_modules,
-                                    getattr(self.config, "quantize_unquantized", False))
+            return quantize_linears(
+                gm,
+                ctx,
+                self.key,
+                algos,
+                fmt,
+                self.config.exclude_modules,
+                getattr(self.config, "quantize_unquantized", False),
+            )
 
     LinearQuantization.__name__ = LinearQuantization.__qualname__ = "".join(p.title() for p in key.split("_"))
     return register(key)(LinearQuantization)
 
 
 QuantizeFp8LinearFromConfig = _linear_transform(
-    "quantize_fp8_linear_from_config", ("FP8",), FP8Linear(),
-    "FP8 checkpoints (per-tensor scales): aten.linear -> torch_fp8_linear.")
+    "quantize_fp8_linear_from_config",
+    ("FP8",),
+    FP8Linear(),
+    "FP8 checkpoints (per-tensor scales): aten.linear -> torch_fp8_linear.",
+)
 QuantizeFinegrainedFp8LinearFromConfig = _linear_transform(
-    "quantize_finegrained_fp8_linear_from_config", ("FP8_BLOCK",), FineGrainedFP8Linear(),
+    "quantize_finegrained_fp8_linear_from_config",
+    ("FP8_BLOCK",),
+    FineGrainedFP8Linear(),
     "Fine-grained FP8 checkpoints (weight_scale_inv per block, dynamic 1 x block_k activations): "
-    "aten.linear -> torch_finegrained_fp8_linear.")
+    "aten.linear -> torch_finegrained_fp8_linear.",
+)
 QuantizeNvfp4LinearFromConfig = _linear_transform(
-    "quantize_nvfp4_linear_from_config", ("NVFP4",), NVFP4Linear(),
-    "NVFP4 checkpoints (W4A4): aten.linear -> torch_nvfp4_linear.")
+    "quantize_nvfp4_linear_from_config",
+    ("NVFP4",),
+    NVFP4Linear(),
+    "NVFP4 checkpoints (W4A4): aten.linear -> torch_nvfp4_linear.",
+)
 QuantizeInt4LinearFromConfig = _linear_transform(
-    "quantize_int4_linear_from_config", ("W4A16_AWQ",), AWQLinear(),
-    "INT4 AWQ checkpoints (ModelOpt W4A16_AWQ): aten.linear -> torch_int4_awq_linear, the weight repacked at load.")
+    "quantize_int4_linear_from_config",
+    ("W4A16_AWQ",),
+    AWQLinear(),
+    "INT4 AWQ checkpoints (ModelOpt W4A16_AWQ): aten.linear -> torch_int4_awq_linear, the weight repacked at load.",
+)
 QuantizeInt4GptqLinearFromConfig = _linear_transform(
-    "quantize_int4_gptq_linear_from_config", ("W4A16_GPTQ",), GPTQLinear(),
-    "INT4 GPTQ checkpoints (qweight/qzeros/scales/g_idx as stored): aten.linear -> torch_int4_gptq_linear.")
+    "quantize_int4_gptq_linear_from_config",
+    ("W4A16_GPTQ",),
+    GPTQLinear(),
+    "INT4 GPTQ checkpoints (qweight/qzeros/scales/g_idx as stored): aten.linear -> torch_int4_gptq_linear.",
+)
 
 
-__all__ = ["quantize_linears", "QuantizeFromConfigConfig", "QuantizeAtLoadConfig", "awq_weight_for_op", "awq_offsets", "gptq_g_idx",
-           "QuantizeFp8LinearFromConfig", "QuantizeFinegrainedFp8LinearFromConfig", "QuantizeNvfp4LinearFromConfig",
-           "QuantizeInt4LinearFromConfig", "QuantizeInt4GptqLinearFromConfig"]
+__all__ = [
+    "quantize_linears",
+    "QuantizeFromConfigConfig",
+    "QuantizeAtLoadConfig",
+    "awq_weight_for_op",
+    "awq_offsets",
+    "gptq_g_idx",
+    "QuantizeFp8LinearFromConfig",
+    "QuantizeFinegrainedFp8LinearFromConfig",
+    "QuantizeNvfp4LinearFromConfig",
+    "QuantizeInt4LinearFromConfig",
+    "QuantizeInt4GptqLinearFromConfig",
+]

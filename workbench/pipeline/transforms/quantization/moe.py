@@ -37,8 +37,15 @@ from ....ops.quant import codecs
 from ...graph.weights import fetch_attr
 from ...interface import Transform, TransformInfo, register, rewrite_info
 from ...matcher import named_args
-from .graph import (QuantizeFromConfigConfig, GraphTensors, checkpoint_skip_reason, drop_unread_attrs, get_attr_target, nothing_to_do,
-                            replace_node)
+from .graph import (
+    GraphTensors,
+    QuantizeFromConfigConfig,
+    checkpoint_skip_reason,
+    drop_unread_attrs,
+    get_attr_target,
+    nothing_to_do,
+    replace_node,
+)
 
 wb = torch.ops.workbench
 
@@ -48,9 +55,9 @@ def stack_fp8_gate_up(*tensors: torch.Tensor, experts: int) -> Tuple[torch.Tenso
     """gate weights (E), up weights (E), gate scales, up scales, gate input scales, up input scales ->
     (w1_w3 fp8 [E, 2I, H], weight scale [E], input scale [E]). Gate and up are requantized to the
     larger of their scales (exact when equal); their input is the same, so its scale is the larger too."""
-    gates, ups = tensors[:experts], tensors[experts: 2 * experts]
-    gs, us = tensors[2 * experts: 3 * experts], tensors[3 * experts: 4 * experts]
-    gis, uis = tensors[4 * experts: 5 * experts], tensors[5 * experts:]
+    gates, ups = tensors[:experts], tensors[experts : 2 * experts]
+    gs, us = tensors[2 * experts : 3 * experts], tensors[3 * experts : 4 * experts]
+    gis, uis = tensors[4 * experts : 5 * experts], tensors[5 * experts :]
     weights, scales = [], []
     for g, u, a, b in zip(gates, ups, gs, us):
         a, b = a.float().reshape(()), b.float().reshape(())
@@ -69,10 +76,12 @@ def stack_experts(*tensors: torch.Tensor) -> torch.Tensor:
 def stack_fp8_block_gate_up(*tensors: torch.Tensor, experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """gate weights, up weights, gate scale_inv, up scale_inv (E each) -> (w1_w3 [E, 2I, H],
     scale_inv [E, 2 * ceil(I/bn), ceil(H/bk)]): gate and up tiled apart, which the op reads as is."""
-    gates, ups = tensors[:experts], tensors[experts: 2 * experts]
-    gs, us = tensors[2 * experts: 3 * experts], tensors[3 * experts:]
-    return (torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups)]),
-            torch.stack([torch.cat([a, b]) for a, b in zip(gs, us)]))
+    gates, ups = tensors[:experts], tensors[experts : 2 * experts]
+    gs, us = tensors[2 * experts : 3 * experts], tensors[3 * experts :]
+    return (
+        torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups)]),
+        torch.stack([torch.cat([a, b]) for a, b in zip(gs, us)]),
+    )
 
 
 def stack_nvfp4_gate_up(*tensors: torch.Tensor, experts: int):
@@ -80,14 +89,15 @@ def stack_nvfp4_gate_up(*tensors: torch.Tensor, experts: int):
     block scales [E, 2I, H/16], global [E], input [E]). Block scales are re-expressed against the larger
     global scale of the pair (exact when equal); the e2m1 codes are kept."""
     e = experts
-    gw, uw, gbs, ubs, gg, ug, gi, ui = (tensors[i * e: (i + 1) * e] for i in range(8))
+    gw, uw, gbs, ubs, gg, ug, gi, ui = (tensors[i * e : (i + 1) * e] for i in range(8))
     packed, block_scales, globals_, inputs = [], [], [], []
     for i in range(e):
         a, b = gg[i].float().reshape(()), ug[i].float().reshape(())
         top = torch.maximum(a, b)
         packed.append(torch.cat([gw[i], uw[i]]))
-        block_scales.append(torch.cat([codecs.to_fp8(gbs[i].float() * (a / top), 1.0),
-                                       codecs.to_fp8(ubs[i].float() * (b / top), 1.0)]))
+        block_scales.append(
+            torch.cat([codecs.to_fp8(gbs[i].float() * (a / top), 1.0), codecs.to_fp8(ubs[i].float() * (b / top), 1.0)])
+        )
         globals_.append(top)
         inputs.append(torch.maximum(gi[i].float().reshape(()), ui[i].float().reshape(())))
     return torch.stack(packed), torch.stack(block_scales), torch.stack(globals_), torch.stack(inputs)
@@ -122,8 +132,14 @@ class _FP8(_Plan):
     suffixes = ("weight", "weight_scale", "input_scale")
 
     def arguments(self, t, w13, w2, ex, e, before):
-        gate_up = [*_names(ex.gate, "weight"), *_names(ex.up, "weight"), *_names(ex.gate, "weight_scale"),
-                   *_names(ex.up, "weight_scale"), *_names(ex.gate, "input_scale"), *_names(ex.up, "input_scale")]
+        gate_up = [
+            *_names(ex.gate, "weight"),
+            *_names(ex.up, "weight"),
+            *_names(ex.gate, "weight_scale"),
+            *_names(ex.up, "weight_scale"),
+            *_names(ex.gate, "input_scale"),
+            *_names(ex.up, "input_scale"),
+        ]
         for i, target in enumerate((w13, f"{w13}_weight_scale", f"{w13}_input_scale")):
             t.bind(target, gate_up, stack_fp8_gate_up, output=i, experts=e)
         t.bind(w2, _names(ex.down, "weight"), stack_experts)
@@ -141,8 +157,12 @@ class _FineGrainedFP8(_Plan):
         self.block = block
 
     def arguments(self, t, w13, w2, ex, e, before):
-        gate_up = [*_names(ex.gate, "weight"), *_names(ex.up, "weight"), *_names(ex.gate, "weight_scale_inv"),
-                   *_names(ex.up, "weight_scale_inv")]
+        gate_up = [
+            *_names(ex.gate, "weight"),
+            *_names(ex.up, "weight"),
+            *_names(ex.gate, "weight_scale_inv"),
+            *_names(ex.up, "weight_scale_inv"),
+        ]
         t.bind(w13, gate_up, stack_fp8_block_gate_up, output=0, experts=e)
         t.bind(f"{w13}_weight_scale_inv", gate_up, stack_fp8_block_gate_up, output=1, experts=e)
         t.bind(w2, _names(ex.down, "weight"), stack_experts)
@@ -165,13 +185,22 @@ class _NVFP4(_Plan):
             t.bind(target, gate_up, stack_nvfp4_gate_up, output=i, experts=e)
         for s in self.suffixes:
             t.bind(w2 if s == "weight" else f"{w2}_{s}", _names(ex.down, s), stack_experts)
-        names = (w13, w2, f"{w13}_weight_scale", f"{w2}_weight_scale", f"{w13}_weight_scale_2",
-                 f"{w2}_weight_scale_2", f"{w13}_input_scale", f"{w2}_input_scale")
+        names = (
+            w13,
+            w2,
+            f"{w13}_weight_scale",
+            f"{w2}_weight_scale",
+            f"{w13}_weight_scale_2",
+            f"{w2}_weight_scale_2",
+            f"{w13}_input_scale",
+            f"{w2}_input_scale",
+        )
         return [t.node(n, before) for n in names]
 
 
-def quantize_moe(gm: fx.GraphModule, ctx, key: str, algo: str, plan: _Plan,
-                 exclude: Sequence[str] = ()) -> Tuple[fx.GraphModule, TransformInfo]:
+def quantize_moe(
+    gm: fx.GraphModule, ctx, key: str, algo: str, plan: _Plan, exclude: Sequence[str] = ()
+) -> Tuple[fx.GraphModule, TransformInfo]:
     reason = checkpoint_skip_reason(ctx, key, (algo,))
     if reason:
         return nothing_to_do(gm, reason)
@@ -191,7 +220,9 @@ def quantize_moe(gm: fx.GraphModule, ctx, key: str, algo: str, plan: _Plan,
         num = int(fetch_attr(gm, w13).shape[0])
         ex = ck.expert_modules(experts_module, num)
         if cfg.is_excluded(experts_module) or ex is None:
-            left.append(f"{experts_module}: {'excluded' if ex is not None else 'not stored per expert in the checkpoint'}")
+            left.append(
+                f"{experts_module}: {'excluded' if ex is not None else 'not stored per expert in the checkpoint'}"
+            )
             continue
         missing = [f"{m}.{s}" for m in ex.gate + ex.up + ex.down for s in plan.suffixes if f"{m}.{s}" not in ck]
         if missing:
@@ -200,8 +231,9 @@ def quantize_moe(gm: fx.GraphModule, ctx, key: str, algo: str, plan: _Plan,
         new_args = plan.arguments(t, w13, w2, ex, num, node)
         kwargs = {"act_fn": args["act_fn"]} if args["act_fn"] != "silu" else {}
         kwargs.update(getattr(plan, "tail", dict)())
-        replace_node(gm, node, plan.op, (args["x"], args["selected_experts"], args["routing_weights"], *new_args),
-                     kwargs, t)
+        replace_node(
+            gm, node, plan.op, (args["x"], args["selected_experts"], args["routing_weights"], *new_args), kwargs, t
+        )
         done.append(experts_module)
     gm, info = rewrite_info(gm, len(done), {"quant_algo": cfg.quant_algo, "quantized": done, "left": left})
     if not done:
@@ -278,9 +310,15 @@ class QuantizeMxfp4Moe(Transform):
                 t.bind(f"{target}_scales", [f"{name}_scales"])
                 new.append([t.node(f"{target}_blocks", node), t.node(f"{target}_scales", node), None])
             kwargs = {"act_fn": args["act_fn"]} if args["act_fn"] != "silu" else {}
-            replace_node(gm, node, wb.torch_mxfp4_moe.default,
-                         (args["x"], args["selected_experts"], args["routing_weights"], *new[0], *new[1]), kwargs, t,
-                         replaced=[args["w1_w3_stacked"], args["w2_stacked"]])
+            replace_node(
+                gm,
+                node,
+                wb.torch_mxfp4_moe.default,
+                (args["x"], args["selected_experts"], args["routing_weights"], *new[0], *new[1]),
+                kwargs,
+                t,
+                replaced=[args["w1_w3_stacked"], args["w2_stacked"]],
+            )
             dropped += targets
             done.append(names[0].rsplit(".", 1)[0])
         drop_unread_attrs(gm, dropped)
@@ -290,6 +328,15 @@ class QuantizeMxfp4Moe(Transform):
         return gm, info
 
 
-__all__ = ["QuantizeFp8Moe", "QuantizeFinegrainedFp8Moe", "QuantizeNvfp4Moe", "QuantizeMxfp4Moe", "quantize_moe",
-           "stack_fp8_gate_up", "stack_fp8_block_gate_up", "stack_nvfp4_gate_up", "stack_experts",
-           "mxfp4_blocks_for_op"]
+__all__ = [
+    "QuantizeFp8Moe",
+    "QuantizeFinegrainedFp8Moe",
+    "QuantizeNvfp4Moe",
+    "QuantizeMxfp4Moe",
+    "quantize_moe",
+    "stack_fp8_gate_up",
+    "stack_fp8_block_gate_up",
+    "stack_nvfp4_gate_up",
+    "stack_experts",
+    "mxfp4_blocks_for_op",
+]

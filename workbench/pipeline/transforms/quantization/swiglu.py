@@ -64,12 +64,15 @@ def _fp8_examples():
     return (torch.randn(2, 3, _H), gw, gs, uw, us, dw, ds)
 
 
-NVFP4_SWIGLU_PATTERNS = (
-    Pattern("nvfp4_swiglu", _nvfp4_swiglu, _nvfp4_swiglu_replacement, _nvfp4_examples),
-)
+NVFP4_SWIGLU_PATTERNS = (Pattern("nvfp4_swiglu", _nvfp4_swiglu, _nvfp4_swiglu_replacement, _nvfp4_examples),)
 FINEGRAINED_FP8_SWIGLU_PATTERNS = (
-    Pattern("finegrained_fp8_swiglu", _fp8_swiglu, _fp8_swiglu_replacement, _fp8_examples,
-            literals={"block_n": _BLOCK_N, "block_k": _BLOCK_K}),
+    Pattern(
+        "finegrained_fp8_swiglu",
+        _fp8_swiglu,
+        _fp8_swiglu_replacement,
+        _fp8_examples,
+        literals={"block_n": _BLOCK_N, "block_k": _BLOCK_K},
+    ),
 )
 
 
@@ -80,13 +83,18 @@ def match_quantized_swiglu(gm, patterns, linear_op, quantize_key: str, checkpoin
     name = str(linear_op).rsplit(".", 1)[0].replace("workbench.", "")
     if not any(n.target is linear_op for n in gm.graph.nodes):
         gm, info = match_info(gm, {p.name: 0 for p in patterns})
-        return gm, info.model_copy(update={"skip_reason": f"no {name} nodes (run {quantize_key} on an "
-                                                          f"{checkpoint} checkpoint first)"})
+        return gm, info.model_copy(
+            update={"skip_reason": f"no {name} nodes (run {quantize_key} on an {checkpoint} checkpoint first)"}
+        )
     gm, info = match_info(gm, PatternMatcher(patterns).apply(gm))
     if info.num_matches:
         return gm, info
-    return gm, info.model_copy(update={"skip_reason": f"no silu(gate) * up MLP of three bias-free {name} nodes "
-                                                      "(with the same block sizes) in the graph"})
+    return gm, info.model_copy(
+        update={
+            "skip_reason": f"no silu(gate) * up MLP of three bias-free {name} nodes "
+            "(with the same block sizes) in the graph"
+        }
+    )
 
 
 @register("match_nvfp4_swiglu_pattern")
@@ -94,8 +102,9 @@ class MatchNvfp4SwigluPattern(Transform):
     """Three NVFP4 linears around silu-and-multiply -> ``torch_nvfp4_swiglu_mlp``."""
 
     def _apply(self, gm, ctx):
-        return match_quantized_swiglu(gm, NVFP4_SWIGLU_PATTERNS, wb.torch_nvfp4_linear.default,
-                                      "quantize_nvfp4_linear_from_config", "NVFP4")
+        return match_quantized_swiglu(
+            gm, NVFP4_SWIGLU_PATTERNS, wb.torch_nvfp4_linear.default, "quantize_nvfp4_linear_from_config", "NVFP4"
+        )
 
 
 @register("match_finegrained_fp8_swiglu_pattern")
@@ -103,9 +112,18 @@ class MatchFinegrainedFp8SwigluPattern(Transform):
     """Three fine-grained FP8 linears around silu-and-multiply -> ``torch_finegrained_fp8_swiglu_mlp``."""
 
     def _apply(self, gm, ctx):
-        return match_quantized_swiglu(gm, FINEGRAINED_FP8_SWIGLU_PATTERNS, wb.torch_finegrained_fp8_linear.default,
-                                      "quantize_finegrained_fp8_linear_from_config", "FP8_BLOCK")
+        return match_quantized_swiglu(
+            gm,
+            FINEGRAINED_FP8_SWIGLU_PATTERNS,
+            wb.torch_finegrained_fp8_linear.default,
+            "quantize_finegrained_fp8_linear_from_config",
+            "FP8_BLOCK",
+        )
 
 
-__all__ = ["NVFP4_SWIGLU_PATTERNS", "FINEGRAINED_FP8_SWIGLU_PATTERNS", "MatchNvfp4SwigluPattern",
-           "MatchFinegrainedFp8SwigluPattern"]
+__all__ = [
+    "NVFP4_SWIGLU_PATTERNS",
+    "FINEGRAINED_FP8_SWIGLU_PATTERNS",
+    "MatchNvfp4SwigluPattern",
+    "MatchFinegrainedFp8SwigluPattern",
+]

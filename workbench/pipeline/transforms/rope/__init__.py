@@ -1,4 +1,4 @@
 """RoPE matching (stage ``pattern_matcher``).
 
-    matchers.py   match_rope_pattern
+matchers.py   match_rope_pattern
 """

@@ -17,9 +17,9 @@ from typing import Any, Dict, Optional
 import torch
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ...graph.utils import tensor_meta
 from ...interface import Transform, register
 from ...matcher import Match, Pattern, PatternMatcher, match_info, named_args, same_size
-from ...graph.utils import tensor_meta
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
@@ -152,7 +152,10 @@ _SLICE_ARGS = tuple((aten.slice.Tensor, a) for a in ("dim", "start", "end", "ste
 
 ROPE_PATTERNS = (
     Pattern(
-        "rope_qk_interleaving", _rope_interleaved, _interleaved_replacement, _qk_cos_sin,
+        "rope_qk_interleaving",
+        _rope_interleaved,
+        _interleaved_replacement,
+        _qk_cos_sin,
         literals={"unsqueeze_dim": _UNSQUEEZE_DIM},
         ignore=_SLICE_ARGS + ((aten.view.default, "size"), (aten.reshape.default, "shape")),
         check=_interleave_check,
@@ -162,21 +165,33 @@ ROPE_PATTERNS = (
     *(
         Pattern(
             f"rope_complex_freqs_{'shared_' if shared else ''}{str(dtype)[6:]}",
-            _rope_complex(shared), _complex_replacement,
-            lambda dtype=dtype: (torch.randn(1, 4, 2, 8, dtype=dtype),
-                                 torch.randn(1, 4, 2, 8, dtype=dtype),
-                                 torch.polar(torch.ones(1, 4, 4), torch.randn(1, 4, 4))),
+            _rope_complex(shared),
+            _complex_replacement,
+            lambda dtype=dtype: (
+                torch.randn(1, 4, 2, 8, dtype=dtype),
+                torch.randn(1, 4, 2, 8, dtype=dtype),
+                torch.polar(torch.ones(1, 4, 4), torch.randn(1, 4, 4)),
+            ),
             literals={"unsqueeze_dim": 2},
-            ignore=((aten.reshape.default, "shape"), (aten.flatten.using_ints, "start_dim"),
-                    (aten.flatten.using_ints, "end_dim")),
-            check=_complex_check, inputs=("xq", "xk", "freqs_cis"),
+            ignore=(
+                (aten.reshape.default, "shape"),
+                (aten.flatten.using_ints, "start_dim"),
+                (aten.flatten.using_ints, "end_dim"),
+            ),
+            check=_complex_check,
+            inputs=("xq", "xk", "freqs_cis"),
         )
         for dtype in (torch.float32, torch.bfloat16)
         for shared in (False, True)
     ),
     Pattern(
-        "rope_explicit_cos_sin", _rope_explicit, _explicit_replacement, _qk_cos_sin,
-        literals={"unsqueeze_dim": _UNSQUEEZE_DIM}, ignore=_SLICE_ARGS, check=_rotate_half_check,
+        "rope_explicit_cos_sin",
+        _rope_explicit,
+        _explicit_replacement,
+        _qk_cos_sin,
+        literals={"unsqueeze_dim": _UNSQUEEZE_DIM},
+        ignore=_SLICE_ARGS,
+        check=_rotate_half_check,
     ),
 )
 
@@ -186,8 +201,9 @@ ROPE_PATTERNS = (
 
 def _table_by_matmul(inv_freq, position_ids):
     # transformers <= 5.17's rotary forward: the angle table as a batched [D/2, 1] @ [1, S] matmul
-    expanded = inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1).to(device=inv_freq.device,
-                                                                                 dtype=torch.float)
+    expanded = (
+        inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1).to(device=inv_freq.device, dtype=torch.float)
+    )
     return (expanded @ position_ids[:, None, :].float()).transpose(1, 2)
 
 
@@ -208,15 +224,22 @@ def _table_check(m: Match) -> Optional[Dict[str, Any]]:
     inv, pos = m.val("inv_freq"), m.val("position_ids")
     if inv is None or pos is None or inv.dim() != 1 or pos.dim() != 2 or not inv.dtype.is_floating_point:
         return None
-    devices = [n.args[1] for n in m.matched(aten.to.device)] + \
-              [n.kwargs["device"] for n in m.matched(aten.to.dtype_layout) if "device" in n.kwargs]
+    devices = [n.args[1] for n in m.matched(aten.to.device)] + [
+        n.kwargs["device"] for n in m.matched(aten.to.dtype_layout) if "device" in n.kwargs
+    ]
     return {"device": devices[0]} if devices else None
 
 
 _TABLE_IGNORE = ((aten.expand.default, "size"), (aten.to.device, "device"), (aten.to.dtype_layout, "device"))
 ROPE_TABLE_PATTERNS = tuple(
-    Pattern(name, search, _table_by_mul, lambda: (torch.rand(4), torch.arange(6).reshape(2, 3)),
-            ignore=_TABLE_IGNORE, check=_table_check)
+    Pattern(
+        name,
+        search,
+        _table_by_mul,
+        lambda: (torch.rand(4), torch.arange(6).reshape(2, 3)),
+        ignore=_TABLE_IGNORE,
+        check=_table_check,
+    )
     for name, search in (("rope_table_matmul", _table_by_matmul), ("rope_table_matmul_casts", _table_by_matmul_casts))
 )
 

@@ -1,9 +1,9 @@
 """Sharding (stage ``sharding``): a plan of which regions split how across ranks, then the rewrite.
 
-    transforms.py   detect_sharding, sharding_transform_executor
-    plans.py        detect_plan / apply_plan, the two entry points
-    detect.py       regions (attention heads, MLP features, MoE experts, LM-head vocabulary) from the graph
-    plan.py         the plan's types (regions, cuts, ranges)
-    apply.py        the rewrite: sliced weights, collectives
-    linear_ops.py   the linear ops a region may hold (plain and quantized)
+transforms.py   detect_sharding, sharding_transform_executor
+plans.py        detect_plan / apply_plan, the two entry points
+detect.py       regions (attention heads, MLP features, MoE experts, LM-head vocabulary) from the graph
+plan.py         the plan's types (regions, cuts, ranges)
+apply.py        the rewrite: sliced weights, collectives
+linear_ops.py   the linear ops a region may hold (plain and quantized)
 """

@@ -27,16 +27,20 @@ wb = torch.ops.workbench
 SHARDING_META = "sharding"  # node.meta label: split kind and what this rank holds (renders read it)
 
 
-def take_shard(t: torch.Tensor, *, dim: int, ranges: Tuple[Tuple[int, int], ...], zero: bool = False,
-               index: Optional[tuple] = None) -> torch.Tensor:
+def take_shard(
+    t: torch.Tensor, *, dim: int, ranges: Tuple[Tuple[int, int], ...], zero: bool = False, index: Optional[tuple] = None
+) -> torch.Tensor:
     """This rank's part of ``t``: ``ranges`` along ``dim`` concatenated (after ``t[index]`` when
     the graph tensor is a recorded view), copied so the rank holds only its slice."""
     if index is not None:
         t = t[index]
     parts = [t.narrow(dim, a, b - a) for a, b in ranges]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-    return torch.zeros_like(out, memory_format=torch.contiguous_format) if zero else \
-        out.clone(memory_format=torch.contiguous_format)
+    return (
+        torch.zeros_like(out, memory_format=torch.contiguous_format)
+        if zero
+        else out.clone(memory_format=torch.contiguous_format)
+    )
 
 
 def take_shard_of_converted(*inputs: torch.Tensor, inner, inner_kwargs, inner_output, dim, ranges, zero=False):
@@ -52,9 +56,12 @@ def _binding(gm: fx.GraphModule, source: str, cut: TensorCut) -> TensorBinding:
     kw = (("dim", cut.dim), ("ranges", cut.ranges), ("zero", cut.zero))
     earlier = tensor_bindings(gm).get(source)
     if earlier is not None:
-        return TensorBinding(earlier.inputs, earlier.namespace, take_shard_of_converted,
-                             (("inner", earlier.convert), ("inner_kwargs", earlier.kwargs),
-                              ("inner_output", earlier.output), *kw))
+        return TensorBinding(
+            earlier.inputs,
+            earlier.namespace,
+            take_shard_of_converted,
+            (("inner", earlier.convert), ("inner_kwargs", earlier.kwargs), ("inner_output", earlier.output), *kw),
+        )
     view = gm.meta.get(WEIGHT_VIEWS_KEY, {}).get(source)
     if view is not None:
         base, index = view
@@ -73,8 +80,10 @@ def _cut_tensor(gm: fx.GraphModule, node: fx.Node, cut: TensorCut, readers: Coun
     attr = node.args[cut.arg_index] if isinstance(cut.arg_index, int) else node.kwargs[cut.arg_index]
     whole = fetch_attr(gm, attr.target)
     if not whole.is_meta:
-        raise RuntimeError(f"{attr.target} already holds real weights: sharding must run before load_weights "
-                           "(stage sharding comes before weight_load)")
+        raise RuntimeError(
+            f"{attr.target} already holds real weights: sharding must run before load_weights "
+            "(stage sharding comes before weight_load)"
+        )
     local = torch.empty(_local_shape(whole.shape, cut), dtype=whole.dtype, device="meta")
     if isinstance(whole, torch.nn.Parameter):
         local = torch.nn.Parameter(local, requires_grad=False)

@@ -36,19 +36,45 @@ aten, wb = torch.ops.aten, torch.ops.workbench
 
 # Ops between a projection and attention that act on each head alone (the head dim is untouched).
 PASS_THROUGH = {
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
-    aten.permute.default, aten.contiguous.default, aten.clone.default, aten.to.dtype,
-    aten._to_copy.default, aten.alias.default,
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.contiguous.default,
+    aten.clone.default,
+    aten.to.dtype,
+    aten._to_copy.default,
+    aten.alias.default,
 }
 RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 # Element-wise ops an MLP may apply between its opening and closing linears.
 ELEMENTWISE = {
-    aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.default, aten.tanh.default,
-    aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.neg.default,
-    aten.pow.Tensor_Scalar, aten.to.dtype, aten._to_copy.default, aten.clamp.default,
+    aten.silu.default,
+    aten.gelu.default,
+    aten.relu.default,
+    aten.sigmoid.default,
+    aten.tanh.default,
+    aten.mul.Tensor,
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.div.Tensor,
+    aten.neg.default,
+    aten.pow.Tensor_Scalar,
+    aten.to.dtype,
+    aten._to_copy.default,
+    aten.clamp.default,
 }
-UNSHARDED_MIXERS = ("torch_mla", "torch_ssm", "torch_causal_conv1d", "torch_gated_delta_rule", "torch_delta_rule",
-                    "torch_attention_sdpa", "torch_attention_repeat_kv", "torch_moe_dense_mlp")
+UNSHARDED_MIXERS = (
+    "torch_mla",
+    "torch_ssm",
+    "torch_causal_conv1d",
+    "torch_gated_delta_rule",
+    "torch_delta_rule",
+    "torch_attention_sdpa",
+    "torch_attention_repeat_kv",
+    "torch_moe_dense_mlp",
+)
 _LAYER = re.compile(r"layers[._](\d+)[._]")
 
 
@@ -80,8 +106,15 @@ def _arg(node: fx.Node, index) -> fx.Node:
 
 
 class Detector:
-    def __init__(self, gm: fx.GraphModule, world_size: int, rank: int, group_name: str,
-                 dims: Sequence[str] = ("tp", "ep"), layers: Optional[Sequence[str]] = None):
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        world_size: int,
+        rank: int,
+        group_name: str,
+        dims: Sequence[str] = ("tp", "ep"),
+        layers: Optional[Sequence[str]] = None,
+    ):
         self.gm, self.W, self.rank, self.group = gm, world_size, rank, group_name
         self.dims, self.layers = set(dims), set(layers) if layers is not None else None
         self.claimed: Set[fx.Node] = set()
@@ -107,10 +140,12 @@ class Detector:
             f: Fraction = w.per_feature(node)
             for a, b in cols:
                 if a % align or (b % align and b != features(node)[0]):
-                    raise NotShardable(f"{node.name}: input features {a}-{b} do not fall on its "
-                                       f"{align}-element quantization groups")
-            tensors.append(TensorCut(w.index, node.args[w.index].target, 1,
-                                     tuple((int(a * f), int(b * f)) for a, b in cols)))
+                    raise NotShardable(
+                        f"{node.name}: input features {a}-{b} do not fall on its {align}-element quantization groups"
+                    )
+            tensors.append(
+                TensorCut(w.index, node.args[w.index].target, 1, tuple((int(a * f), int(b * f)) for a, b in cols))
+            )
         bias = rule.bias(node)
         if bias is not None:
             n = features(node)[1]
@@ -151,19 +186,26 @@ class Detector:
             path.append(cur)
             if _is(cur, *PASS_THROUGH) or (_is(cur, aten.slice.Tensor) and self._trailing_dim(cur, cur.args[1])):
                 stack.append(cur.args[0])
-            elif _is(cur, aten.cat.default, aten.stack.default) and \
-                    self._trailing_dim(cur, cur.args[1] if len(cur.args) > 1 else 0):
+            elif _is(cur, aten.cat.default, aten.stack.default) and self._trailing_dim(
+                cur, cur.args[1] if len(cur.args) > 1 else 0
+            ):
                 stack.extend(cur.args[0])
-            elif (_is(cur, aten.flatten.using_ints) and self._trailing_dim(cur.args[0], cur.args[1])) or \
-                    (_is(cur, aten.unsqueeze.default) and self._trailing_dim(cur, cur.args[1])):
+            elif (_is(cur, aten.flatten.using_ints) and self._trailing_dim(cur.args[0], cur.args[1])) or (
+                _is(cur, aten.unsqueeze.default) and self._trailing_dim(cur, cur.args[1])
+            ):
                 stack.append(cur.args[0])
-            elif _is(cur, operator.getitem) and _is(cur.args[0], aten.split.Tensor, aten.split_with_sizes.default,
-                                                     aten.chunk.default) \
-                    and self._trailing_dim(cur.args[0].args[0], cur.args[0].args[2] if len(cur.args[0].args) > 2 else 0):
+            elif (
+                _is(cur, operator.getitem)
+                and _is(cur.args[0], aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+                and self._trailing_dim(cur.args[0].args[0], cur.args[0].args[2] if len(cur.args[0].args) > 2 else 0)
+            ):
                 path.append(cur.args[0])
                 stack.append(cur.args[0].args[0])
-            elif _is(cur, operator.getitem) and isinstance(cur.args[0], fx.Node) \
-                    and op_name(cur.args[0]).startswith("workbench.torch_rope"):
+            elif (
+                _is(cur, operator.getitem)
+                and isinstance(cur.args[0], fx.Node)
+                and op_name(cur.args[0]).startswith("workbench.torch_rope")
+            ):
                 rope = cur.args[0]
                 path.append(rope)
                 seen.add(rope)
@@ -220,8 +262,10 @@ class Detector:
         if kv_heads >= W:
             return [((a * group, b * group), (a, b)) for a, b in split_evenly(kv_heads, W)]
         if W % kv_heads:
-            raise NotShardable(f"{kv_heads} KV heads cannot be copied evenly to {W} ranks (world size must be a "
-                               f"multiple of the KV heads, or at most {kv_heads})")
+            raise NotShardable(
+                f"{kv_heads} KV heads cannot be copied evenly to {W} ranks (world size must be a "
+                f"multiple of the KV heads, or at most {kv_heads})"
+            )
         per_kv = W // kv_heads
         if group < per_kv:
             raise NotShardable(f"{heads} query heads are fewer than the {W} ranks")
@@ -238,8 +282,9 @@ class Detector:
             raise NotShardable(f"layout {attn.kwargs.get('layout')} (only bsnd attention is split)")
         q, k, v = attn.args[:3]
         paths = {name: [] for name in "qkv"}
-        lins = {name: self._back_to_linear(x, paths[name], int(x.meta["val"].shape[2]))
-                for name, x in zip("qkv", (q, k, v))}
+        lins = {
+            name: self._back_to_linear(x, paths[name], int(x.meta["val"].shape[2])) for name, x in zip("qkv", (q, k, v))
+        }
         if len({lins["q"], lins["k"], lins["v"]}) < 3:
             raise NotShardable("Q, K and V come from one fused projection (split after it): not split yet")
         out_path: List[fx.Node] = []
@@ -249,18 +294,22 @@ class Detector:
             out_path.append(cur)
         users = list(cur.users)
         if len(users) != 1 or linear_op(users[0]) is None or users[0].args[0] is not cur:
-            raise NotShardable(f"the attention output does not go straight into one linear "
-                               f"(users: {', '.join(op_name(u) for u in users)})")
+            raise NotShardable(
+                f"the attention output does not go straight into one linear "
+                f"(users: {', '.join(op_name(u) for u in users)})"
+            )
         o_lin = users[0]
         qv, kv_, vv = (x.meta.get("val") for x in (q, k, v))
-        heads, kv_heads, head_dim, v_dim = int(qv.shape[2]), int(kv_.shape[2]), int(qv.shape[3]), int(vv.shape[3])
+        heads, kv_heads, head_dim, v_dim = (int(qv.shape[2]), int(kv_.shape[2]), int(qv.shape[3]), int(vv.shape[3]))
         ranges = self.head_ranges(heads, kv_heads)
         (h0, h1), (g0, g1) = ranges[self.rank]
         rules = {x: linear_op(lins[x]) for x in "qkv"}
-        cuts = [self.column(lins["q"], rules["q"], [(h0 * head_dim, h1 * head_dim)]),
-                self.column(lins["k"], rules["k"], [(g0 * head_dim, g1 * head_dim)]),
-                self.column(lins["v"], rules["v"], [(g0 * v_dim, g1 * v_dim)]),
-                self.row(o_lin, linear_op(o_lin), [(h0 * v_dim, h1 * v_dim)])]
+        cuts = [
+            self.column(lins["q"], rules["q"], [(h0 * head_dim, h1 * head_dim)]),
+            self.column(lins["k"], rules["k"], [(g0 * head_dim, g1 * head_dim)]),
+            self.column(lins["v"], rules["v"], [(g0 * v_dim, g1 * v_dim)]),
+            self.row(o_lin, linear_op(o_lin), [(h0 * v_dim, h1 * v_dim)]),
+        ]
         sinks = attn.kwargs.get("sinks")
         if isinstance(sinks, fx.Node):  # one learned logit per query head: cut with the heads
             if sinks.op != "get_attr":
@@ -275,10 +324,22 @@ class Detector:
         layer = _layer_of(nodes)
         whole, local = self.bytes_of(cuts, nodes)
         per_rank = tuple(f"q heads {fmt_range(q_)}, kv heads {fmt_range(k_)}" for q_, k_ in ranges)
-        how = (f"{heads} query / {kv_heads} KV heads by head: q/k/v column, o row + all_reduce"
-               + (" (KV heads copied)" if kv_heads < self.W else ""))
-        return Region("mha", layer, tuple(n.name for n in nodes), True, how, per_rank, tuple(cuts),
-                      tuple(fixes), (o_lin.name, "all_reduce"), global_bytes=whole, local_bytes=local)
+        how = f"{heads} query / {kv_heads} KV heads by head: q/k/v column, o row + all_reduce" + (
+            " (KV heads copied)" if kv_heads < self.W else ""
+        )
+        return Region(
+            "mha",
+            layer,
+            tuple(n.name for n in nodes),
+            True,
+            how,
+            per_rank,
+            tuple(cuts),
+            tuple(fixes),
+            (o_lin.name, "all_reduce"),
+            global_bytes=whole,
+            local_bytes=local,
+        )
 
     @staticmethod
     def _fix_heads(path: Sequence[fx.Node], whole: int, local: int, last: bool) -> List[Tuple[str, int, int]]:
@@ -321,18 +382,33 @@ class Detector:
         cuts: Tuple[NodeCut, ...] = ()
         lists = None
         if fused:
-            cuts = (NodeCut(node.name, "expert", (TensorCut(3, w13.target, 0, ((e0, e1),)),
-                                                  TensorCut(4, w2.target, 0, ((e0, e1),)))),)
+            cuts = (
+                NodeCut(
+                    node.name,
+                    "expert",
+                    (TensorCut(3, w13.target, 0, ((e0, e1),)), TensorCut(4, w2.target, 0, ((e0, e1),))),
+                ),
+            )
             whole, local = self.bytes_of(cuts, [node])
         else:
             lists = (node.name, (e0, e1))
             whole = sum(_nbytes(w) for lst in node.args[3:6] for w in lst)
             local = sum(_nbytes(w) for lst in node.args[3:6] for w in lst[e0:e1])
         per_rank = tuple(f"experts {fmt_range(r)}" for r in ranges)
-        return Region("moe", layer, (node.name,), True,
-                      f"{experts} experts by expert (EP), router replicated, + all_reduce", per_rank, cuts,
-                      collective=(node.name, "all_reduce"), local_experts=(node.name, e0, e1 - e0),
-                      expert_lists=lists, global_bytes=whole, local_bytes=local)
+        return Region(
+            "moe",
+            layer,
+            (node.name,),
+            True,
+            f"{experts} experts by expert (EP), router replicated, + all_reduce",
+            per_rank,
+            cuts,
+            collective=(node.name, "all_reduce"),
+            local_experts=(node.name, e0, e1 - e0),
+            expert_lists=lists,
+            global_bytes=whole,
+            local_bytes=local,
+        )
 
     # ------------------------------------------------------------------ LM head
     def lm_head(self, vocab: int) -> Optional[Region]:
@@ -348,13 +424,23 @@ class Detector:
             return None
         ranges = [(r * vocab // self.W, (r + 1) * vocab // self.W) for r in range(self.W)]
         if vocab % self.W:
-            raise NotShardable(f"vocab {vocab} is not a multiple of the {self.W} ranks (the logits all-gather "
-                               "takes equal blocks)")
+            raise NotShardable(
+                f"vocab {vocab} is not a multiple of the {self.W} ranks (the logits all-gather takes equal blocks)"
+            )
         cut = self.column(cur, linear_op(cur), [ranges[self.rank]], kind="vocab")
         whole, local = self.bytes_of([cut], [cur])
-        return Region("lm_head", None, (cur.name,), True, f"vocab {vocab} by rows + all_gather of the logits",
-                      tuple(f"vocab {fmt_range(r)}" for r in ranges), (cut,), collective=(cur.name, "all_gather"),
-                      global_bytes=whole, local_bytes=local)
+        return Region(
+            "lm_head",
+            None,
+            (cur.name,),
+            True,
+            f"vocab {vocab} by rows + all_gather of the logits",
+            tuple(f"vocab {fmt_range(r)}" for r in ranges),
+            (cut,),
+            collective=(cur.name, "all_gather"),
+            global_bytes=whole,
+            local_bytes=local,
+        )
 
     # ------------------------------------------------------------------ MLP
     def mlp(self, closing: fx.Node) -> Optional[Region]:
@@ -374,10 +460,18 @@ class Detector:
             elif _is(n, *ELEMENTWISE):
                 inside.append(n)
                 stack.extend(a for a in n.args if isinstance(a, fx.Node))
-            elif inside and _is(n, operator.getitem, aten.split.Tensor, aten.split_with_sizes.default,
-                                aten.chunk.default, aten.slice.Tensor):
-                raise NotShardable(f"the MLP into {closing.name} splits one projection ({op_name(n)}): fused "
-                                   "gate/up projections are not split yet")
+            elif inside and _is(
+                n,
+                operator.getitem,
+                aten.split.Tensor,
+                aten.split_with_sizes.default,
+                aten.chunk.default,
+                aten.slice.Tensor,
+            ):
+                raise NotShardable(
+                    f"the MLP into {closing.name} splits one projection ({op_name(n)}): fused "
+                    "gate/up projections are not split yet"
+                )
             else:
                 return None
         if not openings:
@@ -390,40 +484,73 @@ class Detector:
         if min(b - a for a, b in ranges) <= 0:
             raise NotShardable(f"intermediate width {inter} is too small for {self.W} ranks")
         rows = ranges[self.rank]
-        cuts = [self.column(n, linear_op(n), [rows]) for n in openings] + [self.row(closing, linear_op(closing), [rows])]
+        cuts = [self.column(n, linear_op(n), [rows]) for n in openings] + [
+            self.row(closing, linear_op(closing), [rows])
+        ]
         nodes = [*openings, *inside, closing]
         self._check_private(nodes, allowed_outside={closing})
         whole, local = self.bytes_of(cuts, nodes)
-        return Region("mlp", _layer_of(nodes), tuple(n.name for n in nodes), True,
-                      f"intermediate {inter}: {len(openings)} column, 1 row + all_reduce",
-                      tuple(f"features {fmt_range(r)}" for r in ranges), tuple(cuts),
-                      collective=(closing.name, "all_reduce"), global_bytes=whole, local_bytes=local)
+        return Region(
+            "mlp",
+            _layer_of(nodes),
+            tuple(n.name for n in nodes),
+            True,
+            f"intermediate {inter}: {len(openings)} column, 1 row + all_reduce",
+            tuple(f"features {fmt_range(r)}" for r in ranges),
+            tuple(cuts),
+            collective=(closing.name, "all_reduce"),
+            global_bytes=whole,
+            local_bytes=local,
+        )
 
     def swiglu(self, node: fx.Node) -> Region:
         gate, up, down = node.args[1:4]
         if not all(isinstance(w, fx.Node) and w.op == "get_attr" for w in (gate, up, down)):
             raise NotShardable("swiglu weights are not plain graph tensors")
-        biases = [node.args[i] if len(node.args) > i else node.kwargs.get(k)
-                  for i, k in ((4, "gate_bias"), (5, "up_bias"), (6, "down_bias"))]
+        biases = [
+            node.args[i] if len(node.args) > i else node.kwargs.get(k)
+            for i, k in ((4, "gate_bias"), (5, "up_bias"), (6, "down_bias"))
+        ]
         if any(b is not None for b in biases):
             raise NotShardable("swiglu with biases is not split yet")
         inter = int(gate.meta["val"].shape[0])
         ranges = split_evenly(inter, self.W)
         rows = ranges[self.rank]
-        cut = NodeCut(node.name, "column+row", (TensorCut(1, gate.target, 0, (rows,)),
-                                                TensorCut(2, up.target, 0, (rows,)),
-                                                TensorCut(3, down.target, 1, (rows,))))
+        cut = NodeCut(
+            node.name,
+            "column+row",
+            (
+                TensorCut(1, gate.target, 0, (rows,)),
+                TensorCut(2, up.target, 0, (rows,)),
+                TensorCut(3, down.target, 1, (rows,)),
+            ),
+        )
         whole, local = self.bytes_of([cut], [node])
-        return Region("mlp", _layer_of([node]), (node.name,), True,
-                      f"swiglu intermediate {inter}: gate/up column, down row + all_reduce",
-                      tuple(f"features {fmt_range(r)}" for r in ranges), (cut,),
-                      collective=(node.name, "all_reduce"), global_bytes=whole, local_bytes=local)
+        return Region(
+            "mlp",
+            _layer_of([node]),
+            (node.name,),
+            True,
+            f"swiglu intermediate {inter}: gate/up column, down row + all_reduce",
+            tuple(f"features {fmt_range(r)}" for r in ranges),
+            (cut,),
+            collective=(node.name, "all_reduce"),
+            global_bytes=whole,
+            local_bytes=local,
+        )
 
     # ------------------------------------------------------------------ driver
     def _add(self, kind: str, anchor: fx.Node, build) -> None:
         if not self.wanted(kind):
-            self.regions.append(Region(kind, _layer_of([anchor]), (anchor.name,), False,
-                                       "not selected (detect_sharding.sharding_dims / shard_layers)"))
+            self.regions.append(
+                Region(
+                    kind,
+                    _layer_of([anchor]),
+                    (anchor.name,),
+                    False,
+                    "not selected (detect_sharding.sharding_dims / shard_layers)",
+                )
+            )
             return
         try:
             region = build()
@@ -455,20 +582,41 @@ class Detector:
         for n in g.nodes:
             name = op_name(n)
             if n.op == "call_function" and any(name.startswith(f"workbench.{m}") for m in UNSHARDED_MIXERS):
-                self.regions.append(Region(name.split(".")[1], _layer_of([n]), (n.name,), False,
-                                           "no sharding rule for this op: the layer runs whole on every rank"))
+                self.regions.append(
+                    Region(
+                        name.split(".")[1],
+                        _layer_of([n]),
+                        (n.name,),
+                        False,
+                        "no sharding rule for this op: the layer runs whole on every rank",
+                    )
+                )
             elif _is(n, aten.embedding.default, wb.torch_int8_embedding.default):
-                self.regions.append(Region("embedding", None, (n.name,), False,
-                                           "replicated: every rank holds the whole table (no vocab-parallel "
-                                           "embedding)",
-                                           global_bytes=sum(_nbytes(a) for a in n.all_input_nodes if a.op == "get_attr")))
+                self.regions.append(
+                    Region(
+                        "embedding",
+                        None,
+                        (n.name,),
+                        False,
+                        "replicated: every rank holds the whole table (no vocab-parallel embedding)",
+                        global_bytes=sum(_nbytes(a) for a in n.all_input_nodes if a.op == "get_attr"),
+                    )
+                )
         order = {"embedding": 0, "lm_head": 2}
         regions = sorted(self.regions, key=lambda r: (order.get(r.kind, 1), r.layer if r.layer is not None else -1))
         return ShardingPlan(self.W, self.rank, self.group, tuple(regions))
 
 
-def detect_plan(gm: fx.GraphModule, *, world_size: int, rank: int, group_name: str, vocab_size: int,
-                dims: Sequence[str] = ("tp", "ep"), layers: Optional[Sequence[str]] = None) -> ShardingPlan:
+def detect_plan(
+    gm: fx.GraphModule,
+    *,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    vocab_size: int,
+    dims: Sequence[str] = ("tp", "ep"),
+    layers: Optional[Sequence[str]] = None,
+) -> ShardingPlan:
     return Detector(gm, world_size, rank, group_name, dims, layers).detect(vocab_size)
 
 

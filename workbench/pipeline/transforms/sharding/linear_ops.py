@@ -59,14 +59,18 @@ def _group_size(node: fx.Node, index: int) -> int:
 def _linear_table() -> Dict[object, LinearOp]:
     plain = LinearOp((WeightArg(1, "weight", _one),), 2, lambda n: 1)
     int4 = LinearOp(
-        (WeightArg(1, "qweight", lambda n: Fraction(1, 2)),
-         WeightArg(2, "scales", lambda n: Fraction(1, _group_size(n, 4))),
-         WeightArg(3, "offsets", lambda n: Fraction(1, _group_size(n, 4)))),
-        5, lambda n: _group_size(n, 4),
+        (
+            WeightArg(1, "qweight", lambda n: Fraction(1, 2)),
+            WeightArg(2, "scales", lambda n: Fraction(1, _group_size(n, 4))),
+            WeightArg(3, "offsets", lambda n: Fraction(1, _group_size(n, 4))),
+        ),
+        5,
+        lambda n: _group_size(n, 4),
     )
     int8 = LinearOp(
         (WeightArg(1, "qweight", _one), WeightArg(2, "scales", lambda n: Fraction(1, _group_size(n, 3)))),
-        4, lambda n: _group_size(n, 3),
+        4,
+        lambda n: _group_size(n, 3),
     )
     return {
         torch.ops.aten.linear.default: plain,
@@ -84,8 +88,9 @@ def linear_op(node: fx.Node) -> Optional[LinearOp]:
     if node.op != "call_function" or node.target not in LINEAR_OPS:
         return None
     rule = LINEAR_OPS[node.target]
-    if not all(isinstance(rule.arg(node, w.index), fx.Node) and rule.arg(node, w.index).op == "get_attr"
-               for w in rule.weights):
+    if not all(
+        isinstance(rule.arg(node, w.index), fx.Node) and rule.arg(node, w.index).op == "get_attr" for w in rule.weights
+    ):
         return None
     bias = rule.bias(node)
     if bias is not None and (not isinstance(bias, fx.Node) or bias.op != "get_attr"):

@@ -120,8 +120,12 @@ class ShardingPlan:
         """The plan as table rows (plain values: picklable, DataFrame-ready), one per region."""
         rows = []
         for r in self.regions:
-            row: Dict[str, Any] = {"layer": r.layer, "region": r.kind, "split": "sharded" if r.shard else "replicated",
-                                   "how": r.how}
+            row: Dict[str, Any] = {
+                "layer": r.layer,
+                "region": r.kind,
+                "split": "sharded" if r.shard else "replicated",
+                "how": r.how,
+            }
             for rank, held in enumerate(r.per_rank or ("whole",) * self.world_size):
                 row[f"rank {rank}"] = held
             row["weight bytes"] = r.global_bytes
@@ -136,10 +140,15 @@ class ShardingPlan:
 
     def summary(self) -> Dict[str, Any]:
         whole, local = self.bytes()
-        return {"world_size": self.world_size, "rank": self.rank, "sharded": self.counts(),
-                "replicated": len(self.regions) - len(self.sharded),
-                "sharded_weight_bytes": whole, "sharded_weight_bytes_this_rank": local,
-                "replicated_because": self.replicated_reasons()}
+        return {
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "sharded": self.counts(),
+            "replicated": len(self.regions) - len(self.sharded),
+            "sharded_weight_bytes": whole,
+            "sharded_weight_bytes_this_rank": local,
+            "replicated_because": self.replicated_reasons(),
+        }
 
     def with_applied(self) -> "ShardingPlan":
         return dataclasses.replace(self, applied=True)

@@ -5,5 +5,14 @@ from .apply import SHARDING_META, apply_plan, take_shard
 from .detect import detect_plan
 from .plan import NodeCut, Region, ShardingPlan, TensorCut, split_evenly
 
-__all__ = ["ShardingPlan", "Region", "NodeCut", "TensorCut", "split_evenly", "detect_plan", "apply_plan",
-           "take_shard", "SHARDING_META"]
+__all__ = [
+    "ShardingPlan",
+    "Region",
+    "NodeCut",
+    "TensorCut",
+    "split_evenly",
+    "detect_plan",
+    "apply_plan",
+    "take_shard",
+    "SHARDING_META",
+]

@@ -16,9 +16,7 @@ import torch
 from pydantic import Field
 
 from ...context import SHARDING_PLAN
-from ...interface import Transform, TransformConfig, TransformInfo, rewrite_info
-from ...interface import register
-from ...interface import nothing_to_do
+from ...interface import Transform, TransformConfig, TransformInfo, nothing_to_do, register, rewrite_info
 from .plans import apply_plan, detect_plan
 
 ShardLayer = Literal["mha", "mlp", "moe", "lm_head"]
@@ -28,7 +26,7 @@ class DetectShardingConfig(TransformConfig):
     sharding_dims: List[Literal["tp", "ep"]] = Field(
         default_factory=lambda: ["tp", "ep"],
         description="Kinds of parallelism to plan: tp (attention heads, MLP features, LM-head vocab) and "
-                    "ep (MoE experts over ranks).",
+        "ep (MoE experts over ranks).",
     )
     shard_layers: Optional[List[ShardLayer]] = Field(
         default=None,
@@ -37,8 +35,11 @@ class DetectShardingConfig(TransformConfig):
 
 
 def _single_rank(gm):
-    return nothing_to_do(gm, "world size 1: nothing to shard (Workbench(..., world_size=N), "
-                             "`workbench run --world-size N` or torchrun start N ranks)")
+    return nothing_to_do(
+        gm,
+        "world size 1: nothing to shard (Workbench(..., world_size=N), "
+        "`workbench run --world-size N` or torchrun start N ranks)",
+    )
 
 
 @register("detect_sharding")
@@ -51,12 +52,20 @@ class DetectSharding(Transform):
     def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
         if not ctx.dist.sharded:
             return _single_rank(gm)
-        plan = detect_plan(gm, world_size=ctx.dist.world_size, rank=ctx.dist.rank, group_name=ctx.dist.group_name,
-                           vocab_size=ctx.vocab_size, dims=self.config.sharding_dims, layers=self.config.shard_layers)
+        plan = detect_plan(
+            gm,
+            world_size=ctx.dist.world_size,
+            rank=ctx.dist.rank,
+            group_name=ctx.dist.group_name,
+            vocab_size=ctx.vocab_size,
+            dims=self.config.sharding_dims,
+            layers=self.config.shard_layers,
+        )
         ctx.sharding = plan
         # The graph is unchanged: its state (clean, shapes) stands.
-        return gm, TransformInfo(num_matches=len(plan.sharded), is_clean=True, has_valid_shapes=True,
-                                 details=plan.summary())
+        return gm, TransformInfo(
+            num_matches=len(plan.sharded), is_clean=True, has_valid_shapes=True, details=plan.summary()
+        )
 
 
 class ShardingExecutorConfig(TransformConfig):
@@ -83,8 +92,12 @@ class ShardingTransformExecutor(Transform):
         counts = apply_plan(gm, plan)
         ctx.sharding = plan.with_applied()
         whole, local = plan.bytes()
-        details = {**counts, "sharded_regions": plan.counts(), "sharded_weight_bytes": whole,
-                   "sharded_weight_bytes_this_rank": local}
+        details = {
+            **counts,
+            "sharded_regions": plan.counts(),
+            "sharded_weight_bytes": whole,
+            "sharded_weight_bytes_this_rank": local,
+        }
         gm, info = rewrite_info(gm, len(plan.sharded), details)
         return gm, info.model_copy(update={"has_valid_shapes": False})  # run_shape_prop re-derives them
 

@@ -45,7 +45,10 @@ class LoadWeights(Transform):
         changed = placement.bound_from_source + len(placement.moved) + placement.device_args_retargeted
         return gm, TransformInfo(
             # fake values were moved to the device one by one (weights.retarget_values): still valid
-            num_matches=changed, is_clean=True, has_valid_shapes=True, details=placement.details(),
+            num_matches=changed,
+            is_clean=True,
+            has_valid_shapes=True,
+            details=placement.details(),
         )
 
 
