@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= --durations=25  # the slowest tests, printed after every run: where the suite's time goes
 
-.PHONY: demo test install bytecode system-deps clean wheelhouse gpu-check
+.PHONY: demo test lint install bytecode system-deps clean wheelhouse gpu-check
 
 install: system-deps $(STAMP)
 
@@ -57,8 +57,15 @@ demo: install bytecode
 TEST_PATHS ?= tests notebooks cookbooks
 NBVAL_ARGS ?= --nbval-lax --nbval-current-env
 
+# The habits CI keeps: ruff's lint rules and format, and mypy (settings in pyproject.toml), over workbench/.
+# `ruff format workbench` fixes a format failure; `ruff check --fix workbench` most lint failures.
+lint: install
+	$(VENV)/bin/ruff check workbench
+	$(VENV)/bin/ruff format --check workbench
+	$(VENV)/bin/mypy
+
 # pytest exits 5 when it collected nothing: that must never pass silently.
-test: install bytecode
+test: install bytecode lint
 	@set +e; $(PY) -m pytest -q $(NBVAL_ARGS) $(TEST_PATHS) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; exit $$rc
 
