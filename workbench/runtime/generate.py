@@ -114,7 +114,8 @@ class StepProfiler:
     until it returns -- preparing inputs and launching the forward (on CPU also computing it);
     ``device_wait``: a synchronize right after (the device still finishing what was launched);
     ``gpu``: CUDA-event time of the runner call on the stream (a graph replay's device time);
-    ``sample``: sampling and per-sequence bookkeeping. On a GPU the synchronize costs the overlap
+    ``sample``: choosing the next tokens (and bringing them to the host); ``bookkeeping``: appending
+    them, stop checks, freeing finished sequences, streaming. On a GPU the synchronize costs the overlap
     of host and device work, so profiled runs are a little slower than plain ones.
     """
 
@@ -341,7 +342,8 @@ def generate(
                     {
                         "schedule": (ts - t_sched) * 1e3,
                         **timing,
-                        "sample": (done - t_sample) * 1e3,
+                        "sample": (now - t_sample) * 1e3,
+                        "bookkeeping": (done - now) * 1e3,
                         "total": (done - t_sched) * 1e3,
                     }
                 )
