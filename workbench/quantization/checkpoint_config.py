@@ -31,7 +31,7 @@ import fnmatch
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 QUANT_ALGOS = ("FP8", "FP8_BLOCK", "NVFP4", "MXFP4", "W4A16_AWQ", "W4A16_GPTQ")
 HF_QUANT_CONFIG = "hf_quant_config.json"

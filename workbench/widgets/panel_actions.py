@@ -162,6 +162,7 @@ class PanelActions:
     def apply_config(self) -> bool:
         """Apply the config form's changed fields to the selected transform."""
         self._render_config()
+        assert self._form is not None  # _render_config built it
         try:
             changes = self._form.changes()
         except FormError as e:
@@ -177,6 +178,7 @@ class PanelActions:
     def form(self) -> ConfigForm:
         """The config form of the selected transform."""
         self._render_config()
+        assert self._form is not None  # _render_config built it
         return self._form
 
     def _on_choice(self, selector: str, option: str, pressed: bool) -> None:
