@@ -303,6 +303,6 @@ class Workbench(PipelineStepper):
 
 
 # help(Workbench) and notebook tooltips: __init__'s parameters, not __new__'s (*args, world_size, **kwargs).
-Workbench.__signature__ = inspect.signature(Workbench.__init__).replace(
-    parameters=list(inspect.signature(Workbench.__init__).parameters.values())[1:]
-)
+Workbench.__signature__ = inspect.signature(  # type: ignore[attr-defined]
+    Workbench.__init__
+).replace(parameters=list(inspect.signature(Workbench.__init__).parameters.values())[1:])

@@ -102,13 +102,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     gc.freeze()
     try:
         load_s = time.perf_counter() - t0
-        where = f", world size {world_size} ({wb.start_method})" if world_size > 1 else ""
+        # world_size > 1: Workbench.__new__ made a ShardedWorkbench, which has these
+        where = f", world size {world_size} ({wb.start_method})" if world_size > 1 else ""  # type: ignore[attr-defined]
         print(f"model: {_model_description(wb)} (loaded in {load_s:.1f}s{where})")
         return _run_and_print(wb, args, print)
     finally:
         gc.unfreeze()  # shutdown collects as usual (frozen, Triton's bindings report leaks at exit)
         if world_size > 1:
-            wb.close()
+            wb.close()  # type: ignore[attr-defined]  # a ShardedWorkbench (see above)
 
 
 def _workbench_options(args: argparse.Namespace) -> dict:

@@ -35,6 +35,7 @@ for tiny configs, and still no tensor is allocated twice in the same dtype).
 from __future__ import annotations
 
 import copy
+from typing import Any, MutableMapping, Tuple
 
 import torch
 
@@ -71,7 +72,8 @@ def to_empty_keep_ties(model: torch.nn.Module, device: torch.device) -> torch.nn
     """Like ``model.to_empty(device=device)`` but shared tensors stay shared (allocated once)."""
     memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for module in model.modules():
-        for table in (module._parameters, module._buffers):
+        tables: Tuple[MutableMapping[str, Any], ...] = (module._parameters, module._buffers)
+        for table in tables:
             for name, t in table.items():
                 if t is None:
                     continue
@@ -92,8 +94,8 @@ def materialise(model: torch.nn.Module, device: torch.device, seed: int) -> torc
         t.fill_(float("nan"))  # poison, see module docstring
     with _fork_rng(device):
         torch.manual_seed(seed)
-        model.initialize_weights()
-    model.tie_weights()
+        model.initialize_weights()  # type: ignore[operator]  # nn.Module's __getattr__ stub: an HF model's method
+    model.tie_weights()  # type: ignore[operator]  # (same)
     if device.type != "meta":
         bad = [
             n

@@ -25,7 +25,7 @@ import os
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 
@@ -179,9 +179,9 @@ def _load_gguf_file(path: Path, weights: str, dtype: torch.dtype, device: torch.
     parsed = GGUFFile(path)
     arch = parsed.metadata.get("general.architecture")
     if arch == "llama":
-        from .gguf_model import load_gguf_model
+        from .gguf_model import GGUFWeights, load_gguf_model
 
-        model, tokenizer = load_gguf_model(parsed, weights, dtype)
+        model, tokenizer = load_gguf_model(parsed, cast("GGUFWeights", weights), dtype)  # checked by load_model
         kept = "quantized weights kept" if weights == "keep" else "dequantized to fp32"
         return model.to(device), tokenizer, f"{path} ({kept})"
     del parsed  # the transformers path reads the file itself
@@ -226,10 +226,12 @@ def load_model(
     tokenizer = checkpoint = None
     with hf_offline():
         if resolved.kind == "tiny":
+            assert resolved.arch is not None  # a tiny spec names its architecture
             config = build_tiny_config(resolved.arch, tiny_registry)
             model = build_random_model(config, dtype, device, seed)
             source = f"random init (seed={seed})"
         else:
+            assert resolved.path is not None  # every other kind names a file or directory
             try:
                 if resolved.kind == "gguf":
                     model, tokenizer, source = _load_gguf_file(resolved.path, gguf_weights, dtype, device)
@@ -251,7 +253,7 @@ def load_model(
     return LoadedModel(
         spec=spec,
         model=model,
-        config=model.config,
+        config=model.config,  # type: ignore[arg-type]  # nn.Module's __getattr__ stub: an HF model's config
         tokenizer=tokenizer,
         source=source,
         checkpoint=checkpoint,

@@ -18,7 +18,7 @@ import struct
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, List
 
 import numpy as np
 
@@ -117,7 +117,7 @@ class GGUFFile:
         if size < 24:
             raise ValueError(f"{self.path}: truncated GGUF file ({size} bytes, shorter than the 24-byte header)")
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        self._buf = memoryview(self._map)
+        self._buf = memoryview(self._map)  # type: ignore[arg-type]  # numpy's stub: memmap is a buffer
         self._size = size
         (self.version,) = struct.unpack_from("<I", self._buf, 4)
         if self.version not in (2, 3):
@@ -205,7 +205,8 @@ class GGUFFile:
         """Bulk string array: one pass that slices ``(u64 length, bytes)`` records out of the
         memoryview (``int.from_bytes`` + ``str(slice, 'utf-8')`` per entry, no struct/numpy objects);
         49k entries take ~20 ms. Bounds are checked once per array, at the end."""
-        buf, size, out = self._buf, self._size, []
+        buf, size = self._buf, self._size
+        out: List[Any] = []
         append, from_bytes = out.append, int.from_bytes
         for _ in range(count):  # a cut-off length field reads short, so `end` lands past the end too
             end = pos + 8 + from_bytes(buf[pos : pos + 8], "little")

@@ -76,6 +76,8 @@ class QuantizedLinear(nn.Module):
 
 
 class QuantizedEmbedding(nn.Module):
+    qweight: torch.Tensor  # buffers
+    scales: torch.Tensor
     """``nn.Embedding`` over an int8 table (GGUF Q8_0): a lookup dequantizes only the rows it reads."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, source_type: str):
@@ -163,7 +165,7 @@ def load_gguf_model(file: Path | GGUFFile, weights: GGUFWeights = "keep", dtype:
                         f"{path.name}: embedding {t.name} is {t.ggml_type}; quantized "
                         "embeddings are supported for Q8_0 only (load with weights='dequantize')"
                     )
-                module = QuantizedEmbedding(tensors["qweight"], tensors["scales"], t.ggml_type)
+                module: nn.Module = QuantizedEmbedding(tensors["qweight"], tensors["scales"], t.ggml_type)
             else:
                 module = QuantizedLinear(fmt, tensors, t.shape[1], t.shape[0], t.ggml_type)
             _set_submodule(model, module_path, module)
@@ -176,6 +178,7 @@ def load_gguf_model(file: Path | GGUFFile, weights: GGUFWeights = "keep", dtype:
         embed = "model.embed_tokens"
         if embed in shared:
             head = shared[embed]
+            assert isinstance(head, QuantizedEmbedding)  # the embedding table's quantized module
             model.lm_head = QuantizedLinear(
                 "int8",
                 {"qweight": head.qweight, "scales": head.scales},
@@ -184,7 +187,7 @@ def load_gguf_model(file: Path | GGUFFile, weights: GGUFWeights = "keep", dtype:
                 head.source_type,
             )
         else:
-            model.lm_head.weight = model.model.embed_tokens.weight
+            model.lm_head.weight = model.model.embed_tokens.weight  # type: ignore[union-attr]  # nn.Module's __getattr__ stub
     _rebuild_rotary(model, config)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:

@@ -62,7 +62,7 @@ class LoadedModel:
         """Unique parameters (a tied embedding/lm_head pair counts once), weights kept quantized
         included: a quantized matrix counts its logical elements (``num_weights``), once per table."""
         quantized = {id(m.qweight): m.num_weights for m in self.model.modules() if hasattr(m, "num_weights")}
-        return sum(p.numel() for p in self.model.parameters()) + sum(quantized.values())
+        return sum(p.numel() for p in self.model.parameters()) + sum(quantized.values())  # type: ignore[arg-type]  # nn.Module's __getattr__ stub: num_weights is an int
 
     @property
     def parameter_bytes(self) -> int:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,7 @@ _GATE, _UP = ("gate_proj", "w1"), ("up_proj", "w3")
 
 def _calibrate(model: torch.nn.Module, vocab: int, tokens: int, seed: int):
     """Input amax and mean |x| per column of every nn.Linear, and the inputs of every experts module."""
-    stats: Dict[str, Dict[str, torch.Tensor]] = {}
+    stats: Dict[str, Dict[str, Any]] = {}  # amax and mean_abs tensors, n an int
     expert_inputs: Dict[str, torch.Tensor] = {}
     hooks = []
 
@@ -121,6 +121,7 @@ def _quantize_linear(
             w8 = codecs.to_fp8(w, scale)
         else:
             w8, scale = codecs.fp8_per_tensor_quantize(w)
+        assert x_amax is not None  # the input scale needs the calibrated input amax
         return {
             "weight": w8,
             "weight_scale": scale.reshape(()),
@@ -132,6 +133,7 @@ def _quantize_linear(
     if fmt == "NVFP4":
         gs = None if shared_amax is None else (shared_amax / (codecs.E2M1_MAX * codecs.FP8_E4M3_MAX)).float()
         packed, block_scales, gs = codecs.nvfp4_quantize(w, gs, 16)
+        assert x_amax is not None  # the input scale needs the calibrated input amax
         return {
             "weight": packed,
             "weight_scale": block_scales,
@@ -141,6 +143,7 @@ def _quantize_linear(
     if fmt == "W4A16_AWQ":
         from ..quantization.weights import pack_int4_in_uint8
 
+        assert stat is not None  # AWQ reads the calibrated inputs
         pqs = _awq_pre_quant_scale(stat["mean_abs"]).to(torch.float16)
         stored = w.float() / pqs.float()[None, :]
         _, scales, _ = codecs.int4_quantize_groups(stored, group, symmetric=True)
@@ -148,7 +151,7 @@ def _quantize_linear(
         return {"weight": pack_int4_in_uint8(stored, scales.float()), "weight_scale": scales, "pre_quant_scale": pqs}
     if fmt == "W4A16_GPTQ":
         k = w.shape[1]
-        perm = torch.argsort(stat["mean_abs"], descending=True) if desc_act else torch.arange(k)
+        perm = torch.argsort(cast(dict, stat)["mean_abs"], descending=True) if desc_act else torch.arange(k)
         codes_p, scales, _ = codecs.int4_quantize_groups(w.float()[:, perm], group, symmetric=True)
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(k)
@@ -248,14 +251,14 @@ def save_tiny_quantized(
     out.mkdir(parents=True, exist_ok=True)
     loaded = load_model(f"tiny:{arch}", seed=seed)
     model = loaded.model
-    model.save_pretrained(out)  # config.json + the checkpoint's own tensor names (experts per expert)
+    model.save_pretrained(out)  # type: ignore[operator]  # nn.Module's __getattr__ stub; config.json + the checkpoint's own tensor names (experts per expert)
     weights_file = out / "model.safetensors"
     tensors = load_file(str(weights_file))
     int4 = fmt in ("W4A16_AWQ", "W4A16_GPTQ")
     cfg = QuantConfig(
         fmt,
         group_size=group_size if int4 else {"NVFP4": 16, "MXFP4": 32}.get(fmt),
-        weight_block_size=tuple(block) if fmt == "FP8_BLOCK" else None,
+        weight_block_size=cast(Tuple[int, int], tuple(block)) if fmt == "FP8_BLOCK" else None,
         exclude_modules=tuple(exclude),
         sym=True if int4 else None,
         desc_act=desc_act if fmt == "W4A16_GPTQ" else None,

@@ -114,7 +114,7 @@ def check_prompts(vocab_size: int, lens: Sequence[int] = CheckSettings.prompt_le
 def hf_greedy(model: torch.nn.Module, prompt: List[int], new_tokens: int) -> List[int]:
     """HF ``generate``'s greedy continuation of one prompt, alone (no padding), never stopping early."""
     ids = torch.tensor([prompt], device=next(model.parameters()).device)
-    out = model.generate(
+    out = model.generate(  # type: ignore[operator]  # nn.Module's __getattr__ stub: an HF model's method
         ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=new_tokens,

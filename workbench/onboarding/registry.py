@@ -173,8 +173,8 @@ def load_registry(path: Union[str, Path] = DEFAULT_REGISTRY, tiny_registry: Opti
         problems.extend(f"{where}: {p}" for p in entry_problems)
         entries.append(entry.model_copy(update={"yaml_extra": yaml_paths}))
     seen: Dict[str, int] = {}
-    for e in entries:
-        seen[e.key] = seen.get(e.key, 0) + 1
+    for entry in entries:
+        seen[entry.key] = seen.get(entry.key, 0) + 1
     problems.extend(
         f"label {k!r} is used by {n} entries: give each a distinct 'label:'" for k, n in seen.items() if n > 1
     )

@@ -36,7 +36,8 @@ def inline_canonical_ops(gm: fx.GraphModule) -> Dict[str, int]:
 
     Returns {op name: nodes rewritten}. Use on a copy: the result no longer names the ops.
     """
-    table, counts = inline_table(), {}
+    table = inline_table()
+    counts: Dict[str, int] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in table:
             name = str(node.target)

@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -122,12 +122,13 @@ def init_group(rank: int, spec: GroupSpec, device: Optional[Union[str, torch.dev
         raise RuntimeError("torch.distributed was built without NCCL: run on CPU (gloo) or use a CUDA build")
     if spec.backend == "nccl" and device is not None:
         torch.cuda.set_device(torch.device(device))
-    kwargs = {}
+    kwargs: Dict[str, Any] = {}
     if spec.init_method != "env://":  # env:// reads rank and world size from the environment
         kwargs = dict(rank=rank, world_size=spec.world_size)
     dist.init_process_group(
         backend=spec.backend, init_method=spec.init_method, timeout=datetime.timedelta(seconds=spec.timeout_s), **kwargs
     )
+    assert dist.group.WORLD is not None  # initialised above
     return DistInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),

@@ -150,7 +150,9 @@ class RankGroup:
             self.start_method = self.ctx.get_start_method()
             for launch in launches:
                 parent_end, child_end = self.ctx.Pipe(duplex=True)
-                proc = self.ctx.Process(target=rank_main, args=(launch, child_end), name=f"workbench-rank{launch.rank}")
+                proc = self.ctx.Process(  # type: ignore[attr-defined]  # typeshed's BaseContext lacks Process
+                    target=rank_main, args=(launch, child_end), name=f"workbench-rank{launch.rank}"
+                )
                 proc.start()
                 child_end.close()  # only the rank holds its end: its death closes the pipe
                 self.procs.append(proc)
@@ -318,7 +320,9 @@ class RankGroup:
     def _stop(self, polite: bool) -> None:
         self.closed = True
         if self._finalizer.alive:
-            _, _, (procs, conns, rendezvous, timeout), _ = self._finalizer.detach()
+            detached = self._finalizer.detach()
+            assert detached is not None  # alive: not called yet
+            _, _, (procs, conns, rendezvous, timeout), _ = detached
             _shutdown(procs, conns, rendezvous, timeout if polite else 0.0)
 
 

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Type, Union
 
 from ..answer import answer, backends_line
 from ..runtime.generate import DEFAULT_PROMPT
@@ -36,7 +36,7 @@ _REFUSED = {
 _LAUNCH_OPTIONS = ("world_size", "dist_timeout_s", "worker_imports", "start_method")
 
 
-def workbench_option_names(workbench_class: type) -> set:
+def workbench_option_names(workbench_class: Type[Any]) -> set:
     """Every keyword ``workbench_class(...)`` takes and hands to a rank (its own and the stepper's)."""
     from ..pipeline.stepper import PipelineStepper
 

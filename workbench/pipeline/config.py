@@ -12,10 +12,10 @@ import difflib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..errors import InputError
 from .interface import TRANSFORMS, Stages, TransformConfig, TransformRegistry
@@ -138,7 +138,7 @@ def validation_messages(err: ValidationError, known, root: str = "<root>") -> Li
     return out
 
 
-def _format_validation(key: str, err: ValidationError, cls: type, source: str) -> str:
+def _format_validation(key: str, err: ValidationError, cls: Type[BaseModel], source: str) -> str:
     lines = [f"transform '{key}' ({source}): invalid config"]
     lines += [f"  - {m}" for m in validation_messages(err, cls.model_fields)]
     return "\n".join(lines)

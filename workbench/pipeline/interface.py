@@ -237,12 +237,14 @@ class Transform:
             times.pre_cleanup = t1 - t0
 
             if targets and cfg.run_per_gm:  # once per graph (sub)module, infos merged
-                info = None
+                merged: Optional[TransformInfo] = None
                 for gm in targets:
                     out, gm_info = self._apply(gm, ctx)
                     if out is not gm:
                         mod = self._swap(mod, gm, out)
-                    info = gm_info if info is None else info.merged(gm_info)
+                    merged = gm_info if merged is None else merged.merged(gm_info)
+                assert merged is not None  # targets is not empty
+                info = merged
             else:
                 mod, info = self._apply(mod, ctx)
             missing = [f.name for f in self.provides if info.num_matches and not info.skipped and not f.present(ctx)]

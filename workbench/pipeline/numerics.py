@@ -34,7 +34,7 @@ def compare_logits(out: torch.Tensor, ref: torch.Tensor) -> Numerics:
     )
 
 
-def exceeds(n: Numerics, tol: float, metric: str = "rmse_ratio") -> bool:
+def exceeds(n: Optional[Numerics], tol: float, metric: str = "rmse_ratio") -> bool:
     """Whether a probe result crosses ``tol``.
 
     A probe that could not run (e.g. the graph no longer follows the plain logits contract) is

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import torch
+from pydantic import ValidationError
 
 from ..models.devices import model_device
 from ..models.export_contract import CausalLMLogits, ProbeBatch, make_batch
@@ -55,7 +56,7 @@ class PipelineStepper:
         page_size: int = 16,
         numerics: Optional[bool] = None,
         snapshots: bool = True,
-        probe_shape: tuple = (2, 16),
+        probe_shape: Tuple[int, int] = (2, 16),
         on_snapshot: Sequence[SnapshotHook] = (),
         registry: TransformRegistry = TRANSFORMS,
         dist: Optional[DistInfo] = None,
@@ -154,6 +155,7 @@ class PipelineStepper:
         weights bound by name (``pipeline.weights.run_unloaded``), without changing the graph.
         """
         mod = self.snapshot(at).module if at is not None else self._live
+        assert mod is not None, "the snapshot kept no graph copy (snapshots=False)"
         return self._call(mod, args)
 
     def _call(self, mod: torch.nn.Module, args: Sequence[Any]) -> Any:
@@ -176,7 +178,7 @@ class PipelineStepper:
         except Exception as e:  # pydantic ValidationError -> our message format
             from .config import _format_validation
 
-            raise ConfigError(_format_validation(key, e, cls, "configure()")) from None
+            raise ConfigError(_format_validation(key, cast(ValidationError, e), cls, "configure()")) from None
         if new_cfg.stage != entry.config.stage:
             raise ConfigError(f"transform '{key}': changing the stage is not supported here")
         if new_cfg == entry.config:
@@ -211,6 +213,7 @@ class PipelineStepper:
             self.snapshots.clear()
         if self.snapshots:
             last = self.snapshots[-1]
+            assert last.graph_copy is not None  # cleared above otherwise
             self._live = last.graph_copy.materialize()
             self.ctx.restore(last.context, self.limits)
             self._state = GraphState(last.info.is_clean, last.info.has_valid_shapes)

@@ -31,7 +31,7 @@ import fnmatch
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 QUANT_ALGOS = ("FP8", "FP8_BLOCK", "NVFP4", "MXFP4", "W4A16_AWQ", "W4A16_GPTQ")
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -117,7 +117,7 @@ def module_matches(name: str, patterns: Iterable[str]) -> bool:
 
 
 def _excludes(fields: Mapping[str, Any]) -> Tuple[str, ...]:
-    out = []
+    out: List[str] = []
     for key in _EXCLUDE_FIELDS:
         value = fields.get(key) or ()
         if isinstance(value, str):
@@ -156,7 +156,7 @@ def _from_modelopt(q: Mapping[str, Any], source: str) -> QuantConfig:
 
 def _from_hf(q: Mapping[str, Any], source: str) -> QuantConfig:
     method = str(q.get("quant_method", "")).lower()
-    common = dict(
+    common: Dict[str, Any] = dict(
         exclude_modules=_excludes(q), source=source, raw=dict(q), kv_cache_quant_algo=q.get("kv_cache_quant_algo")
     )
     if method == "modelopt":
@@ -257,6 +257,7 @@ def _modelopt_fields(cfg: QuantConfig) -> Dict[str, Any]:
 def _hf_fields(cfg: QuantConfig) -> Dict[str, Any]:
     excluded = {"modules_to_not_convert": list(cfg.exclude_modules)} if cfg.exclude_modules else {}
     if cfg.quant_algo == "FP8_BLOCK":
+        assert cfg.weight_block_size is not None  # an FP8_BLOCK config has one
         return {
             "quant_method": "fp8",
             "activation_scheme": "dynamic",

@@ -33,7 +33,7 @@ mxfp4          ``{"quant_algo": "MXFP4", "group_size": 32}``
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Union
 
 import torch.nn as nn
 
@@ -68,7 +68,7 @@ def layer_quant_config(quantization: Optional[str], block_size: int = 0) -> Dict
         return {"quant_algo": None}
     check_format(quantization, "layer_quant_config")
     awq = {"group_size": block_size, "has_zero_point": False, "pre_quant_scale": True}
-    return {
+    fields: Dict[Optional[str], Callable[[], Dict[str, Any]]] = {
         QUANTIZATION_FP8: lambda: {"quant_algo": "FP8"},
         QUANTIZATION_FP8_PB_WO: lambda: {"quant_algo": "FP8_BLOCK", "weight_block_size": [block_size, block_size]},
         QUANTIZATION_INT8_SQ: lambda: {"quant_algo": "W8A8_SQ_PER_CHANNEL"},
@@ -78,7 +78,8 @@ def layer_quant_config(quantization: Optional[str], block_size: int = 0) -> Dict
         QUANTIZATION_NVFP4: lambda: {"quant_algo": "NVFP4", "group_size": block_size},
         QUANTIZATION_NVFP4_AWQ: lambda: {"quant_algo": "NVFP4_AWQ", **awq},
         QUANTIZATION_MXFP4: lambda: {"quant_algo": "MXFP4", "group_size": block_size},
-    }[quantization]()
+    }
+    return fields[quantization]()
 
 
 def process_layer_quant_config(layer_config_dict: Mapping[str, Any]) -> Dict[str, Any]:

@@ -8,7 +8,7 @@ the amax values are raised to their maximum (the larger range covers every membe
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, List, Sequence
 
 import torch
 import torch.nn as nn
@@ -49,7 +49,7 @@ def _unify_amax(quantizers, what: str) -> None:
         q.amax = shared
 
 
-def preprocess_linear_fusion(modules: Sequence[nn.Module], resmooth_only: bool = False) -> None:
+def preprocess_linear_fusion(modules: Sequence[Any], resmooth_only: bool = False) -> None:
     """Preprocess the quantized linears that we plan to fuse.
 
     Use resmooth_only for MOE experts as each individual expert is not fused.
@@ -83,7 +83,7 @@ def preprocess_linear_fusion(modules: Sequence[nn.Module], resmooth_only: bool =
         return
     if first_input is not None and first_input.is_enabled:
         _unify_amax([m.input_quantizer for m in modules], "preprocess_linear_fusion")
-    weight_quantizers = [getattr(m, "weight_quantizer", None) for m in modules]
+    weight_quantizers: List[Any] = [getattr(m, "weight_quantizer", None) for m in modules]
     if any(q is None or not q.is_enabled for q in weight_quantizers):
         return
     if isinstance(weight_quantizers[0], SequentialQuantizer):
@@ -104,7 +104,7 @@ def adjust_attn_amax_values(module: nn.Module) -> None:
     all get the largest of those amax values, so the projections can be fused into one GEMM with
     one weight scale.
     """
-    projections = [
+    projections: List[Any] = [  # quantized linears, read by attribute
         child
         for name, child in module.named_children()
         if _is_qkv(name) and getattr(getattr(child, "weight_quantizer", None), "amax", None) is not None

@@ -19,7 +19,7 @@ Calibration: ``calibrate_weights(model)`` sets every weight quantizer's amax fro
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, Optional, Tuple, Union, cast
 
 import torch
 import torch.nn as nn
@@ -87,7 +87,7 @@ def make_quantizers(quantization: str, block_size: Optional[int] = None) -> Tupl
 class QuantLinear(nn.Linear):
     """An ``nn.Linear`` whose forward runs its quantizers (made by ``attach_quantizers``)."""
 
-    weight_quantizer: nn.Module
+    weight_quantizer: Union[TensorQuantizer, SequentialQuantizer]
     input_quantizer: TensorQuantizer
     output_quantizer: TensorQuantizer
 
@@ -115,7 +115,7 @@ def attach_quantizers(linear: nn.Linear, quantization: str, *, block_size: Optio
     linear.input_quantizer = input_q
     linear.output_quantizer = _off()
     calibrate_weights(linear)
-    return linear
+    return cast(QuantLinear, linear)  # its class was swapped above
 
 
 def quantize_linears(
@@ -127,7 +127,7 @@ def quantize_linears(
         name for name, m in model.named_modules() if type(m) is nn.Linear and name.rsplit(".", 1)[-1] not in exclude
     ]
     for name in names:
-        attach_quantizers(model.get_submodule(name), quantization, block_size=block_size)
+        attach_quantizers(cast(nn.Linear, model.get_submodule(name)), quantization, block_size=block_size)
     return names
 
 

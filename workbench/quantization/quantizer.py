@@ -30,7 +30,7 @@ unquantized (calibration).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import TYPE_CHECKING, Iterator, Optional, Tuple, Union, overload
 
 import torch
 import torch.nn as nn
@@ -134,7 +134,7 @@ class TensorQuantizer(nn.Module):
 
     @property
     def is_dynamic_block(self) -> bool:
-        return bool(self.block_sizes) and self.block_sizes.get("type") == "dynamic"
+        return self.block_sizes is not None and bool(self.block_sizes) and self.block_sizes.get("type") == "dynamic"
 
     # ------------------------------------------------------------------------ optional buffers
     def _set_buffer(self, name: str, value: Optional[torch.Tensor]) -> None:
@@ -187,6 +187,7 @@ class TensorQuantizer(nn.Module):
         if self.axis is not None:
             axis = self.axis % a.dim()
             return a.amax(dim=[d for d in range(a.dim()) if d != axis]) if a.dim() > 1 else a
+        assert self.block_sizes is not None  # neither per tensor nor per axis: per block
         bk = self.block_sizes[-1]
         if -2 not in self.block_sizes:
             if a.shape[-1] % bk:
@@ -220,6 +221,7 @@ class TensorQuantizer(nn.Module):
             shape = [1] * x.dim()
             shape[self.axis % x.dim()] = -1
             return per_layout.reshape(shape)
+        assert self.block_sizes is not None  # neither per tensor nor per axis: per block
         bk = self.block_sizes[-1]
         out = per_layout.repeat_interleave(bk, dim=-1)[..., : x.shape[-1]]
         if -2 in self.block_sizes:
@@ -270,6 +272,18 @@ class TensorQuantizer(nn.Module):
 
 class SequentialQuantizer(nn.Sequential):
     """Quantizers applied one after another: W4A8-AWQ weights are [int4 groups, fp8 per tensor]."""
+
+    if TYPE_CHECKING:  # its children are TensorQuantizers
+
+        def __iter__(self) -> Iterator[TensorQuantizer]: ...
+
+        @overload
+        def __getitem__(self, idx: slice) -> SequentialQuantizer: ...
+
+        @overload
+        def __getitem__(self, idx: int) -> TensorQuantizer: ...
+
+        def __getitem__(self, idx: Union[slice, int]) -> Union[SequentialQuantizer, TensorQuantizer]: ...
 
     @property
     def is_enabled(self) -> bool:

@@ -32,7 +32,7 @@ from .quantizer import SequentialQuantizer, TensorQuantizer
 NVFP4_GLOBAL_MAXBOUND = codecs.E2M1_MAX * codecs.FP8_E4M3_MAX  # 6 * 448: the largest NVFP4 value
 
 
-def get_scaling_factor(quantizer: TensorQuantizer) -> Optional[torch.Tensor]:
+def get_scaling_factor(quantizer: Optional[TensorQuantizer]) -> Optional[torch.Tensor]:
     """Returns scaling factor from the quantizer as torch.Tensor.
 
     ``amax / maxbound`` in fp32 (the amax layout's shape); for FP4 quantizers the NVFP4 global scale

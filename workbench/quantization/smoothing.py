@@ -10,7 +10,7 @@ fused or to read one pre-scaled input, so their weights are *re-smoothed* to a c
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -88,7 +88,7 @@ def pre_quant_scales_of(modules: Sequence[nn.Module], what: str) -> List[torch.T
     return scales
 
 
-def fuse_prequant_layernorm(layernorm_module: nn.Module, modules: Sequence[nn.Module]) -> None:
+def fuse_prequant_layernorm(layernorm_module: nn.Module, modules: Sequence[Any]) -> None:
     """Scales layernorm weights with avg_pre_quant_scale of the modules list and sets pre_quant_scales
     to be deleted.
 

@@ -17,7 +17,7 @@ engines (TensorRT-LLM, vLLM, HF) load:
 from __future__ import annotations
 
 import warnings
-from typing import Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -77,7 +77,7 @@ def postprocess_state_dict(state_dict: dict, maxbound: float, quantization: Opti
     for key, value in out.items():
         if "scale" in key and isinstance(value, torch.Tensor) and value.dim() == 3 and value.shape[0] == 1:
             out[key] = value.squeeze(0)
-    seen = {}
+    seen: Dict[Tuple[Any, ...], str] = {}
     for key in list(out):
         value = out[key]
         if not isinstance(value, torch.Tensor) or value.numel() == 0 or value.device.type == "meta":

@@ -137,10 +137,12 @@ def to_quantized_weight(
         if weight.dtype == torch.float8_e4m3fn:
             warnings.warn("to_quantized_weight: weight is already float8_e4m3fn; returned as is", stacklevel=2)
             return weight
+        assert weights_scaling_factor is not None  # checked above (only mxfp4 may go without)
         return codecs.to_fp8(weight, _per_expert(weights_scaling_factor, weight, "to_quantized_weight"))
     if quantization == QUANTIZATION_FP8_PB_WO:
         if not block_size:
             raise ValueError("to_quantized_weight: fp8_pb_wo needs block_size (the square block edge)")
+        assert weights_scaling_factor is not None  # checked above (only mxfp4 may go without)
         n, k = weight.shape[-2:]
         want = (*weight.shape[:-2], -(-n // block_size), -(-k // block_size))
         if tuple(weights_scaling_factor.shape) != want:
@@ -151,6 +153,7 @@ def to_quantized_weight(
         scale = weights_scaling_factor.float().repeat_interleave(block_size, -2)[..., :n, :]
         return codecs.to_fp8(weight, _nonzero(scale.repeat_interleave(block_size, -1)[..., :k]))
     if quantization in INT8_FORMATS:
+        assert weights_scaling_factor is not None  # checked above (only mxfp4 may go without)
         if tuple(weights_scaling_factor.shape) != tuple(weight.shape[:-1]):
             raise ValueError(
                 f"to_quantized_weight: int8 scales must be per output row {tuple(weight.shape[:-1])}, "
@@ -159,6 +162,7 @@ def to_quantized_weight(
         scale = _nonzero(weights_scaling_factor.float()).unsqueeze(-1)
         return torch.round(weight.float() / scale).clamp(-128, 127).to(torch.int8)
     if quantization in INT4_FORMATS:
+        assert weights_scaling_factor is not None  # checked above (only mxfp4 may go without)
         return pack_int4_in_uint8(weight, weights_scaling_factor)
     k = weight.shape[-1]
     if quantization in NVFP4_FORMATS:
@@ -167,6 +171,7 @@ def to_quantized_weight(
                 "to_quantized_weight: nvfp4 needs weights_scaling_factor2 (the global scale, "
                 "get_weight_scaling_factor_2)"
             )
+        assert weights_scaling_factor is not None  # checked above (only mxfp4 may go without)
         block = _group_size(k, weights_scaling_factor, block_size, "to_quantized_weight")
         global_scale = _per_expert(weights_scaling_factor2.to(weight.device), weight, "to_quantized_weight")
         return _fp4_codes(weight, weights_scaling_factor.float() * global_scale, block)

@@ -221,7 +221,11 @@ def self_check(runner: CompiledRunner, module: fx.GraphModule, replay: bool) -> 
     """Largest logit difference of a scratch decode step (2 sequences where the cache allows)
     through the runner (replaying its captured graph with ``replay``) and through the plain graph."""
     b = min(runner.cfg.max_batch_size, 2)
-    got = runner.replayed_scratch_decode_logits(b) if replay else runner.scratch_decode_logits(b)
+    if replay:
+        assert isinstance(runner, CudaGraphRunner)  # only a CUDA-graph runner replays
+        got = runner.replayed_scratch_decode_logits(b)
+    else:
+        got = runner.scratch_decode_logits(b)
     ref = runner.scratch_decode_logits(b, fn=module)
     return {"check_max_abs_diff": float((got - ref).abs().max())}
 

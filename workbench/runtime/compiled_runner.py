@@ -80,6 +80,7 @@ class CompiledRunner(CachedRunner):
                 return self.static_decode(graph, inputs) if graph is not None else self.fn(*inputs)
         if bucket is None:
             return super().forward(step, sched)
+        assert self.piecewise is not None  # it gave the bucket
         self.set_step(step, sched)
         with self.planned():
             return self.piecewise(self.padded_inputs(bucket), step.num_tokens)
@@ -107,7 +108,10 @@ class CompiledRunner(CachedRunner):
             if fn is not None:
                 out = fn(*self._inputs())
             else:
-                out = self.piecewise(self.padded_inputs(self.piecewise.bucket(num_tokens)), num_tokens)
+                assert self.piecewise is not None, "no piecewise graphs: pass fn"
+                bucket = self.piecewise.bucket(num_tokens)
+                assert bucket is not None, f"no piecewise bucket holds {num_tokens} tokens"
+                out = self.piecewise(self.padded_inputs(bucket), num_tokens)
         return out[0, :num_tokens].float().clone()
 
     def scheduler(self) -> Scheduler:
@@ -153,6 +157,7 @@ class CompiledRunner(CachedRunner):
             graphs.add(module, inputs, options)
             got = self.scratch_decode_logits(b, fn=graphs.replay)
             diffs[b] = float((got - self.scratch_decode_logits(b, fn=self.module)).abs().max())
+        assert graphs is not None, "no batch sizes given"
         graphs.calls = 0  # counts the steps that ran a static graph, not these checks
         self.static_decode = graphs
         return {"static_decode_batch_sizes": sorted(diffs), "static_decode_check_max_abs_diff": max(diffs.values())}
@@ -218,6 +223,7 @@ class CudaGraphRunner(CompiledRunner):
     def replayed_scratch_decode_logits(self, batch_size: int) -> torch.Tensor:
         """Logits [B, V] of a scratch decode step replayed from the graph captured for B's bucket."""
         b = self.bucket(batch_size)
+        assert b is not None, f"no captured graph holds batch size {batch_size}"
         self.set_scratch_decode(b)
         self._replay(b)
         return self.outputs[b][0, :batch_size].float().clone()

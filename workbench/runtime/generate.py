@@ -299,7 +299,7 @@ def generate(
         cache=getattr(runner, "cache_mode", ""),
     )
     gen = torch.Generator().manual_seed(seed)
-    texts = {}
+    texts: Dict[int, Any] = {}
     t0 = time.perf_counter()
     profiler = StepProfiler(getattr(runner, "device", None)) if profile_steps else None
     while sched.has_work:

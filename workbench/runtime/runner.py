@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from contextlib import nullcontext
-from typing import Any, Dict, List, Mapping, Optional, Protocol
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol
 
 import torch
 
@@ -60,7 +60,7 @@ class CachedRunner:
                 f"cache tensors {released[:3]} were released (by resize_kv_cache on a GPU); re-run resize_kv_cache"
             )
         self.caches: Dict[str, torch.Tensor] = {n: caches[n] for n in self.input_names if n in caches}
-        self.fn = module  # what runs a forward; compiled runners swap in a compiled callable
+        self.fn: Callable[..., Any] = module  # what runs a forward; compiled runners swap in a compiled callable
         self.cache_mode = describe_caches(cfg)
         slot_names = {s.name for s in cfg.specs if s.kind == SLOT}
         self.slot_states = [t for n, t in self.caches.items() if n in slot_names]
@@ -147,7 +147,9 @@ class CacheView(Protocol):
     """The caches a finished pipeline allocated (``PipelineContext.cache``)."""
 
     config: Optional[KVCacheConfig]
-    tensors: Mapping[str, torch.Tensor]
+
+    @property
+    def tensors(self) -> Mapping[str, torch.Tensor]: ...  # read-only: a dict attribute satisfies it
 
 
 class RunnerSource(Protocol):
@@ -156,7 +158,10 @@ class RunnerSource(Protocol):
     where and in which dtype the model runs."""
 
     runner: Optional["CachedRunner"]
-    cache: CacheView
+
+    @property
+    def cache(self) -> CacheView: ...  # read-only: a CacheState attribute satisfies it
+
     limits: RuntimeLimits
     device: torch.device
     dtype: torch.dtype

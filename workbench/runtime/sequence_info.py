@@ -48,7 +48,8 @@ class SequenceInfo:
         self.max_batch_size, self.max_num_tokens = max_batch_size, max_num_tokens
         self.max_pages_per_seq = max_pages_per_seq
         self.device = torch.device(device)
-        i64, i32 = dict(dtype=torch.int64, device=self.device), dict(dtype=torch.int32, device=self.device)
+        i64: Dict[str, Any] = dict(dtype=torch.int64, device=self.device)
+        i32: Dict[str, Any] = dict(dtype=torch.int32, device=self.device)
         self._input_ids = torch.zeros(1, max_num_tokens, **i64)
         self._position_ids = torch.zeros(1, max_num_tokens, **i64)
         self._seq_lens = torch.zeros(max_batch_size, **i32)

@@ -53,7 +53,7 @@ def assign_layers(gm: fx.GraphModule, pattern: str = LAYER_PATTERN) -> Dict[fx.N
         if path is not None or node.op in ("placeholder", "output"):
             layers[node] = layer_of_path(path, pattern)
             continue
-        known = [layers[a] for a in node.all_input_nodes if layers.get(a) is not None]
+        known = [k for a in node.all_input_nodes if (k := layers.get(a)) is not None]
         layers[node] = max(known) if known else None
     for node in gm.graph.nodes:
         if node.op == "placeholder" and layers[node] is None and node.users:

@@ -174,6 +174,7 @@ def diff_snapshots(before: Snapshot, after: Snapshot) -> GraphDiff:
     for snap in (before, after):
         if snap.module is None:
             raise ValueError(f"snapshot {snap.key} kept no graph (stepper ran with snapshots=False)")
+    assert before.module is not None and after.module is not None  # checked above
     return diff_graphs(
         before.module,
         after.module,

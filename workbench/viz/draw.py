@@ -17,7 +17,7 @@ from .labels import edge_attrs, esc, has_shape_meta, node_label, node_tooltip
 from .style import ADDED_STYLE, GHOST_STYLE, MISSING_META_STYLE, MODIFIED_STYLE, node_style
 
 MARK_STYLES = {"added": ADDED_STYLE, "modified": MODIFIED_STYLE}
-MARK_PREFIX = {"added": "+ ", "modified": "~ ", "removed": "- "}
+MARK_PREFIX: Dict[Optional[str], str] = {"added": "+ ", "modified": "~ ", "removed": "- "}
 
 
 def new_digraph(title: Optional[str] = None, name: str = "graph") -> graphviz.Digraph:

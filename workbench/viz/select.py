@@ -8,7 +8,7 @@ error says how to get a useful picture instead (collapse the layers, open one, o
 from __future__ import annotations
 
 import difflib
-from typing import Iterable, List, Set
+from typing import Iterable, List, Optional, Set
 
 import torch.fx as fx
 
@@ -31,7 +31,7 @@ def too_large(num: int, limit: int, what: str = "graph") -> GraphTooLargeError:
     )
 
 
-def check_size(num: int, limit: int, what: str = "graph") -> None:
+def check_size(num: int, limit: Optional[int], what: str = "graph") -> None:
     if limit is not None and num > limit:
         raise too_large(num, limit, what)
 

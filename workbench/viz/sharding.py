@@ -50,6 +50,7 @@ def render_sharded_layer(snap: Snapshot, layer: Optional[int] = None, hops: int 
     names = set(sharded_layer_nodes(plan, layer))
     if not names:
         raise ValueError("the plan shards no layer (only the LM head, or nothing): nothing to draw")
+    assert snap.graph is not None  # a snapshot with an applied plan kept its graph
     graph_names = {n.name for n in snap.graph.nodes}
     region = [n for n in names if n in graph_names]
     title = f"rank {plan.rank} of {plan.world_size}: layer {layer} after {snap.key}"

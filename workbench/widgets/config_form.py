@@ -99,6 +99,7 @@ def _editor(name: str, info, value: Any) -> FieldEditor:
     if isinstance(value, enum.Enum):
         value = value.value
     if kind == "choice":
+        assert choices is not None  # a choice field lists them
         options = list(choices) + (["(none)"] if optional else [])
         widget = W.Dropdown(options=options, value="(none)" if value is None else value, **common)
     elif kind == "bool":

@@ -8,7 +8,7 @@ reload through ``with_options``) on the panel's worker and then ``render()``s; t
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import ipywidgets as W
 
@@ -18,11 +18,37 @@ from . import panes
 from .choices import SELECTORS
 from .config_form import ConfigForm, FormError
 
+if TYPE_CHECKING:
+    from ..pipeline.snapshot import Snapshot
+    from .generate_box import GenerateBox
+    from .pipeline_list import PipelineList
+    from .worker import Worker
+
 
 class PanelActions:
     """Handlers of ``WorkbenchPanel`` (which provides the widgets, ``wb``, ``worker`` and ``render``)."""
 
     wb: Any
+    # what WorkbenchPanel sets up (declared for the type checker; the panel owns them)
+    worker: Worker
+    svgs: panes.SvgCache
+    generate_box: GenerateBox
+    pipeline: PipelineList
+    auto_rerun: W.Checkbox
+    message: W.HTML
+    config_error: W.HTML
+    seen: Dict[str, Snapshot]
+    _pane_key: Any
+    _form: Optional[ConfigForm]
+    _rendering: bool
+
+    if TYPE_CHECKING:
+
+        def render(self) -> None: ...
+
+        def _say(self, text: str, color: str = "#333") -> None: ...
+
+        def _render_config(self) -> None: ...
 
     def _start_job(self, job: Callable[[], None], what: str, after: Callable[[], None] = lambda: None) -> bool:
         def done(err: Optional[BaseException]) -> None:
@@ -96,7 +122,7 @@ class PanelActions:
         self._say("reset to the eager model: the next step re-exports")
         self.render()
 
-    def _edit(self, change: Callable[[], None], where: W.HTML) -> bool:
+    def _edit(self, change: Callable[[], object], where: W.HTML) -> bool:
         """Apply one edit through the API; on success re-run back to where the pipeline was."""
         if self.worker.busy:
             self._say("busy: wait for the running job or press Stop", "#ef6c00")
@@ -136,6 +162,7 @@ class PanelActions:
     def apply_config(self) -> bool:
         """Apply the config form's changed fields to the selected transform."""
         self._render_config()
+        assert self._form is not None  # _render_config built it
         try:
             changes = self._form.changes()
         except FormError as e:
@@ -151,6 +178,7 @@ class PanelActions:
     def form(self) -> ConfigForm:
         """The config form of the selected transform."""
         self._render_config()
+        assert self._form is not None  # _render_config built it
         return self._form
 
     def _on_choice(self, selector: str, option: str, pressed: bool) -> None:

@@ -15,7 +15,7 @@ state; the projections and gates stay plain torch so the usual matchers still se
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -24,7 +24,7 @@ from . import ModulePatch
 
 
 def lfm2_short_conv_forward(
-    module: torch.nn.Module,
+    module: Any,
     hidden_states: torch.Tensor,
     past_key_values=None,
     attention_mask: Optional[torch.Tensor] = None,

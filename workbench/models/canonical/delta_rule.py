@@ -17,7 +17,7 @@ refused (the cache stage adds the conv and delta-rule states).
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Any, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from . import ModulePatch
 
 
-def _refuse_cache(module: torch.nn.Module, cache_params) -> None:
+def _refuse_cache(module: Any, cache_params) -> None:
     if cache_params is not None:
         raise ValueError(
             f"the canonical {type(module).__name__} forward traces the model without cache (export runs it with "
@@ -41,7 +41,7 @@ def _zero_padding(hidden_states: torch.Tensor, attention_mask) -> torch.Tensor:
     return (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
 
 
-def _qwen3_next_split(module: torch.nn.Module, qkvz: torch.Tensor, ba: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+def _qwen3_next_split(module: Any, qkvz: torch.Tensor, ba: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """Qwen3-Next's projections are grouped per *key* head: ``qkvz [b, s, hk * (2 dk + 2 r dv)]`` holds,
     for each key head, its q, its k, then the v and z of its ``r = h / hk`` value heads; ``ba
     [b, s, hk * 2r]`` holds each key head's r b's then r a's. Returns q/k ``[b, s, hk * dk]``, v/z
@@ -54,7 +54,7 @@ def _qwen3_next_split(module: torch.nn.Module, qkvz: torch.Tensor, ba: torch.Ten
 
 
 def qwen3_next_gated_delta_net_forward(
-    module: torch.nn.Module, hidden_states: torch.Tensor, cache_params=None, *_args, attention_mask=None, **_kwargs
+    module: Any, hidden_states: torch.Tensor, cache_params=None, *_args, attention_mask=None, **_kwargs
 ) -> torch.Tensor:
     """``Qwen3NextGatedDeltaNet``: hidden_states [b, s, hidden] -> [b, s, hidden], HF's torch fallback
     without cache, with the short conv and the gated delta rule as canonical ops."""
@@ -81,7 +81,7 @@ def qwen3_next_gated_delta_net_forward(
 
 
 def deltanet_mixer_forward(
-    module: torch.nn.Module, hidden_states: torch.Tensor, cache_params=None, *_args, attention_mask=None, **_kwargs
+    module: Any, hidden_states: torch.Tensor, cache_params=None, *_args, attention_mask=None, **_kwargs
 ) -> torch.Tensor:
     """``DeltaNetMixer`` (the tiny DeltaNet, ``models/tiny_families/deltanet_model.py``): its eager
     forward is the token-by-token recurrence; here the rule is ``torch_delta_rule``."""

@@ -33,14 +33,14 @@ RoPE, as each family spells it:
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
 from . import ModulePatch
 
 
-def _require_uncached(module: torch.nn.Module, past_key_values) -> None:
+def _require_uncached(module: Any, past_key_values) -> None:
     if past_key_values is not None:
         raise ValueError(
             f"the canonical {type(module).__name__} forward is for export (use_cache=False): the cached graph keeps "
@@ -77,7 +77,7 @@ def _require_causal(
         )
 
 
-def _queries(module: torch.nn.Module, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _queries(module: Any, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """q_nope [b, s, n, dn], q_pe [b, s, n, dr] (not yet rotated)."""
     b, s = hidden_states.shape[:-1]
     if module.q_lora_rank is None:
@@ -88,7 +88,7 @@ def _queries(module: torch.nn.Module, hidden_states: torch.Tensor) -> Tuple[torc
     return q[..., : module.qk_nope_head_dim], q[..., module.qk_nope_head_dim :]
 
 
-def _latent(module: torch.nn.Module, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _latent(module: Any, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """latent [b, s, r] (after kv_a_layernorm), k_pe [b, s, 1, dr] (not yet rotated)."""
     b, s = hidden_states.shape[:-1]
     kv = module.kv_a_proj_with_mqa(hidden_states)
@@ -96,7 +96,7 @@ def _latent(module: torch.nn.Module, hidden_states: torch.Tensor) -> Tuple[torch
     return latent, kv[..., module.kv_lora_rank :].view(b, s, 1, module.qk_rope_head_dim)
 
 
-def _attend(module: torch.nn.Module, hidden_states, q_nope, q_pe, latent, k_pe) -> torch.Tensor:
+def _attend(module: Any, hidden_states, q_nope, q_pe, latent, k_pe) -> torch.Tensor:
     """torch_mla, then o_proj: [b, s, hidden]."""
     import workbench.ops.mla  # noqa: F401  (registers the op; a no-op once workbench.ops imports it)
 
@@ -122,7 +122,7 @@ def rope_complex_bsnd(q: torch.Tensor, k: torch.Tensor, freqs_cis: torch.Tensor)
 
 
 def deepseek_v2_attention_forward(
-    module: torch.nn.Module,
+    module: Any,
     hidden_states: torch.Tensor,
     attention_mask: Optional[torch.Tensor] = None,
     past_key_values=None,
@@ -138,6 +138,7 @@ def deepseek_v2_attention_forward(
     # HF moves freqs_cis with ``.to(q_pe.device)``: a no-op here (the rotary embedding runs on the
     # hidden states' device) that export records as one shared alias, which every later layer then
     # reads from layer 1 -- and layer stamping (export_stamp) refuses a layer reading its predecessor.
+    assert position_embeddings is not None  # DeepseekV2's decoder layer always passes freqs_cis
     q_pe, k_pe = rope_complex_bsnd(q_pe, k_pe, position_embeddings)
     return _attend(module, hidden_states, q_nope, q_pe, latent, k_pe), None
 
@@ -164,7 +165,7 @@ def rope_cos_sin_bsnd(
 
 
 def deepseek_v3_attention_forward(
-    module: torch.nn.Module,
+    module: Any,
     hidden_states: torch.Tensor,
     position_embeddings: Tuple[torch.Tensor, torch.Tensor],
     attention_mask: Optional[torch.Tensor] = None,

@@ -21,6 +21,8 @@ Left to HF's own forward (traced as it is; the delta cache then cannot be insert
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ...ops.rope import torch_mrope as _mrope_ops  # noqa: F401  (registers workbench::torch_mrope_cos_sin)
@@ -29,12 +31,12 @@ from . import ModulePatch
 _RUNTIME_RECOMPUTED = ("dynamic", "longrope")
 
 
-def _hf_forward(module: torch.nn.Module):
+def _hf_forward(module: Any):
     """The class's own forward, bound (the patch is an instance attribute shadowing it)."""
     return type(module).forward.__get__(module, type(module))
 
 
-def traceable_as_op(module: torch.nn.Module) -> str | None:
+def traceable_as_op(module: Any) -> str | None:
     """Why the module's table cannot go through ``torch_mrope_cos_sin`` (None: it can)."""
     if not hasattr(type(module), "recomposition_frequencies"):
         return "its rotary module leaves the section selection to the attention (older transformers)"
@@ -45,7 +47,7 @@ def traceable_as_op(module: torch.nn.Module) -> str | None:
     return None
 
 
-def canonical_mrope_rotary(module: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
+def canonical_mrope_rotary(module: Any, x: torch.Tensor, position_ids: torch.Tensor):
     """``Qwen2(_5)_VLRotaryEmbedding.forward`` through ``torch.ops.workbench.torch_mrope_cos_sin``:
     x [b, s, hidden] (dtype and device only), position_ids [3, b, s] or [b, s] -> cos, sin [b, s, d]."""
     if traceable_as_op(module) is not None:

@@ -18,7 +18,7 @@ export contract has none, and the runtime never pads (HF only zeroes padded toke
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,7 @@ from ...ops import ssm as _ssm_ops  # noqa: F401  (registers workbench::torch_ss
 from . import ModulePatch
 
 
-def _refuse_cache(module: torch.nn.Module, cache_params) -> None:
+def _refuse_cache(module: Any, cache_params) -> None:
     if cache_params is not None:
         raise ValueError(
             f"the canonical {type(module).__name__} forward traces the model without cache (export runs it with "
@@ -37,13 +37,13 @@ def _refuse_cache(module: torch.nn.Module, cache_params) -> None:
         )
 
 
-def _time_step_limits(module: torch.nn.Module) -> Tuple[float, Optional[float]]:
+def _time_step_limits(module: Any) -> Tuple[float, Optional[float]]:
     """HF's ``time_step_limit`` (min, max) as the op's options; an infinite max is ``None``."""
     low, high = module.time_step_limit
     return float(low), (None if math.isinf(high) else float(high))
 
 
-def _conv_and_scan(module: torch.nn.Module, projected: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _conv_and_scan(module: Any, projected: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The mixer's core from its in_proj output [b, s, P]: returns (gate [b, s, I], y [b, s, I]).
 
     Shared by every Mamba-2 mixer: they name their sizes alike (``intermediate_size``, ``conv_dim``,
@@ -78,7 +78,7 @@ def _conv_and_scan(module: torch.nn.Module, projected: torch.Tensor) -> Tuple[to
     return gate, y.flatten(-2)
 
 
-def mamba2_mixer_forward(module: torch.nn.Module, hidden_states: torch.Tensor, cache_params=None, *_args, **_kwargs):
+def mamba2_mixer_forward(module: Any, hidden_states: torch.Tensor, cache_params=None, *_args, **_kwargs):
     """``Mamba2Mixer`` / ``BambaMixer`` / ``NemotronHMamba2Mixer``: hidden_states [b, s, hidden] ->
     [b, s, hidden]. The gated norm multiplies by silu(gate) before normalizing (HF's
     ``MambaRMSNormGated``, run as the module itself)."""
@@ -87,7 +87,7 @@ def mamba2_mixer_forward(module: torch.nn.Module, hidden_states: torch.Tensor, c
     return module.out_proj(module.norm(y, gate).to(hidden_states.dtype))
 
 
-def falcon_h1_mixer_forward(module: torch.nn.Module, hidden_states: torch.Tensor, cache_params=None, *_args, **_kwargs):
+def falcon_h1_mixer_forward(module: Any, hidden_states: torch.Tensor, cache_params=None, *_args, **_kwargs):
     """``FalconH1Mixer``: a Mamba-2 mixer with muP multipliers -- the input scaled by
     ``ssm_in_multiplier``, the in_proj output by the per-channel ``mup_vector`` (one factor per
     gate / x / B / C / dt segment) -- and an optional gated norm (``mamba_rms_norm``; without it the

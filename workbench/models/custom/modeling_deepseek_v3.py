@@ -114,6 +114,8 @@ class RotaryEmbedding(nn.Module):
     """cos/sin ``[b, s, dr]`` for the given positions, computed once per forward for all layers.
     ``inv_freq`` is a non-persistent buffer, as in HF (not in the checkpoint)."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, config):
         super().__init__()
         inv_freq, self.attention_scaling = rope_inverse_frequencies(config, config.qk_rope_head_dim)
@@ -178,6 +180,7 @@ class MultiHeadLatentAttention(nn.Module):
 
 
 class NoAuxTopKRouter(nn.Module):
+    e_score_correction_bias: torch.Tensor  # a buffer
     """DeepSeek-V3's auxiliary-loss-free router, plain torch (fp32 throughout, as HF):
 
     scores = sigmoid(x W^T) [T, E]; experts are *chosen* on scores + e_score_correction_bias, within

@@ -104,6 +104,8 @@ class GatedRMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin ``[b, s, rotary_dim]`` for the given positions, once per forward for all attention layers."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, config):
         super().__init__()
         inv_freq, self.attention_scaling = rope_inverse_frequencies(config)

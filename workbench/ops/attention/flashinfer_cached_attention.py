@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, cast
 
 import torch
 
@@ -157,7 +157,7 @@ class FlashInferPlanner:
             return flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend=_KERNELS)
         # CUDA-graph mode: the index buffers sit at fixed addresses the captured kernels read;
         # plan() copies each step's indices into them (sized for b sequences of the longest length)
-        i32 = dict(dtype=torch.int32, device=self.device)
+        i32: Dict[str, Any] = dict(dtype=torch.int32, device=self.device)
         return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace,
             "NHD",
@@ -172,6 +172,7 @@ class FlashInferPlanner:
     def _plan(self, w, slot: Tuple[Optional[int], PlanKey]) -> None:
         key = slot[1]
         if self._indices is None:
+            assert self._step is not None  # begin_step ran before any plan
             self._indices = host_indices(self._step)  # host tensors: plan() reads them without a sync
         qo_indptr, kv_indptr, kv_indices, last_page_len = self._indices
         w.plan(
@@ -248,7 +249,7 @@ def flashinfer_cached_attention(
     t, page_size = q.shape[1], k_cache.shape[1]
     seq_idx, pos = token_layout(seq_lens, input_pos, t)
     write_kv(k[0], v[0], k_cache, v_cache, seq_idx, pos, page_table)
-    planner = active_planner("flashinfer")
+    planner = cast(Optional[FlashInferPlanner], active_planner("flashinfer"))  # registered under that name
     if planner is None:
         if _capturing():
             raise RuntimeError(

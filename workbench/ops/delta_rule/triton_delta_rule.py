@@ -152,6 +152,7 @@ def decode_rows_triton(
     h, dv = v.shape[2], v.shape[3]
     q, k, v = (_last_dim_contiguous(x[0]) for x in (q, k, v))  # [T, heads, d]
     gs, bs = (None if x is None else x[0] for x in (g, beta))  # [T, h]
+    assert bs is not None  # beta is required (g is optional)
     o = out[0]
     block_v = min(64, triton.next_power_of_2(dv))
     grid = (rows, h, triton.cdiv(dv, block_v))

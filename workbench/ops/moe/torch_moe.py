@@ -8,7 +8,7 @@ and cast back to ``x``'s dtype, as HF's MoE blocks do, so a match is numerically
 
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,7 @@ from ..capture import host_sync_tags
 
 # why the MoE ops that dispatch tokens to experts cannot be captured in a CUDA graph
 MOE_HOST_SYNC = "runs only the experts that got tokens: reads them on the host (unique().tolist(), nonzero)"
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
 def _act(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -22,7 +22,7 @@ last chunk IS the state after the last real token, without slicing.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -99,7 +99,7 @@ def ssd_chunked(
 
     # Across chunks: the state entering chunk c, a recurrence over the (few) chunks.
     state = x.new_zeros(b, h, d, n) if initial_state is None else initial_state.float()
-    entering = []
+    entering: Any = []  # the per-chunk states, then stacked into one tensor
     for c in range(chunks):
         entering.append(state)
         state = chunk_decay[:, c, :, None, None] * state + chunk_states[:, c]

@@ -67,6 +67,7 @@ class GraphCopy:
     def graph(self) -> fx.Graph:
         """The frozen graph (read it, never mutate it)."""
         if self._graph is None:
+            assert self._module is not None  # copied eagerly in __init__
             return graph_modules(self._module)[0].graph
         return self._graph
 
@@ -80,6 +81,7 @@ class GraphCopy:
     def materialize(self) -> torch.nn.Module:
         """A fresh module with its own graph copy, to run more transforms on."""
         if self._graph is None:
+            assert self._module is not None  # copied eagerly in __init__
             return copy_module(self._module)
         return self._build(copy_graph(self._graph))
 

@@ -14,15 +14,16 @@ meets the new ``transpose(1, 2)`` back to bsnd and the pair disappears, leaving
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, List, Literal
+from typing import Any, Dict, List, Literal, Tuple
 
 import torch
 import torch.fx as fx
 from pydantic import Field, field_validator
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ...context import PipelineContext
 from ...graph.utils import tensor_meta
-from ...interface import Transform, TransformConfig, register
+from ...interface import Transform, TransformConfig, TransformInfo, register
 from ...matcher import annotate_new_nodes, match_info, named_args, same_shape
 
 aten = torch.ops.aten
@@ -55,8 +56,9 @@ class MatchAttentionLayout(Transform):
     """Rewrite ``torch_attention`` calls to ``attn_layout``: Q/K/V transposed in, output back."""
 
     config_class = MatchAttentionLayoutConfig
+    config: MatchAttentionLayoutConfig
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         target = self.config.attn_layout
         graph, n = gm.graph, 0
         for node in list(graph.nodes):
@@ -104,8 +106,9 @@ class MatchRopeLayout(Transform):
     """Rewrite RoPE ops to ``expected_layout``: q/k transposed in, both outputs transposed back."""
 
     config_class = MatchRopeLayoutConfig
+    config: MatchRopeLayoutConfig
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         target = self.config.expected_layout
         graph, n = gm.graph, 0
         for node in list(graph.nodes):
@@ -162,7 +165,7 @@ def _skip_identity_reshapes(node: fx.Node) -> fx.Node:
 class EliminateRedundantTransposes(Transform):
     """Remove pairs of transposes over the same two dims: ``transpose(transpose(x, a, b), a, b) = x``."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         n = 0
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target is not aten.transpose.int or node._erased:

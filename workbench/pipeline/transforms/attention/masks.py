@@ -157,7 +157,7 @@ def attention_mask_arguments(
     ``k`` [b, n_kv, s_k, d] with ``mask`` (None: no mask): ``is_causal``, ``sliding_window`` and
     ``keep_mask`` (whether the explicit mask must stay). A mask is only dropped for what it
     provably encodes, and only for self-attention over the same positions (s_q == s_k)."""
-    out = {"is_causal": bool(is_causal), "sliding_window": None, "keep_mask": mask is not None}
+    out: Dict[str, Any] = {"is_causal": bool(is_causal), "sliding_window": None, "keep_mask": mask is not None}
     if mask is not None and not is_causal and same_size(q.shape[2], k.shape[2]):
         kind = classify_mask(mask, q.shape[2])
         if kind is not None:

@@ -28,8 +28,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ...context import PipelineContext
 from ...graph.utils import tensor_meta
-from ...interface import Transform, register
+from ...interface import Transform, TransformInfo, register
 from ...matcher import Match, Pattern, PatternMatcher, match_info, named_args, same_shape, same_size
 from .masks import MaskKind, attention_mask_arguments, classify_mask
 
@@ -101,7 +102,7 @@ def repeat_kv_source(gm: fx.GraphModule, node: Any) -> Optional[Tuple[fx.Node, i
 class MatchRepeatKV(Transform):
     """Replace HF's repeat_kv chain by ``torch_attention_repeat_kv(x, n_rep)``."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return match_info(gm, PatternMatcher([REPEAT_KV_PATTERN]).apply(gm))
 
 
@@ -243,13 +244,14 @@ def _sink_eager_attention(with_mask: bool, with_dropout: bool, with_cast: bool) 
         # softmax runs in the logits' dtype and the cast goes to v's dtype.
         (expand,), (softmax,) = m.matched(aten.expand.default), m.matched(aten.softmax.int)
         q, v, sinks, e = m.val("q"), m.val("v"), m.val("sinks"), tensor_meta(expand)
-        if any(t is None for t in (q, v, sinks, e)) or q.dim() != 4 or sinks.dim() != 1:
+        if q is None or v is None or sinks is None or e is None or q.dim() != 4 or sinks.dim() != 1:
             return None
         b, n, s_q, _ = q.shape
         if not same_size(sinks.shape[0], n) or not same_shape(e.shape, (b, n, s_q, 1)):
             return None
         probs_dtype = dict(named_args(softmax))["dtype"]
-        if probs_dtype != tensor_meta(softmax.args[0]).dtype:
+        logits = tensor_meta(softmax.args[0])
+        if logits is None or probs_dtype != logits.dtype:
             return None
         if (m.matched(aten.to.dtype)[0].args[1] if with_cast else probs_dtype) != v.dtype:
             return None
@@ -289,7 +291,7 @@ class MatchEagerAttention(Transform):
     """Replace eager attention (matmul, scale, mask, softmax, matmul) by ``torch_attention_sdpa``,
     and its soft-capped / sink variants by ``torch_attention`` with ``logit_cap`` / ``sinks``."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return match_info(gm, PatternMatcher(EAGER_VARIANT_PATTERNS + EAGER_ATTENTION_PATTERNS).apply(gm))
 
 
@@ -367,7 +369,7 @@ class MatchSDPAToTorchAttention(Transform):
     """Replace SDPA (aten or ``torch_attention_sdpa``), with or without repeat_kv, by
     ``torch_attention`` in bnsd layout; causal-only masks become ``is_causal``/``sliding_window``."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return match_info(gm, PatternMatcher(SDPA_PATTERNS).apply(gm))
 
 
@@ -382,7 +384,7 @@ class MatchGroupedAttention(Transform):
     or a raw expand/reshape chain. bnsd only: that is the layout repeat_kv repeats in.
     """
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         n = 0
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target is not wb.torch_attention.default:

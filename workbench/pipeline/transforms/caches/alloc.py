@@ -29,7 +29,7 @@ from pydantic import Field, field_validator
 
 from ....models.dtypes import resolve_dtype
 from ....runtime.interface import KVCacheConfig, allocate_caches, prefill_forward
-from ...context import CACHE_SPECS, KV_CACHE
+from ...context import CACHE_SPECS, KV_CACHE, PipelineContext
 from ...interface import Transform, TransformConfig, TransformInfo, register
 from .state_rewrite import uncached_state_ops
 
@@ -116,10 +116,11 @@ class InitializeCache(Transform):
     """Allocate every declared cache with conservative capacity."""
 
     config_class = InitializeCacheConfig
+    config: InitializeCacheConfig
     needs = (CACHE_SPECS,)
     provides = (KV_CACHE,)
 
-    def _apply(self, mod, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+    def _apply(self, mod: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         if not ctx.cache.specs:
             return mod, _no_specs(self.key)
         _refuse_uncached_state(mod)
@@ -182,9 +183,10 @@ class ResizeKVCache(Transform):
     """Measure activation memory with one forward, then grow the KV cache to its working size."""
 
     config_class = ResizeKVCacheConfig
+    config: ResizeKVCacheConfig
     needs = (KV_CACHE,)
 
-    def _apply(self, mod, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+    def _apply(self, mod: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         cfg: Optional[KVCacheConfig] = ctx.cache.config
         if cfg is None:
             if ctx.cache.specs:  # specs declared but never allocated: initialize_cache is off

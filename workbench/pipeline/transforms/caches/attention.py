@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ....runtime.interface import PAGED, CacheSpec
-from ...context import CACHE_SPECS
+from ...context import CACHE_SPECS, PipelineContext
 from ...graph.utils import require_tensor_meta
 from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes, named_args
@@ -208,9 +208,10 @@ class InsertCachedAttention(Transform):
     """Rewrite every canonical attention op into the backend's paged cached attention op."""
 
     config_class = InsertCachedAttentionConfig
+    config: InsertCachedAttentionConfig
     provides = (CACHE_SPECS,)
 
-    def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+    def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         if not isinstance(gm, fx.GraphModule):
             raise TypeError(
                 "insert_cached_attention rewrites exported graphs, and this model is not exported; "

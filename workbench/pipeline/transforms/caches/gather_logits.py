@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from ....runtime.interface import LAST_TOKEN_INPUT
+from ...context import PipelineContext
 from ...graph.weights import param_of
 from ...interface import Transform, TransformInfo, register
 from .inputs import find_input, per_sequence_input
@@ -58,7 +59,7 @@ def find_lm_head(gm: fx.GraphModule) -> Optional[fx.Node]:
 class GatherLogitsBeforeLMHead(Transform):
     """Gather each sequence's last token before the LM head: logits [1, B, V] instead of [1, T, V]."""
 
-    def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+    def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         if not isinstance(gm, fx.GraphModule):
             return gm, TransformInfo(num_matches=0, skip_reason="not a graph (transformers mode keeps its LM head)")
         if find_input(gm, "seq_lens") is None:
@@ -72,7 +73,7 @@ class GatherLogitsBeforeLMHead(Transform):
         head = find_lm_head(gm)
         hidden = head.args[0] if head is not None else None
         val = hidden.meta.get("val") if isinstance(hidden, fx.Node) else None
-        if val is None or not isinstance(val.shape[-1], int):
+        if head is None or not isinstance(hidden, fx.Node) or val is None or not isinstance(val.shape[-1], int):
             return gm, TransformInfo(num_matches=0, skip_reason="no LM head projection found before the output")
         device = ctx.device
         index = per_sequence_input(gm, LAST_TOKEN_INPUT, torch.int64, device)

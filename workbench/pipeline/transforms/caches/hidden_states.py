@@ -12,12 +12,13 @@ later cache stage can add the buffers that store them.
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch.fx as fx
 from pydantic import Field
 
-from ...interface import Transform, TransformConfig, register
+from ...context import PipelineContext
+from ...interface import Transform, TransformConfig, TransformInfo, register
 from ...matcher import match_info
 from .inputs import CAPTURE_KEY
 
@@ -65,8 +66,9 @@ class DetectHiddenStatesForCapture(Transform):
     """Mark the output hidden state of each layer in ``eagle3_layers_to_capture``."""
 
     config_class = DetectHiddenStatesForCaptureConfig
+    config: DetectHiddenStatesForCaptureConfig
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[fx.GraphModule, TransformInfo]:
         wanted = self.config.eagle3_layers_to_capture
         if wanted is None:
             return match_info(gm, {"hidden_states": 0}, reason="eagle3_layers_to_capture is None")

@@ -13,7 +13,7 @@ Not a transform itself: helpers for ``insert_cached_attention``, ``insert_cached
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -125,7 +125,7 @@ def cache_input(gm: fx.GraphModule, spec: CacheSpec, dtype: torch.dtype, device:
     """A cache placeholder: [num_pages, page_size, *shape] (paged), [num_slots, *shape] (per-sequence
     state) or [max_num_tokens, *shape] (per-step buffer)."""
     if spec.kind == PAGED:
-        lead = (_symbol(gm, "num_pages", 7), _symbol(gm, "page_size", 11))
+        lead: Tuple[Any, ...] = (_symbol(gm, "num_pages", 7), _symbol(gm, "page_size", 11))
     elif spec.kind == SLOT:
         lead = (_symbol(gm, "num_slots", 5),)
     else:

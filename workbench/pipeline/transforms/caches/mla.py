@@ -33,7 +33,7 @@ from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ....ops import mla as _mla_ops  # noqa: F401  (torch_mla / torch_cached_mla, until ops/__init__ imports it)
 from ....ops.mla.torch_mla import default_scale
 from ....runtime.interface import PAGED, CacheSpec
-from ...context import CACHE_SPECS
+from ...context import CACHE_SPECS, PipelineContext
 from ...graph.utils import require_tensor_meta
 from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes, named_args
@@ -124,9 +124,10 @@ class InsertCachedMLAAttention(Transform):
     """Rewrite every canonical MLA op into MLA over a paged latent cache (one page pool per layer)."""
 
     config_class = InsertCachedAttentionConfig
+    config: InsertCachedAttentionConfig
     provides = (CACHE_SPECS,)
 
-    def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+    def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         if not isinstance(gm, fx.GraphModule):
             raise TypeError("insert_cached_mla_attention rewrites exported graphs, and this model is not exported")
         backend = self.config.backend

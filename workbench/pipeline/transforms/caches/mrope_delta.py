@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from ....ops.rope import torch_mrope  # noqa: F401  (registers the mRoPE ops)
 from ....runtime.interface import SLOT, CacheSpec
-from ...context import CACHE_SPECS
+from ...context import CACHE_SPECS, PipelineContext
 from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes
 from .inputs import cache_input, find_input, metadata_inputs, slot_input
@@ -81,7 +81,7 @@ class InitializeMropeDeltaCache(Transform):
 
     provides = (CACHE_SPECS,)
 
-    def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+    def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         if not isinstance(gm, fx.GraphModule):
             raise TypeError("initialize_mrope_delta_cache rewrites exported graphs, and this model is not exported")
         if not mrope_table_nodes(gm):

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from ....runtime.interface import PER_TOKEN, CacheSpec
-from ...context import CACHE_SPECS
+from ...context import CACHE_SPECS, PipelineContext
 from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes
 from .inputs import CAPTURE_KEY, cache_input
@@ -42,7 +42,7 @@ class InsertCachedResidualAdd(Transform):
 
     provides = (CACHE_SPECS,)
 
-    def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+    def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         if not isinstance(gm, fx.GraphModule):
             return gm, TransformInfo(num_matches=0, skip_reason="not a graph (transformers mode captures nothing)")
         marked = [n for n in gm.graph.nodes if CAPTURE_KEY in n.meta]

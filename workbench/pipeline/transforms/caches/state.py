@@ -22,7 +22,7 @@ from pydantic import Field, field_validator
 from ....ops.state import stateful_ops
 from ....ops.triton_support import triton_available
 from ....runtime.interface import CacheSpec
-from ...context import CACHE_SPECS
+from ...context import CACHE_SPECS, PipelineContext
 from ...interface import Transform, TransformConfig, TransformInfo, register
 from .state_rewrite import rewrite_stateful_node, stateful_nodes
 
@@ -84,10 +84,11 @@ class _InsertCachedState(Transform):
     """Rewrite every stateful op node owned by this key into its cached op over state slots."""
 
     config_class = InsertCachedStateConfig
+    config: InsertCachedStateConfig
     provides = (CACHE_SPECS,)
     mechanism = ""  # e.g. "causal conv", for messages
 
-    def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+    def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         if not isinstance(gm, fx.GraphModule):
             raise TypeError(f"{self.key} rewrites exported graphs, and this model is not exported")
         nodes = stateful_nodes(gm, self.key)
@@ -111,7 +112,7 @@ class _InsertCachedState(Transform):
         per_seq = sum(s.token_elems() * (s.dtype or ctx.dtype).itemsize for s in specs)
         details = {
             "backend": backends,
-            "layers": sorted({s.layer for s in specs}),
+            "layers": sorted({s.layer for s in specs if s.layer is not None}),
             "states": {s.name: list(s.shape) for s in specs},
             "state_bytes_per_sequence": per_seq,
             "new_inputs": ["seq_lens", "input_pos", "slot_idx", "num_prefill"] + [s.name for s in specs],
@@ -124,6 +125,7 @@ class SSMCacheTransform(_InsertCachedState):
     """Mamba-2 SSM scans -> cached scans over a per-sequence SSM state [heads, head_dim, d_state]."""
 
     config_class = SSMCacheTransformConfig
+    config: SSMCacheTransformConfig
     mechanism = "SSM scan"
 
 

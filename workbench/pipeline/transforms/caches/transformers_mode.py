@@ -28,7 +28,7 @@ import torch
 from pydantic import Field
 
 from ....runtime.interface import METADATA_INPUTS, PAGED, TOKEN_INPUTS, CacheSpec
-from ...context import CACHE_SPECS, HF_ATTENTION_LAYERS
+from ...context import CACHE_SPECS, HF_ATTENTION_LAYERS, PipelineContext
 from ...interface import Transform, TransformConfig, TransformInfo, register
 from .attention_backend import InsertCachedAttentionConfig, LayerShape, resolve_backend
 
@@ -195,9 +195,10 @@ class DetectHFAttnLayers(Transform):
     """Find the attention layers of the HF model with one recorded forward."""
 
     config_class = DetectHFAttnLayersConfig
+    config: DetectHFAttnLayersConfig
     provides = (HF_ATTENTION_LAYERS,)
 
-    def _apply(self, mod, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+    def _apply(self, mod: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         model = _hf_model(mod)
         _register()
         names = {m: n for n, m in model.named_modules()}
@@ -229,10 +230,11 @@ class HFReplaceCachedAttn(Transform):
     """Wrap the HF model so its attention runs on the paged cache (``HFCachedLM``)."""
 
     config_class = TransformersReplaceCachedAttnConfig
+    config: TransformersReplaceCachedAttnConfig
     needs = (HF_ATTENTION_LAYERS,)
     provides = (CACHE_SPECS,)
 
-    def _apply(self, mod, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+    def _apply(self, mod: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         model = _hf_model(mod)
         layers = ctx.hf_attn_layers  # a required need: the framework refused to run without them
         shapes = [LayerShape(x.index, x.head_dim, x.v_head_dim, ctx.dtype, x.has_sinks) for x in layers]

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ...context import PipelineContext
 from ...graph.utils import remove_input_checks, remove_noop_slices, tensor_meta
 from ...interface import Transform, TransformInfo, register, rewrite_info
 
@@ -44,7 +45,7 @@ def _finish(gm: fx.GraphModule, n: int, **details) -> Tuple[fx.GraphModule, Tran
 class CleanupNoopSlice(Transform):
     """Remove slices that select a whole dimension (``x[:, 0:size]``, ``x[..., :]``)."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return _finish(gm, remove_noop_slices(gm))
 
 
@@ -93,7 +94,7 @@ def is_noop_add(node: fx.Node) -> Optional[fx.Node]:
 class CleanupNoopAdd(Transform):
     """Remove additions of zero (``x + 0``, ``x + zeros_like(x)``)."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return _finish(gm, _bypass(gm, is_noop_add))
 
 
@@ -107,7 +108,7 @@ class CleanupInputConstraints(Transform):
     stay readable in ``gm.meta['range_constraints']``.
     """
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return _finish(gm, remove_input_checks(gm))
 
 
@@ -157,5 +158,5 @@ def identity_cast_source(node: fx.Node) -> Optional[fx.Node]:
 class CleanupIdentityDtypeCast(Transform):
     """Remove identity dtype casts where the input dtype already matches the target dtype."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return _finish(gm, _bypass(gm, identity_cast_source))

@@ -84,6 +84,7 @@ class AuxEnd(_Marker):
             return passthrough(ys)
         _, done = self.site.events(ys[0].device)
         done.record(torch.cuda.current_stream(ys[0].device))
+        assert self.site.main is not None  # set by the fork
         torch.cuda.set_stream(self.site.main)
         return passthrough(ys)
 

@@ -14,7 +14,7 @@ CUDA graph (``workbench.ops.capture``: each op declares whether it reads device 
 from __future__ import annotations
 
 import logging
-from typing import List, Literal, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Union, get_args
 
 import torch
 from pydantic import Field, field_validator, model_validator
@@ -22,15 +22,16 @@ from pydantic import Field, field_validator, model_validator
 from ....ops.capture import capture_blockers, summarize_blockers
 from ....ops.registry import Choice
 from ....runtime.interface import COMPILE_BACKENDS, BuildRequest, CompileBackend, is_cached_module, module_input_names
+from ...context import PipelineContext
 from ...interface import Transform, TransformConfig, TransformInfo, register
 from ...memory import EXPECTED_MEM_CHANGE
 
 logger = logging.getLogger("workbench.pipeline")
 
 CompileBackendName = Literal["torch-simple", "torch-compile", "torch-cudagraph", "torch-opt"]
-if set(CompileBackendName.__args__) != set(COMPILE_BACKENDS.names()):  # the config Literal follows the registry
+if set(get_args(CompileBackendName)) != set(COMPILE_BACKENDS.names()):  # the config Literal follows the registry
     raise ImportError(
-        f"compile_model's backend Literal {CompileBackendName.__args__} differs from "
+        f"compile_model's backend Literal {get_args(CompileBackendName)} differs from "
         f"COMPILE_BACKENDS {COMPILE_BACKENDS.names()}"
     )
 CUDA_BACKENDS = tuple(b.name for b in COMPILE_BACKENDS if b.cuda_graphs)
@@ -142,15 +143,16 @@ class CompileModel(Transform):
     """Build the runner ``generate`` uses: plain graph, torch.compile, CUDA graphs, or both."""
 
     config_class = CompileModelConfig
+    config: CompileModelConfig
 
-    def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+    def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         c: CompileModelConfig = self.config
         # nodes a CUDA graph cannot capture (only CUDA runs graphs: elsewhere a CUDA-graph backend is
         # refused as unavailable)
         blockers = capture_blockers(gm) if torch.device(ctx.device).type == "cuda" else {}
         choice = choose_backend(c.backend, ctx.device, blockers)
         name, chosen, backend = choice.name, choice.why, choice.backend
-        details = {"backend": name, "chosen": chosen}
+        details: Dict[str, Any] = {"backend": name, "chosen": chosen}
         if blockers:
             details["capture_blockers"] = dict(blockers)
         if not backend.torch_compile and not backend.cuda_graphs:

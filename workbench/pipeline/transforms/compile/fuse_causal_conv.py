@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 from pydantic import Field
 
+from ...context import PipelineContext
 from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes, named_args
 from .cuda_only import CudaOnlyConfig, cuda_skip_reason
@@ -101,8 +102,9 @@ class FuseCausalConvActivation(Transform):
     """Fuse the SiLU after a cached causal conv into the conv op (CUDA only)."""
 
     config_class = FuseCausalConvActivationConfig
+    config: FuseCausalConvActivationConfig
 
-    def _apply(self, gm, ctx) -> Tuple[fx.GraphModule, TransformInfo]:
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[fx.GraphModule, TransformInfo]:
         if self.config.require_cuda:
             reason = cuda_skip_reason(ctx, "fusing activations into the cached causal-conv kernels")
             if reason:

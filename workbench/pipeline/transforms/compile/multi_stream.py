@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ...context import PipelineContext
 from ...graph.weights import param_of
 from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes
@@ -175,13 +176,14 @@ class MultiStreamTransform(Transform):
     """Shared ``_apply``: skip off CUDA, find (branch, input) sites, rewrite each."""
 
     config_class = CudaOnlyConfig
+    config: CudaOnlyConfig
     what = "multi-stream execution"
 
     def sites(self, gm: fx.GraphModule) -> List[Tuple[str, List[fx.Node], fx.Node, List[fx.Node]]]:
         """(label, branch nodes, branch input, main-stream nodes to hoist beside it) per site."""
         raise NotImplementedError
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         if self.config.require_cuda:
             reason = cuda_skip_reason(ctx, f"{self.what} (an auxiliary CUDA stream)")
             if reason:

@@ -37,6 +37,7 @@ from pydantic import Field, field_validator
 from ....models.build import meta_twin
 from ....models.export_contract import CausalLMLogits, make_batch
 from ....models.loaded import describe_model_class
+from ...context import PipelineContext
 from ...graph.copy import GraphCopy
 from ...graph.utils import remove_tensor_metadata_asserts
 from ...interface import Transform, TransformConfig, TransformInfo, register
@@ -114,8 +115,9 @@ class ExportToGMConfig(TransformConfig):
 @register("export_to_gm")
 class ExportToGM(Transform):
     config_class = ExportToGMConfig
+    config: ExportToGMConfig
 
-    def _apply(self, mod: torch.nn.Module, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+    def _apply(self, mod: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         cfg: ExportToGMConfig = self.config
         if isinstance(mod, torch.fx.GraphModule):
             raise TypeError("export_to_gm got a GraphModule: the model is already exported")
@@ -125,10 +127,10 @@ class ExportToGM(Transform):
         # range [2, 2] and make export refuse the dim as static. A bound above the runtime limit only
         # loosens the graph's guards (the runtime never feeds more than its limits), so export with >= 3.
         max_b, max_s = max(ctx.limits.max_batch_size, 3), max(ctx.limits.max_seq_len, 3)
-        for what, example, bound in (("batch", cfg.example_batch_size, max_b), ("seq", cfg.example_seq_len, max_s)):
-            if example > bound:
+        for what, size, bound in (("batch", cfg.example_batch_size, max_b), ("seq", cfg.example_seq_len, max_s)):
+            if size > bound:
                 raise ValueError(
-                    f"example_{what}_{'size' if what == 'batch' else 'len'}={example} is above the dynamic "
+                    f"example_{what}_{'size' if what == 'batch' else 'len'}={size} is above the dynamic "
                     f"{what} dim's upper bound {bound}: lower it, or raise max_{what}_{'size' if what == 'batch' else 'len'}"
                 )
         mod, model_class = _model_to_export(mod, ctx)
@@ -158,6 +160,7 @@ class ExportToGM(Transform):
         if gm is None:
             ep = export(traced)
             gm = ep.module()
+        assert ep is not None  # exported with gm
         ranges = _check_dynamic(gm, ep)
         removed = remove_tensor_metadata_asserts(gm) if cfg.remove_tensor_metadata_asserts else 0
         normalized = normalize_device_branches(gm) if cfg.normalize_device_branches else {}
@@ -217,6 +220,7 @@ def _stamp_plan(traced: torch.nn.Module, ctx, cfg: ExportToGMConfig):
     why, path = why_not_stampable(traced, config)
     if why is not None:
         return f"full export: {why}"
+    assert path is not None  # stampable: the stack's path is known
     return path, traced.get_submodule(path)
 
 
@@ -239,7 +243,7 @@ def _check_dynamic(gm: fx.GraphModule, ep: Any) -> Dict[str, str]:
     ids = inputs[0].meta.get("val") if inputs else None
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise RuntimeError("export_to_gm: the exported graph's first input is not a [batch, seq] tensor")
-    out = {}
+    out: Dict[str, str] = {}
     for dim, name in enumerate(("batch", "seq")):
         size = ids.shape[dim]
         if not isinstance(size, torch.SymInt):

@@ -71,6 +71,7 @@ def why_not_stampable(model: torch.nn.Module, config: Any) -> Tuple[Optional[str
     if path is None:
         return f"no single nn.ModuleList of {n} layers found", None
     layers = model.get_submodule(path)
+    assert isinstance(layers, torch.nn.ModuleList)  # what find_layer_stack finds
     first = _signature(layers[1])
     for i in range(2, n):
         if _signature(layers[i]) != first:
@@ -174,7 +175,8 @@ def stamp_layers(gm: fx.GraphModule, path: str, layers: torch.nn.ModuleList) -> 
         ta = _rename(a.target, path, last, last - 1) if a.op == "get_attr" else a.target
         if a.op != b.op or ta != b.target:
             raise ValueError(f"layer {last} node {a.name} ({a.target}) differs from {b.name} ({b.target})")
-        la, lb = [], []
+        la: List[Any] = []
+        lb: List[Any] = []
         fx.node.map_aggregate((a.args, a.kwargs), la.append)
         fx.node.map_aggregate((b.args, b.kwargs), lb.append)
         if len(la) != len(lb):
@@ -218,7 +220,7 @@ def stamp_layers(gm: fx.GraphModule, path: str, layers: torch.nn.ModuleList) -> 
                 new.target = _rename(a.target, path, last, i)
                 rest = new.target[len(f"{path}.{i}.") :]
                 try:
-                    value = layers[i].get_parameter(rest)
+                    value: torch.Tensor = layers[i].get_parameter(rest)
                 except AttributeError:
                     value = layers[i].get_buffer(rest)
                 register(new.target, value)

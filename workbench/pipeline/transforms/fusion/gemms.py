@@ -26,12 +26,13 @@ The weight helpers (``concat_weights``, ``release_weights``) are in ``pipeline/g
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from ...context import PipelineContext
 from ...graph.utils import symbolic_fake_mode
 from ...graph.weights import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights
 from ...interface import Transform, TransformInfo, register
@@ -76,7 +77,8 @@ def _fusable_key(gm: fx.GraphModule, node: fx.Node, form: LinearForm) -> Optiona
         if b is None or b.dim() != 1:
             return None
     consts = tuple(node.args[i] if len(node.args) > i else None for i in form.consts)
-    return (node.target, tuple((w.dtype, w.device, w.shape[1]) for w in ws), consts, bias is not None)
+    weights = cast(List[torch.Tensor], ws)  # none is None (checked above)
+    return (node.target, tuple((w.dtype, w.device, w.shape[1]) for w in weights), consts, bias is not None)
 
 
 def linear_groups(gm: fx.GraphModule) -> List[List[fx.Node]]:
@@ -150,7 +152,7 @@ def fuse_linear_group(gm: fx.GraphModule, group: Sequence[fx.Node]) -> Dict[str,
     x, first = group[0].args[0], group[0]
     b_nodes = [form.bias_of(n) for n in group]
     has_bias = b_nodes[0] is not None
-    sizes = [int(param_of(gm, n.args[form.weights[0]]).shape[0]) for n in group]
+    sizes = [int(cast(torch.Tensor, param_of(gm, n.args[form.weights[0]])).shape[0]) for n in group]  # fusable
     tensor_groups = [[n.args[i] for n in group] for i in form.weights] + ([b_nodes] if has_bias else [])
     targets, new_bytes = [], 0
     for nodes in tensor_groups:
@@ -194,7 +196,7 @@ class FuseGemms(Transform):
     """Fuse linear nodes (``aten.linear``, int4/int8 linears) that share an input into one GEMM over
     concatenated weights."""
 
-    def _apply(self, gm, ctx) -> Tuple[fx.GraphModule, TransformInfo]:
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[fx.GraphModule, TransformInfo]:
         groups = linear_groups(gm)
         done = [fuse_linear_group(gm, group) for group in groups]
         # One release for all groups: the storage census walks every parameter.

@@ -23,7 +23,7 @@ canonical and is listed in ``details['left']`` with the reason.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Dict, List, Literal, Optional
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -32,9 +32,10 @@ from pydantic import Field
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ....ops.backends import choose_fusion_backend
 from ....ops.flashinfer_support import FLASHINFER_DTYPES
+from ...context import PipelineContext
 from ...graph.utils import tensor_meta
 from ...graph.weights import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights
-from ...interface import Transform, TransformConfig, register, rewrite_info
+from ...interface import Transform, TransformConfig, TransformInfo, register, rewrite_info
 from ...matcher import annotate_new_nodes, erase_dead, named_args
 
 wb = torch.ops.workbench
@@ -86,8 +87,9 @@ class _SwapCanonicalOp(Transform):
     """Swap every call of a canonical op for the picked backend's op (same arguments, same
     contract); nodes the backend cannot take stay canonical, listed in ``details['left']``."""
 
+    config: Union[FuseRMSNormConfig, FuseRoPEConfig]
     family: str = ""  # FUSION_BACKENDS table
-    canonical: Callable = None  # the torch op (it *is* the torch backend)
+    canonical: Any = None  # the torch op, an OpOverload (it *is* the torch backend)
     missing_note: str = ""
 
     def refusal(self, backend: str, node: fx.Node) -> Optional[str]:
@@ -96,7 +98,7 @@ class _SwapCanonicalOp(Transform):
     def swap(self, gm: fx.GraphModule, node: fx.Node, op: Callable, details: Dict[str, Any]) -> None:
         swap_node(gm, node, op, tuple(node.args), dict(node.kwargs))
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         nodes = _nodes(gm, self.canonical)
         if not nodes:
             return rewrite_info(gm, 0, {"note": self.missing_note})
@@ -123,6 +125,7 @@ class FuseRMSNorm(_SwapCanonicalOp):
     """Swap ``torch_rmsnorm`` for the configured backend's fused RMSNorm op."""
 
     config_class = FuseRMSNormConfig
+    config: FuseRMSNormConfig
     family, canonical = "rmsnorm", wb.torch_rmsnorm.default
     missing_note = "no torch_rmsnorm nodes (run the pattern_matcher stage first)"
 
@@ -143,7 +146,7 @@ class FuseRoPEConfig(TransformConfig):
 
 def _rope_refusal(args: Dict[str, Any]) -> Optional[str]:
     q, k, cos, sin = (tensor_meta(args[name]) for name in ("q", "k", "cos", "sin"))
-    if any(v is None for v in (q, k, cos, sin)):
+    if q is None or k is None or cos is None or sin is None:
         return "no fake value on q/k/cos/sin (run shape propagation first)"
     dim = args["unsqueeze_dim"]
     if dim not in (1, 2):
@@ -161,6 +164,7 @@ class FuseRoPE(_SwapCanonicalOp):
     """Swap ``torch_rope_with_explicit_cos_sin`` for the configured backend's RoPE op."""
 
     config_class = FuseRoPEConfig
+    config: FuseRoPEConfig
     family, canonical = "rope", wb.torch_rope_with_explicit_cos_sin.default
     missing_note = "no torch_rope_with_explicit_cos_sin nodes"
 
@@ -286,8 +290,9 @@ class FuseSwiGLU(Transform):
     GEMM already fused by ``fuse_gemms`` (quantized linears: ``split -> silu * mul``) -> the SiLU-and-mul."""
 
     config_class = FuseSwiGLUConfig
+    config: FuseSwiGLUConfig
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         nodes = _nodes(gm, wb.torch_swiglu_mlp.default)
         if not nodes and not any(n.op == "call_function" and split_silu_mul(n) is not None for n in gm.graph.nodes):
             return rewrite_info(

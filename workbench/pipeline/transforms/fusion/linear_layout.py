@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 from pydantic import Field
 
+from ...context import PipelineContext
 from ...graph.weights import LINEAR, fake_value, fetch_attr, linear_bias, param_of, release_weights
 from ...interface import Transform, TransformConfig, TransformInfo, register
 from ...matcher import annotate_new_nodes
@@ -84,8 +85,9 @@ class LinearWeightLayout(Transform):
     (``kn``); see the module docstring."""
 
     config_class = LinearWeightLayoutConfig
+    config: LinearWeightLayoutConfig
 
-    def _apply(self, gm, ctx) -> Tuple[fx.GraphModule, TransformInfo]:
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[fx.GraphModule, TransformInfo]:
         from ....ops import cpu_kernels
 
         device = torch.device(ctx.device)

@@ -6,11 +6,15 @@
 
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
-from ...interface import Transform, register
+from ...context import PipelineContext
+from ...interface import Transform, TransformInfo, register
 from ...matcher import Pattern, PatternMatcher, match_info
 
 wb = torch.ops.workbench
@@ -50,5 +54,5 @@ SWIGLU_PATTERNS = (
 class MatchSwiGLUPattern(Transform):
     """Replace ``silu(x @ gate.T) * (x @ up.T) @ down.T`` by ``torch_swiglu_mlp``."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return match_info(gm, PatternMatcher(SWIGLU_PATTERNS).apply(gm))

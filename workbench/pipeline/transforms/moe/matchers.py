@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ...context import PipelineContext
 from ...graph.utils import tensor_meta
-from ...interface import Transform, TransformConfig, register
+from ...interface import Transform, TransformConfig, TransformInfo, register
 from ...matcher import Match, Pattern, PatternMatcher, annotate_new_nodes, match_info, named_args, same_shape
 from ...weights import record_weight_view
 
@@ -212,7 +213,7 @@ MOE_PATTERNS = tuple(moe_patterns())
 class MatchMoePattern(Transform):
     """Replace transformers' stacked-experts MoE (grouped_mm / batched_mm) by ``torch_moe_fused``."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return match_info(gm, PatternMatcher(MOE_PATTERNS).apply(gm))
 
 
@@ -294,7 +295,7 @@ DENSE_MOE_PATTERNS = (
 class MatchBmmMoePattern(Transform):
     """Replace Llama-4 style BMM MoE (routing scales the input) by ``torch_moe_dense_mlp``."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return match_info(gm, PatternMatcher(BMM_MOE_PATTERNS).apply(gm))
 
 
@@ -302,7 +303,7 @@ class MatchBmmMoePattern(Transform):
 class MatchDenseMoePattern(Transform):
     """Replace the dense all-experts BMM MoE (weighted on the output) by ``torch_moe_dense_mlp``."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return match_info(gm, PatternMatcher(DENSE_MOE_PATTERNS).apply(gm))
 
 
@@ -347,7 +348,7 @@ class SplitMoeFusedForSharding(Transform):
     beside them as ``<stacked>_w1_<e>`` / ``_w2_<e>`` / ``_w3_<e>``.
     """
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         n = 0
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target is not wb.torch_moe_fused.default:
@@ -366,7 +367,7 @@ class SplitMoeFusedForSharding(Transform):
                     (args["x"], args["selected_experts"], args["routing_weights"], w1, w2n, w3),
                     {"act_fn": args["act_fn"]} if args["act_fn"] != "silu" else {},
                 )
-            mode = getattr(tensor_meta(args["x"]), "fake_mode", None)
+            mode: Any = getattr(tensor_meta(args["x"]), "fake_mode", None)
             for p in (w1 + w3 + w2n) if mode is not None else ():
                 p.meta["val"] = mode.from_tensor(gm.get_parameter(p.target), static_shapes=True)
             node.replace_all_uses_with(new)
@@ -451,8 +452,9 @@ class MatchMoeRoutingPattern(Transform):
     """Replace softmax -> top-k -> renormalize by one routing op (torch reference or Triton)."""
 
     config_class = MatchMoeRoutingPatternConfig
+    config: MatchMoeRoutingPatternConfig
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return match_info(gm, PatternMatcher(ROUTING_PATTERNS[self.config.backend]).apply(gm))
 
 

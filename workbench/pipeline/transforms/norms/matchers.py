@@ -8,10 +8,14 @@ of linear-attention q/k.
 
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
+import torch.fx as fx
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
-from ...interface import Transform, register
+from ...context import PipelineContext
+from ...interface import Transform, TransformInfo, register
 from ...matcher import Match, Pattern, PatternMatcher, match_info
 
 wb = torch.ops.workbench
@@ -107,7 +111,7 @@ L2NORM_PATTERNS = (
 class MatchRMSNormPattern(Transform):
     """Replace RMSNorm chains by ``torch_rmsnorm(x, weight, eps)``."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return match_info(gm, PatternMatcher(RMSNORM_PATTERNS).apply(gm))
 
 
@@ -115,5 +119,5 @@ class MatchRMSNormPattern(Transform):
 class MatchL2NormPattern(Transform):
     """Replace L2Norm chains by ``torch_l2norm(x, eps)``."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return match_info(gm, PatternMatcher(L2NORM_PATTERNS).apply(gm))

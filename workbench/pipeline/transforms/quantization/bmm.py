@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ...context import PipelineContext
 from ...interface import Transform, TransformInfo, register, rewrite_info
 from .graph import (
     GraphTensors,
@@ -46,12 +47,14 @@ class QuantizeFp8BmmFromConfig(Transform):
     ``weight_scale`` and ``input_scale``) -> ``torch_fp8_bmm``."""
 
     config_class = QuantizeFromConfigConfig
+    config: QuantizeFromConfigConfig
 
-    def _apply(self, gm, ctx) -> Tuple[fx.GraphModule, TransformInfo]:
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[fx.GraphModule, TransformInfo]:
         reason = checkpoint_skip_reason(ctx, self.key, ("FP8",))
         if reason:
             return nothing_to_do(gm, reason)
         ck = ctx.checkpoint
+        assert ck is not None  # checkpoint_skip_reason saw its quantization config
         cfg = ck.config.with_excluded(*self.config.exclude_modules)
         t = GraphTensors(gm, ck.tensors)
         done, left = [], []

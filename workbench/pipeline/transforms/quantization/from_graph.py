@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ....ops.quant import codecs
+from ...context import PipelineContext
 from ...graph.weights import fetch_attr, linear_bias
 from ...interface import Transform, TransformInfo, register, rewrite_info
 from .graph import GraphTensors, drop_unread_attrs, get_attr_target, nothing_to_do, replace_node
@@ -162,7 +163,7 @@ class _NVFP4Fold:
 class QuantizeFp8FromGraph(Transform):
     """``linear(fake_quant_fp8(x), fake_quant_fp8(W))`` -> ``torch_fp8_linear`` (weight quantized at load)."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return _fold(gm, ctx, self.key, wb.torch_fake_quant_fp8.default, _FP8Fold(), "FP8")
 
 
@@ -170,7 +171,7 @@ class QuantizeFp8FromGraph(Transform):
 class QuantizeNvfp4FromGraph(Transform):
     """``linear(fake_quant_nvfp4(x), fake_quant_nvfp4(W))`` -> ``torch_nvfp4_linear`` (weight quantized at load)."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return _fold(gm, ctx, self.key, wb.torch_fake_quant_nvfp4.default, _NVFP4Fold(), "NVFP4")
 
 

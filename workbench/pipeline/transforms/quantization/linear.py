@@ -47,8 +47,9 @@ from ....ops.quant import codecs
 from ....ops.quant.codecs import gptq_default_g_idx
 from ....ops.quant.int4 import RUN, pack_int4
 from ....quantization.checkpoint_config import module_matches
+from ...context import PipelineContext
 from ...graph.weights import linear_bias
-from ...interface import Transform, register, rewrite_info
+from ...interface import Transform, TransformInfo, register, rewrite_info
 from .graph import (
     GraphTensors,
     QuantizeFromConfigConfig,
@@ -358,8 +359,9 @@ def _linear_transform(key: str, algos: Tuple[str, ...], fmt: LinearFormat, doc: 
     class LinearQuantization(Transform):
         __doc__ = doc
         config_class = QuantizeAtLoadConfig if at_load else QuantizeFromConfigConfig
+        config: QuantizeFromConfigConfig
 
-        def _apply(self, gm, ctx):
+        def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
             return quantize_linears(
                 gm,
                 ctx,

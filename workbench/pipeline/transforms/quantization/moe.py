@@ -34,6 +34,7 @@ import torch.fx as fx
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ....ops.quant import codecs
+from ...context import PipelineContext
 from ...graph.weights import fetch_attr
 from ...interface import Transform, TransformInfo, register, rewrite_info
 from ...matcher import named_args
@@ -246,8 +247,9 @@ class QuantizeFp8Moe(Transform):
     """FP8 checkpoints: ``torch_moe_fused`` -> ``torch_fp8_moe`` (per-expert tensors stacked at load)."""
 
     config_class = QuantizeFromConfigConfig
+    config: QuantizeFromConfigConfig
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return quantize_moe(gm, ctx, self.key, "FP8", _FP8(), self.config.exclude_modules)
 
 
@@ -256,8 +258,9 @@ class QuantizeFinegrainedFp8Moe(Transform):
     """Fine-grained FP8 checkpoints: ``torch_moe_fused`` -> ``torch_finegrained_fp8_moe``."""
 
     config_class = QuantizeFromConfigConfig
+    config: QuantizeFromConfigConfig
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         cfg = ctx.quant_config
         block = cfg.weight_block_size if cfg is not None and cfg.weight_block_size else (128, 128)
         return quantize_moe(gm, ctx, self.key, "FP8_BLOCK", _FineGrainedFP8(block), self.config.exclude_modules)
@@ -268,8 +271,9 @@ class QuantizeNvfp4Moe(Transform):
     """NVFP4 checkpoints: ``torch_moe_fused`` -> ``torch_nvfp4_moe`` (per-expert tensors stacked at load)."""
 
     config_class = QuantizeFromConfigConfig
+    config: QuantizeFromConfigConfig
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return quantize_moe(gm, ctx, self.key, "NVFP4", _NVFP4(), self.config.exclude_modules)
 
 
@@ -279,8 +283,9 @@ class QuantizeMxfp4Moe(Transform):
     the stacked fp32 experts are dropped from the graph."""
 
     config_class = QuantizeFromConfigConfig
+    config: QuantizeFromConfigConfig
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         reason = checkpoint_skip_reason(ctx, self.key, ("MXFP4",))
         if reason:
             return nothing_to_do(gm, reason)
@@ -288,6 +293,7 @@ class QuantizeMxfp4Moe(Transform):
         if not nodes:
             return nothing_to_do(gm, "no torch_moe_fused nodes (a dense model, or match_moe_pattern did not run)")
         ck = ctx.checkpoint
+        assert ck is not None  # checkpoint_skip_reason saw its quantization config
         cfg = ck.config.with_excluded(*self.config.exclude_modules)
         t = GraphTensors(gm, ck.tensors)
         done, left, dropped = [], [], []
@@ -295,10 +301,11 @@ class QuantizeMxfp4Moe(Transform):
             args = dict(named_args(node))
             targets = [get_attr_target(args["w1_w3_stacked"]), get_attr_target(args["w2_stacked"])]
             names = [ck.checkpoint_name(x) if x else None for x in targets]
-            if None not in names and cfg.is_excluded(names[0].rsplit(".", 1)[0]):
-                left.append(f"{names[0].rsplit('.', 1)[0]}: excluded")
+            first = names[0]
+            if first is not None and None not in names and cfg.is_excluded(first.rsplit(".", 1)[0]):
+                left.append(f"{first.rsplit('.', 1)[0]}: excluded")
                 continue
-            if None in names or any(f"{n}_blocks" not in ck or f"{n}_scales" not in ck for n in names):
+            if first is None or None in names or any(f"{n}_blocks" not in ck or f"{n}_scales" not in ck for n in names):
                 left.append(f"{names}: no _blocks/_scales in the checkpoint")
                 continue
             if any(f"{n}_bias" in ck for n in names):
@@ -319,8 +326,8 @@ class QuantizeMxfp4Moe(Transform):
                 t,
                 replaced=[args["w1_w3_stacked"], args["w2_stacked"]],
             )
-            dropped += targets
-            done.append(names[0].rsplit(".", 1)[0])
+            dropped += [x for x in targets if x is not None]  # both are (their names are)
+            done.append(first.rsplit(".", 1)[0])
         drop_unread_attrs(gm, dropped)
         gm, info = rewrite_info(gm, len(done), {"quantized": done, "left": left})
         if not done:

@@ -10,12 +10,16 @@ projections use different block sizes. The unquantized form is ``match_swiglu_pa
 
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ....ops.quant.codecs import FP8_E4M3_MAX
-from ...interface import Transform, register
+from ...context import PipelineContext
+from ...interface import Transform, TransformInfo, register
 from ...matcher import Pattern, PatternMatcher, match_info
 
 wb = torch.ops.workbench
@@ -101,7 +105,7 @@ def match_quantized_swiglu(gm, patterns, linear_op, quantize_key: str, checkpoin
 class MatchNvfp4SwigluPattern(Transform):
     """Three NVFP4 linears around silu-and-multiply -> ``torch_nvfp4_swiglu_mlp``."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return match_quantized_swiglu(
             gm, NVFP4_SWIGLU_PATTERNS, wb.torch_nvfp4_linear.default, "quantize_nvfp4_linear_from_config", "NVFP4"
         )
@@ -111,7 +115,7 @@ class MatchNvfp4SwigluPattern(Transform):
 class MatchFinegrainedFp8SwigluPattern(Transform):
     """Three fine-grained FP8 linears around silu-and-multiply -> ``torch_finegrained_fp8_swiglu_mlp``."""
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return match_quantized_swiglu(
             gm,
             FINEGRAINED_FP8_SWIGLU_PATTERNS,

@@ -12,13 +12,15 @@ layout (1: bnsd, 2: bsnd) that ``match_rope_layout`` (layout.py) later adjusts.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
+import torch.fx as fx
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ...context import PipelineContext
 from ...graph.utils import tensor_meta
-from ...interface import Transform, register
+from ...interface import Transform, TransformInfo, register
 from ...matcher import Match, Pattern, PatternMatcher, match_info, named_args, same_size
 
 aten = torch.ops.aten
@@ -167,7 +169,7 @@ ROPE_PATTERNS = (
             f"rope_complex_freqs_{'shared_' if shared else ''}{str(dtype)[6:]}",
             _rope_complex(shared),
             _complex_replacement,
-            lambda dtype=dtype: (
+            lambda dtype=dtype: (  # type: ignore[misc]  # a default-bound lambda called with no args
                 torch.randn(1, 4, 2, 8, dtype=dtype),
                 torch.randn(1, 4, 2, 8, dtype=dtype),
                 torch.polar(torch.ones(1, 4, 4), torch.randn(1, 4, 4)),
@@ -254,7 +256,7 @@ class MatchRopePattern(Transform):
     are not counted as RoPE matches.
     """
 
-    def _apply(self, gm, ctx):
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         tables = sum(PatternMatcher(ROPE_TABLE_PATTERNS).apply(gm).values())
         gm, info = match_info(gm, PatternMatcher(ROPE_PATTERNS).apply(gm), table_rewrites=tables)
         if tables and not info.num_matches:

@@ -119,6 +119,7 @@ def _cut_tensor(gm: fx.GraphModule, node: fx.Node, cut: TensorCut, readers: Coun
 
 
 def _insert_collective(gm: fx.GraphModule, region: Region, plan: ShardingPlan, by_name: Dict[str, fx.Node]) -> fx.Node:
+    assert region.collective is not None  # the caller checks
     after, kind = region.collective
     node = by_name[after]
     with gm.graph.inserting_after(node):
@@ -135,6 +136,7 @@ def _insert_collective(gm: fx.GraphModule, region: Region, plan: ShardingPlan, b
 def _localize_experts(gm: fx.GraphModule, region: Region, by_name: Dict[str, fx.Node]) -> List[str]:
     """Route other ranks' experts to -1; per-expert lists keep this rank's entries only. Returns
     the attributes of the dropped list entries."""
+    assert region.local_experts is not None  # the caller checks
     name, first, count = region.local_experts
     moe = by_name[name]
     selected = moe.args[1]

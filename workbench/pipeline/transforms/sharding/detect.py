@@ -126,14 +126,17 @@ class Detector:
         return dim in self.dims and (self.layers is None or kind in self.layers)
 
     # ------------------------------------------------------------------ cuts
-    def column(self, node: fx.Node, rule: LinearOp, rows: Sequence[Range], kind: str = "column") -> NodeCut:
+    def column(self, node: fx.Node, rule: Optional[LinearOp], rows: Sequence[Range], kind: str = "column") -> NodeCut:
+        assert rule is not None  # callers pass linear_op(node) of a node known to be a linear
         tensors = [TensorCut(w.index, node.args[w.index].target, 0, tuple(rows)) for w in rule.weights]
         bias = rule.bias(node)
         if bias is not None:
+            assert rule.bias_index is not None  # a bias is found only at bias_index
             tensors.append(TensorCut(rule.bias_index, bias.target, 0, tuple(rows)))
         return NodeCut(node.name, kind, tuple(tensors))
 
-    def row(self, node: fx.Node, rule: LinearOp, cols: Sequence[Range]) -> NodeCut:
+    def row(self, node: fx.Node, rule: Optional[LinearOp], cols: Sequence[Range]) -> NodeCut:
+        assert rule is not None  # callers pass linear_op(node) of a node known to be a linear
         align = rule.align(node)
         tensors = []
         for w in rule.weights:
@@ -148,6 +151,7 @@ class Detector:
             )
         bias = rule.bias(node)
         if bias is not None:
+            assert rule.bias_index is not None  # a bias is found only at bias_index
             n = features(node)[1]
             tensors.append(TensorCut(rule.bias_index, bias.target, 0, ((0, n),), zero=self.rank != 0))
         return NodeCut(node.name, "row", tuple(tensors))
@@ -281,7 +285,7 @@ class Detector:
         if attn.kwargs.get("layout", "bsnd") != "bsnd":
             raise NotShardable(f"layout {attn.kwargs.get('layout')} (only bsnd attention is split)")
         q, k, v = attn.args[:3]
-        paths = {name: [] for name in "qkv"}
+        paths: Dict[str, List[fx.Node]] = {name: [] for name in "qkv"}
         lins = {
             name: self._back_to_linear(x, paths[name], int(x.meta["val"].shape[2])) for name, x in zip("qkv", (q, k, v))
         }
@@ -480,7 +484,9 @@ class Detector:
         if len(widths) != 1:
             raise NotShardable(f"opening linears of different widths {sorted(widths)}")
         inter = widths.pop()
-        ranges = split_evenly(inter, self.W, linear_op(closing).align(closing))
+        closing_op = linear_op(closing)
+        assert closing_op is not None  # the closing node is a linear
+        ranges = split_evenly(inter, self.W, closing_op.align(closing))
         if min(b - a for a, b in ranges) <= 0:
             raise NotShardable(f"intermediate width {inter} is too small for {self.W} ranks")
         rows = ranges[self.rank]

@@ -15,16 +15,21 @@ from typing import List, Literal, Optional, Tuple
 import torch
 from pydantic import Field
 
-from ...context import SHARDING_PLAN
+from ...context import SHARDING_PLAN, PipelineContext
 from ...interface import Transform, TransformConfig, TransformInfo, nothing_to_do, register, rewrite_info
 from .plans import apply_plan, detect_plan
 
 ShardLayer = Literal["mha", "mlp", "moe", "lm_head"]
+ShardDim = Literal["tp", "ep"]
+
+
+def _all_dims() -> List[ShardDim]:
+    return ["tp", "ep"]
 
 
 class DetectShardingConfig(TransformConfig):
-    sharding_dims: List[Literal["tp", "ep"]] = Field(
-        default_factory=lambda: ["tp", "ep"],
+    sharding_dims: List[ShardDim] = Field(
+        default_factory=_all_dims,
         description="Kinds of parallelism to plan: tp (attention heads, MLP features, LM-head vocab) and "
         "ep (MoE experts over ranks).",
     )
@@ -47,9 +52,10 @@ class DetectSharding(Transform):
     """Plan tensor / expert parallelism for ``ctx.dist.world_size`` ranks (``ctx.sharding``)."""
 
     config_class = DetectShardingConfig
+    config: DetectShardingConfig
     provides = (SHARDING_PLAN,)
 
-    def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+    def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         if not ctx.dist.sharded:
             return _single_rank(gm)
         plan = detect_plan(
@@ -79,9 +85,10 @@ class ShardingTransformExecutor(Transform):
     """Apply ``ctx.sharding``: cut weights (bound at load), fix head counts, insert the collectives."""
 
     config_class = ShardingExecutorConfig
+    config: ShardingExecutorConfig
     needs = (SHARDING_PLAN,)
 
-    def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+    def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         if not ctx.dist.sharded:
             return _single_rank(gm)
         plan = ctx.sharding

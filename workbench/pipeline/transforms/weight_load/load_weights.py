@@ -24,6 +24,7 @@ from typing import Tuple
 import torch
 from pydantic import Field
 
+from ...context import PipelineContext
 from ...interface import Transform, TransformConfig, TransformInfo, register
 from ...weights import place_weights
 
@@ -39,8 +40,9 @@ class LoadWeights(Transform):
     """Bind the graph's meta tensors to the model's weights and place everything on the device."""
 
     config_class = LoadWeightsConfig
+    config: LoadWeightsConfig
 
-    def _apply(self, gm, ctx) -> Tuple[torch.nn.Module, TransformInfo]:
+    def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         placement = place_weights(gm, ctx.weights, torch.device(ctx.device))
         changed = placement.bound_from_source + len(placement.moved) + placement.device_args_retargeted
         return gm, TransformInfo(
