@@ -6,8 +6,9 @@ Registers the two RMSNorm patterns of ``match_rmsnorm_pattern`` with Inductor's
 ``register_replacement`` -- once traced by Inductor's own ``fwd_only`` (make_fx), once by the
 workbench's export tracer -- applies them to tiny:llama's graph after the post-export cleanups and
 prints the matches beside ``match_rmsnorm_pattern``'s. Measured on torch 2.13 and 2.11 (see
-docs/architecture.md): Inductor 0 and 0 (with ``fwd_only`` the cast-aware pattern even collapses
-into a duplicate of the plain one: make_fx drops no-op casts the export graph keeps), ours 5.
+docs/architecture.md, "Why our own pattern matcher"): Inductor 0 and 0 (with ``fwd_only`` the
+cast-aware pattern even collapses into a duplicate of the plain one and registering it fails with
+"Duplicate pattern": make_fx drops no-op casts the export graph keeps), ours 5.
 """
 
 from __future__ import annotations
