@@ -54,17 +54,10 @@ TinyBuilder = Callable[[], "PretrainedConfig"]
 
 from .tiny_families import FAMILY_ARCHS  # noqa: E402  (builders only: no transformers import)
 
-#: Sizes shared by every tiny arch (see module docstring for the reasoning).
-COMMON: dict = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=512,
-    max_position_embeddings=512,
-)
+#: Sizes shared by every tiny arch (see module docstring for the reasoning; the table lives in
+#: ``tiny_families/sizes.py`` so the family modules share it too).
+from .tiny_families.sizes import COMMON  # noqa: E402
+
 #: Extra sizes for mixture-of-experts families.
 MOE: dict = dict(num_experts_per_tok=2)
 #: Special tokens inside the tiny vocabulary, for families whose defaults lie outside it.

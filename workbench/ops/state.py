@@ -104,6 +104,23 @@ def check_step_metadata(
     return lens
 
 
+def check_state_shape(state: torch.Tensor, expected: Tuple[int, ...], what: str) -> None:
+    """``state`` must be ``[num_slots, *expected]``; ``what`` names it and its layout for the error,
+    e.g. ``"ssm_state must be [num_slots, heads, head_dim, state]"``."""
+    if state.dim() != len(expected) + 1 or tuple(state.shape[1:]) != tuple(expected):
+        raise ValueError(f"{what} = [*, {', '.join(map(str, expected))}]; got {tuple(state.shape)}")
+
+
+def check_decode_only_metadata(num_tokens: int, slot_idx: torch.Tensor, input_pos: torch.Tensor) -> None:
+    """A decode-only step (``num_prefill == 0``) has one token per sequence: checked from sizes
+    alone, without reading ``seq_lens`` on the host, so the step stays capturable in a CUDA graph."""
+    if slot_idx.numel() != num_tokens or input_pos.numel() != num_tokens:
+        raise ValueError(
+            f"a decode-only step has one token per sequence: {num_tokens} tokens, slot_idx "
+            f"{slot_idx.numel()}, input_pos {input_pos.numel()}"
+        )
+
+
 def initial_states(
     state: torch.Tensor, slots: torch.Tensor, input_pos: torch.Tensor, dtype: Optional[torch.dtype] = None
 ) -> torch.Tensor:
@@ -142,6 +159,8 @@ def stateful_op_for(target: Any) -> Optional[StatefulOp]:
 __all__ = [
     "STATE_METADATA_ARGS",
     "check_step_metadata",
+    "check_state_shape",
+    "check_decode_only_metadata",
     "initial_states",
     "StateSpec",
     "StatefulOp",

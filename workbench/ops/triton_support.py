@@ -35,6 +35,17 @@ def interpreter_numpy_clash() -> str:
     return ""
 
 
+def require_triton(device: torch.device, op_name: str, use_torch_instead: str) -> None:
+    """Raise where a Triton op cannot run on ``device``, naming how to select the torch backend
+    (``use_torch_instead``, e.g. ``"insert_cached_ssm_attention.backend=torch"``): an op called
+    where its kernel cannot run fails loudly instead of silently falling back."""
+    ok, why = triton_available(device)
+    if not ok:
+        raise RuntimeError(
+            f"{op_name} cannot run on {device}: {why}. Use the 'torch' backend ({use_torch_instead}) on this device."
+        )
+
+
 def triton_available(device: torch.device | str = "cuda") -> Tuple[bool, str]:
     """Whether Triton kernels can run on ``device``, and why not if they cannot."""
     device = torch.device(device)

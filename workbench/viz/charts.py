@@ -152,28 +152,25 @@ def _ticks(ax, snaps: List[Snapshot]) -> None:
     ax.set_xticklabels([_label(s) for s in snaps], rotation=35, ha="right", fontsize=8)
 
 
-def plot_times(snapshots: Snapshots) -> Figure:
+def _plot_one(snapshots: Snapshots, draw, height: float) -> Figure:
+    """One chart (``draw(ax, snaps)``), one column per transform, labelled under it."""
     snaps = _snaps(snapshots)
-    fig, (ax,) = _new_figure(_width(len(snaps)), 3.5)
-    draw_times(ax, snaps)
+    fig, (ax,) = _new_figure(_width(len(snaps)), height)
+    draw(ax, snaps)
     _ticks(ax, snaps)
     return fig
+
+
+def plot_times(snapshots: Snapshots) -> Figure:
+    return _plot_one(snapshots, draw_times, 3.5)
 
 
 def plot_nodes(snapshots: Snapshots) -> Figure:
-    snaps = _snaps(snapshots)
-    fig, (ax,) = _new_figure(_width(len(snaps)), 3.0)
-    draw_nodes(ax, snaps)
-    _ticks(ax, snaps)
-    return fig
+    return _plot_one(snapshots, draw_nodes, 3.0)
 
 
 def plot_memory(snapshots: Snapshots) -> Figure:
-    snaps = _snaps(snapshots)
-    fig, (ax,) = _new_figure(_width(len(snaps)), 3.5)
-    draw_memory(ax, snaps)
-    _ticks(ax, snaps)
-    return fig
+    return _plot_one(snapshots, draw_memory, 3.5)
 
 
 def plot_pipeline(snapshots: Snapshots) -> Figure:

@@ -1,5 +1,7 @@
 """Custom canonical-op models: lean, prefill-only rewrites of HF architectures whose HF code fights
-export or hides its structure, one file per architecture (``modeling_<name>.py``).
+export or hides its structure, one file per architecture (``modeling_<name>.py``); what they share
+(the export contract check, RoPE tables, SwiGLU MLP, stacked experts, the decoder skeleton) is in
+``common.py``.
 
 Each custom model keeps the HF checkpoint's module hierarchy and parameter names (so the HF model's
 state dict loads into it unchanged, strictly), takes the export contract ``(input_ids,

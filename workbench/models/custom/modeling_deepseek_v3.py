@@ -35,61 +35,22 @@ Dropped on purpose: KV cache, attention masks, dropout, training paths, the MTP 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import workbench.ops  # noqa: F401  (registers torch.ops.workbench)
+from .common import OPS, CausalLMOutput, CustomCausalLM, DecoderStack, StackedExperts, SwiGLUMLP, rope_parameters
 
-OPS = torch.ops.workbench
-STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # inv_freq independent of the sequence length
-
-
-@dataclass
-class CausalLMOutput:
-    """What the export contract reads (``models/export_contract.CausalLMLogits``: ``.logits``)."""
-
-    logits: torch.Tensor  # [b, s, vocab]
-
-
-def _rope_parameters(config) -> dict:
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    params.setdefault("rope_type", "default")
-    return params
-
-
-def rope_inverse_frequencies(config, dim: int) -> Tuple[torch.Tensor, float]:
-    """(inv_freq [dim/2] fp32, attention_scaling) for the rotary part of ``dim`` channels.
-
-    The plain schedule is computed here; scaled schedules (linear, YaRN, Llama-3) come from
-    transformers' own ``ROPE_INIT_FUNCTIONS`` so they cannot drift from the checkpoint's reference.
-    Length-dependent schedules (dynamic NTK, LongRoPE) would make the graph depend on the sequence
-    length and are refused.
-    """
-    params = _rope_parameters(config)
-    rope_type = params["rope_type"]
-    if rope_type not in STATIC_ROPE_TYPES:
-        raise NotImplementedError(
-            f"custom DeepseekV3ForCausalLM: rope_type {rope_type!r} rescales with the sequence length; supported: "
-            f"{STATIC_ROPE_TYPES}. Load with custom_models=False to export HF's own class"
-        )
-    if rope_type == "default":
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
-        return 1.0 / (float(params["rope_theta"]) ** exponents), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
-    return inv_freq.to(torch.float32), float(scaling)
+MODEL_NAME = "DeepseekV3ForCausalLM"
 
 
 def softmax_scale(config) -> float:
     """``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` for scaled RoPE
     (DeepSeek's YaRN correction of the attention temperature)."""
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
-    params = _rope_parameters(config)
+    params = rope_parameters(config)
     mscale_all_dim = params.get("mscale_all_dim", 0) if params["rope_type"] != "default" else 0
     factor = params.get("factor", 1.0)
     if mscale_all_dim and factor > 1:
@@ -108,37 +69,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return OPS.torch_rmsnorm(x, self.weight, self.eps)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin ``[b, s, dr]`` for the given positions, computed once per forward for all layers.
-    ``inv_freq`` is a non-persistent buffer, as in HF (not in the checkpoint)."""
-
-    inv_freq: torch.Tensor
-
-    def __init__(self, config):
-        super().__init__()
-        inv_freq, self.attention_scaling = rope_inverse_frequencies(config, config.qk_rope_head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        angles = position_ids[..., None].to(torch.float32) * self.inv_freq.to(torch.float32)  # [b, s, dr/2]
-        angles = torch.cat((angles, angles), dim=-1)  # [b, s, dr]
-        cos, sin = angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
-        return cos.to(x.dtype), sin.to(x.dtype)
-
-
-class SwiGLUMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` as ``torch_swiglu_mlp`` (dense layers and the shared experts)."""
-
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return OPS.torch_swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -218,28 +148,13 @@ class NoAuxTopKRouter(nn.Module):
         return weights * self.routed_scaling_factor, chosen
 
 
-class StackedExperts(nn.Module):
-    """The routed experts as stacked tensors (HF transformers >= 5 layout): ``gate_up_proj [E, 2I, H]``
-    (gate rows first), ``down_proj [E, H, I]``; combined by ``torch_moe_fused``."""
-
-    def __init__(self, config):
-        super().__init__()
-        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
-
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], expert_ids / weights [T, k] -> [T, H] in x's dtype."""
-        return OPS.torch_moe_fused(x, expert_ids, weights, self.gate_up_proj, self.down_proj, act_fn="silu")
-
-
 class MixtureOfExperts(nn.Module):
     """Routed experts (``gate`` + ``experts``) plus always-on ``shared_experts``: [b, s, H] -> [b, s, H]."""
 
     def __init__(self, config):
         super().__init__()
         self.gate = NoAuxTopKRouter(config)
-        self.experts = StackedExperts(config)
+        self.experts = StackedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_experts = SwiGLUMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -265,22 +180,11 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekV3Model(nn.Module):
+class DeepseekV3Model(DecoderStack):
     """Embedding, decoder layers, final norm: (input_ids, position_ids) [b, s] -> hidden [b, s, H]."""
 
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config)
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(x, position_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+        super().__init__(config, DecoderLayer, RMSNorm, config.qk_rope_head_dim, MODEL_NAME)
 
 
 def _check_config(config) -> None:
@@ -297,38 +201,11 @@ def _check_config(config) -> None:
         )
 
 
-def check_export_contract(position_ids: Optional[torch.Tensor], unused: dict) -> None:
-    """The contract is ``(input_ids, position_ids)``: positions are required (no fallback to arange),
-    and HF runtime arguments that would change the result (a mask, a cache) are refused."""
-    if position_ids is None:
-        raise ValueError(
-            "position_ids is required (the export contract passes them explicitly; there is no fallback to 0..s-1)"
-        )
-    live = {k: v for k, v in unused.items() if v is not None and v is not False}
-    if live:
-        raise ValueError(
-            f"this prefill-only custom model takes (input_ids, position_ids) only: got {sorted(live)}. "
-            "Masks and caches are added by the pipeline's cache stage, not passed to the model"
-        )
-
-
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(CustomCausalLM):
     """The custom DeepSeek-V3 causal LM: ``forward(input_ids, position_ids)`` -> ``CausalLMOutput``."""
 
-    def __init__(self, config):
-        super().__init__()
-        _check_config(config)
-        self.config = config
-        self.model = DeepseekV3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, **unused: Any
-    ) -> CausalLMOutput:
-        check_export_contract(position_ids, unused)
-        return CausalLMOutput(logits=self.lm_head(self.model(input_ids, position_ids)))
+    decoder_class = DeepseekV3Model
+    check_config = staticmethod(_check_config)
 
 
 __all__ = ["DeepseekV3ForCausalLM", "DeepseekV3Model", "CausalLMOutput"]

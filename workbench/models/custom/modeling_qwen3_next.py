@@ -30,50 +30,20 @@ this model. Dropped on purpose: KV/conv/recurrent caches, padding masks, dropout
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import workbench.ops  # noqa: F401  (registers torch.ops.workbench)
+from .common import OPS, CausalLMOutput, CustomCausalLM, DecoderStack, StackedExperts, SwiGLUMLP, rope_parameters
 
-OPS = torch.ops.workbench
-STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # inv_freq independent of the sequence length
-
-
-@dataclass
-class CausalLMOutput:
-    """What the export contract reads (``models/export_contract.CausalLMLogits``: ``.logits``)."""
-
-    logits: torch.Tensor  # [b, s, vocab]
+MODEL_NAME = "Qwen3NextForCausalLM"
 
 
 def rotary_dim(config) -> int:
-    params = getattr(config, "rope_parameters", None) or {}
-    return int(config.head_dim * params.get("partial_rotary_factor", 1.0))
-
-
-def rope_inverse_frequencies(config) -> Tuple[torch.Tensor, float]:
-    """(inv_freq [rotary_dim/2] fp32, attention_scaling): the plain schedule here, scaled ones from
-    transformers' ``ROPE_INIT_FUNCTIONS``; length-dependent schedules are refused (see the DeepSeek
-    file's twin of this function: each custom model file is self-contained on purpose)."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    rope_type = params.get("rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
-        raise NotImplementedError(
-            f"custom Qwen3NextForCausalLM: rope_type {rope_type!r} rescales with the sequence length; supported: "
-            f"{STATIC_ROPE_TYPES}. Load with custom_models=False to export HF's own class"
-        )
-    if rope_type == "default":
-        dim = rotary_dim(config)
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
-        return 1.0 / (float(params["rope_theta"]) ** exponents), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
-    return inv_freq.to(torch.float32), float(scaling)
+    """How many channels of each attention head RoPE rotates (``partial_rotary_factor`` of ``head_dim``)."""
+    return int(config.head_dim * rope_parameters(config).get("partial_rotary_factor", 1.0))
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -99,36 +69,6 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return (OPS.torch_rmsnorm(x, self.weight, self.eps) * F.silu(gate.to(torch.float32))).to(x.dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin ``[b, s, rotary_dim]`` for the given positions, once per forward for all attention layers."""
-
-    inv_freq: torch.Tensor
-
-    def __init__(self, config):
-        super().__init__()
-        inv_freq, self.attention_scaling = rope_inverse_frequencies(config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        angles = position_ids[..., None].to(torch.float32) * self.inv_freq.to(torch.float32)  # [b, s, rd/2]
-        angles = torch.cat((angles, angles), dim=-1)
-        cos, sin = angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
-        return cos.to(x.dtype), sin.to(x.dtype)
-
-
-class SwiGLUMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` as ``torch_swiglu_mlp`` (dense layers and the shared expert)."""
-
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return OPS.torch_swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
 class GatedAttention(nn.Module):
@@ -229,26 +169,13 @@ class TopKSoftmaxRouter(nn.Module):
         return weights.to(logits.dtype), expert_ids
 
 
-class StackedExperts(nn.Module):
-    """Routed experts as stacked tensors: ``gate_up_proj [E, 2I, H]`` (gate rows first), ``down_proj [E, H, I]``."""
-
-    def __init__(self, config):
-        super().__init__()
-        e, hdim, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hdim))
-        self.down_proj = nn.Parameter(torch.empty(e, hdim, i))
-
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return OPS.torch_moe_fused(x, expert_ids, weights, self.gate_up_proj, self.down_proj, act_fn="silu")
-
-
 class SparseMoE(nn.Module):
     """Routed experts plus a sigmoid-gated shared expert: [b, s, H] -> [b, s, H]."""
 
     def __init__(self, config):
         super().__init__()
         self.gate = TopKSoftmaxRouter(config)
-        self.experts = StackedExperts(config)
+        self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_expert = SwiGLUMLP(config.hidden_size, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
@@ -299,22 +226,11 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3NextModel(nn.Module):
+class Qwen3NextModel(DecoderStack):
     """Embedding, hybrid decoder layers, final norm: (input_ids, position_ids) [b, s] -> hidden [b, s, H]."""
 
     def __init__(self, config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config)
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(x, position_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+        super().__init__(config, DecoderLayer, ZeroCenteredRMSNorm, rotary_dim(config), MODEL_NAME)
 
 
 def _check_config(config) -> None:
@@ -327,38 +243,11 @@ def _check_config(config) -> None:
         )
 
 
-def check_export_contract(position_ids: Optional[torch.Tensor], unused: dict) -> None:
-    """The contract is ``(input_ids, position_ids)``: positions are required, and HF runtime arguments
-    that would change the result (a padding mask, a cache) are refused."""
-    if position_ids is None:
-        raise ValueError(
-            "position_ids is required (the export contract passes them explicitly; there is no fallback to 0..s-1)"
-        )
-    live = {k: v for k, v in unused.items() if v is not None and v is not False}
-    if live:
-        raise ValueError(
-            f"this prefill-only custom model takes (input_ids, position_ids) only: got {sorted(live)}. "
-            "Masks and caches are added by the pipeline's cache stage, not passed to the model"
-        )
-
-
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(CustomCausalLM):
     """The custom Qwen3-Next causal LM: ``forward(input_ids, position_ids)`` -> ``CausalLMOutput``."""
 
-    def __init__(self, config):
-        super().__init__()
-        _check_config(config)
-        self.config = config
-        self.model = Qwen3NextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, **unused: Any
-    ) -> CausalLMOutput:
-        check_export_contract(position_ids, unused)
-        return CausalLMOutput(logits=self.lm_head(self.model(input_ids, position_ids)))
+    decoder_class = Qwen3NextModel
+    check_config = staticmethod(_check_config)
 
 
 __all__ = ["Qwen3NextForCausalLM", "Qwen3NextModel", "CausalLMOutput"]

@@ -12,29 +12,26 @@ that no other tiny family covers yet (merged into ``workbench.models.tiny.TINY_A
 
 from __future__ import annotations
 
+from .sizes import MLA_DIMS, MLA_HEADS, MLP_WIDTH, WIDTH
+
+#: DeepSeek-V3's routing at toy size: 8 experts of width 32 in 4 groups, 2 groups kept, top-2, 1 shared.
+DEEPSEEK_V3_MOE: dict = dict(
+    moe_intermediate_size=32, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, n_shared_experts=1
+)
+
 
 def _deepseek_v3():
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
+        **WIDTH,
+        **MLP_WIDTH,
+        **MLA_HEADS,
+        **MLA_DIMS,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
         q_lora_rank=24,
-        kv_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        n_routed_experts=8,
-        n_group=4,
-        topk_group=2,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
         first_k_dense_replace=1,
+        **DEEPSEEK_V3_MOE,
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
         rope_interleave=True,
@@ -46,7 +43,6 @@ def _deepseek_v3():
             "mscale": 1.0,
             "mscale_all_dim": 1.0,
         },
-        max_position_embeddings=512,
     )
 
 

@@ -14,32 +14,31 @@
 
 from __future__ import annotations
 
+from .sizes import TRANSFORMER
+
+#: Qwen3-Next's gated delta nets: 2 key heads and 4 value heads of 16 (each key head serves two).
+GATED_DELTA_NET_HEADS: dict = dict(
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16
+)
+#: Qwen3-Next's MoE on every layer: 4 experts of width 64, top-2, plus a gated shared expert of 64.
+QWEN3_NEXT_MOE: dict = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64
+)
+
 
 def _qwen3_next():
     from transformers import Qwen3NextConfig
 
     return Qwen3NextConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
+        **TRANSFORMER,
         num_hidden_layers=4,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         partial_rotary_factor=0.25,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
+        **GATED_DELTA_NET_HEADS,
         linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
+        **QWEN3_NEXT_MOE,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        max_position_embeddings=512,
     )
 
 

@@ -14,25 +14,20 @@ routed experts (top-2, greedy) and 1 shared expert.
 
 from __future__ import annotations
 
+from .sizes import MLA_DIMS, MLA_HEADS, MLP_WIDTH, WIDTH
+
+#: DeepSeek-V2's MoE at toy size: 4 routed experts (top-2, greedy) of width 64 and 1 shared expert.
+DEEPSEEK_V2_MOE: dict = dict(moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1)
 #: The MLA sizes shared by both variants (see the module docstring).
 MLA_SIZES: dict = dict(
-    hidden_size=64,
+    **WIDTH,
+    **MLP_WIDTH,
+    **MLA_HEADS,
+    **MLA_DIMS,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=32,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=16,
-    v_head_dim=16,
-    intermediate_size=128,
-    moe_intermediate_size=64,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
     first_k_dense_replace=1,
+    **DEEPSEEK_V2_MOE,
     topk_method="greedy",
-    vocab_size=512,
-    max_position_embeddings=512,
 )
 
 

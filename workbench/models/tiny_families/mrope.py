@@ -16,17 +16,10 @@ token id, which is harmless: without pixel values no token is replaced by vision
 
 from __future__ import annotations
 
-TEXT = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=512,
-    max_position_embeddings=512,
-    bos_token_id=None,
-    eos_token_id=None,
-)
+from .sizes import GQA_HEADS, MLP_WIDTH, WIDTH
+
+#: The common sizes without head_dim (hidden / heads in this family), 2 layers, no BOS/EOS.
+TEXT = dict(**WIDTH, **GQA_HEADS, **MLP_WIDTH, num_hidden_layers=2, bos_token_id=None, eos_token_id=None)
 MROPE_SECTION = [2, 3, 3]  # temporal, height, width frequencies; sum = head_dim / 2 = 8
 
 

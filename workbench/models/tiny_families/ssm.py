@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import math
 
+from .sizes import TRANSFORMER
+
 #: Mamba-2 mixer sizes, in Bamba / Falcon-H1 spelling (``mamba_*``).
 HYBRID_SSM: dict = dict(
     mamba_n_heads=8,
@@ -37,15 +39,7 @@ HYBRID_SSM: dict = dict(
     mamba_chunk_size=16,
 )
 #: Attention and MLP sizes of the hybrids (``workbench.models.tiny.COMMON`` without the layer count).
-HYBRID_ATTENTION: dict = dict(
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=512,
-    max_position_embeddings=512,
-)
+HYBRID_ATTENTION: dict = TRANSFORMER
 
 
 def _mamba2():

@@ -25,6 +25,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
+from .. import state as state_slots
 from ..library import define_op
 from ..state import STATE_HOST_SYNC, StatefulOp, StateSpec, check_step_metadata, initial_states, register_stateful_op
 
@@ -83,17 +84,21 @@ torch_causal_conv1d = define_op(
 )
 
 
+def check_conv_state(weight, conv_state) -> None:
+    """``conv_state`` must be ``[num_slots, c, k-1]`` for this depthwise ``weight [c, 1, k]``."""
+    state_slots.check_state_shape(
+        conv_state, (weight.shape[0], weight.shape[2] - 1), "conv_state must be [num_slots, c, k-1]"
+    )
+
+
 def check_cached_conv_args(
     x, weight, bias, seq_lens, input_pos, slot_idx, num_prefill, conv_state, activation
 ) -> List[int]:
     """Validate the cached op's arguments; returns ``seq_lens`` as a host list."""
-    k = check_conv_args(x, weight, bias, activation)
+    check_conv_args(x, weight, bias, activation)
     if x.shape[0] != 1:
         raise ValueError(f"cached causal conv expects flattened tokens x [1, T, c]; got {tuple(x.shape)}")
-    if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (weight.shape[0], k - 1):
-        raise ValueError(
-            f"conv_state must be [num_slots, c, k-1] = [*, {weight.shape[0]}, {k - 1}]; got {tuple(conv_state.shape)}"
-        )
+    check_conv_state(weight, conv_state)
     return check_step_metadata(x.shape[1], seq_lens, input_pos, slot_idx, num_prefill, "x")
 
 

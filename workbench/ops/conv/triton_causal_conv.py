@@ -27,13 +27,15 @@ from typing import Optional
 import torch
 
 from ..library import define_op
-from ..state import TRITON_STATE_HOST_SYNC
+from ..state import TRITON_STATE_HOST_SYNC, check_decode_only_metadata
+from ..triton_support import require_triton
 from ..triton_support import triton_available as is_available
 from .causal_conv import (
     CACHED_CONV_ARGS,
     cached_causal_conv1d_fake,
     check_cached_conv_args,
     check_conv_args,
+    check_conv_state,
     prefill_rows,
 )
 
@@ -177,27 +179,21 @@ def triton_cached_causal_conv1d(
     activation: Optional[str] = None,
 ) -> torch.Tensor:
     """The cached causal conv, decode rows in Triton; see the module docstring."""
-    ok, why = is_available(x.device)
-    if not ok:
-        raise RuntimeError(
-            f"triton_cached_causal_conv1d cannot run on {x.device}: {why}. Use the 'torch' backend "
-            "(insert_cached_causal_conv.backend=torch) on this device."
-        )
+    require_triton(x.device, "triton_cached_causal_conv1d", "insert_cached_causal_conv.backend=torch")
     out = torch.empty_like(x)
     if num_prefill == 0:  # decode only: T rows of one token, no host read of the metadata
         check_conv_args(x, weight, bias, activation)
-        if slot_idx.numel() != x.shape[1] or input_pos.numel() != x.shape[1]:
-            raise ValueError(
-                f"a decode-only step has one token per sequence: x has {x.shape[1]} tokens, "
-                f"slot_idx {slot_idx.numel()}, input_pos {input_pos.numel()}"
-            )
-        if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (weight.shape[0], weight.shape[2] - 1):
-            raise ValueError(f"conv_state must be [num_slots, c, k-1]; got {tuple(conv_state.shape)}")
-        decode_rows_triton(x, weight, bias, input_pos, slot_idx, conv_state, activation, out, 0, 0)
-        return out
-    lens = check_cached_conv_args(x, weight, bias, seq_lens, input_pos, slot_idx, num_prefill, conv_state, activation)
-    start = prefill_rows(x, weight, bias, lens, input_pos, slot_idx.long(), num_prefill, conv_state, activation, out)
-    decode_rows_triton(x, weight, bias, input_pos, slot_idx, conv_state, activation, out, num_prefill, start)
+        check_decode_only_metadata(x.shape[1], slot_idx, input_pos)
+        check_conv_state(weight, conv_state)
+        first_token = 0
+    else:
+        lens = check_cached_conv_args(
+            x, weight, bias, seq_lens, input_pos, slot_idx, num_prefill, conv_state, activation
+        )
+        first_token = prefill_rows(
+            x, weight, bias, lens, input_pos, slot_idx.long(), num_prefill, conv_state, activation, out
+        )
+    decode_rows_triton(x, weight, bias, input_pos, slot_idx, conv_state, activation, out, num_prefill, first_token)
     return out
 
 

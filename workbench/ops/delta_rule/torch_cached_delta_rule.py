@@ -19,14 +19,25 @@ which runs the decode rows in one kernel.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
+from .. import state as state_slots
 from ..library import define_op
 from ..state import STATE_HOST_SYNC, StatefulOp, StateSpec, check_step_metadata, initial_states, register_stateful_op
 from .delta_rule_math import check_delta_rule_args, chunked_delta_rule, delta_rule_step, prepare
 from .torch_delta_rule import OPTIONS, delta_rule_output_like
+
+
+def check_delta_rule_step(q, v, state) -> None:
+    """What every cached call must hold, read from shapes only: flattened tokens and a state of
+    ``[num_slots, value_heads, dk, dv]``."""
+    if q.shape[0] != 1:
+        raise ValueError(f"cached delta rule expects flattened tokens q/k [1, T, hk, dk]; got {tuple(q.shape)}")
+    state_slots.check_state_shape(
+        state, (v.shape[2], q.shape[3], v.shape[3]), "delta rule state must be [num_slots, value_heads, dk, dv]"
+    )
 
 
 def check_cached_delta_rule_args(
@@ -34,14 +45,7 @@ def check_cached_delta_rule_args(
 ) -> List[int]:
     """Validate a cached call; returns ``seq_lens`` as a host list."""
     check_delta_rule_args(q, k, v, g, beta, chunk_size)
-    if q.shape[0] != 1:
-        raise ValueError(f"cached delta rule expects flattened tokens q/k [1, T, hk, dk]; got {tuple(q.shape)}")
-    want = (v.shape[2], q.shape[3], v.shape[3])
-    if state.dim() != 4 or tuple(state.shape[1:]) != want:
-        raise ValueError(
-            f"delta rule state must be [num_slots, value_heads, dk, dv] = [*, {want[0]}, {want[1]}, "
-            f"{want[2]}]; got {tuple(state.shape)}"
-        )
+    check_delta_rule_step(q, v, state)
     return check_step_metadata(q.shape[1], seq_lens, input_pos, slot_idx, num_prefill, "q")
 
 
@@ -152,92 +156,23 @@ def cached_delta_rule_reference(
     return out
 
 
-def _cached_gated(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    seq_lens,
-    input_pos,
-    slot_idx,
-    num_prefill,
-    gated_delta_state,
-    scale=None,
-    use_qk_l2norm=False,
-    chunk_size=64,
-):
-    return cached_delta_rule_reference(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        seq_lens,
-        input_pos,
-        slot_idx,
-        num_prefill,
-        gated_delta_state,
-        scale,
-        use_qk_l2norm,
-        chunk_size,
-    )
+def without_gate(gated_body: Callable) -> Callable:
+    """The body of a plain (ungated) op from its gated twin's: the same arguments but ``g``, run
+    with ``g=None``. The metadata and state pass positionally, the options (keyword-only in the
+    schemas) by name, as the dispatcher calls op bodies."""
+
+    def plain_body(q, k, v, beta, *metadata_and_state, **options):
+        return gated_body(q, k, v, None, beta, *metadata_and_state, **options)
+
+    return plain_body
 
 
-def _cached_plain(
-    q,
-    k,
-    v,
-    beta,
-    seq_lens,
-    input_pos,
-    slot_idx,
-    num_prefill,
-    delta_state,
-    scale=None,
-    use_qk_l2norm=False,
-    chunk_size=64,
-):
-    return cached_delta_rule_reference(
-        q, k, v, None, beta, seq_lens, input_pos, slot_idx, num_prefill, delta_state, scale, use_qk_l2norm, chunk_size
-    )
-
-
-def cached_gated_fake(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    seq_lens,
-    input_pos,
-    slot_idx,
-    num_prefill,
-    gated_delta_state,
-    scale=None,
-    use_qk_l2norm=False,
-    chunk_size=64,
-):
+def cached_gated_fake(q, k, v, g, beta, *metadata_and_state, chunk_size=64, **options):
     check_delta_rule_args(q, k, v, g, beta, chunk_size)
     return delta_rule_output_like(q, v)
 
 
-def cached_plain_fake(
-    q,
-    k,
-    v,
-    beta,
-    seq_lens,
-    input_pos,
-    slot_idx,
-    num_prefill,
-    delta_state,
-    scale=None,
-    use_qk_l2norm=False,
-    chunk_size=64,
-):
-    check_delta_rule_args(q, k, v, None, beta, chunk_size)
-    return delta_rule_output_like(q, v)
+cached_plain_fake = without_gate(cached_gated_fake)
 
 
 # Every backend of one cached op (torch, triton) shares its schema and fake: interchangeable in a graph.
@@ -253,10 +188,16 @@ CACHED_PLAIN_ARGS = (
 # ``define_op`` (a Library kernel) rather than ``custom_op``: a mutating custom_op pays ~50-80 us of
 # Python argument handling per call (see library.py), once per linear-attention layer and step.
 torch_cached_gated_delta_rule = define_op(
-    "torch_cached_gated_delta_rule" + CACHED_GATED_ARGS, _cached_gated, cached_gated_fake, host_sync=STATE_HOST_SYNC
+    "torch_cached_gated_delta_rule" + CACHED_GATED_ARGS,
+    cached_delta_rule_reference,
+    cached_gated_fake,
+    host_sync=STATE_HOST_SYNC,
 )
 torch_cached_delta_rule = define_op(
-    "torch_cached_delta_rule" + CACHED_PLAIN_ARGS, _cached_plain, cached_plain_fake, host_sync=STATE_HOST_SYNC
+    "torch_cached_delta_rule" + CACHED_PLAIN_ARGS,
+    without_gate(cached_delta_rule_reference),
+    cached_plain_fake,
+    host_sync=STATE_HOST_SYNC,
 )
 
 
@@ -304,6 +245,8 @@ __all__ = [
     "cached_gated_fake",
     "cached_plain_fake",
     "check_cached_delta_rule_args",
+    "check_delta_rule_step",
+    "without_gate",
     "state_shape",
     "GATED_DELTA_RULE",
     "DELTA_RULE",

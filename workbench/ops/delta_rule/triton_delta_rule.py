@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 
 from ..library import define_op
-from ..state import TRITON_STATE_HOST_SYNC
+from ..state import TRITON_STATE_HOST_SYNC, check_decode_only_metadata
+from ..triton_support import require_triton
 from ..triton_support import triton_available as is_available
 from .delta_rule_math import L2NORM_EPS, check_delta_rule_args
 from .torch_cached_delta_rule import (
@@ -37,7 +38,9 @@ from .torch_cached_delta_rule import (
     cached_gated_fake,
     cached_plain_fake,
     check_cached_delta_rule_args,
+    check_delta_rule_step,
     prefill_rows,
+    without_gate,
 )
 from .torch_delta_rule import delta_rule_output_like
 
@@ -195,115 +198,59 @@ def decode_rows_triton(
     )
 
 
-def _check_decode_only(q, k, v, g, beta, input_pos, slot_idx, state, chunk_size) -> None:
-    """Checks that read nothing on the host (a decode-only step may be captured in a CUDA graph)."""
-    check_delta_rule_args(q, k, v, g, beta, chunk_size)
-    if q.shape[0] != 1 or slot_idx.numel() != q.shape[1] or input_pos.numel() != q.shape[1]:
-        raise ValueError(
-            f"a decode-only step has one token per sequence: q {tuple(q.shape)}, slot_idx "
-            f"{slot_idx.numel()}, input_pos {input_pos.numel()}"
-        )
-    want = (v.shape[2], q.shape[3], v.shape[3])
-    if state.dim() != 4 or tuple(state.shape[1:]) != want:
-        raise ValueError(
-            f"delta rule state must be [num_slots, value_heads, dk, dv] = [*, {want[0]}, {want[1]}, "
-            f"{want[2]}]; got {tuple(state.shape)}"
-        )
-
-
 def triton_cached_delta_rule_impl(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    seq_lens,
-    input_pos,
-    slot_idx,
-    num_prefill,
-    state,
-    scale=None,
-    use_qk_l2norm=False,
-    chunk_size=64,
-    name="triton_cached_delta_rule",
+    q, k, v, g, beta, seq_lens, input_pos, slot_idx, num_prefill, state, scale=None, use_qk_l2norm=False, chunk_size=64
 ):
     """The cached (gated when ``g`` is given) delta rule, decode rows in Triton; see the module docstring."""
-    ok, why = is_available(q.device)
-    if not ok:
-        key = "insert_cached_gated_delta_rule" if g is not None else "insert_cached_delta_rule"
-        raise RuntimeError(
-            f"{name} cannot run on {q.device}: {why}. Use the 'torch' backend ({key}.backend=torch) on this device."
-        )
+    gated = g is not None
+    require_triton(
+        q.device,
+        "triton_cached_gated_delta_rule" if gated else "triton_cached_delta_rule",
+        "insert_cached_gated_delta_rule.backend=torch" if gated else "insert_cached_delta_rule.backend=torch",
+    )
     out = delta_rule_output_like(q, v)
     if num_prefill == 0:  # decode only: T rows of one token, no host read of the metadata
-        _check_decode_only(q, k, v, g, beta, input_pos, slot_idx, state, chunk_size)
-        decode_rows_triton(q, k, v, g, beta, input_pos, slot_idx, state, out, 0, 0, scale, use_qk_l2norm)
-        return out
-    lens = check_cached_delta_rule_args(q, k, v, g, beta, seq_lens, input_pos, slot_idx, num_prefill, state, chunk_size)
-    start = prefill_rows(
-        q, k, v, g, beta, lens, input_pos, slot_idx.long(), num_prefill, state, out, scale, use_qk_l2norm, chunk_size
+        check_delta_rule_args(q, k, v, g, beta, chunk_size)
+        check_delta_rule_step(q, v, state)
+        check_decode_only_metadata(q.shape[1], slot_idx, input_pos)
+        first_token = 0
+    else:
+        lens = check_cached_delta_rule_args(
+            q, k, v, g, beta, seq_lens, input_pos, slot_idx, num_prefill, state, chunk_size
+        )
+        first_token = prefill_rows(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            lens,
+            input_pos,
+            slot_idx.long(),
+            num_prefill,
+            state,
+            out,
+            scale,
+            use_qk_l2norm,
+            chunk_size,
+        )
+    decode_rows_triton(
+        q, k, v, g, beta, input_pos, slot_idx, state, out, num_prefill, first_token, scale, use_qk_l2norm
     )
-    decode_rows_triton(q, k, v, g, beta, input_pos, slot_idx, state, out, num_prefill, start, scale, use_qk_l2norm)
     return out
 
 
-def _gated(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    seq_lens,
-    input_pos,
-    slot_idx,
-    num_prefill,
-    gated_delta_state,
-    scale=None,
-    use_qk_l2norm=False,
-    chunk_size=64,
-):
-    return triton_cached_delta_rule_impl(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        seq_lens,
-        input_pos,
-        slot_idx,
-        num_prefill,
-        gated_delta_state,
-        scale,
-        use_qk_l2norm,
-        chunk_size,
-        name="triton_cached_gated_delta_rule",
-    )
-
-
-def _plain(
-    q,
-    k,
-    v,
-    beta,
-    seq_lens,
-    input_pos,
-    slot_idx,
-    num_prefill,
-    delta_state,
-    scale=None,
-    use_qk_l2norm=False,
-    chunk_size=64,
-):
-    return triton_cached_delta_rule_impl(
-        q, k, v, None, beta, seq_lens, input_pos, slot_idx, num_prefill, delta_state, scale, use_qk_l2norm, chunk_size
-    )
-
-
 triton_cached_gated_delta_rule = define_op(
-    "triton_cached_gated_delta_rule" + CACHED_GATED_ARGS, _gated, cached_gated_fake, host_sync=TRITON_STATE_HOST_SYNC
+    "triton_cached_gated_delta_rule" + CACHED_GATED_ARGS,
+    triton_cached_delta_rule_impl,
+    cached_gated_fake,
+    host_sync=TRITON_STATE_HOST_SYNC,
 )
 triton_cached_delta_rule = define_op(
-    "triton_cached_delta_rule" + CACHED_PLAIN_ARGS, _plain, cached_plain_fake, host_sync=TRITON_STATE_HOST_SYNC
+    "triton_cached_delta_rule" + CACHED_PLAIN_ARGS,
+    without_gate(triton_cached_delta_rule_impl),
+    cached_plain_fake,
+    host_sync=TRITON_STATE_HOST_SYNC,
 )
 
 __all__ = ["triton_cached_gated_delta_rule", "triton_cached_delta_rule", "decode_rows_triton", "kernel", "is_available"]

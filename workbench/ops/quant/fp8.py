@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..library import define_op
 from .codecs import fp8_block_dequantize, fp8_group_dequantize, fp8_group_quantize, to_fp8
 from .fp8_scaled_mm import fp8_scaled_mm, scaled_mm_applies
-from .row_blocks import by_row_blocks
+from .row_blocks import by_row_blocks, quantized_linear_fake
 
 
 def _per_tensor(scale: torch.Tensor, what: str) -> torch.Tensor:
@@ -82,15 +82,11 @@ def fp8_linear(input, weight, input_scale, weight_scale, bias=None):
     return fp8_linear_reference(input, weight, input_scale, weight_scale, bias)
 
 
-def _linear_fake(input, weight, *args, **kwargs):
-    return input.new_empty(*input.shape[:-1], weight.shape[0])
-
-
 torch_fp8_linear = define_op(
     "torch_fp8_linear(Tensor input, Tensor weight, Tensor input_scale, Tensor weight_scale, Tensor? bias=None) "
     "-> Tensor",
     fp8_linear,
-    _linear_fake,
+    quantized_linear_fake,
 )
 
 
@@ -124,7 +120,7 @@ torch_finegrained_fp8_linear = define_op(
     "torch_finegrained_fp8_linear(Tensor input, Tensor weight, Tensor weight_scale_inv, int block_n=128, "
     "int block_k=128, Tensor? bias=None) -> Tensor",
     finegrained_fp8_linear,
-    _linear_fake,
+    quantized_linear_fake,
 )
 
 

@@ -24,10 +24,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from ..library import define_op
 from .cpu_fast_path import exact_cpu_kernel
-from .row_blocks import by_row_blocks
+from .row_blocks import by_row_blocks, quantized_linear_fake
 
 RUN = 32  # codes per packing run
 
@@ -75,13 +76,8 @@ def int4_linear_reference(
 
 
 def int4_linear(
-    input: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor,
-    group_size: int,
-    bias: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+    input: Tensor, qweight: Tensor, scales: Tensor, offsets: Tensor, group_size: int, bias: Optional[Tensor] = None
+) -> Tensor:
     """The op's body: the exact C++ kernel where it runs (see ``cpu_fast_path``), else the reference."""
     kernel = exact_cpu_kernel("cpu_int4_linear", input, scales, offsets)
     if kernel is not None and group_size % 32 == 0:
@@ -91,13 +87,9 @@ def int4_linear(
     return int4_linear_reference(input, qweight, scales, offsets, group_size, bias)
 
 
-def _fake(input, qweight, scales, offsets, group_size, bias=None):
-    return input.new_empty(*input.shape[:-1], qweight.shape[0])
-
-
 torch_int4_linear = define_op(
     "torch_int4_linear(Tensor input, Tensor qweight, Tensor scales, Tensor offsets, int group_size, "
     "Tensor? bias=None) -> Tensor",
     int4_linear,
-    _fake,
+    quantized_linear_fake,
 )

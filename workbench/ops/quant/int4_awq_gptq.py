@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..library import define_op
 from .codecs import gptq_dequantize
 from .int4 import int4_linear
-from .row_blocks import by_row_blocks
+from .row_blocks import by_row_blocks, quantized_linear_fake
 
 GPTQ_PACK = 8  # 4-bit codes per int32 word
 
@@ -47,15 +47,11 @@ def int4_awq_linear(
     return int4_linear(input, qweight, scales, offsets, group_size, bias)
 
 
-def _awq_fake(input, qweight, scales, offsets, pre_quant_scale, group_size, bias=None):
-    return input.new_empty(*input.shape[:-1], qweight.shape[0])
-
-
 torch_int4_awq_linear = define_op(
     "torch_int4_awq_linear(Tensor input, Tensor qweight, Tensor scales, Tensor offsets, Tensor? pre_quant_scale, "
     "int group_size, Tensor? bias=None) -> Tensor",
     int4_awq_linear,
-    _awq_fake,
+    quantized_linear_fake,
 )
 
 

@@ -13,10 +13,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from ..library import define_op
 from .cpu_fast_path import exact_cpu_kernel
-from .row_blocks import by_row_blocks
+from .row_blocks import by_row_blocks, quantized_linear_fake
 
 
 def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -42,12 +43,8 @@ def int8_linear_reference(
 
 
 def int8_linear(
-    input: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    group_size: int,
-    bias: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+    input: Tensor, qweight: Tensor, scales: Tensor, group_size: int, bias: Optional[Tensor] = None
+) -> Tensor:
     """The op's body: the exact C++ kernel where it runs (see ``cpu_fast_path``), else the reference."""
     kernel = exact_cpu_kernel("cpu_int8_linear", input, scales)
     if kernel is not None and group_size % 32 == 0 and qweight.dtype == torch.int8:
@@ -61,10 +58,6 @@ def int8_embedding(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     return rows.reshape(*ids.shape, qweight.shape[1])
 
 
-def _linear_fake(input, qweight, scales, group_size, bias=None):
-    return input.new_empty(*input.shape[:-1], qweight.shape[0])
-
-
 def _embedding_fake(ids, qweight, scales, group_size):
     return scales.new_empty(*ids.shape, qweight.shape[1], dtype=torch.float32)
 
@@ -72,7 +65,7 @@ def _embedding_fake(ids, qweight, scales, group_size):
 torch_int8_linear = define_op(
     "torch_int8_linear(Tensor input, Tensor qweight, Tensor scales, int group_size, Tensor? bias=None) -> Tensor",
     int8_linear,
-    _linear_fake,
+    quantized_linear_fake,
 )
 torch_int8_embedding = define_op(
     "torch_int8_embedding(Tensor ids, Tensor qweight, Tensor scales, int group_size) -> Tensor",

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..library import define_op
 from .codecs import nvfp4_dequantize, nvfp4_quantize
-from .row_blocks import by_row_blocks
+from .row_blocks import by_row_blocks, quantized_linear_fake
 
 NVFP4_BLOCK = 16
 
@@ -68,13 +68,9 @@ def nvfp4_linear(
     return by_row_blocks(rows, weight.shape[0], weight.shape[1] * 2).to(input.dtype)
 
 
-def _fake(input, weight, input_scale, weight_scale, weight_scale_2, bias=None):
-    return input.new_empty(*input.shape[:-1], weight.shape[0])
-
-
 torch_nvfp4_linear = define_op(
     "torch_nvfp4_linear(Tensor input, Tensor weight, Tensor input_scale, Tensor weight_scale, "
     "Tensor weight_scale_2, Tensor? bias=None) -> Tensor",
     nvfp4_linear,
-    _fake,
+    quantized_linear_fake,
 )

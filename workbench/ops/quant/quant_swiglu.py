@@ -15,49 +15,29 @@ Weights [I, H] (gate, up) and [H, I] (down) in ``nn.Linear`` layout; input [...,
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from ..library import define_op
 from .fp8 import finegrained_fp8_linear
 from .nvfp4 import nvfp4_linear
+from .row_blocks import quantized_linear_fake
 
 
-def nvfp4_swiglu_mlp(
-    input,
-    gate_weight,
-    gate_input_scale,
-    gate_weight_scale,
-    gate_weight_scale_2,
-    up_weight,
-    up_input_scale,
-    up_weight_scale,
-    up_weight_scale_2,
-    down_weight,
-    down_input_scale,
-    down_weight_scale,
-    down_weight_scale_2,
-):
-    gate = nvfp4_linear(input, gate_weight, gate_input_scale, gate_weight_scale, gate_weight_scale_2)
-    up = nvfp4_linear(input, up_weight, up_input_scale, up_weight_scale, up_weight_scale_2)
-    return nvfp4_linear(F.silu(gate) * up, down_weight, down_input_scale, down_weight_scale, down_weight_scale_2)
+def quantized_swiglu(linear, input, gate: tuple, up: tuple, down: tuple) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` where each projection is ``linear(x, *its_tensors)``."""
+    return linear(F.silu(linear(input, *gate)) * linear(input, *up), *down)
 
 
-def _nvfp4_fake(
-    input,
-    gate_weight,
-    gate_input_scale,
-    gate_weight_scale,
-    gate_weight_scale_2,
-    up_weight,
-    up_input_scale,
-    up_weight_scale,
-    up_weight_scale_2,
-    down_weight,
-    down_input_scale,
-    down_weight_scale,
-    down_weight_scale_2,
-):
-    return input.new_empty(*input.shape[:-1], down_weight.shape[0])
+def nvfp4_swiglu_mlp(input, *projections):
+    """``projections``: the schema's (weight, input_scale, weight_scale, weight_scale_2) of gate, up, then down."""
+    gate, up, down = projections[0:4], projections[4:8], projections[8:12]
+    return quantized_swiglu(nvfp4_linear, input, gate, up, down)
+
+
+def _nvfp4_fake(input, *projections):
+    # projections: the schema's (weight, input_scale, weight_scale, weight_scale_2) of gate, up, down
+    return quantized_linear_fake(input, projections[8])  # the down projection's weight
 
 
 torch_nvfp4_swiglu_mlp = define_op(
@@ -81,23 +61,15 @@ def finegrained_fp8_swiglu_mlp(
     block_n=128,
     block_k=128,
 ):
-    gate = finegrained_fp8_linear(input, gate_weight, gate_weight_scale_inv, block_n, block_k)
-    up = finegrained_fp8_linear(input, up_weight, up_weight_scale_inv, block_n, block_k)
-    return finegrained_fp8_linear(F.silu(gate) * up, down_weight, down_weight_scale_inv, block_n, block_k)
+    gate = (gate_weight, gate_weight_scale_inv, block_n, block_k)
+    up = (up_weight, up_weight_scale_inv, block_n, block_k)
+    down = (down_weight, down_weight_scale_inv, block_n, block_k)
+    return quantized_swiglu(finegrained_fp8_linear, input, gate, up, down)
 
 
-def _fp8_fake(
-    input,
-    gate_weight,
-    gate_weight_scale_inv,
-    up_weight,
-    up_weight_scale_inv,
-    down_weight,
-    down_weight_scale_inv,
-    block_n=128,
-    block_k=128,
-):
-    return input.new_empty(*input.shape[:-1], down_weight.shape[0])
+def _fp8_fake(input, *projections_and_blocks):
+    # the schema's (weight, weight_scale_inv) of gate, up, down, then block_n / block_k when given
+    return quantized_linear_fake(input, projections_and_blocks[4])  # the down projection's weight
 
 
 torch_finegrained_fp8_swiglu_mlp = define_op(

@@ -1,4 +1,5 @@
-"""Reference quantized linears dequantize a weight a block of rows at a time."""
+"""What the quantized linears share: references dequantize a weight a block of rows at a time, and
+every linear's fake output has the input's leading dims and one column per weight row."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ import torch
 # Rows of a weight dequantized at a time by the reference linears: an LM head (49,152 x 576) would
 # otherwise be a 113 MB fp32 temporary on every call; 4,096 rows of it are 9 MB.
 ROW_BLOCK_ELEMENTS = 4096 * 576
+
+
+def quantized_linear_fake(input: torch.Tensor, weight: torch.Tensor, *rest, **options) -> torch.Tensor:
+    """The fake (meta) output of a quantized linear whose ``weight`` holds one row per output
+    feature: ``[..., N]`` like ``input``. ``rest`` / ``options``: the op's other arguments, unused."""
+    return input.new_empty(*input.shape[:-1], weight.shape[0])
 
 
 def by_row_blocks(compute, n: int, k: int, align: int = 1) -> torch.Tensor:

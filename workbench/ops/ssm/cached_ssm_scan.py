@@ -23,10 +23,19 @@ from typing import List, Optional
 
 import torch
 
+from .. import state as state_slots
 from ..library import define_op
 from ..state import STATE_HOST_SYNC, StatefulOp, StateSpec, check_step_metadata, initial_states, register_stateful_op
 from .ssd import discretize_dt, heads_from_groups, ssd_chunked, ssm_step
 from .ssm_scan import SSM_OPTIONS, check_ssm_args
+
+
+def check_ssm_state(hidden_states, B, ssm_state) -> None:
+    """``ssm_state`` must be ``[num_slots, heads, head_dim, state]`` for these inputs."""
+    _, _, h, d = hidden_states.shape
+    state_slots.check_state_shape(
+        ssm_state, (h, d, B.shape[-1]), "ssm_state must be [num_slots, heads, head_dim, state]"
+    )
 
 
 def check_cached_ssm_args(
@@ -34,16 +43,11 @@ def check_cached_ssm_args(
 ) -> List[int]:
     """Validate the cached op's arguments; returns ``seq_lens`` as a host list."""
     check_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, chunk_size)
-    _, _, h, d = hidden_states.shape
     if hidden_states.shape[0] != 1:
         raise ValueError(
             f"torch_cached_ssm expects flattened tokens hidden_states [1, T, h, d]; got {tuple(hidden_states.shape)}"
         )
-    if ssm_state.dim() != 4 or tuple(ssm_state.shape[1:]) != (h, d, B.shape[-1]):
-        raise ValueError(
-            f"ssm_state must be [num_slots, heads, head_dim, state] = [*, {h}, {d}, {B.shape[-1]}]; "
-            f"got {tuple(ssm_state.shape)}"
-        )
+    check_ssm_state(hidden_states, B, ssm_state)
     return check_step_metadata(hidden_states.shape[1], seq_lens, input_pos, slot_idx, num_prefill, "hidden_states")
 
 
@@ -235,6 +239,7 @@ __all__ = [
     "torch_cached_ssm",
     "torch_cached_ssm_op",
     "check_cached_ssm_args",
+    "check_ssm_state",
     "prefill_rows",
     "decode_rows",
     "cached_ssm_fake",

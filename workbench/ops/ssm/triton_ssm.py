@@ -29,9 +29,10 @@ from typing import Optional
 import torch
 
 from ..library import define_op
-from ..state import TRITON_STATE_HOST_SYNC
+from ..state import TRITON_STATE_HOST_SYNC, check_decode_only_metadata
+from ..triton_support import require_triton
 from ..triton_support import triton_available as is_available
-from .cached_ssm_scan import CACHED_SSM_ARGS, cached_ssm_fake, check_cached_ssm_args, prefill_rows
+from .cached_ssm_scan import CACHED_SSM_ARGS, cached_ssm_fake, check_cached_ssm_args, check_ssm_state, prefill_rows
 from .ssm_scan import check_ssm_args
 
 #: Largest state tile one program holds (elements): BLOCK_D * BLOCK_N, e.g. 32 x 128.
@@ -213,81 +214,32 @@ def triton_cached_ssm(
     chunk_size: int = 256,
 ) -> torch.Tensor:
     """The cached scan, decode rows in Triton; see the module docstring."""
-    ok, why = is_available(hidden_states.device)
-    if not ok:
-        raise RuntimeError(
-            f"triton_cached_ssm cannot run on {hidden_states.device}: {why}. Use the 'torch' backend "
-            "(insert_cached_ssm_attention.backend=torch) on this device."
-        )
+    require_triton(hidden_states.device, "triton_cached_ssm", "insert_cached_ssm_attention.backend=torch")
     out = torch.empty_like(hidden_states)
+    scan = (hidden_states, A, B, C, D, dt, dt_bias)  # what prefill_rows and decode_rows_triton read first
     if num_prefill == 0:  # decode only: T rows of one token, no host read of the metadata
         check_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, chunk_size)
-        t, (_, _, h, d), n = hidden_states.shape[1], hidden_states.shape, B.shape[-1]
-        if slot_idx.numel() != t or input_pos.numel() != t:
-            raise ValueError(
-                f"a decode-only step has one token per sequence: {t} tokens, slot_idx "
-                f"{slot_idx.numel()}, input_pos {input_pos.numel()}"
-            )
-        if ssm_state.dim() != 4 or tuple(ssm_state.shape[1:]) != (h, d, n):
-            raise ValueError(
-                f"ssm_state must be [num_slots, heads, head_dim, state] = [*, {h}, {d}, {n}]; "
-                f"got {tuple(ssm_state.shape)}"
-            )
-        decode_rows_triton(
-            hidden_states,
-            A,
-            B,
-            C,
-            D,
-            dt,
-            dt_bias,
+        check_decode_only_metadata(hidden_states.shape[1], slot_idx, input_pos)
+        check_ssm_state(hidden_states, B, ssm_state)
+        first_token = 0
+    else:
+        lens = check_cached_ssm_args(
+            hidden_states, A, B, C, D, dt, dt_bias, seq_lens, input_pos, slot_idx, num_prefill, ssm_state, chunk_size
+        )
+        first_token = prefill_rows(
+            *scan,
+            lens,
             input_pos,
-            slot_idx,
+            slot_idx.long(),
+            num_prefill,
             ssm_state,
             time_step_min,
             time_step_max,
+            chunk_size,
             out,
-            0,
-            0,
         )
-        return out
-    lens = check_cached_ssm_args(
-        hidden_states, A, B, C, D, dt, dt_bias, seq_lens, input_pos, slot_idx, num_prefill, ssm_state, chunk_size
-    )
-    start = prefill_rows(
-        hidden_states,
-        A,
-        B,
-        C,
-        D,
-        dt,
-        dt_bias,
-        lens,
-        input_pos,
-        slot_idx.long(),
-        num_prefill,
-        ssm_state,
-        time_step_min,
-        time_step_max,
-        chunk_size,
-        out,
-    )
     decode_rows_triton(
-        hidden_states,
-        A,
-        B,
-        C,
-        D,
-        dt,
-        dt_bias,
-        input_pos,
-        slot_idx,
-        ssm_state,
-        time_step_min,
-        time_step_max,
-        out,
-        num_prefill,
-        start,
+        *scan, input_pos, slot_idx, ssm_state, time_step_min, time_step_max, out, num_prefill, first_token
     )
     return out
 
