@@ -12,11 +12,27 @@ from __future__ import annotations
 import enum
 import logging
 import time
+import typing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterable, Iterator, List, Optional, Tuple, Type
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    ClassVar,
+    Dict,
+    Generic,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Tuple,
+    Type,
+    cast,
+)
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import TypeVar
 
 from .graph.utils import canonicalize_graph, graph_modules, run_shape_prop
 
@@ -164,15 +180,36 @@ class GraphState:
     has_valid_shapes: bool = False
 
 
-class Transform:
+ConfigT = TypeVar("ConfigT", bound=TransformConfig, default=TransformConfig)
+
+
+def _config_of(cls: type) -> Optional[Type[TransformConfig]]:
+    """The config class a transform class names as its generic parameter (``Transform[XConfig]``,
+    or a generic base's ``Base[XConfig]``; a type variable stands for its bound), if any."""
+    for base in getattr(cls, "__orig_bases__", ()):
+        origin, args = typing.get_origin(base), typing.get_args(base)
+        if not (isinstance(origin, type) and issubclass(origin, Transform) and args):
+            continue
+        arg = args[0]
+        if isinstance(arg, typing.TypeVar):
+            arg = arg.__bound__
+        if isinstance(arg, type) and issubclass(arg, TransformConfig):
+            return arg
+    return None
+
+
+class Transform(Generic[ConfigT]):
     """Base class of every transform.
 
-    Subclasses set ``key`` (via the registry decorator), ``config_class`` when they have extra
-    fields, and implement ``_apply(gm, ctx) -> (gm, TransformInfo)``. ``__call__`` is final.
+    Subclasses set ``key`` (via the registry decorator), name their config class when they have
+    extra fields (``class X(Transform[XConfig])``: it becomes ``config_class`` and the type of
+    ``self.config``; a class may also set ``config_class`` itself), and implement
+    ``_apply(gm, ctx) -> (gm, TransformInfo)``. ``__call__`` is final.
     """
 
     key: ClassVar[str] = ""
     config_class: ClassVar[Type[TransformConfig]] = TransformConfig
+    config: ConfigT
     # Facts of the context this transform leaves for later ones, and facts it needs from earlier
     # ones (``Fact`` objects, e.g. ``context.CACHE_SPECS``): the stepper refuses a pipeline that
     # orders a need before every transform that could provide it (``check_order``); ``__call__``
@@ -181,10 +218,17 @@ class Transform:
     provides: ClassVar[Tuple["Fact", ...]] = ()
     needs: ClassVar[Tuple["Fact", ...]] = ()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "config_class" not in cls.__dict__:
+            named = _config_of(cls)
+            if named is not None:
+                cls.config_class = named
+
     def __init__(self, config: TransformConfig):
         if not isinstance(config, self.config_class):
             config = self.config_class.model_validate(config.model_dump())
-        self.config = config
+        self.config = cast(ConfigT, config)
 
     @property
     def log_prefix(self) -> str:
@@ -333,6 +377,9 @@ def _require_loaded_weights(key: str, stage: Stages, graphs: List[torch.fx.Graph
             )
 
 
+_TransformClass = TypeVar("_TransformClass", bound=Type[Transform[Any]])
+
+
 @dataclass
 class TransformRegistry:
     """Transform classes by seed key.
@@ -341,10 +388,10 @@ class TransformRegistry:
     run time), so the set of known transforms never depends on what ran before.
     """
 
-    _classes: Dict[str, Type[Transform]] = field(default_factory=dict)
+    _classes: Dict[str, Type[Transform[Any]]] = field(default_factory=dict)
 
-    def register(self, key: str) -> Callable[[Type[Transform]], Type[Transform]]:
-        def deco(cls: Type[Transform]) -> Type[Transform]:
+    def register(self, key: str) -> Callable[[_TransformClass], _TransformClass]:
+        def deco(cls: _TransformClass) -> _TransformClass:
             if key in self._classes and self._classes[key] is not cls:
                 raise ValueError(f"transform key '{key}' registered twice")
             if cls.key and cls.key != key:
@@ -355,7 +402,7 @@ class TransformRegistry:
 
         return deco
 
-    def get(self, key: str) -> Type[Transform]:
+    def get(self, key: str) -> Type[Transform[Any]]:
         if key not in self._classes:
             import difflib
 

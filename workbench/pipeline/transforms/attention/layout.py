@@ -52,11 +52,8 @@ class MatchAttentionLayoutConfig(TransformConfig):
 
 
 @register("match_attention_layout")
-class MatchAttentionLayout(Transform):
+class MatchAttentionLayout(Transform[MatchAttentionLayoutConfig]):
     """Rewrite ``torch_attention`` calls to ``attn_layout``: Q/K/V transposed in, output back."""
-
-    config_class = MatchAttentionLayoutConfig
-    config: MatchAttentionLayoutConfig
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         target = self.config.attn_layout
@@ -102,11 +99,8 @@ class MatchRopeLayoutConfig(TransformConfig):
 
 
 @register("match_rope_layout")
-class MatchRopeLayout(Transform):
+class MatchRopeLayout(Transform[MatchRopeLayoutConfig]):
     """Rewrite RoPE ops to ``expected_layout``: q/k transposed in, both outputs transposed back."""
-
-    config_class = MatchRopeLayoutConfig
-    config: MatchRopeLayoutConfig
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         target = self.config.expected_layout

@@ -112,11 +112,9 @@ def _refuse_uncached_state(mod) -> None:
 
 
 @register("initialize_cache")
-class InitializeCache(Transform):
+class InitializeCache(Transform[InitializeCacheConfig]):
     """Allocate every declared cache with conservative capacity."""
 
-    config_class = InitializeCacheConfig
-    config: InitializeCacheConfig
     needs = (CACHE_SPECS,)
     provides = (KV_CACHE,)
 
@@ -124,7 +122,7 @@ class InitializeCache(Transform):
         if not ctx.cache.specs:
             return mod, _no_specs(self.key)
         _refuse_uncached_state(mod)
-        c: InitializeCacheConfig = self.config
+        c = self.config
         ctx.limits = ctx.limits.override(
             self.key,
             max_batch_size=c.max_batch_size,
@@ -179,11 +177,9 @@ def _release(tensors) -> None:
 
 
 @register("resize_kv_cache")
-class ResizeKVCache(Transform):
+class ResizeKVCache(Transform[ResizeKVCacheConfig]):
     """Measure activation memory with one forward, then grow the KV cache to its working size."""
 
-    config_class = ResizeKVCacheConfig
-    config: ResizeKVCacheConfig
     needs = (KV_CACHE,)
 
     def _apply(self, mod: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
@@ -192,7 +188,7 @@ class ResizeKVCache(Transform):
             if ctx.cache.specs:  # specs declared but never allocated: initialize_cache is off
                 ctx.cache.require_config(self.key)
             return mod, _no_specs(self.key)
-        c: ResizeKVCacheConfig = self.config
+        c = self.config
         cuda = ctx.device.type == "cuda" and torch.cuda.is_available()
         old_bytes = cfg.num_pages * cfg.bytes_per_page()
         details: Dict[str, object] = {"old_num_pages": cfg.num_pages}

@@ -204,11 +204,9 @@ def _refuse_or_report(left: Dict[str, str], require: bool) -> str:
 
 
 @register("insert_cached_attention")
-class InsertCachedAttention(Transform):
+class InsertCachedAttention(Transform[InsertCachedAttentionConfig]):
     """Rewrite every canonical attention op into the backend's paged cached attention op."""
 
-    config_class = InsertCachedAttentionConfig
-    config: InsertCachedAttentionConfig
     provides = (CACHE_SPECS,)
 
     def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:

@@ -62,11 +62,8 @@ def layer_outputs(gm: fx.GraphModule) -> Dict[int, fx.Node]:
 
 
 @register("detect_hidden_states_for_capture")
-class DetectHiddenStatesForCapture(Transform):
+class DetectHiddenStatesForCapture(Transform[DetectHiddenStatesForCaptureConfig]):
     """Mark the output hidden state of each layer in ``eagle3_layers_to_capture``."""
-
-    config_class = DetectHiddenStatesForCaptureConfig
-    config: DetectHiddenStatesForCaptureConfig
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[fx.GraphModule, TransformInfo]:
         wanted = self.config.eagle3_layers_to_capture

@@ -120,11 +120,9 @@ def cache_footprint(shapes: List[Dict[str, int]], dtype: torch.dtype) -> Dict[st
 
 
 @register("insert_cached_mla_attention")
-class InsertCachedMLAAttention(Transform):
+class InsertCachedMLAAttention(Transform[InsertCachedAttentionConfig]):
     """Rewrite every canonical MLA op into MLA over a paged latent cache (one page pool per layer)."""
 
-    config_class = InsertCachedAttentionConfig
-    config: InsertCachedAttentionConfig
     provides = (CACHE_SPECS,)
 
     def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:

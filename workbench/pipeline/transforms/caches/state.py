@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 from pydantic import Field, field_validator
+from typing_extensions import TypeVar
 
 from ....ops.state import stateful_ops
 from ....ops.triton_support import triton_available
@@ -80,11 +81,13 @@ def _pick_backend(requested: Optional[str], available: Tuple[str, ...], device: 
     return requested, "requested"
 
 
-class _InsertCachedState(Transform):
+# A subclass names its own config class (``_InsertCachedState[SSMCacheTransformConfig]``) or keeps this one.
+_StateConfigT = TypeVar("_StateConfigT", bound=InsertCachedStateConfig, default=InsertCachedStateConfig)
+
+
+class _InsertCachedState(Transform[_StateConfigT]):
     """Rewrite every stateful op node owned by this key into its cached op over state slots."""
 
-    config_class = InsertCachedStateConfig
-    config: InsertCachedStateConfig
     provides = (CACHE_SPECS,)
     mechanism = ""  # e.g. "causal conv", for messages
 
@@ -121,11 +124,9 @@ class _InsertCachedState(Transform):
 
 
 @register("insert_cached_ssm_attention")
-class SSMCacheTransform(_InsertCachedState):
+class SSMCacheTransform(_InsertCachedState[SSMCacheTransformConfig]):
     """Mamba-2 SSM scans -> cached scans over a per-sequence SSM state [heads, head_dim, d_state]."""
 
-    config_class = SSMCacheTransformConfig
-    config: SSMCacheTransformConfig
     mechanism = "SSM scan"
 
 

@@ -191,11 +191,9 @@ class DetectHFAttnLayersConfig(TransformConfig):
 
 
 @register("detect_hf_attn_layers")
-class DetectHFAttnLayers(Transform):
+class DetectHFAttnLayers(Transform[DetectHFAttnLayersConfig]):
     """Find the attention layers of the HF model with one recorded forward."""
 
-    config_class = DetectHFAttnLayersConfig
-    config: DetectHFAttnLayersConfig
     provides = (HF_ATTENTION_LAYERS,)
 
     def _apply(self, mod: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
@@ -226,11 +224,9 @@ class TransformersReplaceCachedAttnConfig(InsertCachedAttentionConfig):
 
 
 @register("transformers_replace_cached_attn")
-class HFReplaceCachedAttn(Transform):
+class HFReplaceCachedAttn(Transform[TransformersReplaceCachedAttnConfig]):
     """Wrap the HF model so its attention runs on the paged cache (``HFCachedLM``)."""
 
-    config_class = TransformersReplaceCachedAttnConfig
-    config: TransformersReplaceCachedAttnConfig
     needs = (HF_ATTENTION_LAYERS,)
     provides = (CACHE_SPECS,)
 

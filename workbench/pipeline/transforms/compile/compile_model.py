@@ -139,14 +139,11 @@ def batched_input_count(gm: torch.nn.Module, cache_keys) -> int:
 
 
 @register("compile_model")
-class CompileModel(Transform):
+class CompileModel(Transform[CompileModelConfig]):
     """Build the runner ``generate`` uses: plain graph, torch.compile, CUDA graphs, or both."""
 
-    config_class = CompileModelConfig
-    config: CompileModelConfig
-
     def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        c: CompileModelConfig = self.config
+        c = self.config
         # nodes a CUDA graph cannot capture (only CUDA runs graphs: elsewhere a CUDA-graph backend is
         # refused as unavailable)
         blockers = capture_blockers(gm) if torch.device(ctx.device).type == "cuda" else {}

@@ -98,11 +98,8 @@ def fuse_conv_activations(gm: fx.GraphModule, conv_ops: List[Any]) -> List[Tuple
 
 
 @register("fuse_causal_conv_activation")
-class FuseCausalConvActivation(Transform):
+class FuseCausalConvActivation(Transform[FuseCausalConvActivationConfig]):
     """Fuse the SiLU after a cached causal conv into the conv op (CUDA only)."""
-
-    config_class = FuseCausalConvActivationConfig
-    config: FuseCausalConvActivationConfig
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[fx.GraphModule, TransformInfo]:
         if self.config.require_cuda:

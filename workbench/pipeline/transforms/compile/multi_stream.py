@@ -172,11 +172,9 @@ def run_on_aux(
     }
 
 
-class MultiStreamTransform(Transform):
+class MultiStreamTransform(Transform[CudaOnlyConfig]):
     """Shared ``_apply``: skip off CUDA, find (branch, input) sites, rewrite each."""
 
-    config_class = CudaOnlyConfig
-    config: CudaOnlyConfig
     what = "multi-stream execution"
 
     def sites(self, gm: fx.GraphModule) -> List[Tuple[str, List[fx.Node], fx.Node, List[fx.Node]]]:

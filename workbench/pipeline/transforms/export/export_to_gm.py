@@ -113,12 +113,9 @@ class ExportToGMConfig(TransformConfig):
 
 
 @register("export_to_gm")
-class ExportToGM(Transform):
-    config_class = ExportToGMConfig
-    config: ExportToGMConfig
-
+class ExportToGM(Transform[ExportToGMConfig]):
     def _apply(self, mod: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        cfg: ExportToGMConfig = self.config
+        cfg = self.config
         if isinstance(mod, torch.fx.GraphModule):
             raise TypeError("export_to_gm got a GraphModule: the model is already exported")
         # Its bounds are the pipeline's limits; set here, they override them (and are reported).

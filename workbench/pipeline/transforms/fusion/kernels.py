@@ -23,7 +23,7 @@ canonical and is listed in ``details['left']`` with the reason.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, TypeVar, Union
 
 import torch
 import torch.fx as fx
@@ -83,11 +83,13 @@ def _rmsnorm_refusal(backend: str, node: fx.Node) -> Optional[str]:
     return None
 
 
-class _SwapCanonicalOp(Transform):
+_SwapConfigT = TypeVar("_SwapConfigT", bound="Union[FuseRMSNormConfig, FuseRoPEConfig]")
+
+
+class _SwapCanonicalOp(Transform[_SwapConfigT]):
     """Swap every call of a canonical op for the picked backend's op (same arguments, same
     contract); nodes the backend cannot take stay canonical, listed in ``details['left']``."""
 
-    config: Union[FuseRMSNormConfig, FuseRoPEConfig]
     family: str = ""  # FUSION_BACKENDS table
     canonical: Any = None  # the torch op, an OpOverload (it *is* the torch backend)
     missing_note: str = ""
@@ -121,11 +123,9 @@ class _SwapCanonicalOp(Transform):
 
 
 @register("fuse_rmsnorm")
-class FuseRMSNorm(_SwapCanonicalOp):
+class FuseRMSNorm(_SwapCanonicalOp[FuseRMSNormConfig]):
     """Swap ``torch_rmsnorm`` for the configured backend's fused RMSNorm op."""
 
-    config_class = FuseRMSNormConfig
-    config: FuseRMSNormConfig
     family, canonical = "rmsnorm", wb.torch_rmsnorm.default
     missing_note = "no torch_rmsnorm nodes (run the pattern_matcher stage first)"
 
@@ -160,11 +160,9 @@ def _rope_refusal(args: Dict[str, Any]) -> Optional[str]:
 
 
 @register("fuse_rope")
-class FuseRoPE(_SwapCanonicalOp):
+class FuseRoPE(_SwapCanonicalOp[FuseRoPEConfig]):
     """Swap ``torch_rope_with_explicit_cos_sin`` for the configured backend's RoPE op."""
 
-    config_class = FuseRoPEConfig
-    config: FuseRoPEConfig
     family, canonical = "rope", wb.torch_rope_with_explicit_cos_sin.default
     missing_note = "no torch_rope_with_explicit_cos_sin nodes"
 
@@ -285,12 +283,9 @@ def fuse_split_silu_mul(gm: fx.GraphModule, silu_mul: Callable) -> int:
 
 
 @register("fuse_swiglu")
-class FuseSwiGLU(Transform):
+class FuseSwiGLU(Transform[FuseSwiGLUConfig]):
     """``torch_swiglu_mlp`` -> fused gate/up GEMM + the configured backend's SiLU-and-mul; and a gate/up
     GEMM already fused by ``fuse_gemms`` (quantized linears: ``split -> silu * mul``) -> the SiLU-and-mul."""
-
-    config_class = FuseSwiGLUConfig
-    config: FuseSwiGLUConfig
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         nodes = _nodes(gm, wb.torch_swiglu_mlp.default)

@@ -80,12 +80,9 @@ def transposed_weight(gm: fx.GraphModule, target: str) -> Tuple[str, int]:
 
 
 @register("linear_weight_layout")
-class LinearWeightLayout(Transform):
+class LinearWeightLayout(Transform[LinearWeightLayoutConfig]):
     """``linear(x, W, b)`` -> ``cpu_linear_wxt(x, W, b)`` (``wxt``) or ``matmul(x, W.T contiguous) + b``
     (``kn``); see the module docstring."""
-
-    config_class = LinearWeightLayoutConfig
-    config: LinearWeightLayoutConfig
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[fx.GraphModule, TransformInfo]:
         from ....ops import cpu_kernels

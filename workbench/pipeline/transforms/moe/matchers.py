@@ -448,11 +448,8 @@ ROUTING_PATTERNS = {b: tuple(_routing_patterns(b)) for b in ("torch", "triton")}
 
 
 @register("match_moe_routing_pattern")
-class MatchMoeRoutingPattern(Transform):
+class MatchMoeRoutingPattern(Transform[MatchMoeRoutingPatternConfig]):
     """Replace softmax -> top-k -> renormalize by one routing op (torch reference or Triton)."""
-
-    config_class = MatchMoeRoutingPatternConfig
-    config: MatchMoeRoutingPatternConfig
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return match_info(gm, PatternMatcher(ROUTING_PATTERNS[self.config.backend]).apply(gm))

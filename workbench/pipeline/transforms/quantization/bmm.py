@@ -42,12 +42,9 @@ def bmm_scale_names(weight: str) -> Tuple[str, str]:
 
 
 @register("quantize_fp8_bmm_from_config")
-class QuantizeFp8BmmFromConfig(Transform):
+class QuantizeFp8BmmFromConfig(Transform[QuantizeFromConfigConfig]):
     """FP8 checkpoints: ``bmm(x [B, M, K], W [B, K, N])`` on a weight stored in fp8 (with per-tensor
     ``weight_scale`` and ``input_scale``) -> ``torch_fp8_bmm``."""
-
-    config_class = QuantizeFromConfigConfig
-    config: QuantizeFromConfigConfig
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[fx.GraphModule, TransformInfo]:
         reason = checkpoint_skip_reason(ctx, self.key, ("FP8",))

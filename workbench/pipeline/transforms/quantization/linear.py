@@ -356,10 +356,9 @@ def quantize_linears(
 def _linear_transform(key: str, algos: Tuple[str, ...], fmt: LinearFormat, doc: str):
     at_load = type(fmt).from_model is not LinearFormat.from_model
 
-    class LinearQuantization(Transform):
+    class LinearQuantization(Transform[QuantizeFromConfigConfig]):
         __doc__ = doc
         config_class = QuantizeAtLoadConfig if at_load else QuantizeFromConfigConfig
-        config: QuantizeFromConfigConfig
 
         def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
             return quantize_linears(

@@ -243,22 +243,16 @@ def quantize_moe(
 
 
 @register("quantize_fp8_moe")
-class QuantizeFp8Moe(Transform):
+class QuantizeFp8Moe(Transform[QuantizeFromConfigConfig]):
     """FP8 checkpoints: ``torch_moe_fused`` -> ``torch_fp8_moe`` (per-expert tensors stacked at load)."""
-
-    config_class = QuantizeFromConfigConfig
-    config: QuantizeFromConfigConfig
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return quantize_moe(gm, ctx, self.key, "FP8", _FP8(), self.config.exclude_modules)
 
 
 @register("quantize_finegrained_fp8_moe")
-class QuantizeFinegrainedFp8Moe(Transform):
+class QuantizeFinegrainedFp8Moe(Transform[QuantizeFromConfigConfig]):
     """Fine-grained FP8 checkpoints: ``torch_moe_fused`` -> ``torch_finegrained_fp8_moe``."""
-
-    config_class = QuantizeFromConfigConfig
-    config: QuantizeFromConfigConfig
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         cfg = ctx.quant_config
@@ -267,23 +261,17 @@ class QuantizeFinegrainedFp8Moe(Transform):
 
 
 @register("quantize_nvfp4_moe")
-class QuantizeNvfp4Moe(Transform):
+class QuantizeNvfp4Moe(Transform[QuantizeFromConfigConfig]):
     """NVFP4 checkpoints: ``torch_moe_fused`` -> ``torch_nvfp4_moe`` (per-expert tensors stacked at load)."""
-
-    config_class = QuantizeFromConfigConfig
-    config: QuantizeFromConfigConfig
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return quantize_moe(gm, ctx, self.key, "NVFP4", _NVFP4(), self.config.exclude_modules)
 
 
 @register("quantize_mxfp4_moe")
-class QuantizeMxfp4Moe(Transform):
+class QuantizeMxfp4Moe(Transform[QuantizeFromConfigConfig]):
     """MXFP4 checkpoints (gpt-oss layout): ``torch_moe_fused`` -> ``torch_mxfp4_moe`` (weight-only);
     the stacked fp32 experts are dropped from the graph."""
-
-    config_class = QuantizeFromConfigConfig
-    config: QuantizeFromConfigConfig
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         reason = checkpoint_skip_reason(ctx, self.key, ("MXFP4",))

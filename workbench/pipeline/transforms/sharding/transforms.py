@@ -48,11 +48,9 @@ def _single_rank(gm):
 
 
 @register("detect_sharding")
-class DetectSharding(Transform):
+class DetectSharding(Transform[DetectShardingConfig]):
     """Plan tensor / expert parallelism for ``ctx.dist.world_size`` ranks (``ctx.sharding``)."""
 
-    config_class = DetectShardingConfig
-    config: DetectShardingConfig
     provides = (SHARDING_PLAN,)
 
     def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
@@ -81,11 +79,9 @@ class ShardingExecutorConfig(TransformConfig):
 
 
 @register("sharding_transform_executor")
-class ShardingTransformExecutor(Transform):
+class ShardingTransformExecutor(Transform[ShardingExecutorConfig]):
     """Apply ``ctx.sharding``: cut weights (bound at load), fix head counts, insert the collectives."""
 
-    config_class = ShardingExecutorConfig
-    config: ShardingExecutorConfig
     needs = (SHARDING_PLAN,)
 
     def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:

@@ -36,11 +36,8 @@ class LoadWeightsConfig(TransformConfig):
 
 
 @register("load_weights")
-class LoadWeights(Transform):
+class LoadWeights(Transform[LoadWeightsConfig]):
     """Bind the graph's meta tensors to the model's weights and place everything on the device."""
-
-    config_class = LoadWeightsConfig
-    config: LoadWeightsConfig
 
     def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         placement = place_weights(gm, ctx.weights, torch.device(ctx.device))
