@@ -319,6 +319,12 @@ _INT_POINTERS = {"cu_seqlens_ptr", "input_pos_ptr", "page_table_ptr", "tile_seq_
                  "tile_start_ptr", "token_seq_ptr"}
 
 
+# Tuple arguments: (scale, window, cap), and the strides of (q, out, k_cache, v_cache) with the
+# page table's row stride ((k, v, k_cache, v_cache, page table) for the write kernel).
+_STRIDES = (("i32",) * 3, ("i32",) * 3, ("i32",) * 4, ("i32",) * 4, "i32")
+_TUPLES = {"scalars": ("fp32", "i32", "fp32"), "strides": _STRIDES}
+
+
 def _aot_signature(kernel, dtype: str, constexprs: dict) -> dict:
     """Triton signature strings from the kernel's argument names (our naming convention)."""
     sig = {}
@@ -331,6 +337,8 @@ def _aot_signature(kernel, dtype: str, constexprs: dict) -> dict:
             sig[name] = "*fp32"
         elif name.endswith("_ptr"):
             sig[name] = f"*{dtype}"
+        elif name in _TUPLES:
+            sig[name] = _TUPLES[name]
         else:
             sig[name] = "fp32" if name in ("scale", "cap") else "i32"
     return sig

@@ -149,11 +149,7 @@ def cached_attention_forward(
         cu,
         input_pos,
         page_table,
-        *k3.stride(),
-        *v3.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        page_table.stride(0),
+        (k3.stride(), v3.stride(), k_cache.stride(), v_cache.stride(), page_table.stride(0)),
         NUM_KV_HEADS=hkv,
         HEAD_DIM=d,
         H_PAD=_next_pow2(hkv),
@@ -174,7 +170,7 @@ def cached_attention_forward(
         # (triton-lang/triton#11584: bf16 is unsupported there), so it gets fp32 products.
         FP32_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and dev.type != "cuda"),
     )
-    strides = (*q3.stride(), *o3.stride(), *k_cache.stride(), *v_cache.stride(), page_table.stride(0))
+    strides = (q3.stride(), o3.stride(), k_cache.stride(), v_cache.stride(), page_table.stride(0))
     sinks_arg = sinks if sinks is not None else q  # never read when HAS_SINKS is False
 
     if num_prefill:
@@ -200,8 +196,8 @@ def cached_attention_forward(
             tile_seq,
             tile_start,
             num_prefill,
-            *scalars,
-            *strides,
+            scalars,
+            strides,
             **flags,
             BLOCK_M=bm,
             BLOCK_N=cfg["prefill_n"],
@@ -231,8 +227,8 @@ def cached_attention_forward(
             input_pos,
             page_table,
             num_prefill,
-            *scalars,
-            *strides,
+            scalars,
+            strides,
             **flags,
             G_PAD=max(16, _next_pow2(hq // hkv)),
             BLOCK_N=bn,

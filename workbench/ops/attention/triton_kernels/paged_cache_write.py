@@ -19,21 +19,7 @@ def paged_cache_write_kernel(
     cu_seqlens_ptr,
     input_pos_ptr,
     page_table_ptr,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_vt,
-    stride_vh,
-    stride_vd,
-    stride_kcp,
-    stride_kcs,
-    stride_kch,
-    stride_kcd,
-    stride_vcp,
-    stride_vcs,
-    stride_vch,
-    stride_vcd,
-    stride_pt,
+    strides,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     H_PAD: tl.constexpr,
@@ -44,6 +30,7 @@ def paged_cache_write_kernel(
 
     token_seq [T]: sequence of each token; cu_seqlens [B+1]; input_pos [B]; page_table [B, P].
     """
+    k_strides, v_strides, kc_strides, vc_strides, stride_pt = strides
     t = tl.program_id(0)
     b = tl.load(token_seq_ptr + t)
     pos = tl.load(input_pos_ptr + b) + t - tl.load(cu_seqlens_ptr + b)
@@ -53,15 +40,19 @@ def paged_cache_write_kernel(
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, D_PAD)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    _copy_row(k_ptr, k_strides, k_cache_ptr, kc_strides, t, page, slot, offs_h, offs_d, mask)
+    _copy_row(v_ptr, v_strides, v_cache_ptr, vc_strides, t, page, slot, offs_h, offs_d, mask)
 
-    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
-    dst = k_cache_ptr + page * stride_kcp + slot * stride_kcs
-    tl.store(
-        dst + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd, k.to(k_cache_ptr.dtype.element_ty), mask=mask
+
+@triton.jit
+def _copy_row(src_ptr, src_strides, cache_ptr, cache_strides, t, page, slot, offs_h, offs_d, mask):
+    """Row t of src [T, Hkv, D] -> cache[page, slot] [Hkv, D], in the cache's dtype."""
+    x = tl.load(
+        src_ptr + t * src_strides[0] + offs_h[:, None] * src_strides[1] + offs_d[None, :] * src_strides[2], mask=mask
     )
-
-    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
-    dst = v_cache_ptr + page * stride_vcp + slot * stride_vcs
+    dst = cache_ptr + page * cache_strides[0] + slot * cache_strides[1]
     tl.store(
-        dst + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd, v.to(v_cache_ptr.dtype.element_ty), mask=mask
+        dst + offs_h[:, None] * cache_strides[2] + offs_d[None, :] * cache_strides[3],
+        x.to(cache_ptr.dtype.element_ty),
+        mask=mask,
     )

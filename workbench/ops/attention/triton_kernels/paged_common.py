@@ -24,6 +24,38 @@ def paged_row_offsets(page_table_row_ptr, pos, mask, stride_page, stride_slot, P
 
 
 @triton.jit
+def load_kv_block(
+    k_cache_ptr,
+    v_cache_ptr,
+    page_table_row_ptr,
+    start,
+    end,
+    kv_head,
+    offs_d,
+    d_ok,
+    kc_strides,
+    vc_strides,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The block of keys at logical positions start .. start + BLOCK_N - 1 (those below ``end``):
+    (positions [BLOCK_N], their mask, K and V rows [BLOCK_N, D_PAD] of ``kv_head`` in the caches'
+    dtype, 0 where masked); ``*_strides``: the caches' (page, slot, head, d) strides."""
+    pos = start + tl.arange(0, BLOCK_N)
+    mask = pos < end
+    kv_mask = mask[:, None] & d_ok[None, :]
+    rows = paged_row_offsets(page_table_row_ptr, pos, mask, kc_strides[0], kc_strides[1], PAGE_SIZE)
+    k = tl.load(
+        k_cache_ptr + rows[:, None] + kv_head * kc_strides[2] + offs_d[None, :] * kc_strides[3], mask=kv_mask, other=0.0
+    )
+    rows = paged_row_offsets(page_table_row_ptr, pos, mask, vc_strides[0], vc_strides[1], PAGE_SIZE)
+    v = tl.load(
+        v_cache_ptr + rows[:, None] + kv_head * vc_strides[2] + offs_d[None, :] * vc_strides[3], mask=kv_mask, other=0.0
+    )
+    return pos, mask, k, v
+
+
+@triton.jit
 def soft_cap(x, cap):
     """``cap * tanh(x / cap)`` with tanh(y) = 2*sigmoid(2y) - 1.
 

@@ -14,7 +14,7 @@ the output itself.
 import triton
 import triton.language as tl
 
-from .paged_common import attend_block, initial_state, paged_row_offsets
+from .paged_common import attend_block, initial_state, load_kv_block
 
 
 @triton.jit
@@ -30,24 +30,8 @@ def paged_decode_kernel(
     input_pos_ptr,
     page_table_ptr,
     num_prefill,
-    scale,
-    window,
-    cap,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    stride_kcp,
-    stride_kcs,
-    stride_kch,
-    stride_kcd,
-    stride_vcp,
-    stride_vcs,
-    stride_vch,
-    stride_vcd,
-    stride_pt,
+    scalars,
+    strides,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -66,6 +50,8 @@ def paged_decode_kernel(
     part_o [num_decode, Hq, NUM_SPLITS, D_PAD] fp32, part_lse [num_decode, Hq, NUM_SPLITS] fp32
     (contiguous; unused when NUM_SPLITS == 1).
     """
+    scale, window, cap = scalars
+    (stride_qt, stride_qh, stride_qd), (stride_ot, stride_oh, stride_od), kc_strides, vc_strides, stride_pt = strides
     j = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -104,16 +90,8 @@ def paged_decode_kernel(
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     pt_row = page_table_ptr + b * stride_pt
     for s0 in range(start, end, BLOCK_N):
-        offs_n = s0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < end
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        rows = paged_row_offsets(pt_row, offs_n, n_ok, stride_kcp, stride_kcs, PAGE_SIZE)
-        k = tl.load(
-            k_cache_ptr + rows[:, None] + kv_head * stride_kch + offs_d[None, :] * stride_kcd, mask=kv_mask, other=0.0
-        )
-        rows = paged_row_offsets(pt_row, offs_n, n_ok, stride_vcp, stride_vcs, PAGE_SIZE)
-        v = tl.load(
-            v_cache_ptr + rows[:, None] + kv_head * stride_vch + offs_d[None, :] * stride_vcd, mask=kv_mask, other=0.0
+        offs_n, n_ok, k, v = load_kv_block(
+            k_cache_ptr, v_cache_ptr, pt_row, s0, end, kv_head, offs_d, d_ok, kc_strides, vc_strides, PAGE_SIZE, BLOCK_N
         )
         # Causality and the window are already in [start, end): only the block tail is masked.
         visible = g_ok[:, None] & n_ok[None, :]

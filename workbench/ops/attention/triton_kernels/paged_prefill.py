@@ -10,7 +10,7 @@ no special case.
 import triton
 import triton.language as tl
 
-from .paged_common import attend_block, initial_state, paged_row_offsets
+from .paged_common import attend_block, initial_state, load_kv_block
 
 
 @triton.jit
@@ -26,24 +26,8 @@ def paged_prefill_kernel(
     tile_seq_ptr,
     tile_start_ptr,
     num_prefill,
-    scale,
-    window,
-    cap,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    stride_kcp,
-    stride_kcs,
-    stride_kch,
-    stride_kcd,
-    stride_vcp,
-    stride_vcs,
-    stride_vch,
-    stride_vcd,
-    stride_pt,
+    scalars,
+    strides,
     GROUP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -60,6 +44,8 @@ def paged_prefill_kernel(
     Row r of sequence b sits at logical position input_pos[b] + r and sees cached positions
     max(0, pos - window + 1) .. pos.
     """
+    scale, window, cap = scalars
+    (stride_qt, stride_qh, stride_qd), (stride_ot, stride_oh, stride_od), kc_strides, vc_strides, stride_pt = strides
     tile = tl.program_id(0)
     head = tl.program_id(1)
     b = tl.load(tile_seq_ptr + tile)
@@ -98,16 +84,19 @@ def paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     pt_row = page_table_ptr + b * stride_pt
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        rows = paged_row_offsets(pt_row, offs_n, n_ok, stride_kcp, stride_kcs, PAGE_SIZE)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            k_cache_ptr + rows[:, None] + kv_head * stride_kch + offs_d[None, :] * stride_kcd, mask=kv_mask, other=0.0
-        )
-        rows = paged_row_offsets(pt_row, offs_n, n_ok, stride_vcp, stride_vcs, PAGE_SIZE)
-        v = tl.load(
-            v_cache_ptr + rows[:, None] + kv_head * stride_vch + offs_d[None, :] * stride_vcd, mask=kv_mask, other=0.0
+        offs_n, n_ok, k, v = load_kv_block(
+            k_cache_ptr,
+            v_cache_ptr,
+            pt_row,
+            start,
+            hi,
+            kv_head,
+            offs_d,
+            d_ok,
+            kc_strides,
+            vc_strides,
+            PAGE_SIZE,
+            BLOCK_N,
         )
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         if HAS_WINDOW:
