@@ -135,9 +135,22 @@ def _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefi
             f"cache pages {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not hold k {tuple(k.shape)} / "
             f"v {tuple(v.shape)} tokens ([num_pages, page_size, Hkv, D] expected)"
         )
+    return check_paged_metadata(seq_lens, input_pos, page_table, num_prefill, ("q", q.shape[1]), k_cache.shape[1])
+
+
+def check_paged_metadata(
+    seq_lens: torch.Tensor,
+    input_pos: torch.Tensor,
+    page_table: torch.Tensor,
+    num_prefill: int,
+    tokens: Tuple[str, int],
+    page_size: int,
+) -> Tuple[List[int], List[int]]:
+    """The metadata checks of every paged cached op (attention, MLA): ``tokens`` is (name, T) of
+    the per-token input; returns (seq_lens, input_pos) as host lists."""
     lens = seq_lens.tolist()
-    if sum(lens) != q.shape[1]:
-        raise ValueError(f"seq_lens sum to {sum(lens)} tokens but q has {q.shape[1]}")
+    if sum(lens) != tokens[1]:
+        raise ValueError(f"seq_lens sum to {sum(lens)} tokens but {tokens[0]} has {tokens[1]}")
     if not 0 <= num_prefill <= len(lens) or any(n != 1 for n in lens[num_prefill:]):
         raise ValueError(f"num_prefill={num_prefill}: sequences after it must be decode steps (1 token), got {lens}")
     if input_pos.numel() != len(lens) or page_table.shape[0] < len(lens):
@@ -146,7 +159,6 @@ def _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefi
             f"page_table rows {page_table.shape[0]}"
         )
     past = input_pos.tolist()
-    page_size = k_cache.shape[1]
     need = max((-(-(p + n) // page_size) for p, n in zip(past, lens)), default=0)
     if need > page_table.shape[1]:
         raise ValueError(f"a sequence needs {need} pages but page_table has {page_table.shape[1]} columns")

@@ -35,7 +35,7 @@ from typing import List, Tuple
 
 import torch
 
-from ..attention.torch_cached_attention import token_layout
+from ..attention.torch_cached_attention import check_paged_metadata, token_layout
 from ..library import define_op
 from .torch_mla import mla_absorbed, mla_dims, mla_expanded, torch_mla_reference
 
@@ -57,21 +57,7 @@ def _check(
             f"mla_cache {tuple(mla_cache.shape)} does not hold latent + rope key rows: expected "
             f"[num_pages, page_size, {r} + {dr}]"
         )
-    lens = seq_lens.tolist()
-    if sum(lens) != t:
-        raise ValueError(f"seq_lens sum to {sum(lens)} tokens but q_nope has {t}")
-    if not 0 <= num_prefill <= len(lens) or any(x != 1 for x in lens[num_prefill:]):
-        raise ValueError(f"num_prefill={num_prefill}: sequences after it must be decode steps (1 token), got {lens}")
-    if input_pos.numel() != len(lens) or page_table.shape[0] < len(lens):
-        raise ValueError(
-            f"metadata sizes disagree: seq_lens {len(lens)}, input_pos {input_pos.numel()}, "
-            f"page_table rows {page_table.shape[0]}"
-        )
-    past = input_pos.tolist()
-    page_size = mla_cache.shape[1]
-    need = max((-(-(p + x) // page_size) for p, x in zip(past, lens)), default=0)
-    if need > page_table.shape[1]:
-        raise ValueError(f"a sequence needs {need} pages but page_table has {page_table.shape[1]} columns")
+    lens, past = check_paged_metadata(seq_lens, input_pos, page_table, num_prefill, ("q_nope", t), mla_cache.shape[1])
     return lens, past, dv
 
 
