@@ -196,6 +196,12 @@ def remove_noop_slices(gm: fx.GraphModule) -> int:
     return len(nodes)
 
 
+def call_nodes(gm: fx.GraphModule, *targets: Any) -> List[fx.Node]:
+    """The ``call_function`` nodes of ``gm`` calling one of ``targets``, in graph order (a list, so
+    a caller may rewrite the graph while it walks them)."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
+
+
 def op_name(node: fx.Node) -> str:
     """Readable op name: ``aten.linear.default``, ``workbench.torch_rmsnorm``, ``getitem``..."""
     if node.op in ("call_function", "call_method"):

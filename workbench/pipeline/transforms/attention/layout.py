@@ -22,7 +22,7 @@ from pydantic import Field, field_validator
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...context import PipelineContext
-from ...graph.utils import tensor_meta
+from ...graph.utils import call_nodes, tensor_meta
 from ...interface import Transform, TransformConfig, TransformInfo, register
 from ...matcher import annotate_new_nodes, match_info, named_args, same_shape
 
@@ -58,9 +58,7 @@ class MatchAttentionLayout(Transform[MatchAttentionLayoutConfig]):
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         target = self.config.attn_layout
         graph, n = gm.graph, 0
-        for node in list(graph.nodes):
-            if node.op != "call_function" or node.target is not wb.torch_attention.default:
-                continue
+        for node in call_nodes(gm, wb.torch_attention.default):
             args = dict(named_args(node))
             if args["layout"] == target:
                 continue
@@ -105,9 +103,7 @@ class MatchRopeLayout(Transform[MatchRopeLayoutConfig]):
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         target = self.config.expected_layout
         graph, n = gm.graph, 0
-        for node in list(graph.nodes):
-            if node.op != "call_function" or node.target not in _ROPE_OPS:
-                continue
+        for node in call_nodes(gm, *_ROPE_OPS):
             n_tensors = _ROPE_OPS[node.target]
             args = named_args(node)
             dim = args[n_tensors][1]

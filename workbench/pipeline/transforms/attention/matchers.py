@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...context import PipelineContext
-from ...graph.utils import tensor_meta
+from ...graph.utils import call_nodes, tensor_meta
 from ...interface import Transform, TransformInfo, register
 from ...matcher import Match, Pattern, PatternMatcher, match_info, named_args, same_shape, same_size
 from .masks import MaskKind, attention_mask_arguments, classify_mask
@@ -109,6 +109,17 @@ class MatchRepeatKV(Transform):
 # ------------------------------------------------------------------------------ eager attention
 
 
+def _masked_softmax_times_v(w, q, v, mask, with_dropout: bool):
+    """The end of HF's eager attention after the logits ``w``: the mask added, softmax in fp32 cast
+    back to q's dtype, dropout (inference: p=0 / training=False), times v."""
+    if mask:
+        w = w + mask[0]
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    if with_dropout:
+        w = F.dropout(w, p=0.0, training=False)
+    return torch.matmul(w, v)
+
+
 def _eager_attention(scale_op: str, with_mask: bool, with_dropout: bool) -> Pattern:
     """HF ``eager_attention_forward`` (after repeat_kv): softmax in fp32, cast back, dropout
     (inference: p=0 / training=False; other models skip it)."""
@@ -116,12 +127,7 @@ def _eager_attention(scale_op: str, with_mask: bool, with_dropout: bool) -> Patt
     def search(q, k, v, *mask, scale):
         w = torch.matmul(q, k.transpose(2, 3))
         w = w * scale if scale_op == "mul" else w / scale
-        if mask:
-            w = w + mask[0]
-        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-        if with_dropout:
-            w = F.dropout(w, p=0.0, training=False)
-        return torch.matmul(w, v)
+        return _masked_softmax_times_v(w, q, v, mask, with_dropout)
 
     def replacement(q, k, v, *mask, scale):
         s = scale if scale_op == "mul" else 1.0 / scale
@@ -135,19 +141,41 @@ def _eager_attention(scale_op: str, with_mask: bool, with_dropout: bool) -> Patt
             return None
         return {}
 
+    return _eager_pattern(
+        f"eager_attention_{scale_op}{_suffix(with_mask, with_dropout)}",
+        search,
+        replacement,
+        check,
+        with_mask,
+        literals={"scale": _SCALE},
+        ignore=((aten.to.dtype, "dtype"),),
+    )
+
+
+def _suffix(with_mask: bool, with_dropout: bool) -> str:
+    return f"{'_mask' if with_mask else ''}{'_dropout' if with_dropout else ''}"
+
+
+def _eager_pattern(
+    name: str, search, replacement, check, with_mask: bool, *, literals, ignore, with_sinks: bool = False
+) -> Pattern:
+    """The ``Pattern`` of one eager-attention form: inputs q, k, v (examples [1, 2, 4, 8]), then
+    ``sinks`` ([2]) when ``with_sinks``, then ``attn_mask`` ([1, 1, 4, 4]) when ``with_mask``."""
+    sinks, mask = ("sinks",) if with_sinks else (), ("attn_mask",) if with_mask else ()
+
     def examples():
         t = tuple(torch.randn(1, 2, 4, 8) for _ in range(3))
-        return (*t, torch.zeros(1, 1, 4, 4)) if with_mask else t
+        return (*t, *(torch.randn(2) for _ in sinks), *(torch.zeros(1, 1, 4, 4) for _ in mask))
 
     return Pattern(
-        f"eager_attention_{scale_op}{'_mask' if with_mask else ''}{'_dropout' if with_dropout else ''}",
+        name,
         search,
         replacement,
         examples,
-        literals={"scale": _SCALE},
-        ignore=((aten.to.dtype, "dtype"),),
+        literals=literals,
+        ignore=ignore,
         check=check,
-        inputs=("q", "k", "v", "attn_mask") if with_mask else ("q", "k", "v"),
+        inputs=("q", "k", "v", *sinks, *mask),
     )
 
 
@@ -184,12 +212,7 @@ def _softcapped_eager_attention(with_mask: bool, with_dropout: bool) -> Pattern:
     def search(q, k, v, *mask, scale, cap):
         w = torch.matmul(q, k.transpose(2, 3)) * scale
         w = torch.tanh(w / cap) * cap
-        if mask:
-            w = w + mask[0]
-        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-        if with_dropout:
-            w = F.dropout(w, p=0.0, training=False)
-        return torch.matmul(w, v)
+        return _masked_softmax_times_v(w, q, v, mask, with_dropout)
 
     def replacement(q, k, v, *mask, cap, **flags):
         return _variant_replacement(q, k, v, mask, logit_cap=float(cap), **flags)
@@ -201,19 +224,14 @@ def _softcapped_eager_attention(with_mask: bool, with_dropout: bool) -> Pattern:
             return None
         return _variant_masking(m, with_mask)
 
-    def examples():
-        t = tuple(torch.randn(1, 2, 4, 8) for _ in range(3))
-        return (*t, torch.zeros(1, 1, 4, 4)) if with_mask else t
-
-    return Pattern(
-        f"softcapped_eager_attention{'_mask' if with_mask else ''}{'_dropout' if with_dropout else ''}",
+    return _eager_pattern(
+        f"softcapped_eager_attention{_suffix(with_mask, with_dropout)}",
         search,
         replacement,
-        examples,
+        check,
+        with_mask,
         literals={"scale": _SCALE, "cap": _CAP},
         ignore=((aten.to.dtype, "dtype"),),
-        check=check,
-        inputs=("q", "k", "v", "attn_mask") if with_mask else ("q", "k", "v"),
     )
 
 
@@ -257,20 +275,15 @@ def _sink_eager_attention(with_mask: bool, with_dropout: bool, with_cast: bool) 
             return None
         return _variant_masking(m, with_mask)
 
-    def examples():
-        t = tuple(torch.randn(1, 2, 4, 8) for _ in range(3))
-        return (*t, torch.randn(2), *((torch.zeros(1, 1, 4, 4),) if with_mask else ()))
-
-    return Pattern(
-        f"sink_eager_attention{'_mask' if with_mask else ''}{'_dropout' if with_dropout else ''}"
-        f"{'_cast' if with_cast else ''}",
+    return _eager_pattern(
+        f"sink_eager_attention{_suffix(with_mask, with_dropout)}{'_cast' if with_cast else ''}",
         search,
         replacement,
-        examples,
+        check,
+        with_mask,
         literals={"scale": _SCALE},
         ignore=((aten.expand.default, "size"), (aten.softmax.int, "dtype"), (aten.to.dtype, "dtype")),
-        check=check,
-        inputs=("q", "k", "v", "sinks", "attn_mask") if with_mask else ("q", "k", "v", "sinks"),
+        with_sinks=True,
     )
 
 
@@ -386,9 +399,7 @@ class MatchGroupedAttention(Transform):
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         n = 0
-        for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target is not wb.torch_attention.default:
-                continue
+        for node in call_nodes(gm, wb.torch_attention.default):
             args = dict(named_args(node))
             if args["layout"] != "bnsd":
                 continue

@@ -33,7 +33,7 @@ import torch.fx as fx
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ....runtime.interface import PAGED, CacheSpec
 from ...context import CACHE_SPECS, PipelineContext
-from ...graph.utils import require_tensor_meta
+from ...graph.utils import call_nodes, require_tensor_meta
 from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes, named_args
 from .attention_backend import InsertCachedAttentionConfig, LayerShape, resolve_backend
@@ -46,8 +46,7 @@ aten = torch.ops.aten
 
 
 def _attention_nodes(gm: fx.GraphModule) -> List[fx.Node]:
-    target = torch.ops.workbench.torch_attention.default
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+    return call_nodes(gm, torch.ops.workbench.torch_attention.default)
 
 
 def _unsupported(args: Dict[str, Any]) -> Optional[str]:

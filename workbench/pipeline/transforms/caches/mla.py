@@ -34,7 +34,7 @@ from ....ops import mla as _mla_ops  # noqa: F401  (torch_mla / torch_cached_mla
 from ....ops.mla.torch_mla import default_scale
 from ....runtime.interface import PAGED, CacheSpec
 from ...context import CACHE_SPECS, PipelineContext
-from ...graph.utils import require_tensor_meta
+from ...graph.utils import call_nodes, require_tensor_meta
 from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes, named_args
 from .attention_backend import InsertCachedAttentionConfig
@@ -47,8 +47,7 @@ MLA_BACKENDS = {"torch": "torch_cached_mla"}
 
 
 def mla_nodes(gm: fx.GraphModule) -> List[fx.Node]:
-    target = torch.ops.workbench.torch_mla.default
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+    return call_nodes(gm, torch.ops.workbench.torch_mla.default)
 
 
 def mla_shape(node: fx.Node) -> Dict[str, int]:

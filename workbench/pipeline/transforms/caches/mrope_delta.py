@@ -35,6 +35,7 @@ import torch.fx as fx
 from ....ops.rope import torch_mrope  # noqa: F401  (registers the mRoPE ops)
 from ....runtime.interface import SLOT, CacheSpec
 from ...context import CACHE_SPECS, PipelineContext
+from ...graph.utils import call_nodes
 from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes
 from .inputs import cache_input, find_input, metadata_inputs, slot_input
@@ -44,8 +45,7 @@ DELTA_SPEC = CacheSpec(MROPE_DELTA_CACHE, SLOT, (1,), torch.int64)
 
 
 def mrope_table_nodes(gm: fx.GraphModule) -> List[fx.Node]:
-    target = torch.ops.workbench.torch_mrope_cos_sin.default
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+    return call_nodes(gm, torch.ops.workbench.torch_mrope_cos_sin.default)
 
 
 def _offset(node: fx.Node) -> bool:

@@ -23,7 +23,7 @@ canonical and is listed in ``details['left']`` with the reason.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Literal, Optional, Tuple, TypeVar, Union
 
 import torch
 import torch.fx as fx
@@ -33,17 +33,13 @@ from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ....ops.backends import choose_fusion_backend
 from ....ops.flashinfer_support import FLASHINFER_DTYPES
 from ...context import PipelineContext
-from ...graph.utils import tensor_meta
+from ...graph.utils import call_nodes, tensor_meta
 from ...graph.weights import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights
 from ...interface import Transform, TransformConfig, TransformInfo, register, rewrite_info
 from ...matcher import annotate_new_nodes, erase_dead, named_args
 
 wb = torch.ops.workbench
 aten = torch.ops.aten
-
-
-def _nodes(gm: fx.GraphModule, target: Callable) -> List[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
 
 
 def swap_node(
@@ -101,7 +97,7 @@ class _SwapCanonicalOp(Transform[_SwapConfigT]):
         swap_node(gm, node, op, tuple(node.args), dict(node.kwargs))
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        nodes = _nodes(gm, self.canonical)
+        nodes = call_nodes(gm, self.canonical)
         if not nodes:
             return rewrite_info(gm, 0, {"note": self.missing_note})
         choice = choose_fusion_backend(self.family, self.config.backend, ctx.device, f"{self.key}.backend")
@@ -288,7 +284,7 @@ class FuseSwiGLU(Transform[FuseSwiGLUConfig]):
     GEMM already fused by ``fuse_gemms`` (quantized linears: ``split -> silu * mul``) -> the SiLU-and-mul."""
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        nodes = _nodes(gm, wb.torch_swiglu_mlp.default)
+        nodes = call_nodes(gm, wb.torch_swiglu_mlp.default)
         if not nodes and not any(n.op == "call_function" and split_silu_mul(n) is not None for n in gm.graph.nodes):
             return rewrite_info(
                 gm,

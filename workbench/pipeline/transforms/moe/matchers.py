@@ -29,7 +29,7 @@ from pydantic import Field
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...context import PipelineContext
-from ...graph.utils import tensor_meta
+from ...graph.utils import call_nodes, tensor_meta
 from ...interface import Transform, TransformConfig, TransformInfo, register
 from ...matcher import Match, Pattern, PatternMatcher, annotate_new_nodes, match_info, named_args, same_shape
 from ...weights import record_weight_view
@@ -350,9 +350,7 @@ class SplitMoeFusedForSharding(Transform):
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         n = 0
-        for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target is not wb.torch_moe_fused.default:
-                continue
+        for node in call_nodes(gm, wb.torch_moe_fused.default):
             args = dict(named_args(node))
             w13, w2 = _get_param(gm, args["w1_w3_stacked"]), _get_param(gm, args["w2_stacked"])
             if w13 is None or w2 is None:

@@ -35,6 +35,7 @@ import torch.fx as fx
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ....ops.quant import codecs
 from ...context import PipelineContext
+from ...graph.utils import call_nodes
 from ...graph.weights import fetch_attr
 from ...interface import Transform, TransformInfo, register, rewrite_info
 from ...matcher import named_args
@@ -111,7 +112,7 @@ def mxfp4_blocks_for_op(blocks: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ the rewrite
 def _moe_nodes(gm: fx.GraphModule):
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is wb.torch_moe_fused.default]
+    return call_nodes(gm, wb.torch_moe_fused.default)
 
 
 def _names(per_expert, suffix: str) -> List[str]:
