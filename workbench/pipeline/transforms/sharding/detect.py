@@ -23,7 +23,7 @@ from __future__ import annotations
 import operator
 import re
 from fractions import Fraction
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -155,6 +155,33 @@ class Detector:
             n = features(node)[1]
             tensors.append(TensorCut(rule.bias_index, bias.target, 0, ((0, n),), zero=self.rank != 0))
         return NodeCut(node.name, "row", tuple(tensors))
+
+    def _split(
+        self,
+        kind: str,
+        layer: Optional[int],
+        nodes: Sequence[fx.Node],
+        how: str,
+        per_rank: Tuple[str, ...],
+        cuts: Sequence[NodeCut],
+        collective: Tuple[str, str],
+        **more: Any,
+    ) -> Region:
+        """The region of ``nodes`` split by ``cuts``, its bytes (whole, this rank's) counted from them."""
+        whole, local = self.bytes_of(cuts, nodes)
+        return Region(
+            kind,
+            layer,
+            tuple(n.name for n in nodes),
+            True,
+            how,
+            per_rank,
+            tuple(cuts),
+            collective=collective,
+            global_bytes=whole,
+            local_bytes=local,
+            **more,
+        )
 
     def bytes_of(self, cuts: Sequence[NodeCut], whole_nodes: Sequence[fx.Node]) -> Tuple[int, int]:
         """(whole, local) bytes of the get_attr tensors the cut nodes read."""
@@ -325,25 +352,12 @@ class Detector:
         fixes += self._fix_heads(out_path, heads * v_dim, (h1 - h0) * v_dim, last=True)
         nodes += [*lins.values(), *paths["q"], *paths["k"], *paths["v"], *out_path, o_lin]
         self._check_private(nodes, allowed_outside={o_lin})
-        layer = _layer_of(nodes)
-        whole, local = self.bytes_of(cuts, nodes)
         per_rank = tuple(f"q heads {fmt_range(q_)}, kv heads {fmt_range(k_)}" for q_, k_ in ranges)
         how = f"{heads} query / {kv_heads} KV heads by head: q/k/v column, o row + all_reduce" + (
             " (KV heads copied)" if kv_heads < self.W else ""
         )
-        return Region(
-            "mha",
-            layer,
-            tuple(n.name for n in nodes),
-            True,
-            how,
-            per_rank,
-            tuple(cuts),
-            tuple(fixes),
-            (o_lin.name, "all_reduce"),
-            global_bytes=whole,
-            local_bytes=local,
-        )
+        collective = (o_lin.name, "all_reduce")
+        return self._split("mha", _layer_of(nodes), nodes, how, per_rank, cuts, collective, shape_fixes=tuple(fixes))
 
     @staticmethod
     def _fix_heads(path: Sequence[fx.Node], whole: int, local: int, last: bool) -> List[Tuple[str, int, int]]:
@@ -432,19 +446,9 @@ class Detector:
                 f"vocab {vocab} is not a multiple of the {self.W} ranks (the logits all-gather takes equal blocks)"
             )
         cut = self.column(cur, linear_op(cur), [ranges[self.rank]], kind="vocab")
-        whole, local = self.bytes_of([cut], [cur])
-        return Region(
-            "lm_head",
-            None,
-            (cur.name,),
-            True,
-            f"vocab {vocab} by rows + all_gather of the logits",
-            tuple(f"vocab {fmt_range(r)}" for r in ranges),
-            (cut,),
-            collective=(cur.name, "all_gather"),
-            global_bytes=whole,
-            local_bytes=local,
-        )
+        how = f"vocab {vocab} by rows + all_gather of the logits"
+        per_rank = tuple(f"vocab {fmt_range(r)}" for r in ranges)
+        return self._split("lm_head", None, [cur], how, per_rank, [cut], (cur.name, "all_gather"))
 
     # ------------------------------------------------------------------ MLP
     def mlp(self, closing: fx.Node) -> Optional[Region]:
@@ -495,19 +499,9 @@ class Detector:
         ]
         nodes = [*openings, *inside, closing]
         self._check_private(nodes, allowed_outside={closing})
-        whole, local = self.bytes_of(cuts, nodes)
-        return Region(
-            "mlp",
-            _layer_of(nodes),
-            tuple(n.name for n in nodes),
-            True,
-            f"intermediate {inter}: {len(openings)} column, 1 row + all_reduce",
-            tuple(f"features {fmt_range(r)}" for r in ranges),
-            tuple(cuts),
-            collective=(closing.name, "all_reduce"),
-            global_bytes=whole,
-            local_bytes=local,
-        )
+        how = f"intermediate {inter}: {len(openings)} column, 1 row + all_reduce"
+        per_rank = tuple(f"features {fmt_range(r)}" for r in ranges)
+        return self._split("mlp", _layer_of(nodes), nodes, how, per_rank, cuts, (closing.name, "all_reduce"))
 
     def swiglu(self, node: fx.Node) -> Region:
         gate, up, down = node.args[1:4]
@@ -531,19 +525,9 @@ class Detector:
                 TensorCut(3, down.target, 1, (rows,)),
             ),
         )
-        whole, local = self.bytes_of([cut], [node])
-        return Region(
-            "mlp",
-            _layer_of([node]),
-            (node.name,),
-            True,
-            f"swiglu intermediate {inter}: gate/up column, down row + all_reduce",
-            tuple(f"features {fmt_range(r)}" for r in ranges),
-            (cut,),
-            collective=(node.name, "all_reduce"),
-            global_bytes=whole,
-            local_bytes=local,
-        )
+        how = f"swiglu intermediate {inter}: gate/up column, down row + all_reduce"
+        per_rank = tuple(f"features {fmt_range(r)}" for r in ranges)
+        return self._split("mlp", _layer_of([node]), [node], how, per_rank, [cut], (node.name, "all_reduce"))
 
     # ------------------------------------------------------------------ driver
     def _add(self, kind: str, anchor: fx.Node, build) -> None:
