@@ -35,6 +35,12 @@ def interpreter_numpy_clash() -> str:
     return ""
 
 
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dim is contiguous (what the kernels index with stride 1), else a
+    contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def require_triton(device: torch.device, op_name: str, use_torch_instead: str) -> None:
     """Raise where a Triton op cannot run on ``device``, naming how to select the torch backend
     (``use_torch_instead``, e.g. ``"insert_cached_ssm_attention.backend=torch"``): an op called

@@ -25,11 +25,9 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-import torch
-
 from ..library import define_op
 from ..state import TRITON_STATE_HOST_SYNC, check_decode_only_metadata
-from ..triton_support import require_triton
+from ..triton_support import last_dim_contiguous, require_triton
 from ..triton_support import triton_available as is_available
 from .delta_rule_math import L2NORM_EPS, check_delta_rule_args
 from .torch_cached_delta_rule import (
@@ -123,10 +121,6 @@ def kernel():
     return delta_rule_decode_kernel
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def decode_rows_triton(
     q,
     k,
@@ -153,7 +147,7 @@ def decode_rows_triton(
         raise ValueError("the delta-rule state must be contiguous in its last (dv) dim: the kernel updates it in place")
     hk, dk = q.shape[2], q.shape[3]
     h, dv = v.shape[2], v.shape[3]
-    q, k, v = (_last_dim_contiguous(x[0]) for x in (q, k, v))  # [T, heads, d]
+    q, k, v = (last_dim_contiguous(x[0]) for x in (q, k, v))  # [T, heads, d]
     gs, bs = (None if x is None else x[0] for x in (g, beta))  # [T, h]
     assert bs is not None  # beta is required (g is optional)
     o = out[0]

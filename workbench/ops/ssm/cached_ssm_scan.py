@@ -142,42 +142,12 @@ def torch_cached_ssm(
     )
     slots = slot_idx.long()
     out = torch.empty_like(hidden_states)
+    scan = (hidden_states, A, B, C, D, dt, dt_bias)  # what prefill_rows and decode_rows read first
     start = prefill_rows(
-        hidden_states,
-        A,
-        B,
-        C,
-        D,
-        dt,
-        dt_bias,
-        lens,
-        input_pos,
-        slots,
-        num_prefill,
-        ssm_state,
-        time_step_min,
-        time_step_max,
-        chunk_size,
-        out,
+        *scan, lens, input_pos, slots, num_prefill, ssm_state, time_step_min, time_step_max, chunk_size, out
     )
     if num_prefill < len(lens):
-        decode_rows(
-            hidden_states,
-            A,
-            B,
-            C,
-            D,
-            dt,
-            dt_bias,
-            input_pos,
-            slots,
-            ssm_state,
-            time_step_min,
-            time_step_max,
-            out,
-            num_prefill,
-            start,
-        )
+        decode_rows(*scan, input_pos, slots, ssm_state, time_step_min, time_step_max, out, num_prefill, start)
     return out
 
 

@@ -30,7 +30,7 @@ import torch
 
 from ..library import define_op
 from ..state import TRITON_STATE_HOST_SYNC, check_decode_only_metadata
-from ..triton_support import require_triton
+from ..triton_support import last_dim_contiguous, require_triton
 from ..triton_support import triton_available as is_available
 from .cached_ssm_scan import CACHED_SSM_ARGS, cached_ssm_fake, check_cached_ssm_args, check_ssm_state, prefill_rows
 from .ssm_scan import check_ssm_args
@@ -120,10 +120,6 @@ def kernel():
     return ssm_decode_kernel
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def decode_rows_triton(
     hidden_states,
     A,
@@ -152,7 +148,7 @@ def decode_rows_triton(
     g, n = B.shape[2], B.shape[3]
     if ssm_state.stride(-1) != 1:
         raise ValueError("ssm_state must be contiguous in its state dim (a real [num_slots, h, d, n] tensor)")
-    x, bs, cs, dts, os_ = (_last_dim_contiguous(t[0]) for t in (hidden_states, B, C, dt, out))
+    x, bs, cs, dts, os_ = (last_dim_contiguous(t[0]) for t in (hidden_states, B, C, dt, out))
     if os_.data_ptr() != out[0].data_ptr():
         raise ValueError("out must be contiguous in its last dim")
     block_n = triton.next_power_of_2(n)
