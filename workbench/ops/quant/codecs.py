@@ -207,15 +207,28 @@ def nvfp4_dequantize(
     packed: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor, block: int = 16
 ) -> torch.Tensor:
     """Inverse of ``nvfp4_quantize``: fp32 [..., K] = e2m1 * block_scale * global_scale."""
+    return _fp4_dequantize(
+        "nvfp4_dequantize",
+        packed,
+        (block_scales, "block_scales"),
+        block,
+        lambda s: s.float() * global_scale.float().reshape(()),
+    )
+
+
+def _fp4_dequantize(
+    what: str, packed: torch.Tensor, scales: Tuple[torch.Tensor, str], block: int, step
+) -> torch.Tensor:
+    """fp32 [..., K]: the e2m1 values of ``packed`` times ``step(scales)`` [..., K/block], one per
+    block of ``block`` along the last dim; ``scales`` is (tensor, its name in the error)."""
     values = e2m1_decode(unpack_fp4(packed))
     want = (*values.shape[:-1], values.shape[-1] // block)
-    if values.shape[-1] % block or tuple(block_scales.shape) != want:
+    if values.shape[-1] % block or tuple(scales[0].shape) != want:
         raise ValueError(
-            f"nvfp4_dequantize: packed {tuple(packed.shape)} (K = {values.shape[-1]}) with block "
-            f"{block} needs block_scales of shape {want}, got {tuple(block_scales.shape)}"
+            f"{what}: packed {tuple(packed.shape)} (K = {values.shape[-1]}) with block "
+            f"{block} needs {scales[1]} of shape {want}, got {tuple(scales[0].shape)}"
         )
-    step = block_scales.float() * global_scale.float().reshape(())
-    return (values.reshape(*want, block) * step[..., None]).reshape(values.shape)
+    return (values.reshape(*want, block) * step(scales[0])[..., None]).reshape(values.shape)
 
 
 # ------------------------------------------------------------------------------------ E8M0 / MXFP4
@@ -251,14 +264,7 @@ def mxfp4_quantize(w: torch.Tensor, block: int = 32) -> Tuple[torch.Tensor, torc
 
 def mxfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Inverse of ``mxfp4_quantize``: fp32 [..., K] = e2m1 * 2^(scale - 127)."""
-    values = e2m1_decode(unpack_fp4(packed))
-    want = (*values.shape[:-1], values.shape[-1] // block)
-    if values.shape[-1] % block or tuple(scales.shape) != want:
-        raise ValueError(
-            f"mxfp4_dequantize: packed {tuple(packed.shape)} (K = {values.shape[-1]}) with block "
-            f"{block} needs scales of shape {want}, got {tuple(scales.shape)}"
-        )
-    return (values.reshape(*want, block) * e8m0_decode(scales)[..., None]).reshape(values.shape)
+    return _fp4_dequantize("mxfp4_dequantize", packed, (scales, "scales"), block, e8m0_decode)
 
 
 # ------------------------------------------------------------------------------------ GPTQ storage
