@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...context import PipelineContext
+from ...graph.utils import call_nodes
 from ...interface import Transform, TransformInfo, register, rewrite_info
 from .graph import (
     GraphTensors,
@@ -55,9 +56,7 @@ class QuantizeFp8BmmFromConfig(Transform[QuantizeFromConfigConfig]):
         cfg = ck.config.with_excluded(*self.config.exclude_modules)
         t = GraphTensors(gm, ck.tensors)
         done, left = [], []
-        for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target is not aten.bmm.default:
-                continue
+        for node in call_nodes(gm, aten.bmm.default):
             weight = get_attr_target(node.args[1])
             if weight is None:
                 continue

@@ -27,6 +27,7 @@ import torch.fx as fx
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ....ops.quant import codecs
 from ...context import PipelineContext
+from ...graph.utils import call_nodes
 from ...graph.weights import fetch_attr, linear_bias
 from ...interface import Transform, TransformInfo, register, rewrite_info
 from .graph import GraphTensors, drop_unread_attrs, get_attr_target, nothing_to_do, replace_node
@@ -88,9 +89,7 @@ def _fold(gm: fx.GraphModule, ctx, key: str, fake_op: Any, fold, fmt: str) -> Tu
     done: List[str] = []
     left: List[str] = []
     amaxes: List[str] = []
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.linear.default:
-            continue
+    for node in call_nodes(gm, aten.linear.default):
         x, w = _fake_quant(node.args[0], fake_op), _fake_quant(node.args[1], fake_op)
         if x is None or w is None:
             continue

@@ -48,6 +48,7 @@ from ....ops.quant.codecs import gptq_default_g_idx
 from ....ops.quant.int4 import RUN, pack_int4
 from ....quantization.checkpoint_config import module_matches
 from ...context import PipelineContext
+from ...graph.utils import call_nodes
 from ...graph.weights import linear_bias
 from ...interface import Transform, TransformInfo, register, rewrite_info
 from .graph import (
@@ -298,9 +299,7 @@ def quantize_linears(
     at_load: List[str] = []
     left: Dict[str, List[str]] = {"excluded": [], "not_quantized_in_checkpoint": [], "tied": [], "unsupported": []}
     dropped: List[str] = []
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.linear.default:
-            continue
+    for node in call_nodes(gm, aten.linear.default):
         weight = get_attr_target(node.args[1])
         if weight is None or not weight.endswith(".weight"):
             continue
