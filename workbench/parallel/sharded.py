@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Type, Union
 
 from ..answer import answer, backends_line
+from ..pipeline.snapshot import snapshot_of, transform_index
 from ..runtime.generate import DEFAULT_PROMPT
 from .group import DEFAULT_DIST_TIMEOUT_S, FileRendezvous, GroupSpec, backend_for, check_devices, threads_per_rank
 from .launcher import RankError, RankGroup, mp_context
@@ -204,16 +205,10 @@ class ShardedWorkbench:
         return self.position >= len(self.keys)
 
     def index(self, key: str) -> int:
-        try:
-            return self.keys.index(key)
-        except ValueError:
-            raise KeyError(f"'{key}' is not in this pipeline; its transforms are: {', '.join(self.keys)}") from None
+        return transform_index(self.keys, key)
 
     def snapshot(self, key: str) -> ShardedSnapshot:
-        i = self.index(key)
-        if i >= len(self._snapshots):
-            raise KeyError(f"'{key}' has not run yet (pipeline position {self.position})")
-        return self._snapshots[i]
+        return snapshot_of(self.keys, self._snapshots, key)
 
     def table(self):
         """The per-transform table (pandas): rank 0's usual columns plus ``nodes_r<r>``,

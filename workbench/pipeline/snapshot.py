@@ -8,7 +8,7 @@ of the graph structure only (no weights are copied).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, List, Optional
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, TypeVar
 
 import torch
 
@@ -20,6 +20,25 @@ from .numerics import Numerics
 
 PROVENANCE_KEY = "wb_created_by"  # node.meta: key of the transform that created the node
 REPLACES_KEY = "wb_replaces"  # node.meta: names of the nodes a transform replaced with this one
+
+
+_S = TypeVar("_S")
+
+
+def transform_index(keys: Sequence[str], key: str) -> int:
+    """Where transform ``key`` stands in a pipeline of ``keys`` (KeyError naming them if absent)."""
+    try:
+        return list(keys).index(key)
+    except ValueError:
+        raise KeyError(f"'{key}' is not in this pipeline; its transforms are: {', '.join(keys)}") from None
+
+
+def snapshot_of(keys: Sequence[str], snapshots: Sequence[_S], key: str) -> _S:
+    """The snapshot of transform ``key``, given the snapshots of the transforms run so far."""
+    i = transform_index(keys, key)
+    if i >= len(snapshots):
+        raise KeyError(f"'{key}' has not run yet (pipeline position {len(snapshots)})")
+    return snapshots[i]
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from .graph.utils import graph_modules, num_nodes, op_histogram
 from .interface import TRANSFORMS, GraphState, Stages, TransformError, TransformRegistry, check_order
 from .memory import EXPECTED_MEM_CHANGE, measure, unexpected_change
 from .numerics import Numerics, compare_logits, exceeds
-from .snapshot import PROVENANCE_KEY, Snapshot
+from .snapshot import PROVENANCE_KEY, Snapshot, snapshot_of, transform_index
 from .weights import WeightSource, run_unloaded, unloaded_targets
 
 logger = logging.getLogger("workbench.pipeline")
@@ -119,16 +119,10 @@ class PipelineStepper:
         return self._live
 
     def index(self, key: str) -> int:
-        try:
-            return self.keys.index(key)
-        except ValueError:
-            raise KeyError(f"'{key}' is not in this pipeline; its transforms are: {', '.join(self.keys)}") from None
+        return transform_index(self.keys, key)
 
     def snapshot(self, key: str) -> Snapshot:
-        i = self.index(key)
-        if i >= len(self.snapshots):
-            raise KeyError(f"'{key}' has not run yet (pipeline position {self.position})")
-        return self.snapshots[i]
+        return snapshot_of(self.keys, self.snapshots, key)
 
     def status(self, key: str) -> str:
         """pending / done / skipped / failed for one transform."""
