@@ -50,6 +50,8 @@ def passthrough(xs: Tuple[torch.Tensor, ...]) -> Any:
 
 
 class _Marker(torch.nn.Module):
+    """A graph node that switches streams on CUDA (``on_cuda``) and passes its inputs through."""
+
     def __init__(self, site: AuxSite) -> None:
         super().__init__()
         self.site = site
@@ -57,51 +59,48 @@ class _Marker(torch.nn.Module):
     def extra_repr(self) -> str:
         return self.site.name
 
+    @torch.compiler.disable
+    def forward(self, *ys: torch.Tensor) -> Any:
+        if ys[0].is_cuda:
+            self.on_cuda(ys, ys[0].device)
+        return passthrough(ys)
+
+    def on_cuda(self, ys: Tuple[torch.Tensor, ...], device: torch.device) -> None:
+        raise NotImplementedError
+
 
 class AuxFork(_Marker):
     """Main records an event, the aux stream waits on it and becomes the current stream."""
 
-    @torch.compiler.disable
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.is_cuda:
-            return x
-        fork, _ = self.site.events(x.device)
-        aux = self.site.streams.aux(x.device)
-        self.site.main = torch.cuda.current_stream(x.device)
+    def on_cuda(self, ys: Tuple[torch.Tensor, ...], device: torch.device) -> None:
+        fork, _ = self.site.events(device)
+        aux = self.site.streams.aux(device)
+        self.site.main = torch.cuda.current_stream(device)
         fork.record(self.site.main)
         aux.wait_event(fork)
-        x.record_stream(aux)
+        ys[0].record_stream(aux)
         torch.cuda.set_stream(aux)
-        return x
 
 
 class AuxEnd(_Marker):
     """The aux stream records "done"; the main stream becomes current again."""
 
-    @torch.compiler.disable
-    def forward(self, *ys: torch.Tensor) -> Any:
-        if not ys[0].is_cuda:
-            return passthrough(ys)
-        _, done = self.site.events(ys[0].device)
-        done.record(torch.cuda.current_stream(ys[0].device))
+    def on_cuda(self, ys: Tuple[torch.Tensor, ...], device: torch.device) -> None:
+        _, done = self.site.events(device)
+        done.record(torch.cuda.current_stream(device))
         assert self.site.main is not None  # set by the fork
         torch.cuda.set_stream(self.site.main)
-        return passthrough(ys)
 
 
 class AuxWait(_Marker):
     """The main stream waits for "done" before the branch's results are consumed."""
 
-    @torch.compiler.disable
-    def forward(self, *ys: torch.Tensor) -> Any:
-        if not ys[0].is_cuda:
-            return passthrough(ys)
-        _, done = self.site.events(ys[0].device)
-        main = torch.cuda.current_stream(ys[0].device)
+    def on_cuda(self, ys: Tuple[torch.Tensor, ...], device: torch.device) -> None:
+        _, done = self.site.events(device)
+        main = torch.cuda.current_stream(device)
         main.wait_event(done)
         for y in ys:
             y.record_stream(main)
-        return passthrough(ys)
 
 
 __all__ = ["AuxStreams", "AuxSite", "AuxFork", "AuxEnd", "AuxWait", "passthrough"]
