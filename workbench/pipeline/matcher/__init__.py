@@ -5,7 +5,7 @@
 ``trace``: the tracer patterns and tests use (the pipeline's own).
 """
 
-from .engine import COMMUTATIVE, Match, Pattern, PatternMatcher, named_args, traced_pattern
+from .engine import COMMUTATIVE, Match, Pattern, PatternMatcher, PatternTransform, named_args, traced_pattern
 from .rewrite import (
     annotate_new_nodes,
     erase_dead,
@@ -23,6 +23,7 @@ __all__ = [
     "Match",
     "Pattern",
     "PatternMatcher",
+    "PatternTransform",
     "named_args",
     "traced_pattern",
     "annotate_new_nodes",

@@ -28,14 +28,18 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 
+from ..interface import Transform, TransformInfo
 from .anchors import AnchorCache
-from .rewrite import replace_match
+from .rewrite import match_info, replace_match
 from .trace import export_graph_module
+
+if TYPE_CHECKING:
+    from ..context import PipelineContext
 
 aten = torch.ops.aten
 
@@ -326,4 +330,14 @@ def _self_contained(match: Match) -> bool:
     return all(u in inside for n in inner if n.target not in shareable for u in n.users)
 
 
-__all__ = ["Pattern", "PatternMatcher", "Match", "traced_pattern", "named_args", "COMMUTATIVE"]
+class PatternTransform(Transform):
+    """A transform that rewrites the matches of a fixed set of patterns (``patterns``) and reports
+    the matches per pattern."""
+
+    patterns: ClassVar[Sequence[Pattern]] = ()
+
+    def _apply(self, gm: fx.GraphModule, ctx: "PipelineContext") -> Tuple[torch.nn.Module, TransformInfo]:
+        return match_info(gm, PatternMatcher(self.patterns).apply(gm))
+
+
+__all__ = ["Pattern", "PatternMatcher", "PatternTransform", "Match", "traced_pattern", "named_args", "COMMUTATIVE"]

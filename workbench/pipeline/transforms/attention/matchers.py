@@ -31,7 +31,7 @@ from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...context import PipelineContext
 from ...graph.utils import call_nodes, tensor_meta
 from ...interface import Transform, TransformInfo, register
-from ...matcher import Match, Pattern, PatternMatcher, match_info, named_args, same_shape, same_size
+from ...matcher import Match, Pattern, PatternMatcher, PatternTransform, match_info, named_args, same_shape, same_size
 from .masks import MaskKind, attention_mask_arguments, classify_mask
 
 aten = torch.ops.aten
@@ -99,11 +99,10 @@ def repeat_kv_source(gm: fx.GraphModule, node: Any) -> Optional[Tuple[fx.Node, i
 
 
 @register("match_repeat_kv")
-class MatchRepeatKV(Transform):
+class MatchRepeatKV(PatternTransform):
     """Replace HF's repeat_kv chain by ``torch_attention_repeat_kv(x, n_rep)``."""
 
-    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        return match_info(gm, PatternMatcher([REPEAT_KV_PATTERN]).apply(gm))
+    patterns = (REPEAT_KV_PATTERN,)
 
 
 # ------------------------------------------------------------------------------ eager attention
@@ -300,12 +299,11 @@ EAGER_ATTENTION_PATTERNS = tuple(
 
 
 @register("match_eager_attention")
-class MatchEagerAttention(Transform):
+class MatchEagerAttention(PatternTransform):
     """Replace eager attention (matmul, scale, mask, softmax, matmul) by ``torch_attention_sdpa``,
     and its soft-capped / sink variants by ``torch_attention`` with ``logit_cap`` / ``sinks``."""
 
-    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        return match_info(gm, PatternMatcher(EAGER_VARIANT_PATTERNS + EAGER_ATTENTION_PATTERNS).apply(gm))
+    patterns = EAGER_VARIANT_PATTERNS + EAGER_ATTENTION_PATTERNS
 
 
 # ------------------------------------------------------------------------------ sdpa -> torch_attention
@@ -378,12 +376,11 @@ SDPA_PATTERNS = tuple(
 
 
 @register("match_sdpa_to_torch_attention")
-class MatchSDPAToTorchAttention(Transform):
+class MatchSDPAToTorchAttention(PatternTransform):
     """Replace SDPA (aten or ``torch_attention_sdpa``), with or without repeat_kv, by
     ``torch_attention`` in bnsd layout; causal-only masks become ``is_causal``/``sliding_window``."""
 
-    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        return match_info(gm, PatternMatcher(SDPA_PATTERNS).apply(gm))
+    patterns = SDPA_PATTERNS
 
 
 # ------------------------------------------------------------------------------ grouped attention

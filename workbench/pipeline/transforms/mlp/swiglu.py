@@ -6,16 +6,12 @@
 
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
-from ...context import PipelineContext
-from ...interface import Transform, TransformInfo, register
-from ...matcher import Pattern, PatternMatcher, match_info
+from ...interface import register
+from ...matcher import Pattern, PatternTransform
 
 wb = torch.ops.workbench
 
@@ -51,8 +47,7 @@ SWIGLU_PATTERNS = (
 
 
 @register("match_swiglu_pattern")
-class MatchSwiGLUPattern(Transform):
+class MatchSwiGLUPattern(PatternTransform):
     """Replace ``silu(x @ gate.T) * (x @ up.T) @ down.T`` by ``torch_swiglu_mlp``."""
 
-    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        return match_info(gm, PatternMatcher(SWIGLU_PATTERNS).apply(gm))
+    patterns = SWIGLU_PATTERNS

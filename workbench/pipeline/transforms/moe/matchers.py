@@ -31,7 +31,16 @@ from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...context import PipelineContext
 from ...graph.utils import call_nodes, tensor_meta
 from ...interface import Transform, TransformConfig, TransformInfo, register
-from ...matcher import Match, Pattern, PatternMatcher, annotate_new_nodes, match_info, named_args, same_shape
+from ...matcher import (
+    Match,
+    Pattern,
+    PatternMatcher,
+    PatternTransform,
+    annotate_new_nodes,
+    match_info,
+    named_args,
+    same_shape,
+)
 from ...weights import record_weight_view
 
 aten = torch.ops.aten
@@ -171,38 +180,29 @@ _IGNORE_SHAPES = (
 
 def moe_patterns() -> List[Pattern]:
     """The stacked-experts MoE patterns usable with the installed transformers."""
-    patterns = []
+    forms = []
     if _grouped_mm_op() is not None:
-        for name, search, replace in (
+        forms += [
             ("moe_grouped_mm", _moe_grouped_mm, _moe_fused_replacement),
             ("moe_grouped_mm_sentinel", _moe_grouped_mm_sentinel, _moe_fused_replacement_2),
-        ):
-            patterns.append(
-                Pattern(
-                    name,
-                    search,
-                    replace,
-                    _moe_examples,
-                    literals={"k": _K},
-                    ignore=_IGNORE_SHAPES,
-                    check=_moe_check,
-                    inputs=("x", "selected", "weights", "w1_w3", "w2"),
-                )
-            )
-    for name, search in (("moe_batched_mm", _moe_batched_mm), ("moe_batched_mm_clamped", _moe_batched_mm_clamped)):
-        patterns.append(
-            Pattern(
-                name,
-                search,
-                _moe_fused_replacement,
-                _moe_examples,
-                literals={"k": _K},
-                ignore=_IGNORE_SHAPES,
-                check=_moe_check,
-                inputs=("x", "selected", "weights", "w1_w3", "w2"),
-            )
+        ]
+    forms += [
+        ("moe_batched_mm", _moe_batched_mm, _moe_fused_replacement),
+        ("moe_batched_mm_clamped", _moe_batched_mm_clamped, _moe_fused_replacement),
+    ]
+    return [
+        Pattern(
+            name,
+            search,
+            replace,
+            _moe_examples,
+            literals={"k": _K},
+            ignore=_IGNORE_SHAPES,
+            check=_moe_check,
+            inputs=("x", "selected", "weights", "w1_w3", "w2"),
         )
-    return patterns
+        for name, search, replace in forms
+    ]
 
 
 # Built once at import (tracing happens lazily, on first use).
@@ -210,11 +210,10 @@ MOE_PATTERNS = tuple(moe_patterns())
 
 
 @register("match_moe_pattern")
-class MatchMoePattern(Transform):
+class MatchMoePattern(PatternTransform):
     """Replace transformers' stacked-experts MoE (grouped_mm / batched_mm) by ``torch_moe_fused``."""
 
-    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        return match_info(gm, PatternMatcher(MOE_PATTERNS).apply(gm))
+    patterns = MOE_PATTERNS
 
 
 # ------------------------------------------------------------------------------ dense / BMM forms
@@ -292,19 +291,17 @@ DENSE_MOE_PATTERNS = (
 
 
 @register("match_bmm_moe_pattern")
-class MatchBmmMoePattern(Transform):
+class MatchBmmMoePattern(PatternTransform):
     """Replace Llama-4 style BMM MoE (routing scales the input) by ``torch_moe_dense_mlp``."""
 
-    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        return match_info(gm, PatternMatcher(BMM_MOE_PATTERNS).apply(gm))
+    patterns = BMM_MOE_PATTERNS
 
 
 @register("match_dense_moe_pattern")
-class MatchDenseMoePattern(Transform):
+class MatchDenseMoePattern(PatternTransform):
     """Replace the dense all-experts BMM MoE (weighted on the output) by ``torch_moe_dense_mlp``."""
 
-    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        return match_info(gm, PatternMatcher(DENSE_MOE_PATTERNS).apply(gm))
+    patterns = DENSE_MOE_PATTERNS
 
 
 # ------------------------------------------------------------------------------ split for sharding

@@ -8,15 +8,11 @@ of linear-attention q/k.
 
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
-import torch.fx as fx
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
-from ...context import PipelineContext
-from ...interface import Transform, TransformInfo, register
-from ...matcher import Match, Pattern, PatternMatcher, match_info
+from ...interface import register
+from ...matcher import Match, Pattern, PatternTransform
 
 wb = torch.ops.workbench
 
@@ -108,16 +104,14 @@ L2NORM_PATTERNS = (
 
 
 @register("match_rmsnorm_pattern")
-class MatchRMSNormPattern(Transform):
+class MatchRMSNormPattern(PatternTransform):
     """Replace RMSNorm chains by ``torch_rmsnorm(x, weight, eps)``."""
 
-    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        return match_info(gm, PatternMatcher(RMSNORM_PATTERNS).apply(gm))
+    patterns = RMSNORM_PATTERNS
 
 
 @register("match_l2norm_pattern")
-class MatchL2NormPattern(Transform):
+class MatchL2NormPattern(PatternTransform):
     """Replace L2Norm chains by ``torch_l2norm(x, eps)``."""
 
-    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        return match_info(gm, PatternMatcher(L2NORM_PATTERNS).apply(gm))
+    patterns = L2NORM_PATTERNS

@@ -117,15 +117,22 @@ def _rotate_half_check(m: Match) -> Optional[Dict[str, Any]]:
     return {}
 
 
+def _pairs_last(m: Match, op: Any, d: int) -> bool:
+    """Every matched ``op`` node gives [..., d/2, 2]: the head dim as pairs."""
+    for node in m.matched(op):
+        v = tensor_meta(node)
+        if v is None or tuple(v.shape[-2:]) != (d // 2, 2):
+            return False
+    return True
+
+
 def _interleave_check(m: Match) -> Optional[Dict[str, Any]]:
     d = _head_dim(m, "q", "k")
     if d is None or not _valid_unsqueeze(m, "cos") or not _halves_check(m, d):
         return None
     # view to [..., d/2, 2], swap the last two dims, merge back to [..., d].
-    for view in m.matched(aten.view.default):
-        v = tensor_meta(view)
-        if v is None or tuple(v.shape[-2:]) != (d // 2, 2):
-            return None
+    if not _pairs_last(m, aten.view.default, d):
+        return None
     for t in m.matched(aten.transpose.int):
         if sorted(a % 5 for a in t.args[1:3]) != [3, 4]:
             return None
@@ -136,10 +143,8 @@ def _complex_check(m: Match) -> Optional[Dict[str, Any]]:
     d = _head_dim(m, "xq", "xk")
     if d is None or not _valid_unsqueeze(m, "freqs_cis"):
         return None
-    for r in m.matched(aten.reshape.default):
-        v = tensor_meta(r)
-        if v is None or tuple(v.shape[-2:]) != (d // 2, 2):
-            return None
+    if not _pairs_last(m, aten.reshape.default, d):
+        return None
     for f in m.matched(aten.flatten.using_ints):
         if tuple(f.args[1:]) not in ((3,), (3, -1), (-2,), (-2, -1)):
             return None
