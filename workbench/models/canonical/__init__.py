@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import types
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Tuple
+from typing import Any, Callable, Iterator, List, Tuple
 
 import torch
 
@@ -59,6 +59,17 @@ def swap_forwards(model: torch.nn.Module, patch: ModulePatch) -> Iterator[int]:
                 m.__dict__.pop("forward", None)
             else:
                 m.forward = old
+
+
+def refuse_cache(module: Any, cache_params: Any, states: str) -> None:
+    """A canonical recurrent-mixer forward traces without a cache: refuse one (``states``: what the
+    cache stage adds for this mixer, for the message)."""
+    if cache_params is not None:
+        raise ValueError(
+            f"the canonical {type(module).__name__} forward traces the model without cache (export runs it with "
+            f"use_cache=False; the cache stage adds the {states}): got a cache object. Switch the export "
+            "patch off to run HF's own forward with a cache."
+        )
 
 
 def _collect() -> Tuple[ModulePatch, ...]:

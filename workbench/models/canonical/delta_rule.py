@@ -22,16 +22,7 @@ from typing import Any, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import ModulePatch
-
-
-def _refuse_cache(module: Any, cache_params) -> None:
-    if cache_params is not None:
-        raise ValueError(
-            f"the canonical {type(module).__name__} forward traces the model without cache (export runs it with "
-            "use_cache=False; the cache stage adds the conv and delta-rule states): got a cache object. Switch the "
-            "export patch off to run HF's own forward with a cache."
-        )
+from . import ModulePatch, refuse_cache
 
 
 def _zero_padding(hidden_states: torch.Tensor, attention_mask) -> torch.Tensor:
@@ -58,7 +49,7 @@ def qwen3_next_gated_delta_net_forward(
 ) -> torch.Tensor:
     """``Qwen3NextGatedDeltaNet``: hidden_states [b, s, hidden] -> [b, s, hidden], HF's torch fallback
     without cache, with the short conv and the gated delta rule as canonical ops."""
-    _refuse_cache(module, cache_params)
+    refuse_cache(module, cache_params, "conv and delta-rule states")
     hidden_states = _zero_padding(hidden_states, attention_mask)
     hk, dk, h, dv = module.num_k_heads, module.head_k_dim, module.num_v_heads, module.head_v_dim
     q, k, v, z, b, a = _qwen3_next_split(module, module.in_proj_qkvz(hidden_states), module.in_proj_ba(hidden_states))
@@ -85,7 +76,7 @@ def deltanet_mixer_forward(
 ) -> torch.Tensor:
     """``DeltaNetMixer`` (the tiny DeltaNet, ``models/tiny_families/deltanet_model.py``): its eager
     forward is the token-by-token recurrence; here the rule is ``torch_delta_rule``."""
-    _refuse_cache(module, cache_params)
+    refuse_cache(module, cache_params, "conv and delta-rule states")
     hidden_states = _zero_padding(hidden_states, attention_mask)
     heads, dk, dv = module.num_heads, module.head_k_dim, module.head_v_dim
     qkv = torch.ops.workbench.torch_causal_conv1d(

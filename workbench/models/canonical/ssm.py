@@ -25,16 +25,7 @@ import torch.nn.functional as F
 
 from ...ops import conv as _conv_ops  # noqa: F401  (registers workbench::torch_causal_conv1d)
 from ...ops import ssm as _ssm_ops  # noqa: F401  (registers workbench::torch_ssm)
-from . import ModulePatch
-
-
-def _refuse_cache(module: Any, cache_params) -> None:
-    if cache_params is not None:
-        raise ValueError(
-            f"the canonical {type(module).__name__} forward traces the model without cache (export runs it with "
-            "use_cache=False; the cache stage adds the SSM and conv state): got a cache object. Switch the export "
-            "patch off to run HF's own forward with a cache."
-        )
+from . import ModulePatch, refuse_cache
 
 
 def _time_step_limits(module: Any) -> Tuple[float, Optional[float]]:
@@ -82,7 +73,7 @@ def mamba2_mixer_forward(module: Any, hidden_states: torch.Tensor, cache_params=
     """``Mamba2Mixer`` / ``BambaMixer`` / ``NemotronHMamba2Mixer``: hidden_states [b, s, hidden] ->
     [b, s, hidden]. The gated norm multiplies by silu(gate) before normalizing (HF's
     ``MambaRMSNormGated``, run as the module itself)."""
-    _refuse_cache(module, cache_params)
+    refuse_cache(module, cache_params, "SSM and conv state")
     gate, y = _conv_and_scan(module, module.in_proj(hidden_states))
     return module.out_proj(module.norm(y, gate).to(hidden_states.dtype))
 
@@ -92,7 +83,7 @@ def falcon_h1_mixer_forward(module: Any, hidden_states: torch.Tensor, cache_para
     ``ssm_in_multiplier``, the in_proj output by the per-channel ``mup_vector`` (one factor per
     gate / x / B / C / dt segment) -- and an optional gated norm (``mamba_rms_norm``; without it the
     output is gated by silu(gate) alone)."""
-    _refuse_cache(module, cache_params)
+    refuse_cache(module, cache_params, "SSM and conv state")
     projected = module.in_proj(hidden_states * module.ssm_in_multiplier) * module.mup_vector
     gate, y = _conv_and_scan(module, projected)
     y = module.norm(y, gate) if module.mamba_rms_norm else y * F.silu(gate)
