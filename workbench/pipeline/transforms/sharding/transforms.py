@@ -10,7 +10,7 @@ matches with the reason and leave the graph alone.
 
 from __future__ import annotations
 
-from typing import List, Literal, Optional, Tuple
+from typing import List, Literal, Optional, Tuple, TypeVar
 
 import torch
 from pydantic import Field
@@ -39,23 +39,32 @@ class DetectShardingConfig(TransformConfig):
     )
 
 
-def _single_rank(gm):
-    return nothing_to_do(
-        gm,
-        "world size 1: nothing to shard (Workbench(..., world_size=N), "
-        "`workbench run --world-size N` or torchrun start N ranks)",
-    )
+_ConfigT = TypeVar("_ConfigT", bound=TransformConfig)
+
+
+class _ShardingTransform(Transform[_ConfigT]):
+    """A sharding transform: nothing to do with one rank, else ``_shard``."""
+
+    def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
+        if not ctx.dist.sharded:
+            return nothing_to_do(
+                gm,
+                "world size 1: nothing to shard (Workbench(..., world_size=N), "
+                "`workbench run --world-size N` or torchrun start N ranks)",
+            )
+        return self._shard(gm, ctx)
+
+    def _shard(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
+        raise NotImplementedError
 
 
 @register("detect_sharding")
-class DetectSharding(Transform[DetectShardingConfig]):
+class DetectSharding(_ShardingTransform[DetectShardingConfig]):
     """Plan tensor / expert parallelism for ``ctx.dist.world_size`` ranks (``ctx.sharding``)."""
 
     provides = (SHARDING_PLAN,)
 
-    def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        if not ctx.dist.sharded:
-            return _single_rank(gm)
+    def _shard(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         plan = detect_plan(
             gm,
             world_size=ctx.dist.world_size,
@@ -79,14 +88,12 @@ class ShardingExecutorConfig(TransformConfig):
 
 
 @register("sharding_transform_executor")
-class ShardingTransformExecutor(Transform[ShardingExecutorConfig]):
+class ShardingTransformExecutor(_ShardingTransform[ShardingExecutorConfig]):
     """Apply ``ctx.sharding``: cut weights (bound at load), fix head counts, insert the collectives."""
 
     needs = (SHARDING_PLAN,)
 
-    def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        if not ctx.dist.sharded:
-            return _single_rank(gm)
+    def _shard(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         plan = ctx.sharding
         if plan is None:
             return nothing_to_do(gm, "no sharding plan: enable detect_sharding before this transform")
