@@ -49,6 +49,26 @@ def _nonzero(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
+class _OptionalBuffer:
+    """A ``TensorQuantizer`` attribute kept as the buffer ``_<name>`` while set: None until then,
+    and setting None removes the buffer (``_set_buffer``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.buffer = "_" + name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> "_OptionalBuffer": ...
+
+    @overload
+    def __get__(self, obj: "TensorQuantizer", owner: type) -> Optional[torch.Tensor]: ...
+
+    def __get__(self, obj, owner):
+        return self if obj is None else obj._buffers.get(self.buffer)
+
+    def __set__(self, obj: "TensorQuantizer", value: Optional[torch.Tensor]) -> None:
+        obj._set_buffer(self.buffer, value)
+
+
 class TensorQuantizer(nn.Module):
     """Fake quantizer with ModelOpt's attributes; see the module docstring for the layouts."""
 
@@ -143,32 +163,12 @@ class TensorQuantizer(nn.Module):
         else:
             self._buffers[name] = torch.as_tensor(value).detach().float().clone()
 
-    @property
-    def amax(self) -> Optional[torch.Tensor]:
-        return self._buffers.get("_amax")
-
-    @amax.setter
-    def amax(self, value: Optional[torch.Tensor]) -> None:
-        self._set_buffer("_amax", value)
+    amax = _OptionalBuffer()
+    pre_quant_scale = _OptionalBuffer()
+    bias_value = _OptionalBuffer()
 
     def reset_amax(self) -> None:
         self._set_buffer("_amax", None)
-
-    @property
-    def pre_quant_scale(self) -> Optional[torch.Tensor]:
-        return self._buffers.get("_pre_quant_scale")
-
-    @pre_quant_scale.setter
-    def pre_quant_scale(self, value: Optional[torch.Tensor]) -> None:
-        self._set_buffer("_pre_quant_scale", value)
-
-    @property
-    def bias_value(self) -> Optional[torch.Tensor]:
-        return self._buffers.get("_bias_value")
-
-    @bias_value.setter
-    def bias_value(self, value: Optional[torch.Tensor]) -> None:
-        self._set_buffer("_bias_value", value)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The optional buffers exist only while set: create the ones a checkpoint carries, so a fresh
