@@ -146,6 +146,24 @@ def pipeline_choices(wb, backend: str) -> str:
     return "; ".join(notes)
 
 
+def kernels_per_decode_step(wb, prompts: List[List[int]], device: torch.device) -> Optional[float]:
+    """CUDA kernels one decode step launches (CUDA graph replays included, as the profiler sees
+    them): the kernels of a 10-token generate minus those of a 2-token one, over the 8 extra decode
+    steps (prefill, warm-up and the first token cancel out). None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = []
+    for new in (2, 10):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            wb.generate(prompts, max_new_tokens=new, stop_token_ids=[])
+            torch.cuda.synchronize(device)
+        device_ops = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        counts.append(sum(1 for n in device_ops if not n.startswith(("Memcpy", "Memset"))))
+    return (counts[1] - counts[0]) / 8
+
+
 def workbench_rates(loaded, device: torch.device, batches: List[int], prompts: Dict[int, List[List[int]]],
                     new: int, backends: List[str], repeats: int = 2, label: str = "workbench",
                     step_bytes: Optional[int] = None, peer_dtype: bool = True,
@@ -175,7 +193,7 @@ def workbench_rates(loaded, device: torch.device, batches: List[int], prompts: D
                 prof = wb.generate(prompts[b], max_new_tokens=new, stop_token_ids=[], profile_steps=True)
                 note = f"setup {setup:.0f}s; {choices}" if b == batches[0] else choices
                 yield Row(name, b, best, note, step_bytes=step_bytes, peer_dtype=peer_dtype,
-                          step_ms=prof.stats.decode_step_ms)
+                          step_ms=prof.stats.decode_step_ms, kernels=kernels_per_decode_step(wb, prompts[b], device))
         except Exception as e:  # noqa: BLE001 - a failing backend is a row, not the end of the run
             yield Row(name, 0, None, f"failed: {type(e).__name__}: {str(e)[:200]}")
 

@@ -27,12 +27,20 @@ class Row:
     step_bytes: Optional[int] = None  # weight bytes a decode step reads, when not the model's
     peer_dtype: bool = True  # runs the benchmark's dtype: counts as a peer for "x best peer"
     step_ms: Optional[Dict[str, float]] = None  # workbench rows: median decode-step split (profiled run)
+    kernels: Optional[float] = None  # CUDA kernels one decode step launches (profiler), where measured
+
+    def detail(self) -> str:
+        """The decode-step split and kernel count, printed with the row as soon as it is measured."""
+        parts = [f"step ms: {format_step_profile(self.step_ms)}"] if self.step_ms else []
+        if self.kernels is not None:
+            parts.append(f"{self.kernels:.0f} kernels/step")
+        return " | " + "; ".join(parts) if parts else ""
 
 
 def stream_line(r: Row) -> str:
     """``row <name> bs <B> <tok/s> tok/s  <note>``: fixed columns, "-" where nothing was measured."""
     tok = f"{r.tok_s:9.1f}" if r.tok_s is not None else f"{'-':>9s}"
-    return f"row {r.name:{NAME_WIDTH}s} bs {r.batch or '-':>4} {tok} tok/s  {r.note}"
+    return f"row {r.name:{NAME_WIDTH}s} bs {r.batch or '-':>4} {tok} tok/s  {r.note}{r.detail()}"
 
 
 class RowLog:
@@ -75,7 +83,8 @@ def print_table(rows: List[Row], step_bytes: int, copy_bw: float, gemv_bw: float
         print("\nper decode step, median ms (a separate profiled run; 'gpu' = CUDA-event time of the runner call,"
               " the graph replay with CUDA graphs; the rest is host time):")
         for r in profiled:
-            print(f"  {r.name:36s} bs {r.batch:3d}: {format_step_profile(r.step_ms)}")
+            kernels = f"; {r.kernels:.0f} kernels/step" if r.kernels is not None else ""
+            print(f"  {r.name:36s} bs {r.batch:3d}: {format_step_profile(r.step_ms)}{kernels}")
 
 
 def print_q4_ratios(rows: List[Row]) -> None:

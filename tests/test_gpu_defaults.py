@@ -107,6 +107,25 @@ def test_compile_auto_on_cuda_captures_only_graphs_without_host_reads(cached_lla
     assert resolve_auto(torch.device("cpu"), {})[0] == "torch-simple"
 
 
+def test_a_refused_capture_names_the_attention_choice_that_blocks_it(cached_llama, monkeypatch):
+    """compile_model reads the cache stage's typed attention choice (ctx.cache.attention): when that
+    backend's op is the one that cannot be captured, the refusal says which backend and why it was
+    chosen; a capturable choice is not blamed."""
+    from workbench.ops.backends import ATTENTION_BACKENDS
+    from workbench.ops.registry import Choice
+    from workbench.pipeline.transforms.compile.compile_model import choose_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the CUDA-graph backends can run
+    blockers = capture_blockers(cached_llama)
+    torch_choice = Choice(ATTENTION_BACKENDS.get("torch"), "explicit: torch")
+    with pytest.raises(ValueError, match=r"the cached attention is 'torch' \(explicit: torch\)"):
+        choose_backend("torch-cudagraph", CUDA, blockers, torch_choice)
+    triton_choice = Choice(ATTENTION_BACKENDS.get("triton"), "auto on cuda: triton")
+    with pytest.raises(ValueError, match="cannot capture") as refused:
+        choose_backend("torch-cudagraph", CUDA, blockers, triton_choice)
+    assert "the cached attention is" not in str(refused.value)
+
+
 @pytest.mark.parametrize("arch, blocker", [("mixtral", "workbench::torch_moe_fused: runs only the experts"),
                                            ("gpt_oss", "transformers::grouped_mm_fallback: an op of another library")])
 def test_moe_graphs_stay_out_of_cuda_graphs_and_say_why(arch, blocker, monkeypatch):

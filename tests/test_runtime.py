@@ -102,6 +102,43 @@ def test_sequence_info_rejects_bad_steps(args, match):
         info.set_batch(*args, page_size=4)
 
 
+def test_advance_decode_equals_setting_the_next_step_in_full():
+    """A decode step of the same sequences only advances the buffers; the result is what setting that
+    step in full gives, padding rows (the last one here) staying at position 0 on their page."""
+    def decode_step(info, pos, key):
+        info.set_batch([[7], [8], [0]], pos, [[0, 1], [2], [3]], num_prefill=0, page_size=4, layout_key=key)
+
+    fast = SequenceInfo(max_batch_size=4, max_num_tokens=16, max_pages_per_seq=3, device="cpu")
+    decode_step(fast, [4, 1, 0], "a")
+    fast.advance_decode([17, 18, 0], num_moving=2, layout_key="b")
+    full = SequenceInfo(max_batch_size=4, max_num_tokens=16, max_pages_per_seq=3, device="cpu")
+    full.set_batch([[17], [18], [0]], [5, 2, 0], [[0, 1], [2], [3]], num_prefill=0, page_size=4)
+    for name, value in full.inputs().items():
+        got = fast.inputs()[name]
+        assert (got.tolist() if isinstance(got, torch.Tensor) else got) == (
+            value.tolist() if isinstance(value, torch.Tensor) else value), name
+    assert fast.host_step() == full.host_step() and fast.layout_key == "b"
+    fast.set_batch([[1, 2]], [0], [[0]], num_prefill=1, page_size=4, layout_key="c")
+    with pytest.raises(ValueError, match="continues a decode-only layout"):
+        fast.advance_decode([3], num_moving=1, layout_key="d")
+    decode_step(fast, [4, 1, 0], None)  # set without a key: nothing to continue
+    with pytest.raises(ValueError, match="continues a decode-only layout"):
+        fast.advance_decode([1, 2, 0], num_moving=2, layout_key="e")
+
+
+def test_decode_steps_of_the_same_batch_only_advance_the_buffers(wb):
+    from workbench.runtime.generate import generate
+
+    prompts = _prompts([5, 9])
+    want = wb.generate(prompts, max_new_tokens=8, stop_token_ids=[]).token_ids
+    runner = runner_for(wb.module, wb.ctx)
+    before = runner.advanced_steps
+    got = generate(runner, prompts, max_new_tokens=8, stop_token_ids=[]).token_ids
+    assert got == want
+    # one prefill step, then 7 decode steps: the first sets its layout in full, 6 advance it
+    assert runner.advanced_steps - before == 6
+
+
 # ------------------------------------------------------------------------------ numerics
 
 

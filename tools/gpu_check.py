@@ -2,7 +2,7 @@
 preinstalled, no network) inside one time budget, every result on disk as soon as it exists.
 
     make wheelhouse                     # where pip works: the missing deps + FlashInfer, as wheels
-    make gpu-check OUT=/tmp/gpu-out     # on the GPU machine: the default steps in 480 s
+    make gpu-check OUT=/tmp/gpu-out     # on the GPU machine: the default steps in 500 s
     make gpu-check OUT=... GPU_CHECK_STEPS=tests GPU_CHECK_ARGS='--limit tests=400 --budget 420'
 
 The wheels are installed with ``--target`` into ``--site`` (torch/triton untouched), which goes on
@@ -17,7 +17,7 @@ the steps' PYTHONPATH. Steps, in this order, with their limits in seconds (``--l
                       test under ``--test-timeout`` 120 s (pytest-timeout); tools/pytest_stream.py
                       logs each test as it ends. A skip fails it unless its reason names a missing
                       optional package (on --dry-run-on-cpu every GPU skip is expected).
-  bench-smollm2  110  bench/decode.py on shape:smollm2 (random bf16 weights), batch 1 and 8: HF
+  bench-smollm2  130  bench/decode.py on shape:smollm2 (random bf16 weights), batch 1, 8 and 32: HF
                       eager and the workbench's auto (CUDA graphs) and torch-simple rows
   bench-llama3    65  the same on shape:llama3-8b, batch 1
   opt-in:
@@ -25,7 +25,7 @@ the steps' PYTHONPATH. Steps, in this order, with their limits in seconds (``--l
                       workbench's torch-compile / torch-opt rows
   export         240  tools/export_report.py on the tiny archs with this torch
 
-The defaults add up to ``--budget`` (480 s, counted from the start, wheel install included): a
+The defaults add up to ``--budget`` (500 s, counted from the start, wheel install included): a
 step gets min(its limit, what is left) and is skipped, and said so, when less than its minimum is
 left. At its limit a step's process group (xdist workers and compilers included) gets SIGTERM,
 SIGKILL 3 s later, and the summary says "timed out after N s", for tests with the finished, failed
@@ -301,7 +301,7 @@ STEPS: Dict[str, Step] = {
     "env": Step(30, 10, step_env),
     "flashinfer-jit": Step(75, 20, step_flashinfer_jit),
     "tests": Step(200, 60, step_tests),
-    "bench-smollm2": Step(110, 30, _bench("shape:smollm2", ["1", "8"], NO_PEERS)),
+    "bench-smollm2": Step(130, 30, _bench("shape:smollm2", ["1", "8", "32"], NO_PEERS)),
     "bench-llama3": Step(65, 30, _bench("shape:llama3-8b", ["1"], NO_PEERS)),
     # opt-in: HF static cache + HF compile and the HF graph loop compile for minutes
     "bench-peers": Step(300, 60, _bench("shape:smollm2", ["1", "8"], ["--hf-graph-loop", "--no-hf-eager",
@@ -334,7 +334,7 @@ def main(argv=None) -> int:
     ap.add_argument("--wheelhouse", type=Path, default=ROOT / ".whl")
     ap.add_argument("--site", type=Path, default=Path("/tmp/workbench-gpu-site"))
     ap.add_argument("--steps", default=",".join(DEFAULT_STEPS), help=f"comma-separated, of: {', '.join(STEPS)}")
-    ap.add_argument("--budget", type=int, default=480, help="seconds for the whole run (default 480)")
+    ap.add_argument("--budget", type=int, default=500, help="seconds for the whole run (default 500)")
     ap.add_argument("--limit", action="append", default=[], metavar="STEP=S", help="a step's own limit")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="pytest-xdist workers")
     ap.add_argument("--dist", default="worksteal", help="pytest-xdist --dist mode (default worksteal)")

@@ -330,7 +330,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     only = [o.strip() for o in (args.only or "").split(",") if o.strip()]
     entries, skipped = registry.select(only, quick=args.quick)
     if args.out:
-        from .api import ensure_writable_dir
+        from .output_dirs import ensure_writable_dir
 
         ensure_writable_dir(args.out, "--out")  # before minutes of checking, not after
     results = []

@@ -57,7 +57,7 @@ class OpBackend(Backend):
         return None if ok else why
 
     @property
-    def op(self) -> Callable:
+    def op(self) -> torch._ops.OpOverload:
         self._module()
         return getattr(torch.ops.workbench, self.op_name).default
 

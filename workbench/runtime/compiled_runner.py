@@ -22,7 +22,7 @@ in the graph's own output buffer, read before the next replay.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -84,6 +84,10 @@ class CompiledRunner(CachedRunner):
         self.set_step(step, sched)
         with self.planned():
             return self.piecewise(self.padded_inputs(bucket), step.num_tokens)
+
+    def pad_rows(self) -> Tuple[int, int]:
+        """Padding sequences write their one K/V slot into the scratch page and use the scratch slot."""
+        return self.scratch_page, self.cfg.scratch_slot
 
     def padded_inputs(self, num_tokens: int) -> List[Any]:
         """The module's inputs with the token inputs widened to ``num_tokens`` (the rows past the
@@ -241,11 +245,7 @@ class CudaGraphRunner(CompiledRunner):
             if self.piecewise is None or self.piecewise.bucket(step.num_tokens) is None:
                 self.eager_steps += 1
             return super().forward(step, sched)
-        tokens = [r.tokens[r.num_cached : r.num_cached + 1] for r, _ in step.items] + [[0]] * (padded - b)
-        pos = [r.num_cached for r, _ in step.items] + [0] * (padded - b)
-        pages = [sched.pages(r) for r, _ in step.items] + [[self.scratch_page]] * (padded - b)
-        slots = [sched.slot(r) for r, _ in step.items] + [self.cfg.scratch_slot] * (padded - b)
-        self.seq_info.set_batch(tokens, pos, pages, num_prefill=0, page_size=self.cfg.page_size, slots=slots)
+        self.set_step(step, sched, pad_to=padded)
         self._replay(padded)
         self.replays += 1
         return self.outputs[padded][:, :padded]

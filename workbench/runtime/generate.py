@@ -318,7 +318,9 @@ def generate(
             req.num_cached += n
             if req.num_cached == len(req.tokens):
                 ready.append((row, req))
-        new_tokens = sample(logits[[r for r, _ in ready]].float(), [q.sampling for _, q in ready], gen) if ready else []
+        # a decode step reads every row: no gather, and greedy picks need no fp32 copy (sample converts)
+        picked = logits if len(ready) == logits.shape[0] else logits[[r for r, _ in ready]]
+        new_tokens = sample(picked, [q.sampling for _, q in ready], gen) if ready else []
         now = time.perf_counter()
         for (_, req), tok in zip(ready, new_tokens):
             req.tokens.append(tok)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from contextlib import nullcontext
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 
 import torch
 
@@ -68,6 +68,12 @@ class CachedRunner:
         self.gathers_last_tokens = LAST_TOKEN_INPUT in self.input_names
         # ops that plan each step on the host (FlashInfer attention): this runner's own planners
         self.planners = planners_for(module, self.device)
+        # the decode layout in the buffers and the one its next step would have (set_step)
+        self._layout: Optional[Any] = None
+        self._next_layout: Optional[Any] = None
+        self.advanced_steps = 0  # decode steps that only advanced the buffers
+        # the module's inputs per (sequences, tokens, prefills): views of fixed buffers, built once
+        self._input_lists: Dict[Tuple[int, int, int], List[Any]] = {}
 
     def planned(self, graph_batch: Optional[int] = None):
         """Context for one forward (or the replay of the graph of ``graph_batch``) of the step in
@@ -80,8 +86,27 @@ class CachedRunner:
         """A fresh scheduler over all pages: nothing from an earlier ``generate`` leaks in."""
         return Scheduler(self.cfg, PageAllocator(self.cfg.num_pages))
 
-    def set_step(self, step: Step, sched: Scheduler) -> None:
-        """Fill the fixed-address ``SequenceInfo`` buffers with the step's new tokens and pages."""
+    def set_step(self, step: Step, sched: Scheduler, pad_to: Optional[int] = None) -> None:
+        """Fill the fixed-address ``SequenceInfo`` buffers with the step's new tokens and pages;
+        ``pad_to``: add padding sequences up to that many (``pad_rows``: one token at position 0 on
+        a scratch page), for a CUDA graph captured for that batch size.
+
+        A decode step of the same sequences as the step before (the common case) only advances
+        the buffers (``SequenceInfo.advance_decode``): new token ids in, positions + 1."""
+        layout = decode_layout(step, pad_to)
+        if layout is not None and layout == self._next_layout and self.seq_info.layout_key is self._layout:
+            tokens = [r.tokens[r.num_cached] for r, _ in step.items]
+            self.seq_info.advance_decode(tokens + [0] * (layout[0] - len(tokens)), len(tokens), layout)
+            self.advanced_steps += 1
+        else:
+            self._set_step_fully(step, sched, pad_to, layout)
+        self._layout, self._next_layout = layout, advanced(layout)
+
+    def pad_rows(self) -> Tuple[int, int]:
+        """(page, slot) of padding sequences; only runners that keep a scratch page pad."""
+        raise ValueError(f"{type(self).__name__} keeps no scratch page to pad a batch with")
+
+    def _set_step_fully(self, step: Step, sched: Scheduler, pad_to: Optional[int], layout: Any) -> None:
         tokens = [r.tokens[r.num_cached : r.num_cached + n] for r, n in step.items]
         fresh = [sched.slot(r) for r, _ in step.items if r.num_cached == 0]
         if fresh and self.slot_states:
@@ -91,20 +116,41 @@ class CachedRunner:
             idx = torch.tensor(fresh, device=self.device)
             for t in self.slot_states:
                 t.index_fill_(0, idx, 0)
+        pos = [r.num_cached for r, _ in step.items]
+        pages = [sched.pages(r) for r, _ in step.items]
+        slots = [sched.slot(r) for r, _ in step.items]
+        pad = (pad_to or 0) - len(step.items)
+        if pad > 0:
+            page, slot = self.pad_rows()
+            tokens, pos, pages, slots = (
+                tokens + [[0]] * pad,
+                pos + [0] * pad,
+                pages + [[page]] * pad,
+                slots + [slot] * pad,
+            )
         self.seq_info.set_batch(
             tokens,
-            [r.num_cached for r, _ in step.items],
-            [sched.pages(r) for r, _ in step.items],
+            pos,
+            pages,
             num_prefill=step.num_prefill,
             page_size=self.cfg.page_size,
-            slots=[sched.slot(r) for r, _ in step.items],
+            slots=slots,
+            layout_key=layout,
         )
 
     def _inputs(self, **overrides: Any) -> List[Any]:
         """The module's positional inputs for the current step: metadata views, then caches
-        (``overrides``: other values for some of them by name)."""
-        values: Dict[str, Any] = {**self.seq_info.inputs(), **self.caches, **overrides}
-        return [values[n] for n in self.input_names]
+        (``overrides``: other values for some of them by name). The views of a step shape are the
+        same every time (fixed buffers), so each shape's list is built once."""
+        info = self.seq_info
+        key = (info.num_seqs, info.num_tokens, info.num_prefill)
+        if not overrides and key in self._input_lists:
+            return self._input_lists[key]
+        values: Dict[str, Any] = {**info.inputs(), **self.caches, **overrides}
+        inputs = [values[n] for n in self.input_names]
+        if not overrides:
+            self._input_lists[key] = inputs
+        return inputs
 
     def forward(self, step: Step, sched: Scheduler) -> torch.Tensor:
         """Logits of the step's flattened tokens [1, T, V], or of each sequence's last token
@@ -120,6 +166,22 @@ class CachedRunner:
         if self.gathers_last_tokens:
             return logits[0, : len(step.items)]
         return logits[0].index_select(0, self.seq_info.last_token_index)[: len(step.items)]
+
+
+def decode_layout(step: Step, pad_to: Optional[int] = None) -> Optional[Any]:
+    """A decode-only step's layout: (padded size, ((request id, tokens cached), ...)); None for a
+    step with prefill. Two steps continue each other when ``advanced`` of the first is the second."""
+    if step.num_prefill:
+        return None
+    return (pad_to or len(step.items), tuple((id(r), r.num_cached) for r, _ in step.items))
+
+
+def advanced(layout: Optional[Any]) -> Optional[Any]:
+    """The layout of the next decode step of the same sequences (each one token further)."""
+    if layout is None:
+        return None
+    size, seqs = layout
+    return (size, tuple((rid, n + 1) for rid, n in seqs))
 
 
 class UncachedRunner:

@@ -57,7 +57,16 @@ class SequenceInfo:
         self._page_table = torch.zeros(max_batch_size, max_pages_per_seq, **i32)
         self._last_token = torch.zeros(max_batch_size, **i64)
         self._slot_idx = torch.zeros(max_batch_size, **i32)
+        # new decode tokens reach _input_ids through a host array: on CPU a numpy view of the buffer
+        # itself, on a GPU a pinned staging row copied with one asynchronous transfer per step
+        if self.device.type == "cpu":
+            self._ids_host = self._input_ids[0]
+        else:
+            self._ids_host = torch.zeros(max_num_tokens, dtype=torch.int64, pin_memory=torch.cuda.is_available())
+        self._ids_np = self._ids_host.numpy()
         self.num_seqs = self.num_tokens = self.num_prefill = 0
+        # what the caller said the current layout is (advance_decode continues only that layout)
+        self.layout_key: Optional[Any] = None
         self.seq_lens: List[int] = []
         self.input_pos: List[int] = []
         self.pages: List[List[int]] = []
@@ -80,9 +89,11 @@ class SequenceInfo:
         num_prefill: int,
         page_size: int,
         slots: Optional[Sequence[int]] = None,
+        layout_key: Optional[Any] = None,
     ) -> None:
         """Describe the next step: per sequence its new token ids, tokens already cached and pages
         (and its state slot; default: sequence i in slot i, which one-off forwards use).
+        ``layout_key``: the caller's name for this layout, which ``advance_decode`` continues.
 
         Prefill sequences come first (``num_prefill`` of them, any length >= 1), then decode
         sequences (exactly one token). Raises ``ValueError`` naming the sequence that breaks a limit.
@@ -127,6 +138,30 @@ class SequenceInfo:
         self.num_seqs, self.num_tokens, self.num_prefill = b, t_total, num_prefill
         self.seq_lens, self.input_pos = lens, list(input_pos)
         self.pages, self.page_size = [list(p) for p in pages], page_size
+        self.layout_key = layout_key
+
+    def advance_decode(self, tokens: Sequence[int], num_moving: int, layout_key: Any) -> None:
+        """The next step of a decode-only layout: the first ``num_moving`` sequences move one
+        position on, and every sequence takes its token from ``tokens`` (the rest are padding rows
+        that stay where they are). Pages, slots and lengths do not change: the scheduler reserved
+        each sequence's pages for its whole life. The hot path of decoding: two in-place adds on the
+        device and one transfer of ``len(tokens)`` token ids, no tensor built on the host.
+
+        ``layout_key`` names the new layout; the current one must be a decode-only layout of as many
+        sequences set by ``set_batch`` or ``advance_decode`` (else ``ValueError``)."""
+        b = len(tokens)
+        if self.layout_key is None or self.num_prefill != 0 or b != self.num_seqs or num_moving > b:
+            raise ValueError(
+                f"advance_decode continues a decode-only layout of {self.num_seqs} sequences "
+                f"(num_prefill={self.num_prefill}, keyed: {self.layout_key is not None}); got {b}"
+            )
+        self._ids_np[:b] = tokens
+        if self._ids_host.data_ptr() != self._input_ids.data_ptr():
+            self._input_ids[0, :b].copy_(self._ids_host[:b], non_blocking=True)
+        self._position_ids[0, :num_moving].add_(1)
+        self._input_pos[:num_moving].add_(1)
+        self.input_pos[:num_moving] = [p + 1 for p in self.input_pos[:num_moving]]
+        self.layout_key = layout_key
 
     def host_step(self) -> HostStep:
         """The current step's layout as the host knows it (what ops that plan on the host read)."""

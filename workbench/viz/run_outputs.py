@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Any, Callable, Iterable, List, Optional
 
+from ..output_dirs import LOW_FREE_BYTES, MIN_FREE_BYTES, ensure_writable_dir
 from .outputs import dot_available, failure_line, mark_given, report_notice, warn_once
 
 
@@ -20,8 +21,6 @@ def check_outputs(report: Optional[str], renders: Optional[str], rank: int = 0) 
     """Refuse an unwritable or full ``--report`` / ``--debug-visualize-dir`` (``InputError``: one
     line, exit 1) and say what a missing ``dot`` changes for the report, before minutes of pipeline.
     How renders are written without ``dot`` is said by ``Workbench`` (it is true of the API too)."""
-    from ..api import LOW_FREE_BYTES, MIN_FREE_BYTES, ensure_writable_dir
-
     for path, flag in ((report, "--report"), (renders, "--debug-visualize-dir")):
         if path:
             ensure_writable_dir(path, flag, min_free=MIN_FREE_BYTES, low_free=LOW_FREE_BYTES)

@@ -10,8 +10,9 @@ call up front, naming the backends that can serve it.
 
 One call, per layer:
 
-* the step's new k/v are written into the page pools with plain tensor indexing computed on the
-  device (``write_kv``: no host read, any head dim, any cache dtype);
+* the step's new k/v are written into the page pools by one Triton launch that finds each row's
+  sequence on the device (``append_paged_kv``: no host read, no per-step index tensors; the tensor-op
+  ``write_kv`` where Triton is missing);
 * attention runs through ``BatchPrefillWithPagedKVCacheWrapper`` (backend ``fa2``: one kernel
   family for prefill, decode and mixed steps, any GQA group; decode is the ``qo_len == 1`` case),
   NHD layout with separate K and V pools -- exactly our cache layout -- causal, bottom-right
@@ -39,6 +40,7 @@ import torch
 from ..flashinfer_support import FLASHINFER_DTYPES, flashinfer_attention_unsupported
 from ..flashinfer_support import flashinfer_available as is_available  # noqa: F401  (public per-op name)
 from ..step_plan import HostStep, active_planner
+from ..triton_support import HAS_TRITON
 from .torch_cached_attention import define_cached_attention, token_layout, write_kv
 
 _WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace (split-KV scratch)
@@ -247,8 +249,13 @@ def flashinfer_cached_attention(
     if not ok:
         raise RuntimeError(f"flashinfer_cached_attention cannot run: {missing}. Use the {OTHER_BACKENDS} backend.")
     t, page_size = q.shape[1], k_cache.shape[1]
-    seq_idx, pos = token_layout(seq_lens, input_pos, t)
-    write_kv(k[0], v[0], k_cache, v_cache, seq_idx, pos, page_table)
+    if k.is_cuda and HAS_TRITON:
+        from .triton_kernels.paged_kv_append import append_paged_kv
+
+        append_paged_kv(k[0], v[0], k_cache, v_cache, seq_lens, input_pos, page_table.contiguous())
+    else:
+        seq_idx, pos = token_layout(seq_lens, input_pos, t)
+        write_kv(k[0], v[0], k_cache, v_cache, seq_idx, pos, page_table)
     planner = cast(Optional[FlashInferPlanner], active_planner("flashinfer"))  # registered under that name
     if planner is None:
         if _capturing():

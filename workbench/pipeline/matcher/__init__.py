@@ -1,17 +1,26 @@
 """The declarative pattern matcher: ``Pattern`` (search/replace as eager functions), ``PatternMatcher``
 (backtracking match over exported ATen graphs), and the rewrite helpers transforms share.
 
-``engine``: patterns and matching; ``rewrite``: recording replacements (provenance, fake values);
+``engine``: patterns, matching and applying a match; ``rewrite``: recording replacements (provenance,
+fake values) for the matcher and for transforms that rewrite by hand;
 ``trace``: the tracer patterns and tests use (the pipeline's own).
 """
 
-from .engine import COMMUTATIVE, Match, Pattern, PatternMatcher, PatternTransform, named_args, traced_pattern
+from .engine import (
+    COMMUTATIVE,
+    Match,
+    Pattern,
+    PatternMatcher,
+    PatternTransform,
+    named_args,
+    replace_match,
+    traced_pattern,
+)
 from .rewrite import (
     annotate_new_nodes,
     erase_dead,
     match_info,
     propagate_fake_values,
-    replace_match,
     repropagate_users,
     same_shape,
     same_size,

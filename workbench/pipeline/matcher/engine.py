@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from ..interface import Transform, TransformInfo
 from .anchors import AnchorCache
-from .rewrite import match_info, replace_match
+from .rewrite import annotate_new_nodes, erase_dead, match_info
 from .trace import export_graph_module
 
 if TYPE_CHECKING:
@@ -159,6 +159,37 @@ class Match:
     @property
     def graph_nodes(self) -> List[fx.Node]:
         return list(self.nodes.values())
+
+
+def replace_match(match: Match) -> bool:
+    """Record ``pattern.replace`` into the graph and reroute the outputs' users to it.
+
+    Returns False (graph untouched) if the replacement cannot be placed: it goes right after the
+    last input, which must come before every user of the match's outputs.
+    """
+    gm, graph = match.gm, match.gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    input_nodes = [n for n in match.inputs.values() if isinstance(n, fx.Node)]
+    last = max(input_nodes, key=order.__getitem__) if input_nodes else next(iter(graph.nodes))
+    first_user = min((order[u] for o in match.outputs for u in o.users), default=len(order))
+    if order[last] >= first_user:
+        return False
+    tracer = fx.proxy.GraphAppendingTracer(graph)
+    args = [fx.Proxy(match.inputs[name], tracer) for name in match.pattern.input_names]
+    before = set(graph.nodes)
+    with graph.inserting_before(last.next):
+        result = match.pattern.replace(*args, **match.literals)
+    results = list(result) if isinstance(result, (list, tuple)) else [result]
+    if len(results) != len(match.outputs):
+        raise ValueError(f"pattern {match.pattern.name}: replace returned {len(results)} outputs")
+    new_nodes = [n for n in graph.nodes if n not in before]
+    for old, new in zip(match.outputs, results):
+        old.replace_all_uses_with(new.node if isinstance(new, fx.Proxy) else new)
+    names = {n: n.name for n in match.graph_nodes}
+    erase_dead(graph, match.graph_nodes)
+    replaced = [name for n, name in names.items() if n._erased]  # shared nodes stay: not replaced
+    annotate_new_nodes(gm, new_nodes, replaced, anchor=match.outputs[0])
+    return True
 
 
 class PatternMatcher:
@@ -340,4 +371,13 @@ class PatternTransform(Transform):
         return match_info(gm, PatternMatcher(self.patterns).apply(gm))
 
 
-__all__ = ["Pattern", "PatternMatcher", "PatternTransform", "Match", "traced_pattern", "named_args", "COMMUTATIVE"]
+__all__ = [
+    "Pattern",
+    "PatternMatcher",
+    "PatternTransform",
+    "Match",
+    "traced_pattern",
+    "named_args",
+    "COMMUTATIVE",
+    "replace_match",
+]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import heapq
 import operator
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -18,42 +18,8 @@ from ..graph.utils import symbolic_fake_mode
 from ..interface import rewrite_info
 from ..snapshot import REPLACES_KEY
 
-if TYPE_CHECKING:
-    from .engine import Match
-
 # Meta keys copied from the match's anchor to replacement nodes (viz groups nodes by module).
 _INHERITED_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn")
-
-
-def replace_match(match: "Match") -> bool:
-    """Record ``pattern.replace`` into the graph and reroute the outputs' users to it.
-
-    Returns False (graph untouched) if the replacement cannot be placed: it goes right after the
-    last input, which must come before every user of the match's outputs.
-    """
-    gm, graph = match.gm, match.gm.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    input_nodes = [n for n in match.inputs.values() if isinstance(n, fx.Node)]
-    last = max(input_nodes, key=order.__getitem__) if input_nodes else next(iter(graph.nodes))
-    first_user = min((order[u] for o in match.outputs for u in o.users), default=len(order))
-    if order[last] >= first_user:
-        return False
-    tracer = fx.proxy.GraphAppendingTracer(graph)
-    args = [fx.Proxy(match.inputs[name], tracer) for name in match.pattern.input_names]
-    before = set(graph.nodes)
-    with graph.inserting_before(last.next):
-        result = match.pattern.replace(*args, **match.literals)
-    results = list(result) if isinstance(result, (list, tuple)) else [result]
-    if len(results) != len(match.outputs):
-        raise ValueError(f"pattern {match.pattern.name}: replace returned {len(results)} outputs")
-    new_nodes = [n for n in graph.nodes if n not in before]
-    for old, new in zip(match.outputs, results):
-        old.replace_all_uses_with(new.node if isinstance(new, fx.Proxy) else new)
-    names = {n: n.name for n in match.graph_nodes}
-    erase_dead(graph, match.graph_nodes)
-    replaced = [name for n, name in names.items() if n._erased]  # shared nodes stay: not replaced
-    annotate_new_nodes(gm, new_nodes, replaced, anchor=match.outputs[0])
-    return True
 
 
 def annotate_new_nodes(
@@ -197,12 +163,4 @@ def match_info(gm: fx.GraphModule, counts: Mapping[str, int], **details: Any):
     return rewrite_info(gm, sum(counts.values()), {"matches": dict(counts), **details})
 
 
-__all__ = [
-    "replace_match",
-    "annotate_new_nodes",
-    "propagate_fake_values",
-    "erase_dead",
-    "same_size",
-    "same_shape",
-    "match_info",
-]
+__all__ = ["annotate_new_nodes", "propagate_fake_values", "erase_dead", "same_size", "same_shape", "match_info"]

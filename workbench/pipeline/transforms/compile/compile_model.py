@@ -19,7 +19,8 @@ from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Union, ge
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from ....ops.capture import capture_blockers, summarize_blockers
+from ....ops.backends import AttentionBackend
+from ....ops.capture import HOST_SYNC_TAG, capture_blockers, summarize_blockers
 from ....ops.registry import Choice
 from ....runtime.interface import COMPILE_BACKENDS, BuildRequest, CompileBackend, is_cached_module, module_input_names
 from ...context import PipelineContext
@@ -44,13 +45,26 @@ CAPTURE_HINT = (
 AUTO_NOTES = {"cpu": " (fastest decode measured there)", "cuda": " (every node of the graph can be captured)"}
 
 
-def choose_backend(name: str, device: torch.device, blockers: Mapping[str, str]) -> Choice[CompileBackend]:
+def capture_hint(attention: Optional[Choice[AttentionBackend]]) -> str:
+    """What a user can change so the graph captures. Names the graph's cached-attention choice (the
+    ``ctx.cache.attention`` fact) when its op is one that reads device values on the host."""
+    if attention is None or HOST_SYNC_TAG not in attention.backend.op.tags:
+        return CAPTURE_HINT
+    return f"the cached attention is {attention.name!r} ({attention.why}): " + CAPTURE_HINT
+
+
+def choose_backend(
+    name: str, device: torch.device, blockers: Mapping[str, str], attention: Optional[Choice[AttentionBackend]] = None
+) -> Choice[CompileBackend]:
     """The compile backend for ``name`` (``auto``: ``COMPILE_BACKENDS.auto_order``) on ``device``,
-    given the graph's ``capture_blockers``: a CUDA-graph backend is refused while any node blocks."""
+    given the graph's ``capture_blockers``: a CUDA-graph backend is refused while any node blocks
+    (the refusal names the ``attention`` choice when that is what blocks)."""
 
     def refuse(backend: CompileBackend) -> Optional[str]:
         if backend.cuda_graphs and blockers:
-            return f"cannot capture this graph in CUDA graphs: {summarize_blockers(blockers)}; {CAPTURE_HINT}"
+            return (
+                f"cannot capture this graph in CUDA graphs: {summarize_blockers(blockers)}; {capture_hint(attention)}"
+            )
         return None
 
     choice = COMPILE_BACKENDS.choose(name, device, "compile_model.backend", refuse=refuse)
@@ -147,7 +161,7 @@ class CompileModel(Transform[CompileModelConfig]):
         # nodes a CUDA graph cannot capture (only CUDA runs graphs: elsewhere a CUDA-graph backend is
         # refused as unavailable)
         blockers = capture_blockers(gm) if torch.device(ctx.device).type == "cuda" else {}
-        choice = choose_backend(c.backend, ctx.device, blockers)
+        choice = choose_backend(c.backend, ctx.device, blockers, ctx.cache.attention)
         name, chosen, backend = choice.name, choice.why, choice.backend
         details: Dict[str, Any] = {"backend": name, "chosen": chosen}
         if blockers:
