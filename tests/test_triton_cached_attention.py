@@ -174,11 +174,11 @@ def _interpreter_checks() -> dict:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run the child with TRITON_INTERPRET=1"
     from triton.runtime.interpreter import InterpretedFunction
 
-    from workbench.ops.attention.triton_kernels import (paged_cache_write, paged_decode,
+    from workbench.ops.attention.triton_kernels import (paged_decode, paged_kv_append,
                                                         paged_prefill)
 
     results = {}
-    for kernel in (paged_cache_write.paged_cache_write_kernel, paged_prefill.paged_prefill_kernel,
+    for kernel in (paged_kv_append.paged_kv_append_kernel, paged_prefill.paged_prefill_kernel,
                    paged_decode.paged_decode_kernel, paged_decode.paged_decode_reduce_kernel):
         assert isinstance(kernel, InterpretedFunction), f"{kernel} is compiled, not interpreted"
     assert tca.is_available("cpu")[0]
@@ -316,7 +316,7 @@ def test_bench_exits_cleanly_without_gpu():
 
 
 _INT_POINTERS = {"cu_seqlens_ptr", "input_pos_ptr", "page_table_ptr", "tile_seq_ptr",
-                 "tile_start_ptr", "token_seq_ptr"}
+                 "tile_start_ptr", "token_seq_ptr", "seq_lens_ptr"}
 
 
 # Tuple arguments: (scale, window, cap), and the strides of (q, out, k_cache, v_cache) with the
@@ -358,7 +358,7 @@ def test_kernels_compile_for_hopper():
         from triton.compiler import ASTSource
     except ImportError as e:  # pragma: no cover - depends on the triton version
         pytest.skip(f"this triton has no ahead-of-time compile API: {e}")
-    from workbench.ops.attention.triton_kernels import (paged_cache_write, paged_decode,
+    from workbench.ops.attention.triton_kernels import (paged_decode, paged_kv_append,
                                                         paged_prefill)
 
     if not isinstance(paged_prefill.paged_prefill_kernel, JITFunction):
@@ -367,8 +367,8 @@ def test_kernels_compile_for_hopper():
     shared = dict(PAGE_SIZE=16, HEAD_DIM=64, D_PAD=64, HAS_WINDOW=True, HAS_CAP=True,
                   HAS_SINKS=True)
     variants = [
-        (paged_cache_write.paged_cache_write_kernel, "fp16",
-         dict(NUM_KV_HEADS=3, HEAD_DIM=64, H_PAD=4, D_PAD=64, PAGE_SIZE=16)),
+        (paged_kv_append.paged_kv_append_kernel, "fp16",
+         dict(NUM_KV_HEADS=3, HEAD_DIM=64, H_PAD=4, D_PAD=64, B_PAD=8, PAGE_SIZE=16)),
         (paged_decode.paged_decode_reduce_kernel, "fp16",
          dict(HEAD_DIM=64, D_PAD=64, NUM_SPLITS=8, S_PAD=8)),
     ]

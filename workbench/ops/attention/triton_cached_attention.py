@@ -114,8 +114,8 @@ def cached_attention_forward(
     """
     import triton
 
-    from .triton_kernels.paged_cache_write import paged_cache_write_kernel
     from .triton_kernels.paged_decode import paged_decode_kernel, paged_decode_reduce_kernel
+    from .triton_kernels.paged_kv_append import append_paged_kv
     from .triton_kernels.paged_prefill import paged_prefill_kernel
 
     _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, sliding_window, sinks)
@@ -134,28 +134,11 @@ def cached_attention_forward(
     if t == 0:
         return out
 
-    # cu[i] = first token of sequence i; token_seq[t] = sequence of token t (searchsorted, not
-    # repeat_interleave: no sync, and zero-length sequences are skipped naturally).
+    # the new K/V rows into their pages first: every query tile of a sequence reads all of them
+    append_paged_kv(k3, v3, k_cache, v_cache, seq_lens, input_pos, page_table)
+    # cu[i] = first token of sequence i (the attention kernels' token ranges)
     cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)
     cu[1:] = torch.cumsum(seq_lens, 0)
-    token_seq = torch.searchsorted(cu[1:], torch.arange(t, dtype=torch.int32, device=dev), right=True).to(torch.int32)
-
-    paged_cache_write_kernel[(t,)](
-        k3,
-        v3,
-        k_cache,
-        v_cache,
-        token_seq,
-        cu,
-        input_pos,
-        page_table,
-        (k3.stride(), v3.stride(), k_cache.stride(), v_cache.stride(), page_table.stride(0)),
-        NUM_KV_HEADS=hkv,
-        HEAD_DIM=d,
-        H_PAD=_next_pow2(hkv),
-        D_PAD=_next_pow2(d),
-        PAGE_SIZE=page_size,
-    )
 
     scalars = (float(scale), int(sliding_window or 0), float(logit_cap or 0.0))  # scale, window, cap
     flags = dict(

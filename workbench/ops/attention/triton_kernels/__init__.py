@@ -6,7 +6,8 @@ when a kernel is decorated, so the env var set before the first call decides com
 interpreted for the whole process.
 
 - ``paged_common``: jitted helpers (logical position -> cache row offset, soft-cap).
-- ``paged_cache_write``: scatters the step's new K/V into the pages.
+- ``paged_kv_append``: writes the step's new K/V rows into their pages (one launch; also used by
+  the FlashInfer op).
 - ``paged_prefill``: flash-attention over query tiles of one sequence and its pages (causal).
 - ``paged_decode``: one query token per sequence, the GQA group per program, optional split-K
   plus the kernel that merges the splits.

@@ -29,11 +29,7 @@ def paged_kv_append_kernel(
     input_pos_ptr,
     page_table_ptr,
     num_seqs,
-    k_strides,
-    v_strides,
-    kc_strides,
-    vc_strides,
-    stride_pt,
+    strides,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     H_PAD: tl.constexpr,
@@ -41,7 +37,9 @@ def paged_kv_append_kernel(
     B_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
 ):
-    """Program t: row t of k/v -> (page, slot) of its sequence's next position."""
+    """Program t: row t of k/v -> (page, slot) of its sequence's next position. ``strides``: those
+    of (k, v, k_cache, v_cache) and the page table's row stride."""
+    k_strides, v_strides, kc_strides, vc_strides, stride_pt = strides
     t = tl.program_id(0)
     offs_b = tl.arange(0, B_PAD)
     lens = tl.load(seq_lens_ptr + offs_b, mask=offs_b < num_seqs, other=0)
@@ -101,11 +99,7 @@ def append_paged_kv(
         input_pos,
         page_table,
         seq_lens.shape[0],
-        k.stride(),
-        v.stride(),
-        k_cache.stride(),
-        v_cache.stride(),
-        page_table.stride(0),
+        (k.stride(), v.stride(), k_cache.stride(), v_cache.stride(), page_table.stride(0)),
         NUM_KV_HEADS=hkv,
         HEAD_DIM=d,
         H_PAD=_pow2(hkv),
