@@ -51,7 +51,10 @@ def paged_decode_kernel(
     (contiguous; unused when NUM_SPLITS == 1).
     """
     scale, window, cap = scalars
-    (stride_qt, stride_qh, stride_qd), (stride_ot, stride_oh, stride_od), kc_strides, vc_strides, stride_pt = strides
+    # one name per level: triton < 3.7 cannot hash a kernel whose source unpacks nested tuples
+    q_strides, o_strides, kc_strides, vc_strides, stride_pt = strides
+    stride_qt, stride_qh, stride_qd = q_strides
+    stride_ot, stride_oh, stride_od = o_strides
     j = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)

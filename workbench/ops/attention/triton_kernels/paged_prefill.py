@@ -45,7 +45,10 @@ def paged_prefill_kernel(
     max(0, pos - window + 1) .. pos.
     """
     scale, window, cap = scalars
-    (stride_qt, stride_qh, stride_qd), (stride_ot, stride_oh, stride_od), kc_strides, vc_strides, stride_pt = strides
+    # one name per level: triton < 3.7 cannot hash a kernel whose source unpacks nested tuples
+    q_strides, o_strides, kc_strides, vc_strides, stride_pt = strides
+    stride_qt, stride_qh, stride_qd = q_strides
+    stride_ot, stride_oh, stride_od = o_strides
     tile = tl.program_id(0)
     head = tl.program_id(1)
     b = tl.load(tile_seq_ptr + tile)
