@@ -32,10 +32,6 @@ from ..triton_support import triton_available as is_available  # noqa: F401  (pu
 from .torch_cached_attention import define_cached_attention
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -125,7 +121,7 @@ def cached_attention_forward(
     page_size = k_cache.shape[1]
     b = seq_lens.shape[0]
     num_decode = b - num_prefill
-    d_pad = max(16, _next_pow2(d))  # tl.dot needs K >= 16
+    d_pad = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16
     cfg = _block_sizes(dev, d_pad)
     q3, k3, v3 = q[0], k[0], v[0]  # [T, H, D] views
     page_table = page_table.contiguous()
@@ -213,7 +209,7 @@ def cached_attention_forward(
             scalars,
             strides,
             **flags,
-            G_PAD=max(16, _next_pow2(hq // hkv)),
+            G_PAD=max(16, triton.next_power_of_2(hq // hkv)),
             BLOCK_N=bn,
             NUM_SPLITS=splits,
             num_warps=cfg["num_warps"],
@@ -229,7 +225,7 @@ def cached_attention_forward(
                 HEAD_DIM=d,
                 D_PAD=d_pad,
                 NUM_SPLITS=splits,
-                S_PAD=_next_pow2(splits),
+                S_PAD=triton.next_power_of_2(splits),
             )
     return out
 

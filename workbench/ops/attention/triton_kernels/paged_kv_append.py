@@ -70,10 +70,6 @@ def paged_kv_append_kernel(
     )
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def append_paged_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -102,9 +98,9 @@ def append_paged_kv(
         (k.stride(), v.stride(), k_cache.stride(), v_cache.stride(), page_table.stride(0)),
         NUM_KV_HEADS=hkv,
         HEAD_DIM=d,
-        H_PAD=_pow2(hkv),
-        D_PAD=_pow2(d),
-        B_PAD=max(2, _pow2(seq_lens.shape[0])),
+        H_PAD=triton.next_power_of_2(hkv),
+        D_PAD=triton.next_power_of_2(d),
+        B_PAD=max(2, triton.next_power_of_2(seq_lens.shape[0])),
         PAGE_SIZE=k_cache.shape[1],
     )
 
