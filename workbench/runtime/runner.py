@@ -68,9 +68,8 @@ class CachedRunner:
         self.gathers_last_tokens = LAST_TOKEN_INPUT in self.input_names
         # ops that plan each step on the host (FlashInfer attention): this runner's own planners
         self.planners = planners_for(module, self.device)
-        # the decode layout in the buffers and the one its next step would have (set_step)
+        # the decode layout in the buffers (set_step continues it when the next step is its advance)
         self._layout: Optional[Any] = None
-        self._next_layout: Optional[Any] = None
         self.advanced_steps = 0  # decode steps that only advanced the buffers
         # the module's inputs per (sequences, tokens, prefills): views of fixed buffers, built once
         self._input_lists: Dict[Tuple[int, int, int], List[Any]] = {}
@@ -94,13 +93,13 @@ class CachedRunner:
         A decode step of the same sequences as the step before (the common case) only advances
         the buffers (``SequenceInfo.advance_decode``): new token ids in, positions + 1."""
         layout = decode_layout(step, pad_to)
-        if layout is not None and layout == self._next_layout and self.seq_info.layout_key is self._layout:
+        if layout is not None and self.seq_info.layout_key is self._layout and layout == advanced(self._layout):
             tokens = [r.tokens[r.num_cached] for r, _ in step.items]
             self.seq_info.advance_decode(tokens + [0] * (layout[0] - len(tokens)), len(tokens), layout)
             self.advanced_steps += 1
         else:
             self._set_step_fully(step, sched, pad_to, layout)
-        self._layout, self._next_layout = layout, advanced(layout)
+        self._layout = layout
 
     def pad_rows(self) -> Tuple[int, int]:
         """(page, slot) of padding sequences; only runners that keep a scratch page pad."""
