@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
@@ -132,6 +133,12 @@ class Workbench(PipelineStepper):
                 model, dtype=dtype, device=device, seed=seed, gguf_weights=gguf_weights, custom_models=custom_models
             )
         )
+        # Held by whatever drives this Workbench's runner and caches (generate, answer, a pipeline
+        # step), so calls from several threads (a panel's background run, notebook cells) take turns:
+        # every generate allocates pages from page 0 of the one set of cache tensors, so two at once
+        # write into each other's K/V. Re-entrant: generate runs the pipeline under it. Per
+        # Workbench, so a new one (a re-run cell) never waits for an old one.
+        self.runtime_lock = threading.RLock()
         super().__init__(loaded, entries=entries, device=device, registry=registry, **kwargs)
         # Renders that failed (disk full, a permission change, a bug in viz): the pipeline goes on.
         self.render_failures: List[RenderFailure] = []
@@ -205,6 +212,26 @@ class Workbench(PipelineStepper):
                 )
 
     # ------------------------------------------------------------------ generation (runtime)
+    # The pipeline's steps run under runtime_lock too: the cache and compile stages allocate the
+    # caches and build the runner that a generate reads, and run/run_to check where the pipeline
+    # is before stepping (another thread's generate may have run it to the end in between).
+    def step(self) -> Snapshot:
+        with self.runtime_lock:
+            return super().step()
+
+    def run(self) -> List[Snapshot]:
+        with self.runtime_lock:
+            return super().run()
+
+    def run_to(self, key: str) -> List[Snapshot]:
+        with self.runtime_lock:
+            return super().run_to(key)
+
+    def invalidate(self, index: int) -> None:
+        """``PipelineStepper.invalidate`` under ``runtime_lock``: it swaps the live graph and caches."""
+        with self.runtime_lock:
+            super().invalidate(index)
+
     def generate(self, prompts: Any, max_new_tokens: int = 64, **kwargs: Any):
         """Generate text for one prompt or a list of them on the compiled model.
 
@@ -213,25 +240,29 @@ class Workbench(PipelineStepper):
         several prompts are continuously batched. ``kwargs`` go to ``workbench.runtime.generate``
         (temperature, top_k, top_p, stop_token_ids, stream, seed, truncate_prompt, chat_template).
         Returns a ``GenerationOutput`` (``.text``, ``.texts``, ``.results``, ``.stats`` with tokens/s).
+
+        Calls from several threads take turns (``runtime_lock``): each one's prompts get the whole
+        cache, so batch prompts into one call to run them together.
         """
         from .runtime.generate import default_stop_token_ids, generate
         from .runtime.runner import runner_for
 
-        if not self.done:
-            self.run()
-        tokenizer = self.loaded.tokenizer
-        if "stop_token_ids" not in kwargs:
-            gen_cfg = getattr(self.loaded.model, "generation_config", None)
-            kwargs["stop_token_ids"] = default_stop_token_ids(tokenizer, gen_cfg)
-        runner = runner_for(self.module, self.ctx)
-        return generate(
-            runner,
-            prompts,
-            tokenizer=tokenizer,
-            vocab_size=self.ctx.vocab_size,
-            max_new_tokens=max_new_tokens,
-            **kwargs,
-        )
+        with self.runtime_lock:
+            if not self.done:
+                self.run()
+            tokenizer = self.loaded.tokenizer
+            if "stop_token_ids" not in kwargs:
+                gen_cfg = getattr(self.loaded.model, "generation_config", None)
+                kwargs["stop_token_ids"] = default_stop_token_ids(tokenizer, gen_cfg)
+            runner = runner_for(self.module, self.ctx)
+            return generate(
+                runner,
+                prompts,
+                tokenizer=tokenizer,
+                vocab_size=self.ctx.vocab_size,
+                max_new_tokens=max_new_tokens,
+                **kwargs,
+            )
 
     def backends_line(self) -> str:
         """Where and how the finished pipeline runs, and why: device and dtype, the cached-attention
@@ -245,18 +276,19 @@ class Workbench(PipelineStepper):
         """Run the compiled model on one prompt (greedy) and print which backends ran, the answer and
         its speed -- the last cell of every notebook. A model without a tokenizer (``tiny:``) gets a
         text prompt as UTF-8 byte ids. ``kwargs`` go to ``generate``; returns its ``GenerationOutput``."""
-        if not self.done:
-            self.run()
-        return answer(
-            self,
-            prompt,
-            max_new_tokens,
-            self._where(),
-            self.loaded.tokenizer is not None,
-            self.ctx.vocab_size,
-            self.ctx.runner,
-            **kwargs,
-        )
+        with self.runtime_lock:  # the runner it reports on is the one its generate runs
+            if not self.done:
+                self.run()
+            return answer(
+                self,
+                prompt,
+                max_new_tokens,
+                self._where(),
+                self.loaded.tokenizer is not None,
+                self.ctx.vocab_size,
+                self.ctx.runner,
+                **kwargs,
+            )
 
 
 # help(Workbench) and notebook tooltips: __init__'s parameters, not __new__'s (*args, world_size, **kwargs).
