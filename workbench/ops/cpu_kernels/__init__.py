@@ -22,30 +22,42 @@ activations (``bench/cpu_kernels.py`` measures all of them side by side); and th
 attention spends ~200 us per layer in Python and SDPA set-up for a few hundred keys.
 
 Build: ``torch.utils.cpp_extension.load`` (g++ and ninja; the Makefile installs both) into
-``$WORKBENCH_CACHE_DIR/kernels/<hash of sources, flags, torch version>`` -- about 10 s the first
-time on 2 cores, then a load of the cached ``.so``. ``make install`` builds it ahead of time.
-Needs an x86 CPU with AVX-512 (``torch.backends.cpu.get_cpu_capability()``); elsewhere every op's
-backend reports itself unavailable with the reason, and the transforms keep the reference ops.
+``$WORKBENCH_CACHE_DIR/kernels/<hash of every build input>`` -- 20-80 s the first time on 2 cores,
+then a load of the cached ``.so``; each build is logged with its directory and duration.
+``make install`` builds it ahead of time. The hash covers what ninja compares, not only what the
+library computes: ``build.ninja`` holds absolute paths (this checkout's sources, torch's headers and
+libraries, the compiler), and ninja rebuilds when a command line changes, so two checkouts or venvs
+sharing one directory would rebuild each other's library on every alternate run. Needs an x86 CPU
+with AVX-512 (``torch.backends.cpu.get_cpu_capability()``) and a usable cache directory; otherwise
+every op's backend reports itself unavailable with the reason, and the transforms keep the
+reference ops.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import shutil
+import sys
+import sysconfig
 import tempfile
+import time
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
-from ...cache_dir import cache_root
+from ...cache_dir import cache_root, usable_cache_root
 from ..library import declare_op
 
 SOURCES = ("linear.cpp", "linear_a8.cpp", "attention.cpp", "elementwise.cpp", "vec_math.h")
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+NAME = "workbench_cpu_kernels"
 HERE = Path(__file__).resolve().parent
+logger = logging.getLogger("workbench")
 
 
 def _linear_fake(input, *args, **kwargs):
@@ -84,13 +96,52 @@ declare_op(
 )
 
 
+def _compiler_identity() -> List[str]:
+    """The compiler torch will call, resolved through PATH and symlinks (``c++`` ->
+    ``/usr/bin/x86_64-linux-gnu-g++-12``), with its size and mtime: an upgrade or a different
+    ``$CXX`` gives another build, at the cost of a stat instead of running ``c++ --version``."""
+    from torch.utils import cpp_extension
+
+    name = cpp_extension.get_cxx_compiler()
+    found = shutil.which(name)
+    if found is None:
+        return [name]
+    real = os.path.realpath(found)
+    st = os.stat(real)
+    return [name, real, str(st.st_size), str(st.st_mtime_ns)]
+
+
+def build_inputs() -> List[bytes]:
+    """Everything the built library and its ``build.ninja`` depend on: the sources' contents and
+    absolute paths, the flags, torch's version, headers and libraries, the Python that loads it (a
+    venv's prefix and executable) and the compiler."""
+    from torch.utils import cpp_extension
+
+    parts = [str(HERE / name).encode() + b"\0" + (HERE / name).read_bytes() for name in SOURCES]
+    text = [
+        *FLAGS,
+        *LDFLAGS,
+        NAME,
+        torch.__version__,
+        str(torch.version.git_version),
+        sys.version,
+        sys.prefix,
+        sys.executable,
+        *cpp_extension.include_paths(),
+        cpp_extension.TORCH_LIB_PATH,
+        str(sysconfig.get_path("include", scheme="posix_prefix")),
+        *_compiler_identity(),
+    ]
+    return parts + [t.encode() for t in text]
+
+
 def build_dir() -> Path:
-    """Where the built library is kept: keyed by the sources, flags and torch build, so a change to
-    any of them builds again instead of loading a stale library."""
+    """Where the built library is kept: one directory per distinct set of ``build_inputs()``, so a
+    change to any of them builds once into a new directory, and the same checkout and venv load
+    their own build however many others share the cache."""
     h = hashlib.sha256()
-    for name in SOURCES:
-        h.update((HERE / name).read_bytes())
-    h.update(" ".join(FLAGS).encode() + torch.__version__.encode())
+    for part in build_inputs():
+        h.update(len(part).to_bytes(8, "little") + part)
     root = cache_root() or Path(tempfile.gettempdir())
     return root / "kernels" / f"cpu-{h.hexdigest()[:16]}"
 
@@ -114,6 +165,14 @@ def _pip_ninja() -> bool:
     return True
 
 
+def _library_stamp(directory: Path) -> Optional[Tuple[int, int, int]]:
+    try:
+        st = (directory / f"{NAME}.so").stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 @functools.lru_cache(maxsize=None)
 def load() -> Optional[str]:
     """Build (first time) and load the kernels; None when they are loaded, else why not. Safe to
@@ -121,17 +180,24 @@ def load() -> Optional[str]:
     why = _missing_prerequisite()
     if why is not None:
         return why
+    _, why = usable_cache_root()
+    if why is not None:
+        return f"no place to build the CPU kernels: {why}"
     # cpu_cached_attention's schema is declared by workbench.ops.attention, imported with this package
     from torch.utils import cpp_extension
 
     directory = build_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot create the CPU kernels' build directory {directory} ({e}): point WORKBENCH_CACHE_DIR elsewhere"
+    before, start = _library_stamp(directory), time.perf_counter()
     try:
         cpp_extension.load(
-            name="workbench_cpu_kernels",
+            name=NAME,
             sources=[str(HERE / s) for s in SOURCES if s.endswith(".cpp")],
             extra_cflags=list(FLAGS),
-            extra_ldflags=["-fopenmp"],
+            extra_ldflags=list(LDFLAGS),
             build_directory=str(directory),
             is_python_module=False,
             verbose=False,
@@ -140,6 +206,8 @@ def load() -> Optional[str]:
         lines = str(e).strip().splitlines() or [""]
         first_error = next((ln for ln in lines if "error" in ln.lower()), lines[-1])
         return f"building the CPU kernels in {directory} failed ({type(e).__name__}: {first_error.strip()[:300]})"
+    if _library_stamp(directory) != before:  # ninja relinked: a build, not a load of the cached library
+        logger.warning("built the workbench CPU kernels in %s (%.1f s)", directory, time.perf_counter() - start)
     return None
 
 
