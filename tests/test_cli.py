@@ -23,7 +23,7 @@ def test_bad_override_is_a_clear_error(capsys):
     assert "unknown field 'strct'" in err and "did you mean 'strict'" in err
 
 def test_unknown_model_is_a_clear_error(capsys):
-    assert main(["run", "--model", "no/such-model-xyz"]) == 1
+    assert main(["run", "--model", "no/such-model-xyz"]) == 2  # bad input: a usage error
     err = capsys.readouterr().err
     assert "no/such-model-xyz" in err
 

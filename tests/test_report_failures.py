@@ -84,7 +84,7 @@ def test_an_unwritable_report_dir_is_refused_before_the_pipeline(tmp_path, capsy
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     t0 = time.perf_counter()
-    assert main(["run", *FAST, "--report", str(blocker / "report")]) == 1
+    assert main(["run", *FAST, "--report", str(blocker / "report")]) == 2  # refused up front: usage
     assert time.perf_counter() - t0 < 5  # no model load, no pipeline
     out, err = capsys.readouterr()
     assert "model:" not in out and "transform" not in out
@@ -96,7 +96,7 @@ def test_an_unwritable_report_dir_is_refused_before_the_pipeline(tmp_path, capsy
 def test_a_full_report_disk_is_refused_before_the_pipeline(tmp_path, capsys, monkeypatch):
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=4096))
-    assert main(["run", *FAST, "--report", str(tmp_path / "report")]) == 1
+    assert main(["run", *FAST, "--report", str(tmp_path / "report")]) == 2  # refused up front: usage
     out, err = capsys.readouterr()
     assert "model:" not in out and "transform" not in out
     assert "--report" in err and "full disk" in err and "free some space" in err and "Traceback" not in err

@@ -10,18 +10,10 @@ import sys
 import time
 from typing import List, Optional
 
+from .cli_errors import EXIT_STATUSES, check_run_args, note_flags_that_do_not_apply, say_error, say_interrupted
 from .errors import InputError
-from .pipeline.config import ConfigError
 from .runtime.generate import DEFAULT_PROMPT  # noqa: F401  (re-exported: the CLI's default prompt)
 from .runtime.generate import text_prompt_ids as prompt_token_ids  # noqa: F401  (re-exported)
-
-RUN_EXIT_CODES = (
-    "exit status: 0 when the pipeline ran, the answer was printed and every output asked for was written; "
-    "1 when a --report or --debug-visualize-dir output failed after the pipeline (the answer is still "
-    "printed, then one 'error:' line says what failed and how to fix it), or on bad input or a failing "
-    "transform; 2 on a config error. Without graphviz's dot binary the report leaves its pictures out and "
-    "the renders are .dot sources (said up front; exit 0)."
-)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -83,6 +75,7 @@ def _check_outputs(args: argparse.Namespace, rank: int = 0) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from .parallel.group import torchrun_env
 
+    check_run_args(args)
     ranks = torchrun_env()
     if ranks is not None:  # started by torchrun: this process is one rank, in-process
         return _run_under_torchrun(args, *ranks)
@@ -93,8 +86,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if world_size > 1:  # N rank processes behind one ShardedWorkbench; this process prints
         options.update(world_size=world_size, dist_timeout_s=args.dist_timeout)
     _check_outputs(args)
+    note_flags_that_do_not_apply(args, print)
     t0 = time.perf_counter()
-    wb = Workbench(args.model, **options)
+    wb = args.workbench = Workbench(args.model, **options)  # main() says where a Ctrl-C stopped it
     # This process runs one pipeline and exits: what is alive now (torch, transformers, the loaded
     # model; ~700k objects for smollm2) stays alive to the end. Frozen, it is left out of the
     # collector's full passes, which otherwise walk all of it: smollm2's pipeline, in process,
@@ -121,7 +115,7 @@ def _workbench_options(args: argparse.Namespace) -> dict:
         overrides=args.set,
         debug_visualize_dir=args.debug_visualize_dir,
         numerics=False if args.no_numerics else None,
-        gguf_weights=args.gguf_weights,
+        gguf_weights=args.gguf_weights or "keep",
     )
 
 
@@ -152,7 +146,9 @@ def _run_under_torchrun(args: argparse.Namespace, rank: int, world_size: int, lo
         t0 = time.perf_counter()
         from .api import Workbench
 
-        wb = build_rank_workbench(Workbench, dict(model=args.model, **_workbench_options(args)), dist, local_rank)
+        wb = args.workbench = build_rank_workbench(
+            Workbench, dict(model=args.model, **_workbench_options(args)), dist, local_rank
+        )
         say(f"model: {wb.loaded!r} (loaded in {time.perf_counter() - t0:.1f}s, torchrun rank 0 of {world_size})")
         return _run_and_print(wb, args, say, rank=rank)
     finally:
@@ -171,15 +167,19 @@ def _model_description(wb) -> str:
 
 
 def _table_and_report(wb, args: argparse.Namespace, say, rank: int) -> List[str]:
-    """Print the table, write the report(s); returns the report failures as lines (see run_outputs)."""
-    say(format_table(wb))
-    if not args.report or (_is_sharded(wb) and wb.closed):
-        return []
-    from .viz.run_outputs import write_reports
+    """Print the table, write the report(s); returns the report failures as lines (see run_outputs).
+    Never raises: after a failed transform, an error here must not hide that transform's error."""
+    try:
+        say(format_table(wb))
+        if not args.report or (_is_sharded(wb) and wb.closed):
+            return []
+        from .viz.run_outputs import write_reports
 
-    return write_reports(
-        wb, args.report, range(wb.world_size) if _is_sharded(wb) else [rank], say, sharded=_is_sharded(wb)
-    )
+        return write_reports(
+            wb, args.report, range(wb.world_size) if _is_sharded(wb) else [rank], say, sharded=_is_sharded(wb)
+        )
+    except Exception as e:  # noqa: BLE001 - one line after the run's own outcome
+        return [f"--report {args.report!r}: the table or report could not be written ({type(e).__name__}: {e})"]
 
 
 def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
@@ -190,11 +190,14 @@ def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
     the exit code is 1 (the user asked for that output and did not get it)."""
     try:
         wb.run()
-    except BaseException:
-        # A failing transform still leaves a table and a report of everything before it (a sharded
-        # run whose ranks were brought down keeps its table; its reports died with the ranks).
-        _say_failures(_table_and_report(wb, args, say, rank))
-        raise
+    except (Exception, KeyboardInterrupt) as e:
+        # A failing or interrupted transform still leaves a table and a report of everything before it
+        # (a sharded run whose ranks were brought down keeps its table; its reports died with the
+        # ranks). Its own error comes first and whole; an output that failed too is a line after it.
+        failures = _table_and_report(wb, args, say, rank)
+        code = say_interrupted(wb) if isinstance(e, KeyboardInterrupt) else say_error(e, args)
+        _say_failures(failures)
+        return code
     failures = _table_and_report(wb, args, say, rank)
     say(f"pipeline: {len(wb.snapshots)} transforms in {wb.total_time():.2f}s")
     plan = _plan_rows(wb)
@@ -359,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser(
-        "run", help="run the pipeline on a model and print the per-transform table", epilog=RUN_EXIT_CODES
+        "run", help="run the pipeline on a model and print the per-transform table", epilog=EXIT_STATUSES
     )
     r.add_argument("--model", default="smollm2", help="smollm2 | tiny:<arch> | HF dir | cached HF id")
     r.add_argument(
@@ -368,8 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--gguf-weights",
         choices=("keep", "dequantize"),
-        default="keep",
-        help="GGUF models: keep the file's 4/8-bit weights (default) or dequantize them to fp32",
+        default=None,
+        help="GGUF models: keep the file's 4/8-bit weights (default) or dequantize them to fp32 "
+        "(other models: a note says it has no effect)",
     )
     r.add_argument(
         "--yaml-extra",
@@ -438,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE",
         help="import MODULE first, in every rank (transforms it registers become usable; repeatable)",
     )
+    _traceback_flag(r)
     r.set_defaults(func=cmd_run)
     t = sub.add_parser("transforms", help="list registered transforms, stages and config fields")
     t.set_defaults(func=cmd_transforms)
@@ -457,29 +462,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--quick", action="store_true", help="skip the entries marked slow: true")
     c.add_argument("--out", default=None, metavar="DIR", help="write DIR/check_report.md and DIR/check_report.html")
+    _traceback_flag(c)
     c.set_defaults(func=cmd_check)
     return p
 
 
+def _traceback_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--traceback",
+        action="store_true",
+        help="on an error, print the whole Python traceback before the one 'error:' line (also: WORKBENCH_TRACEBACK=1)",
+    )
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run one command; every failure ends as one ``error:`` line and an exit status (``cli_errors``)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # a usage error: argparse's message and exit status 2
     try:
         return args.func(args)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except InputError as e:  # a model spec, file, device or directory the user gave: one clear line
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except KeyboardInterrupt:
+        if args.func is cmd_check:
+            return say_interrupted(None, "during the check: the rows finished so far are above (and in --out)")
+        return say_interrupted(getattr(args, "workbench", None))
     except Exception as e:  # noqa: BLE001 - the CLI prints one clear line, not a traceback
-        from .parallel.launcher import RankError
-        from .pipeline.interface import TransformError
-
-        if isinstance(e, (TransformError, RankError)):  # a rank's error carries its traceback in the text
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        raise
+        return say_error(e, args)
 
 
 if __name__ == "__main__":

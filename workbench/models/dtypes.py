@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
+
 #: Accepted spellings -> dtype. Only the floating dtypes a model can sensibly run in.
 DTYPE_ALIASES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -34,20 +36,20 @@ def resolve_dtype(x: torch.dtype | str, device: torch.device | str = "cpu") -> t
     """Return the ``torch.dtype`` for ``x`` (a dtype, or a string such as ``"bf16"``; ``"auto"``:
     ``auto_dtype(device)``).
 
-    Strings are case-insensitive and may carry a ``torch.`` prefix. Raises ``ValueError``
+    Strings are case-insensitive and may carry a ``torch.`` prefix. Raises ``InputError`` (a ``ValueError``)
     naming the accepted spellings for anything else (including non-floating dtypes).
     """
     if isinstance(x, str) and x.strip().lower() == "auto":
         return auto_dtype(device)
     if isinstance(x, torch.dtype):
         if x not in _ALLOWED:
-            raise ValueError(f"unsupported model dtype {x}; use one of float32, bfloat16, float16")
+            raise InputError(f"unsupported model dtype {x}; use one of float32, bfloat16, float16")
         return x
     if isinstance(x, str):
         key = x.strip().lower().removeprefix("torch.")
         if key in DTYPE_ALIASES:
             return DTYPE_ALIASES[key]
-    raise ValueError(
+    raise InputError(
         f"unknown dtype {x!r}; accepted: torch.float32/bfloat16/float16 or one of the strings "
         + ", ".join(repr(k) for k in ("auto", *DTYPE_ALIASES))
     )

@@ -25,6 +25,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
+from ..errors import InputError
 from ..pipeline.context import DistInfo
 
 DEFAULT_DIST_TIMEOUT_S = 300.0
@@ -41,12 +42,27 @@ class GroupSpec:
     timeout_s: float = DEFAULT_DIST_TIMEOUT_S
 
     def __post_init__(self):
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        check_world_size(self.world_size)
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"dist_timeout_s must be > 0 seconds, got {self.timeout_s}")
+        check_dist_timeout(self.timeout_s)
+
+
+def check_world_size(world_size: object, name: str = "world_size") -> int:
+    """The one check of a world size, for the API (``world_size``) and the CLI (``--world-size``)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InputError(f"{name} must be a whole number of ranks >= 1, got {world_size!r}; 1 runs in this process")
+    return world_size
+
+
+def check_dist_timeout(seconds: object, name: str = "dist_timeout_s") -> float:
+    """The one check of a collective timeout: a positive, finite number of seconds."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+        raise InputError(
+            f"{name} must be a positive number of seconds, got {seconds!r}; it is how long a rank waits for its "
+            "peers in a collective before failing (default 300)"
+        )
+    return float(seconds)
 
 
 def threads_per_rank(ranks_on_this_machine: int) -> int:
@@ -169,6 +185,8 @@ def torchrun_env(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[
 
 __all__ = [
     "threads_per_rank",
+    "check_world_size",
+    "check_dist_timeout",
     "GroupSpec",
     "FileRendezvous",
     "DEFAULT_DIST_TIMEOUT_S",

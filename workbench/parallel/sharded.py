@@ -21,7 +21,16 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Type, Union
 from ..answer import answer, backends_line
 from ..pipeline.snapshot import snapshot_of, transform_index
 from ..runtime.generate import DEFAULT_PROMPT
-from .group import DEFAULT_DIST_TIMEOUT_S, FileRendezvous, GroupSpec, backend_for, check_devices, threads_per_rank
+from .group import (
+    DEFAULT_DIST_TIMEOUT_S,
+    FileRendezvous,
+    GroupSpec,
+    backend_for,
+    check_devices,
+    check_dist_timeout,
+    check_world_size,
+    threads_per_rank,
+)
 from .launcher import RankError, RankGroup, mp_context
 from .summaries import ShardedSnapshot, SnapshotMerger, sharded_table
 from .worker import RankLaunch, import_modules
@@ -55,7 +64,7 @@ def validate_options(
     ``debug_visualize_dir`` is reported by the ranks as they start (``Workbench`` checks it there)."""
     from ..models import LoadedModel
     from ..models.devices import AUTO, auto_device, resolve_device
-    from ..pipeline.config import resolve_pipeline
+    from ..pipeline.config import resolve_pipeline, yaml_extra_list
     from ..pipeline.interface import TRANSFORMS
 
     refused = sorted(set(options) & set(_REFUSED))
@@ -76,9 +85,13 @@ def validate_options(
     out["device"] = str(auto_device(world_size) if str(device).strip().lower() == AUTO else resolve_device(device))
     # A one-shot iterable of overrides is read once here; the ranks get the same list.
     if "overrides" in out and not isinstance(out["overrides"], Mapping):
-        out["overrides"] = list(out["overrides"])
-    if "yaml_extra" in out:
-        out["yaml_extra"] = [str(Path(y).resolve()) if isinstance(y, (str, Path)) else y for y in out["yaml_extra"]]
+        overrides = out["overrides"]
+        out["overrides"] = [overrides] if isinstance(overrides, str) else list(overrides)
+    if "yaml_extra" in out:  # one path or mapping is a list of one, as in a single-process Workbench
+        out["yaml_extra"] = [
+            str(Path(y).resolve()) if isinstance(y, (str, os.PathLike)) else y
+            for y in yaml_extra_list(out["yaml_extra"])
+        ]
     if not out.get("entries"):
         resolve_pipeline(out.get("yaml_extra", ()), out.get("overrides", ()), out.get("registry", TRANSFORMS))
     if out.get("debug_visualize_dir"):
@@ -113,8 +126,8 @@ class ShardedWorkbench:
     ):
         """``workbench_class``: what each rank builds (``Workbench.__new__`` passes the class it was
         called on); create sharded runs with ``Workbench(..., world_size=N)``."""
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        check_world_size(world_size)
+        dist_timeout_s = check_dist_timeout(dist_timeout_s)
         self.world_size = world_size
         self.workbench_class = workbench_class
         self.worker_imports = tuple([worker_imports] if isinstance(worker_imports, str) else worker_imports)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
+from ..errors import InputError
 from ..pipeline.context import DistInfo
 from .group import GroupSpec, destroy_group, init_group, rank_device
 from .summaries import rank_summary
@@ -87,13 +88,18 @@ def options_for_rank(options: Mapping[str, Any], rank: int, local_rank: int) -> 
     return out
 
 
+class WorkerImportError(InputError, ImportError):
+    """A ``worker_imports`` module that cannot be imported: bad input (the CLI says it in one line),
+    and still an ``ImportError`` for callers that catch that."""
+
+
 def import_modules(names) -> None:
     """Import the user's modules (``worker_imports``): transforms they register become usable."""
     for name in names:
         try:
             importlib.import_module(name)
         except ImportError as e:
-            raise ImportError(
+            raise WorkerImportError(
                 f"worker_imports: cannot import {name!r} ({e}); give an importable module name "
                 "(on sys.path in the parent and in every rank)"
             ) from e

@@ -298,7 +298,7 @@ def build_entries(
 YamlExtra = Union[str, "os.PathLike[str]", Mapping[str, Any]]
 
 
-def _yaml_extra_list(yaml_extra: Union[YamlExtra, Iterable[YamlExtra], None]) -> List[YamlExtra]:
+def yaml_extra_list(yaml_extra: Union[YamlExtra, Iterable[YamlExtra], None]) -> List[YamlExtra]:
     """One path or mapping is a list of one: iterating a path string would read each character as
     a file name."""
     if yaml_extra is None:
@@ -369,7 +369,7 @@ def resolve_pipeline(
     """
     tree = dict(base) if base is not None else load_default_yaml()
     sources = {k: "default.yaml" for k in tree.get("transforms") or {}}
-    for extra in _yaml_extra_list(yaml_extra):
+    for extra in yaml_extra_list(yaml_extra):
         lines: KeyLines = {}
         if isinstance(extra, Mapping):
             name = "yaml_extra"

@@ -21,6 +21,7 @@ alone. The rules, per prompt:
 from __future__ import annotations
 
 import functools
+import numbers
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
+from ..errors import InputError
 from .sampling import SamplingParams, sample
 from .scheduler import Request, Scheduler
 
@@ -61,8 +63,11 @@ DEFAULT_PROMPT = "What is the capital of France?"
 
 def text_prompt_ids(prompt: str, vocab_size: int) -> List[int]:
     """Token ids for a model without a tokenizer (the ``tiny:`` configs): the prompt's UTF-8 bytes
-    modulo the vocabulary, so the same prompt always gives the same ids."""
-    return [b % vocab_size for b in prompt.encode("utf-8")] or [0]
+    modulo the vocabulary, so the same prompt always gives the same ids. An empty prompt has no
+    token to continue from: refused, as for a model with a tokenizer."""
+    if not prompt:
+        raise InputError("the prompt is empty: there is no token to continue from; give some text")
+    return [b % vocab_size for b in prompt.encode("utf-8")]
 
 
 @dataclass
@@ -175,26 +180,49 @@ class GenerationOutput:
 # ------------------------------------------------------------------------------ prompts
 
 
+PROMPTS_HELP = "a string, a chat message list, a list of token ids, a [batch, tokens] tensor, or a list of them"
+
+
+def _is_token_id(t: Any) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
 def as_prompt_list(prompts: Any) -> List[Any]:
-    """One prompt (a string, a message list, token ids) or a list of them -> a list of prompts."""
-    if isinstance(prompts, (str, torch.Tensor)):
+    """One prompt (a string, a message list, token ids) or a list of them -> a list of prompts.
+    A 2-D tensor is one prompt per row. Anything else (None, a number, no prompt at all) is an
+    ``InputError``: the call itself is wrong, unlike one bad prompt among several (see ``generate``)."""
+    if isinstance(prompts, torch.Tensor):
+        return list(prompts) if prompts.dim() == 2 else [prompts]
+    if isinstance(prompts, str):
         return [prompts]
+    if prompts is None or isinstance(prompts, (bytes, numbers.Number, dict)):
+        raise InputError(f"prompts: expected {PROMPTS_HELP}; got {type(prompts).__name__} {prompts!r}"[:300])
     prompts = list(prompts)
-    if prompts and all(isinstance(p, dict) for p in prompts):
+    if not prompts:
+        raise InputError(f"prompts: the list is empty; give {PROMPTS_HELP}")
+    if all(isinstance(p, dict) for p in prompts):
         return [prompts]  # one conversation
-    if prompts and all(isinstance(p, int) for p in prompts):
-        return [prompts]  # one prompt of token ids
+    if all(isinstance(p, numbers.Number) for p in prompts):
+        return [prompts]  # one prompt of token ids (non-integer ids are refused by encode_prompt)
     return prompts
 
 
 def encode_prompt(prompt: Any, tokenizer: Any, chat_template: Optional[bool]) -> List[int]:
     """Token ids of one prompt; ``chat_template`` None means: use it when the tokenizer has one."""
     if isinstance(prompt, torch.Tensor):
+        if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+            raise ValueError(f"token ids must be integers, got a {str(prompt.dtype).replace('torch.', '')} tensor")
         prompt = prompt.flatten().tolist()
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-        return list(prompt)
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Number) for t in prompt):
+        wrong = next((t for t in prompt if not _is_token_id(t)), None)
+        if wrong is not None:
+            raise ValueError(f"token ids must be ints, got {type(wrong).__name__} {wrong!r} in {list(prompt)[:8]}")
+        return [int(t) for t in prompt]
     if tokenizer is None:
-        raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
+        raise ValueError(
+            "this model has no tokenizer (a random tiny: model): pass prompts as token-id lists such as "
+            "[1, 2, 3], or use Workbench.answer(text), which turns text into UTF-8 byte ids"
+        )
     has_template = getattr(tokenizer, "chat_template", None) is not None
     if isinstance(prompt, str):
         if chat_template is False or (chat_template is None and not has_template) or not prompt:
@@ -270,9 +298,14 @@ def generate(
     for every generated token as it is produced. ``profile_steps``: split each decode step's time
     into host and device parts (``stats.decode_step_ms``, see ``StepProfiler``).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not _is_token_id(max_new_tokens) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
     params = SamplingParams(temperature, top_k, top_p)
+    if stop_token_ids is not None:
+        given = stop_token_ids
+        stop_token_ids = None if isinstance(given, (str, bytes)) else list(given)
+        if stop_token_ids is None or not all(map(_is_token_id, stop_token_ids)):
+            raise InputError(f"stop_token_ids: expected a list of int token ids ([] never stops early), got {given!r}")
     stops = frozenset(stop_token_ids) if stop_token_ids is not None else default_stop_token_ids(tokenizer)
     sched: Scheduler = runner.scheduler()
     capacity = sched.capacity()
@@ -292,6 +325,8 @@ def generate(
             sched.add(req)
         except ValueError as e:
             req.finish_reason, req.error = "error", str(e)
+    if all(r.error for r in requests):  # nothing to generate: the call is wrong, say it instead of returning no tokens
+        raise InputError("; ".join(f"prompt {r.index}: {r.error}" for r in requests)[:2000])
 
     stats = GenerationStats(
         num_prompts=len(requests),

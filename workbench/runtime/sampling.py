@@ -12,6 +12,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ..errors import InputError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,11 +23,11 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+            raise InputError(f"top_k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:
