@@ -23,6 +23,7 @@ from .pipeline.config import apply_global_field, resolve_pipeline
 from .pipeline.interface import TRANSFORMS
 from .pipeline.snapshot import Snapshot
 from .pipeline.stepper import PipelineStepper
+from .pipeline.transforms.caches.fit import check_limits_early
 from .runtime.generate import DEFAULT_PROMPT
 
 logger = logging.getLogger("workbench")
@@ -140,6 +141,11 @@ class Workbench(PipelineStepper):
         # Workbench, so a new one (a re-run cell) never waits for an old one.
         self.runtime_lock = threading.RLock()
         super().__init__(loaded, entries=entries, device=device, registry=registry, **kwargs)
+        # The limits against memory now, with the K/V bytes estimated from the config: a limit too
+        # large fails here, naming it, instead of in initialize_cache after the pipeline ran to it.
+        check_limits_early(
+            self.entries, self.limits, loaded.config, self.ctx.dtype, self.ctx.device, self.ctx.dist.world_size
+        )
         # Renders that failed (disk full, a permission change, a bug in viz): the pipeline goes on.
         self.render_failures: List[RenderFailure] = []
         self.on_snapshot.append(self._visualize)

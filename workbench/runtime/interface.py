@@ -10,7 +10,8 @@ the steps and builds the runners. What crosses the seam:
 * the names of a cached graph's step inputs (``TOKEN_INPUTS``, ``METADATA_INPUTS``,
   ``LAST_TOKEN_INPUT``, ``SLOT_INPUT``, ``INPUT_KEY``) and ``module_input_names`` / ``is_cached_module``;
 * what the cache stage asks the runtime to do: ``allocate_caches``, ``prefill_forward`` (a measured
-  forward), ``CachedProbe`` (the numerics probe of a cached graph);
+  forward), ``CachedProbe`` (the numerics probe of a cached graph), and what a runner's step buffers
+  cost (``step_buffer_bytes``: checked against free memory with the pool before allocating);
 * the compile backends (``COMPILE_BACKENDS``: ``unavailable_reason``, ``build``) that
   ``compile_model`` looks up by name.
 """
@@ -27,6 +28,7 @@ from .sequence_info import (
     TOKEN_INPUTS,
     is_cached_module,
     module_input_names,
+    step_buffer_bytes,
 )
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "RuntimeLimits",
     "add_specs",
     "allocate_caches",
+    "step_buffer_bytes",
     "CachedProbe",
     "prefill_forward",
     "run_cached",

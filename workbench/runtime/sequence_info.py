@@ -72,6 +72,13 @@ class SequenceInfo:
         self.pages: List[List[int]] = []
         self.page_size = 1
 
+    @staticmethod
+    def buffer_bytes(max_batch_size: int, max_num_tokens: int, max_pages_per_seq: int) -> int:
+        """Bytes ``__init__`` allocates on the device for these sizes: the page table
+        ``[max_batch_size, max_pages_per_seq]`` int32, ids and positions ``[1, max_num_tokens]``
+        int64, four ``[max_batch_size]`` vectors."""
+        return 4 * max_batch_size * max_pages_per_seq + 16 * max_num_tokens + 20 * max_batch_size
+
     @classmethod
     def from_config(cls, cfg, device: torch.device | str = "cpu") -> "SequenceInfo":
         """Buffers sized for a ``KVCacheConfig``."""
@@ -219,7 +226,14 @@ def is_cached_module(module: torch.nn.Module) -> bool:
     return "seq_lens" in module_input_names(module)
 
 
+def step_buffer_bytes(cfg) -> int:
+    """Bytes of the buffers a runner (or a one-off forward) of the ``KVCacheConfig`` ``cfg``
+    allocates on its device: what the cache stage adds to the pool when it checks the limits fit."""
+    return SequenceInfo.buffer_bytes(cfg.max_batch_size, cfg.max_num_tokens, cfg.max_pages_per_seq)
+
+
 __all__ = [
+    "step_buffer_bytes",
     "SequenceInfo",
     "TOKEN_INPUTS",
     "METADATA_INPUTS",

@@ -12,6 +12,8 @@ and the allocation of the caches.
     hidden_states.py       detect_hidden_states_for_capture
     gather_logits.py       gather_logits_before_lm_head
     alloc.py               initialize_cache, resize_kv_cache
+    memory.py              the limits against free memory, before allocating: bytes, what to lower
+    fit.py                 the same check when a Workbench is built (K/V bytes estimated from the config)
     transformers_mode.py   detect_hf_attn_layers, transformers_replace_cached_attn (the HF model, no export)
     inputs.py              the graph inputs the cache transforms add (metadata, caches, slots)
 """

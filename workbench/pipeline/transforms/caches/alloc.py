@@ -5,6 +5,8 @@ Two phases, because how much memory the cache may take is only known once the mo
 1. ``initialize_cache`` reads the ``CacheSpec``s the insert transforms declared
    (``ctx.cache.specs``) and allocates them with a conservative number of pages -- enough
    for one max-length sequence and one full step of ``max_num_tokens`` -- so a forward can run.
+   Limits that could not fit in memory are refused before allocating (``memory.py``; ``fit.py``
+   runs the same check with estimated K/V bytes when the ``Workbench`` is built).
 2. ``resize_kv_cache`` runs one forward on those caches to measure activation memory, then
    re-allocates the pool at its working size: on a GPU ``free_mem_ratio`` of the memory left once
    weights and the activation peak are accounted for; on CPU, where "free memory" is meaningless
@@ -20,6 +22,7 @@ Neither transform changes the graph.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Dict, Optional, Tuple
 
@@ -31,6 +34,7 @@ from ....models.dtypes import resolve_dtype
 from ....runtime.interface import KVCacheConfig, allocate_caches, prefill_forward
 from ...context import CACHE_SPECS, KV_CACHE, PipelineContext
 from ...interface import Transform, TransformConfig, TransformInfo, register
+from .memory import check_fits
 from .state_rewrite import uncached_state_ops
 
 logger = logging.getLogger("workbench.pipeline")
@@ -87,6 +91,14 @@ def conservative_pages(cfg: KVCacheConfig) -> int:
     return min(max(cfg.max_pages_per_seq, one_step), cfg.pages_to_fill())
 
 
+def pool_pages(cfg: KVCacheConfig, num_pages: Optional[int] = None) -> int:
+    """The pages ``initialize_cache`` allocates: its ``num_pages`` field, else conservative ones (a
+    model without paged caches, pure SSM, pays nothing per page: it gets every page its limits use)."""
+    if num_pages:
+        return num_pages
+    return conservative_pages(cfg) if cfg.bytes_per_page() else cfg.pages_to_fill()
+
+
 def _no_specs(key: str) -> TransformInfo:
     return TransformInfo(
         num_matches=0,
@@ -132,7 +144,16 @@ class InitializeCache(Transform[InitializeCacheConfig]):
         )
         lim = ctx.limits
         cfg = KVCacheConfig(lim, 1, resolve_dtype(c.dtype) if c.dtype else ctx.dtype, tuple(ctx.cache.specs))
-        cfg = cfg.with_pages(c.num_pages or (conservative_pages(cfg) if cfg.bytes_per_page() else cfg.pages_to_fill()))
+        pages = functools.partial(pool_pages, num_pages=c.num_pages)
+        cfg = cfg.with_pages(pages(cfg))
+        # before allocating: a limit too large fails naming it, not as numpy's MemoryError
+        check_fits(
+            cfg,
+            ctx.device,
+            pages,
+            model_config=ctx.config if ctx.loaded is not None else None,
+            pages_field=f"{self.key}.num_pages" if c.num_pages else "",
+        )
         caches = allocate_caches(cfg, ctx.device)
         ctx.cache.tensors = {**ctx.cache.tensors, **caches}
         ctx.cache.config = cfg
@@ -238,4 +259,4 @@ class ResizeKVCache(Transform[ResizeKVCacheConfig]):
         return mod, TransformInfo(num_matches=0, details=details)
 
 
-__all__ = ["InitializeCache", "ResizeKVCache", "conservative_pages"]
+__all__ = ["InitializeCache", "ResizeKVCache", "conservative_pages", "pool_pages"]
