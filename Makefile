@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= --durations=25  # the slowest tests, printed after every run: where the suite's time goes
+# pytest-xdist workers: one per core, at most 4 (each loads its own models); 0 on one core. Whole
+# files go to one worker (--dist loadfile): a notebook's cells run in order in one kernel, and a
+# module's fixtures are built once. `make test PYTEST_WORKERS=0` runs everything in this process.
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); if [ $$n -gt 4 ]; then n=4; elif [ $$n -lt 2 ]; then n=0; fi; echo $$n)
 
 .PHONY: demo test lint install bytecode system-deps clean wheelhouse gpu-check
 
@@ -66,7 +70,7 @@ lint: install
 
 # pytest exits 5 when it collected nothing: that must never pass silently.
 test: install bytecode lint
-	@set +e; $(PY) -m pytest -q $(NBVAL_ARGS) $(TEST_PATHS) $(PYTEST_ARGS); rc=$$?; \
+	@set +e; $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(NBVAL_ARGS) $(TEST_PATHS) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; exit $$rc
 
 # ---------------------------------------------------------------------------------- GPU machines

@@ -8,6 +8,15 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.manual_seed(0)
 
+# Under pytest-xdist (`make test` runs one worker per core, up to 4) each worker gets its share of
+# the cores -- torch's threads here, OpenMP's in what it starts (notebook kernels, CLI processes) --
+# instead of every worker spinning threads on every core.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS > 1:
+    _SHARE = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_SHARE)
+    torch.set_num_threads(_SHARE)
+
 
 @pytest.fixture(autouse=True)
 def seeded():
