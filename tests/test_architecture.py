@@ -154,7 +154,8 @@ def test_every_transform_lives_in_a_family_package():
     import workbench.pipeline.transforms  # noqa: F401  (discovers every family)
 
     assert len(list(TRANSFORMS)) >= 60
-    homes = {key: cls.__module__ for key, cls in TRANSFORMS.items()}
+    # transforms that tests register (tests/sharding_faults.py) may share this process: only workbench's own
+    homes = {key: cls.__module__ for key, cls in TRANSFORMS.items() if cls.__module__.startswith("workbench.")}
     assert all(_family(m) for m in homes.values()), {k: m for k, m in homes.items() if not _family(m)}
     flat = sorted(p.name for p in (ROOT / "pipeline" / "transforms").glob("*.py"))
     assert flat == ["__init__.py"], flat  # modules live in family packages
