@@ -301,3 +301,18 @@ def test_a_failing_transform_keeps_the_snapshots_and_run_resumes(tiny_llama, mon
     monkeypatch.undo()
     bench.run()
     assert bench.done and [s.key for s in bench.snapshots][: len(finished)] == finished
+
+
+@pytest.mark.parametrize(
+    "options, error, fragment",
+    [
+        ({"max_seq_len": 0}, InputError, "max_seq_len must be a whole number >= 1, got 0"),
+        ({"max_batch_size": 2.5}, InputError, "max_batch_size must be a whole number >= 1, got 2.5"),
+        ({"page_size": "16"}, InputError, "page_size must be a whole number >= 1, got '16'"),
+        ({"max_seq": 5}, TypeError, "Workbench: unknown option(s) ['max_seq'] ('max_seq': did you mean 'max_seq_len'?)"),
+    ],
+)
+def test_runtime_limits_and_option_names_are_checked_at_construction(tiny_llama, options, error, fragment):
+    with pytest.raises(error) as e:
+        Workbench(tiny_llama, numerics=False, **options)
+    assert fragment in str(e.value)

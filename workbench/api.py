@@ -7,6 +7,7 @@ the pipeline package must not import itself (viz).
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
 import threading
@@ -101,6 +102,12 @@ class Workbench(PipelineStepper):
             from .parallel.worker import import_modules
 
             import_modules([worker_imports] if isinstance(worker_imports, str) else worker_imports)
+        unknown = sorted(set(kwargs) - _STEPPER_ARGS)
+        if unknown:  # said as Workbench's, with the nearest names, not as PipelineStepper's TypeError
+            known = sorted((set(inspect.signature(Workbench.__init__).parameters) | _STEPPER_ARGS) - {"self", "kwargs"})
+            near = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
+            hints = "".join(f" ({u!r}: did you mean {m[0]!r}?)" for u, m in near.items() if m)
+            raise TypeError(f"Workbench: unknown option(s) {unknown}{hints}; known: {known}")
         # Everything the caller gave, so that with_options() can build the same Workbench again.
         self.options: Dict[str, Any] = dict(
             model=model,

@@ -76,7 +76,7 @@ class PipelineStepper:
         # write) ctx.limits, generate reads the cache built from it.
         self.limits = RuntimeLimits(
             max_batch_size=max_batch_size,
-            max_seq_len=max_seq_len or min(int(max_pos), 4096),
+            max_seq_len=max_seq_len if max_seq_len is not None else min(int(max_pos), 4096),
             max_num_tokens=max_num_tokens,
             page_size=page_size,
         )

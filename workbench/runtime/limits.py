@@ -9,8 +9,11 @@ instead of copies of them, so a limit has one value wherever it is read.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Tuple
+
+from ..errors import InputError
 
 DEFAULT_MAX_NUM_TOKENS = 2048
 
@@ -26,11 +29,12 @@ class RuntimeLimits:
     overrides: Tuple[str, ...] = ()  # "initialize_cache.max_batch_size: 64 -> 8", in order
 
     def __post_init__(self):
-        for name in ("max_batch_size", "max_seq_len", "page_size"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_num_tokens is not None and self.max_num_tokens < 1:
-            raise ValueError(f"max_num_tokens must be >= 1, got {self.max_num_tokens}")
+        for name in ("max_batch_size", "max_seq_len", "page_size", "max_num_tokens"):
+            value = getattr(self, name)
+            if name == "max_num_tokens" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise InputError(f"{name} must be a whole number >= 1, got {value!r}")
 
     @property
     def num_tokens(self) -> int:
