@@ -316,3 +316,14 @@ def test_runtime_limits_and_option_names_are_checked_at_construction(tiny_llama,
     with pytest.raises(error) as e:
         Workbench(tiny_llama, numerics=False, **options)
     assert fragment in str(e.value)
+
+
+def test_a_value_outside_a_union_of_literals_is_one_line_of_allowed_values(wb):
+    from workbench.pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        wb.configure("compile_model", backend="nope")
+    assert str(e.value).splitlines()[1:] == [
+        "  - field 'backend': Input should be 'auto' or 'torch-simple', 'torch-compile', 'torch-cudagraph' or "
+        "'torch-opt' (got 'nope')"
+    ]

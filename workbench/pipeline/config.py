@@ -250,14 +250,23 @@ def validation_messages(err: ValidationError, known, root: str = "<root>") -> Li
     """One line per pydantic error: an unknown field with the closest known one, or the field's problem."""
     known = sorted(known)
     out = []
+    unions: Dict[str, Tuple[List[str], Any]] = {}  # field -> (allowed values, input) of a union of Literals
     for e in err.errors():
-        field = ".".join(str(x) for x in e["loc"]) or root
+        loc = e["loc"]
+        if e["type"] == "literal_error" and len(loc) == 2 and str(loc[1]).startswith("literal["):
+            # ``Union[Literal["auto"], Literal[...]]``: pydantic reports each member; say one allowed list
+            allowed, _ = unions.setdefault(str(loc[0]), ([], e.get("input")))
+            allowed.append(str(e.get("ctx", {}).get("expected", "")))
+            continue
+        field = ".".join(str(x) for x in loc) or root
         if e["type"] == "extra_forbidden":
             close = difflib.get_close_matches(str(e["loc"][0]), known, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             out.append(f"unknown field '{field}'{hint}; known fields: {', '.join(known)}")
         else:
             out.append(f"field '{field}': {e['msg']} (got {e.get('input')!r})")
+    for field, (allowed, given) in unions.items():
+        out.append(f"field '{field}': Input should be {' or '.join(a for a in allowed if a)} (got {given!r})")
     return out
 
 
