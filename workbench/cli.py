@@ -12,55 +12,9 @@ from typing import List, Optional
 
 from .cli_errors import EXIT_STATUSES, check_run_args, note_flags_that_do_not_apply, say_error, say_interrupted
 from .errors import InputError
+from .run_summary import format_table, pipeline_line, summary_block
 from .runtime.generate import DEFAULT_PROMPT  # noqa: F401  (re-exported: the CLI's default prompt)
 from .runtime.generate import text_prompt_ids as prompt_token_ids  # noqa: F401  (re-exported)
-
-
-def _fmt_bytes(n: int) -> str:
-    if n == 0:
-        return "0"
-    return f"{n / 2**20:+.1f}MiB"
-
-
-def _fmt_num(snap) -> str:
-    n = snap.numerics
-    if n is None:
-        return "off"
-    if not n.ok:
-        return "n/a"
-    return f"rmse {n.rmse_ratio:.1e} max {n.max_abs:.1e} top1 {n.top1_agreement:.0%}"
-
-
-def format_table(stepper) -> str:
-    """Fixed-width per-transform table: stage, key, status, matches, time, nodes, memory, numerics."""
-    header = ("#", "stage", "transform", "status", "match", "time", "nodes", "Δnodes", "Δmem", "numerics")
-    rows, prev = [], 0
-    for s in stepper.snapshots:
-        rows.append(
-            (
-                str(s.index),
-                s.stage.value,
-                s.key,
-                s.status,
-                str(s.info.num_matches),
-                f"{s.times.total:.3f}s",
-                str(s.num_nodes),
-                f"{s.num_nodes - prev:+d}",
-                _fmt_bytes(s.mem_delta) + (" !" if s.mem_warning else ""),
-                _fmt_num(s),
-            )
-        )
-        prev = s.num_nodes
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    out = [line(header), line(tuple("-" * w for w in widths))] + [line(r) for r in rows]
-    notes = [f"  ! {s.key}: {s.mem_warning}" for s in stepper.snapshots if s.mem_warning]
-    notes += [
-        f"  {s.key}: {s.info.skip_reason or s.info.details['summary']}"
-        for s in stepper.snapshots
-        if (s.info.skip_reason and s.info.skip_reason != "disabled") or s.info.details.get("summary")
-    ]
-    return "\n".join(out + notes)
 
 
 def _check_outputs(args: argparse.Namespace, rank: int = 0) -> None:
@@ -95,7 +49,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # 3 full passes took 0.72 s of 9.5 s, 0.32-0.36 s frozen (5 smaller passes).
     gc.freeze()
     try:
-        load_s = time.perf_counter() - t0
+        load_s = args.load_s = time.perf_counter() - t0
         # world_size > 1: Workbench.__new__ made a ShardedWorkbench, which has these
         where = f", world size {world_size} ({wb.start_method})" if world_size > 1 else ""  # type: ignore[attr-defined]
         print(f"model: {_model_description(wb)} (loaded in {load_s:.1f}s{where})")
@@ -170,7 +124,7 @@ def _table_and_report(wb, args: argparse.Namespace, say, rank: int) -> List[str]
     """Print the table, write the report(s); returns the report failures as lines (see run_outputs).
     Never raises: after a failed transform, an error here must not hide that transform's error."""
     try:
-        say(format_table(wb))
+        say(format_table(wb, verbose=args.verbose))
         if not args.report or (_is_sharded(wb) and wb.closed):
             return []
         from .viz.run_outputs import write_reports
@@ -188,6 +142,7 @@ def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
 
     The answer comes first: a report or render that failed is one ``error:`` line after it, and
     the exit code is 1 (the user asked for that output and did not get it)."""
+    t0 = time.perf_counter()
     try:
         wb.run()
     except (Exception, KeyboardInterrupt) as e:
@@ -198,8 +153,10 @@ def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
         code = say_interrupted(wb) if isinstance(e, KeyboardInterrupt) else say_error(e, args)
         _say_failures(failures)
         return code
+    wall_s = time.perf_counter() - t0
     failures = _table_and_report(wb, args, say, rank)
-    say(f"pipeline: {len(wb.snapshots)} transforms in {wb.total_time():.2f}s")
+    pipeline = pipeline_line(wb, wall_s)
+    say(pipeline)
     plan = _plan_rows(wb)
     if plan:
         say(format_plan(plan))
@@ -216,8 +173,8 @@ def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
         from .viz.outputs import dot_available
 
         say(f"renders: {args.debug_visualize_dir}" + ("" if dot_available() else " (Graphviz sources: no dot binary)"))
-    if args.max_new_tokens > 0:
-        _generate(wb, args.prompt, args.max_new_tokens, say)
+    out = _generate(wb, args.prompt, args.max_new_tokens, say) if args.max_new_tokens > 0 else None
+    say(_summary(wb, out, pipeline, getattr(args, "load_s", None)))
     if args.debug_visualize_dir:
         from .viz.run_outputs import render_failures
 
@@ -274,7 +231,28 @@ def format_plan(rows: list) -> str:
     return "\n".join(lines)
 
 
-def _generate(wb, prompt: str, max_new_tokens: int, say=print) -> None:
+def _summary(wb, out, pipeline: str, load_s) -> str:
+    """The summary block (``run_summary.summary_block``) of this run."""
+    result = out.results[0] if out is not None else None
+    answer = None
+    if result is not None:
+        answer = f"error: {result.error}" if result.error else (result.text or str(result.token_ids))
+    weights = cache = None
+    if not _is_sharded(wb) and wb.snapshots:
+        last = wb.snapshots[-1].mem_after
+        weights, cache = last.param_bytes + last.buffer_bytes, wb.ctx.cache_bytes()
+    return summary_block(
+        answer=answer,
+        backends=wb.backends_line(),
+        stats=out.stats if out is not None else None,
+        weights_bytes=weights,
+        cache_bytes=cache,
+        load_s=load_s,
+        pipeline=pipeline,
+    )
+
+
+def _generate(wb, prompt: str, max_new_tokens: int, say=print):
     """The end of `workbench run`: answer ``prompt`` with the compiled model (greedy)."""
     if _is_sharded(wb):
         has_tokenizer, vocab_size = wb.has_tokenizer, wb.vocab_size
@@ -288,13 +266,13 @@ def _generate(wb, prompt: str, max_new_tokens: int, say=print) -> None:
         say(f"prompt: {prompt}")
         out = wb.generate(prompt, max_new_tokens=max_new_tokens)
     result = out.results[0]
-    say(f"ran: {wb.backends_line()}")
     if result.error is not None:
         say(f"output: error: {result.error}")
     elif result.text is not None:
         say(f"output: {result.text}")
     say(f"tokens: {result.token_ids}")
     say(f"generate: {out.stats}")
+    return out
 
 
 def _spec_of(wb) -> str:
@@ -403,6 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
         "pictures); checked before the pipeline, a failure after it is one line and exit 1",
     )
     r.add_argument("--no-numerics", action="store_true", help="skip the per-step numerics probe")
+    r.add_argument(
+        "--verbose",
+        action="store_true",
+        help="list every transform of the table and every note (default: the ones that changed nothing on "
+        "this model are folded into one line per stage)",
+    )
     r.add_argument(
         "--prompt",
         default=DEFAULT_PROMPT,
