@@ -61,12 +61,14 @@ demo: install bytecode
 TEST_PATHS ?= tests notebooks cookbooks
 NBVAL_ARGS ?= --nbval-lax --nbval-current-env
 
-# The habits CI keeps: ruff's lint rules and format, and mypy (settings in pyproject.toml), over workbench/.
+# The habits CI keeps: ruff's lint rules and format, and mypy (settings in pyproject.toml), over workbench/;
+# and notebooks committed without outputs.
 # `ruff format workbench` fixes a format failure; `ruff check --fix workbench` most lint failures.
 lint: install
 	$(VENV)/bin/ruff check workbench
 	$(VENV)/bin/ruff format --check workbench
 	$(VENV)/bin/mypy
+	$(PY) tools/clean_notebooks.py  # committed notebooks carry no outputs (--strip removes them)
 
 # pytest exits 5 when it collected nothing: that must never pass silently.
 test: install bytecode lint
