@@ -124,7 +124,7 @@ def _table_and_report(wb, args: argparse.Namespace, say, rank: int) -> List[str]
     """Print the table, write the report(s); returns the report failures as lines (see run_outputs).
     Never raises: after a failed transform, an error here must not hide that transform's error."""
     try:
-        say(format_table(wb, verbose=args.verbose))
+        say(format_table(wb, verbose=args.verbose, keep=_configured_keys(args)))
         if not args.report or (_is_sharded(wb) and wb.closed):
             return []
         from .viz.run_outputs import write_reports
@@ -134,6 +134,19 @@ def _table_and_report(wb, args: argparse.Namespace, say, rank: int) -> List[str]
         )
     except Exception as e:  # noqa: BLE001 - one line after the run's own outcome
         return [f"--report {args.report!r}: the table or report could not be written ({type(e).__name__}: {e})"]
+
+
+def _configured_keys(args: argparse.Namespace) -> set:
+    """The transform keys the user's ``--set`` and ``--yaml-extra`` name: their rows are never folded."""
+    from .pipeline.config import load_yaml_file
+
+    keys = {o.split("=", 1)[0].split(".", 1)[0].strip() for o in args.set}
+    for path in args.yaml_extra:
+        try:
+            keys |= set((load_yaml_file(path).get("transforms") or {}).keys())
+        except Exception:  # noqa: BLE001 - the pipeline read it already; a row folded is all that is at stake
+            continue
+    return keys
 
 
 def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:

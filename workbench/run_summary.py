@@ -14,7 +14,7 @@ and where the time went (load, transforms, numerics probes).
 from __future__ import annotations
 
 import resource
-from typing import Any, List, Optional, Sequence
+from typing import Any, Iterable, List, Optional, Sequence
 
 MILESTONES = ("export_to_gm", "load_weights", "compile_model")  # always a row: the story's landmarks
 
@@ -36,10 +36,9 @@ def _fmt_num(snap) -> str:
 
 def changed_nothing(snap, prev_nodes: int) -> bool:
     """A transform that left this model as it was: no match, same node count, no memory moved, no
-    warning, not failed -- and not one of the milestones, nor one the user disabled (a row confirms it)."""
+    warning, not failed (disabled ones included) -- and not one of the milestones."""
     return (
         snap.key not in MILESTONES
-        and snap.info.skip_reason != "disabled"
         and snap.info.num_matches == 0
         and snap.num_nodes == prev_nodes
         and snap.mem_delta == 0
@@ -56,16 +55,18 @@ def _fold_line(stage: str, keys: List[str], width: int) -> str:
     return f"    {stage}  ({text})"
 
 
-def format_table(stepper, verbose: bool = False) -> str:
+def format_table(stepper, verbose: bool = False, keep: Iterable[str] = ()) -> str:
     """Fixed-width per-transform table: stage, key, status, matches, time, nodes, memory, numerics.
-    Without ``verbose`` the transforms that changed nothing are folded into one line per stage."""
+    Without ``verbose`` the transforms that changed nothing are folded into one line per stage,
+    except those in ``keep`` (the ones the user configured: their row confirms what they asked)."""
+    keep = set(keep)
     header = ("#", "stage", "transform", "status", "match", "time", "nodes", "Δnodes", "Δmem", "numerics")
     rows: List[Any] = []  # a tuple of cells, or a fold line (str)
     folded: List[str] = []
     prev, shown = 0, []
     snaps = list(stepper.snapshots)
     for i, s in enumerate(snaps):
-        quiet = not verbose and changed_nothing(s, prev)
+        quiet = not verbose and s.key not in keep and changed_nothing(s, prev)
         if quiet:
             folded.append(s.key)
         else:
