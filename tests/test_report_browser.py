@@ -16,7 +16,8 @@ import pytest
 from report_support import unpacked
 
 from workbench import Workbench
-from workbench.viz.report import PACK_OVER, fmt_error, fmt_fraction, fmt_mib, fmt_seconds, packed, write_report
+from workbench.viz.report import write_report
+from workbench.viz.report_page import PACK_OVER, fmt_error, fmt_fraction, fmt_mib, fmt_seconds, packed
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "artifacts"
