@@ -17,6 +17,13 @@ tensors therefore means three things, which this module does in one place for bo
 Weights a transform derives before ``weight_load`` (e.g. per-expert views of a stacked MoE tensor)
 are recorded with ``record_weight_view`` and rebuilt from their base when the base is bound.
 
+Tensors the model makes inside ``forward`` from Python data (``torch.tensor([...], device=x.device)``,
+an index list such as Falcon's ``fused_qkv[..., [-2], :]``) are constants to ``torch.export``, which
+lifts them into the graph as attributes; made on ``meta`` they hold no values. ``export_to_gm``
+recovers their values (a trace on CPU, see ``export/export_to_gm.py``) and records them with
+``record_forward_constant``; they are bound here like weights (the attribute stays ``meta`` until
+``load_weights``, so the unloaded graph is uniformly weightless).
+
 Quantized checkpoints: the eager model is the *dequantized* twin, and the source also carries the
 checkpoint's raw tensors by their checkpoint names (``WeightSource.checkpoint``). A quantize
 transform that gives the graph a tensor the eager model does not hold (an fp8 ``weight``, its
@@ -41,6 +48,7 @@ from .graph.weights import fetch_attr
 WEIGHT_VIEWS_KEY = "weight_views"  # gm.meta: target -> (base target, index into the base)
 TENSOR_BINDINGS_KEY = "tensor_bindings"  # gm.meta: target -> TensorBinding
 TRACE_DEVICE_KEY = "trace_device"  # gm.meta: the device export traced on ("meta" or the model's)
+FORWARD_CONSTANTS_KEY = "forward_constants"  # gm.meta: target -> real (CPU) value of a tensor made in forward
 
 
 class WeightSource(Mapping):
@@ -143,6 +151,17 @@ def record_weight_view(gm: fx.GraphModule, target: str, base: str, index: Tuple[
     gm.meta.setdefault(WEIGHT_VIEWS_KEY, {})[target] = (base, tuple(index))
 
 
+def record_forward_constant(gm: fx.GraphModule, target: str, value: torch.Tensor) -> None:
+    """Note that attribute ``target`` (a ``meta`` tensor export lifted from the model's forward) has
+    the real value ``value``: ``load_weights`` binds it, the unloaded probe reads it. A new dict each
+    time: snapshots share the old one."""
+    gm.meta[FORWARD_CONSTANTS_KEY] = {**gm.meta.get(FORWARD_CONSTANTS_KEY, {}), target: value}
+
+
+def forward_constants(gm: fx.GraphModule) -> Dict[str, torch.Tensor]:
+    return dict(gm.meta.get(FORWARD_CONSTANTS_KEY, {}))
+
+
 def tensor_attributes(gm: fx.GraphModule) -> Dict[str, torch.Tensor]:
     """Every tensor the graph module holds: parameters, buffers (tied names included) and plain
     tensor attributes that ``get_attr`` nodes read (constants export lifted)."""
@@ -167,12 +186,13 @@ def unloaded_targets(mod: torch.nn.Module) -> List[str]:
 
 class WeightResolver:
     """Real tensor for a graph attribute name: made as a recorded binding says, taken from the
-    source, or rebuilt as a recorded view."""
+    source, rebuilt as a recorded view, or the recorded value of a tensor made in forward."""
 
     def __init__(self, gm: fx.GraphModule, source: Optional[Mapping]):
         self.source = source if source is not None else {}
         self.views: Dict[str, Tuple[str, tuple]] = dict(gm.meta.get(WEIGHT_VIEWS_KEY, {}))
         self.bindings: Dict[str, TensorBinding] = tensor_bindings(gm)
+        self.constants: Dict[str, torch.Tensor] = forward_constants(gm)
         self._memo: Dict[str, torch.Tensor] = {}
         self._converted: Dict[tuple, Any] = {}  # one conversion run per load, however many outputs
 
@@ -205,6 +225,8 @@ class WeightResolver:
         elif name in self.views:
             base, index = self.views[name]
             value = self(base)[index]
+        elif name in self.constants:
+            value = self.constants[name]
         else:
             raise KeyError(name)
         self._memo[name] = value
@@ -284,6 +306,7 @@ class Placement:
     bytes_made: int = 0  # bytes a declared conversion made (a rank's weight shards, repacked checkpoints)
     bound_from_source: int = 0  # meta tensors replaced by the eager model's tensors
     bound_by_binding: List[str] = field(default_factory=list)  # made per record_tensor_binding
+    bound_constants: List[str] = field(default_factory=list)  # tensors made in forward (record_forward_constant)
     moved: List[str] = field(default_factory=list)  # names copied across devices (first few)
     device_args_retargeted: int = 0
     values_retargeted: int = 0
@@ -299,6 +322,8 @@ class Placement:
             if self.bound_by_binding
             else ""
         )
+        if self.bound_constants:
+            bound += f"; {len(self.bound_constants)} tensors made in the model's forward (values recorded at export)"
         return (
             f"{self.tensors} tensors, {mib(self.bytes)} on {self.device}: {mib(self.bytes_copied)} copied, "
             f"{mib(shared)} shared with the eager model or checkpoint{bound}; {self.device_args_retargeted} "
@@ -318,6 +343,8 @@ class Placement:
             "moved_examples": self.moved[:5],
             "bound_by_binding": len(self.bound_by_binding),
             "binding_examples": self.bound_by_binding[:5],
+            "bound_constants": len(self.bound_constants),
+            "constant_examples": self.bound_constants[:5],
             "device_args_retargeted": self.device_args_retargeted,
             "values_retargeted": self.values_retargeted,
         }
@@ -370,6 +397,8 @@ def place_weights(gm: fx.GraphModule, source: Optional[Mapping], device: torch.d
             real = resolver(name) if t.is_meta else t
             if t.is_meta and name in resolver.bindings:
                 out.bound_by_binding.append(name)
+            elif t.is_meta and name in resolver.constants and name not in resolver.source:
+                out.bound_constants.append(name)
             else:
                 out.bound_from_source += int(t.is_meta)
             placed = real
@@ -514,6 +543,9 @@ __all__ = [
     "unloaded_targets",
     "tensor_attributes",
     "record_weight_view",
+    "record_forward_constant",
+    "forward_constants",
+    "FORWARD_CONSTANTS_KEY",
     "retarget_node_devices",
     "retarget_values",
     "WEIGHT_VIEWS_KEY",

@@ -24,6 +24,20 @@ absent, on ``meta`` it is a real node. ``reshape`` copies when it must, so a ``c
 only users are reshapes changes no value; it is dropped (``drop_contiguous_before_reshape``) and
 the meta and CPU traces have the same op histogram. The second is HF's own device branch in the
 grouped-MoE forward (histc on int ids off CPU): see ``histc_on_float``.
+
+Tensors made inside ``forward`` from Python data -- ``torch.tensor([...], device=x.device)``, or an
+index list (Falcon's multi-query split ``fused_qkv[..., [-2], :]`` makes an index tensor on the
+input's device inside ``Tensor.__getitem__``) -- are constants to export, which lifts them into the
+graph as attributes (``<module>.lifted_tensor_<n>``). Made on ``meta``, they have no values, and
+nothing in the eager model holds them. Their values cannot depend on the weights (export would
+have traced the computation instead), only on the code path, so they are recovered from a second
+export of the same (truncated) module on ``cpu`` with uninitialised weights (``torch.empty``: never
+read, as export fakes them; the pages are never touched), matched by name, shape and dtype, and
+recorded (``weights.record_forward_constant``); ``load_weights`` binds them like weights. The
+second export runs only when the first lifted such tensors (most models lift none). Why not
+intercept the creation calls while tracing on meta: the index tensor of ``x[..., [i]]`` is made in
+C++ with Python dispatch excluded, so no mode sees it -- re-tracing on a device that keeps data
+covers every way a forward can make a constant.
 """
 
 from __future__ import annotations
@@ -34,14 +48,15 @@ import torch
 import torch.fx as fx
 from pydantic import Field, field_validator
 
-from ....models.build import meta_twin
+from ....models.build import meta_twin, to_empty_keep_ties
 from ....models.export_contract import CausalLMLogits, make_batch
 from ....models.loaded import describe_model_class
 from ...context import PipelineContext
 from ...graph.copy import GraphCopy
 from ...graph.utils import remove_tensor_metadata_asserts
+from ...graph.weights import fetch_attr
 from ...interface import Transform, TransformConfig, TransformInfo, register
-from ...weights import TRACE_DEVICE_KEY
+from ...weights import TRACE_DEVICE_KEY, record_forward_constant
 from .patches import EXPORT_PATCHES, apply_patches, resolve_patches
 from .stamp import TRACED, stamp_layers, truncated, why_not_stampable
 
@@ -64,8 +79,9 @@ class ExportToGMConfig(TransformConfig):
         default=True,
         description="Undo what the trace device decided without changing values: drop "
         "aten.contiguous nodes whose only users are reshapes (present or not depending on the trace "
-        "device's kernel strides) and count histc bins on float ids (HF picks int ids off CPU, "
-        "which CPU histc rejects). The meta and CPU traces then have the same ops.",
+        "device's kernel strides), count histc bins on float ids (HF picks int ids off CPU, "
+        "which CPU histc rejects) and read tensors made in forward without aten.lift_fresh_copy "
+        "(absent on meta) when nothing writes to the copy. The meta and CPU traces then have the same ops.",
     )
     strict: bool = Field(default=False, description="Use strict (dynamo) export instead of non-strict.")
     patches: Dict[str, bool] = Field(
@@ -144,12 +160,14 @@ class ExportToGM(Transform[ExportToGMConfig]):
 
         stamping = _stamp_plan(traced, ctx, cfg)
         ep = gm = None
+        stamped_path: Optional[str] = None  # the layer stack the exported module was cut at, if it was
         if isinstance(stamping, tuple):
             path, layers = stamping
             ep = export(truncated(traced, path, TRACED))
             gm = ep.module()
             try:
                 stamping = stamp_layers(gm, path, layers)
+                stamped_path = path
             except ValueError as e:
                 stamping = f"full export: {e}"
                 ep = gm = None
@@ -158,6 +176,17 @@ class ExportToGM(Transform[ExportToGMConfig]):
             ep = export(traced)
             gm = ep.module()
         assert ep is not None  # exported with gm
+        made = _meta_constants(gm, ep)
+        if made:  # tensors made in forward, lifted without values: recover them (module docstring)
+            cpu_twin = to_empty_keep_ties(meta_twin(mod), torch.device("cpu"))
+            if stamped_path is not None:
+                cpu_twin = truncated(cpu_twin, stamped_path, TRACED)
+            cpu_example = make_batch(ctx.vocab_size, cfg.example_batch_size, cfg.example_seq_len, seed=0, device="cpu")
+            with apply_patches(patches, cpu_twin), torch.inference_mode(False), torch.no_grad():
+                cpu_ep = torch.export.export(cpu_twin, cpu_example.args, dynamic_shapes=dyn, strict=cfg.strict)
+            for target, value in _constant_values(made, cpu_ep).items():
+                record_forward_constant(gm, target, value)
+            _forget_meta_constants(gm, made)
         ranges = _check_dynamic(gm, ep)
         removed = remove_tensor_metadata_asserts(gm) if cfg.remove_tensor_metadata_asserts else 0
         normalized = normalize_device_branches(gm) if cfg.normalize_device_branches else {}
@@ -181,6 +210,7 @@ class ExportToGM(Transform[ExportToGMConfig]):
                 "normalized": normalized,
                 "torch": torch.__version__,
                 "layers": stamping,
+                "forward_constants": {k: list(v.shape) for k, v in made.items()},
                 "model_class": model_class,
                 "summary": f"{model_class.split(' (')[0]} traced on {trace_device} with torch "
                 f"{torch.__version__}; dims batch {ranges['batch']}, seq {ranges['seq']} "
@@ -188,6 +218,51 @@ class ExportToGM(Transform[ExportToGMConfig]):
             },
         )
         return gm, info
+
+
+def _meta_constants(gm: fx.GraphModule, ep: Any) -> Dict[str, torch.Tensor]:
+    """The tensors export lifted from the forward (``lifted_tensor_constants``) that hold no values:
+    made on ``meta``. Target name -> the graph module's meta tensor."""
+    out: Dict[str, torch.Tensor] = {}
+    for target in ep.graph_signature.lifted_tensor_constants:
+        try:
+            value = fetch_attr(gm, target)
+        except AttributeError:  # not read by the unlifted module
+            continue
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            out[target] = value
+    return out
+
+
+def _constant_values(made: Dict[str, torch.Tensor], cpu_ep: Any) -> Dict[str, torch.Tensor]:
+    """Each meta constant's value from the CPU export, matched by name, shape and dtype; raises
+    naming those the CPU trace did not make the same way (its code path differed)."""
+    values, differ = {}, []
+    for target, meta in made.items():
+        real = cpu_ep.constants.get(target)
+        if not isinstance(real, torch.Tensor) or real.is_meta or real.shape != meta.shape or real.dtype != meta.dtype:
+            got = f"{tuple(real.shape)} {real.dtype}" if isinstance(real, torch.Tensor) else "nothing"
+            differ.append(f"{target} ({tuple(meta.shape)} {meta.dtype}; on cpu: {got})")
+            continue
+        values[target] = real.detach().clone()
+    if differ:
+        raise RuntimeError(
+            f"export_to_gm: {len(differ)} tensor(s) made inside the model's forward were lifted by export on meta "
+            f"without values, and a trace on cpu did not make them the same way: {'; '.join(differ[:4])}. "
+            "Export on the model's device instead (export_to_gm.trace_device=model)."
+        )
+    return values
+
+
+def _forget_meta_constants(gm: fx.GraphModule, made: Dict[str, torch.Tensor]) -> None:
+    """The fake values of the ``get_attr`` nodes reading ``made`` carry their meta tensor as the fake
+    tensor's ``constant`` (what fake mode propagates through ops): a constant without data, which
+    moving the fake value to the device (``load_weights``) would try to copy. Dropped; the real values
+    are recorded."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "get_attr" and node.target in made and getattr(val, "constant", None) is not None:
+            val.constant = None
 
 
 def _model_to_export(mod: torch.nn.Module, ctx) -> Tuple[torch.nn.Module, str]:
@@ -256,7 +331,35 @@ def _check_dynamic(gm: fx.GraphModule, ep: Any) -> Dict[str, str]:
 
 def normalize_device_branches(gm: fx.GraphModule) -> Dict[str, int]:
     """The device-neutralising rewrites (see the module docstring); counts per rewrite."""
-    return {"contiguous_before_reshape": drop_contiguous_before_reshape(gm), "histc_on_float": histc_on_float(gm)}
+    return {
+        "contiguous_before_reshape": drop_contiguous_before_reshape(gm),
+        "histc_on_float": histc_on_float(gm),
+        "lift_fresh_copy": drop_lift_fresh_copy(gm),
+    }
+
+
+def drop_lift_fresh_copy(gm: fx.GraphModule) -> int:
+    """Remove ``aten.lift_fresh_copy`` of a lifted constant when nothing mutates the copy.
+
+    A tensor made in forward from Python data (``torch.tensor([...])``, a list index) is read
+    through ``lift_fresh_copy`` (a copy, guarding the constant against in-place use) when traced on
+    a device with data, and directly when traced on meta. The copy changes no value unless a user
+    writes to it; dropped, the meta and CPU traces have the same ops.
+    """
+    n = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.lift_fresh_copy.default:
+            continue
+        src = node.args[0]
+        if not isinstance(src, fx.Node) or src.op != "get_attr":
+            continue
+        schemas = [getattr(u.target, "_schema", None) for u in node.users]
+        if any(s is None or s.is_mutable for s in schemas):
+            continue  # a user that may write to the copy (or that we cannot tell)
+        node.replace_all_uses_with(src)
+        gm.graph.erase_node(node)
+        n += 1
+    return n
 
 
 def histc_on_float(gm: fx.GraphModule) -> int:

@@ -222,7 +222,10 @@ def stamp_layers(gm: fx.GraphModule, path: str, layers: torch.nn.ModuleList) -> 
                 try:
                     value: torch.Tensor = layers[i].get_parameter(rest)
                 except AttributeError:
-                    value = layers[i].get_buffer(rest)
+                    try:
+                        value = layers[i].get_buffer(rest)
+                    except AttributeError:  # a tensor the layer made in its forward (export lifted it)
+                        raise ValueError(f"layer {last} reads {a.target}, which is not a weight of layer {i}") from None
                 register(new.target, value)
         prev_out = env[out_last]
     for reader in readers:
