@@ -365,7 +365,7 @@ def test_kernels_compile_for_hopper():
         pytest.skip("kernels were decorated under TRITON_INTERPRET=1 in this process")
     blocks = tca._block_sizes(torch.device("cuda"), 64)
     shared = dict(PAGE_SIZE=16, HEAD_DIM=64, D_PAD=64, HAS_WINDOW=True, HAS_CAP=True,
-                  HAS_SINKS=True)
+                  HAS_SINKS=True, HAS_ALIBI=True)
     variants = [
         (paged_kv_append.paged_kv_append_kernel, "fp16",
          dict(NUM_KV_HEADS=3, HEAD_DIM=64, H_PAD=4, D_PAD=64, B_PAD=8, PAGE_SIZE=16)),

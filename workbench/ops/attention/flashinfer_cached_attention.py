@@ -4,7 +4,7 @@ Same signature and semantics as ``torch_cached_attention`` (see that module for 
 and an optional extra (``pip install flashinfer-python``; written against 0.6.18.post1): the op is
 always registered, so graphs that use it stay loadable and printable everywhere; ``is_available()``
 says whether it can run here and, if not, what is missing; ``unsupported()`` which layer shapes it
-cannot take (head dims other than 64/128/256, K/V head dims that differ, fp32, sinks).
+cannot take (head dims other than 64/128/256, K/V head dims that differ, fp32, sinks, ALiBi slopes).
 ``insert_cached_attention`` asks both before it rewrites anything, and the op itself refuses such a
 call up front, naming the backends that can serve it.
 
@@ -46,6 +46,9 @@ from .torch_cached_attention import define_cached_attention, token_layout, write
 _WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace (split-KV scratch)
 _KERNELS = "fa2"  # FlashInfer's FA2 kernels: sm80+, one JIT family for every step kind
 OTHER_BACKENDS = "'triton' or 'torch'"
+# FlashInfer's ALiBi mode derives its own slopes from the head count (the BLOOM formula); MPT's and
+# Falcon's differ, and the graph's slopes cannot be passed to its paged wrappers.
+ALIBI_UNSUPPORTED = "ALiBi slopes (not supported by this backend)"
 
 
 def unsupported(head_dim: int, v_head_dim: int, dtype: torch.dtype, has_sinks: bool = False) -> Optional[str]:
@@ -237,9 +240,12 @@ def flashinfer_cached_attention(
     sliding_window=None,
     logit_cap=None,
     sinks=None,
+    alibi_slopes=None,
 ) -> torch.Tensor:
     """FlashInfer paged attention under the shared cached-attention schema (``torch_cached_attention``)."""
     why = _refusal(q, k, v, k_cache, v_cache, sinks)
+    if why is None and alibi_slopes is not None:
+        why = ALIBI_UNSUPPORTED
     if why is not None:
         raise ValueError(
             f"flashinfer_cached_attention cannot serve this call: {why}. Use the {OTHER_BACKENDS} "

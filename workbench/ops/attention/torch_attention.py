@@ -1,7 +1,7 @@
 """``workbench::torch_attention``: the one canonical attention op every attention form is matched to.
 
 Native GQA (no repeated K/V in the graph), two layouts, causal masking aligned for a KV cache,
-optional sliding window, attention sinks and logit soft-capping. Backends (cached attention,
+optional sliding window, attention sinks, logit soft-capping and ALiBi position biases. Backends (cached attention,
 flashinfer, triton) later replace this op; the reference below is the numerical truth they are
 tested against.
 
@@ -48,12 +48,29 @@ def visible_keys(
     return keep
 
 
-def _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, sinks, sliding_window, logit_cap):
+def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """ALiBi logit bias ``slopes[h] * (k_pos - q_pos)`` in fp32: [n, *q_pos.shape, k_pos.shape[-1]]
+    for ``slopes`` [n], positions broadcastable as [..., s_q, 1] / [..., s_k] (absolute positions:
+    the same for a token whether it is computed in a prefill or a decode step).
+
+    ALiBi (Press et al., "Train Short, Test Long") adds a per-head linear penalty on the distance
+    to each key. HF spells it as ``slope * k_pos`` (BLOOM, Falcon) or ``slope * (k_pos - s_k + 1)``
+    (MPT): per query row those differ from this only by a constant, which softmax ignores."""
+    rel = (k_pos[..., None, :] - q_pos[..., :, None]).float()
+    return slopes.float().reshape(-1, *([1] * rel.dim())) * rel
+
+
+def _math_attention(
+    q, k, v, attn_mask, dropout_p, is_causal, scale, sinks, sliding_window, logit_cap, alibi_slopes=None
+):
     """Explicit softmax attention in fp32 (bnsd, K/V already repeated to ``n`` heads)."""
     s_q, s_k = q.shape[-2], k.shape[-2]
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale  # [b, n, s_q, s_k]
     if logit_cap is not None:
         scores = logit_cap * torch.tanh(scores / logit_cap)
+    if alibi_slopes is not None:  # queries bottom-right aligned, as the causal mask
+        positions = torch.arange(s_k, device=q.device)
+        scores = scores + alibi_bias(alibi_slopes, positions[s_k - s_q :], positions)
     keep = visible_keys(s_q, s_k, q.device, is_causal, sliding_window)
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
@@ -86,12 +103,15 @@ def torch_attention(
     sliding_window: Optional[int] = None,
     logit_cap: Optional[float] = None,
     layout: str = "bnsd",
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Grouped-query attention; see the module docstring for shapes.
 
     ``attn_mask`` (bool: True = attend, or float: added to the logits) broadcasts to
     ``[b, n, s_q, s_k]`` in either layout. ``scale`` defaults to ``1/sqrt(d)``. ``sinks`` is
-    ``[n]``. ``logit_cap`` applies ``cap * tanh(logits / cap)`` before masking.
+    ``[n]``. ``logit_cap`` applies ``cap * tanh(logits / cap)`` before masking. ``alibi_slopes``
+    ``[n]`` adds ``slopes[h] * (k_pos - q_pos)`` to the (scaled, capped) logits of head ``h``
+    (ALiBi; positions bottom-right aligned as for ``is_causal``).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"torch_attention: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -103,7 +123,7 @@ def torch_attention(
     s_q, s_k = q.shape[-2], k.shape[-2]
     if sliding_window is not None and is_causal and sliding_window >= s_k:
         sliding_window = None  # q_pos - k_pos <= s_k - 1 < window: the window hides nothing
-    plain = sinks is None and logit_cap is None and sliding_window is None
+    plain = sinks is None and logit_cap is None and sliding_window is None and alibi_slopes is None
     if plain and (not is_causal or s_q == s_k) and (attn_mask is None or not is_causal):
         # SDPA's is_causal is top-left aligned, which equals ours only for s_q == s_k.
         out = F.scaled_dot_product_attention(
@@ -112,7 +132,9 @@ def torch_attention(
     else:
         if n != n_kv:
             k, v = k.repeat_interleave(n // n_kv, dim=1), v.repeat_interleave(n // n_kv, dim=1)
-        out = _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, sinks, sliding_window, logit_cap)
+        out = _math_attention(
+            q, k, v, attn_mask, dropout_p, is_causal, scale, sinks, sliding_window, logit_cap, alibi_slopes
+        )
     return _to_bnsd(out, layout).contiguous()
 
 
@@ -129,5 +151,6 @@ def _torch_attention_fake(
     sliding_window=None,
     logit_cap=None,
     layout="bnsd",
+    alibi_slopes=None,
 ):
     return query.new_empty(*query.shape[:-1], value.shape[-1])

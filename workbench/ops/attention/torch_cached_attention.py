@@ -16,12 +16,13 @@ Semantics: the new k/v of sequence i are first written at logical positions
 ``input_pos[i] .. input_pos[i] + seq_lens[i] - 1`` (page ``page_table[i, pos // page_size]``, slot
 ``pos % page_size``); then the new query at logical position p attends causally to the cached
 positions ``0..p`` (only the last ``sliding_window`` of them when set), with ``scale``, an optional
-``logit_cap * tanh(x / logit_cap)`` and optional per-head ``sinks`` (one extra logit per head in the
-softmax denominator). Sequences ``0..num_prefill-1`` may have any length >= 1 (prefill, chunked
+``logit_cap * tanh(x / logit_cap)``, optional per-head ``sinks`` (one extra logit per head in the
+softmax denominator) and optional ALiBi ``alibi_slopes`` [Hq] (``slopes[h] * (k_pos - q_pos)`` added
+to the logits, from absolute cache positions: a token's bias is the same in prefill and decode). Sequences ``0..num_prefill-1`` may have any length >= 1 (prefill, chunked
 prefill); the rest are decode steps (one token each). Softmax is in fp32; GQA is native (query
 head h reads KV head ``h // (Hq // Hkv)``; K/V are never repeated in memory).
 
-A prefill that starts at position 0 without window, cap or sinks runs SDPA on its own k/v
+A prefill that starts at position 0 without window, cap, sinks or ALiBi runs SDPA on its own k/v
 (exactly what the uncached ``torch_attention`` computes, so the numerics probe reads 0.0 through
 the cached graph), and so do decode rows under the same conditions (one SDPA call over the gathered
 pages: few ops, which is what a CPU decode step is made of); everything else runs explicit fp32
@@ -87,10 +88,12 @@ def _attend(
     scale: float,
     logit_cap: Optional[float],
     sinks: Optional[torch.Tensor],
+    alibi: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Masked GQA attention in fp32.
 
     q [N, s, Hq, D], k [N, L, Hkv, D], v [N, L, Hkv, Dv], keep [N, s, L] bool -> [N, s, Hq, Dv] fp32.
+    ``alibi``: (slopes [Hq], k_pos - q_pos [N, s, L]) for an ALiBi bias.
     """
     n, s, hq, d = q.shape
     hkv, length, dv = k.shape[2], k.shape[1], v.shape[-1]
@@ -101,6 +104,9 @@ def _attend(
     scores = scores.view(n, hkv, rep, s, length)
     if logit_cap is not None:
         scores = logit_cap * torch.tanh(scores / logit_cap)
+    if alibi is not None:
+        slopes, rel = alibi
+        scores = scores + slopes.float().view(1, hkv, rep, 1, 1) * rel.float()[:, None, None]
     scores = scores.masked_fill(~keep[:, None, None], float("-inf"))
     if sinks is not None:
         # The sink joins the normaliser only: softmax over [scores, sink], then drop the sink column.
@@ -256,10 +262,17 @@ def torch_cached_attention(
     sliding_window: Optional[int] = None,
     logit_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Write the step's k/v into the paged cache, then attend; see the module docstring."""
     lens, past = _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill)
-    plain = sliding_window is None and logit_cap is None and sinks is None and k_cache.dtype == k.dtype
+    plain = (
+        sliding_window is None
+        and logit_cap is None
+        and sinks is None
+        and alibi_slopes is None
+        and k_cache.dtype == k.dtype
+    )
     if num_prefill == 0 and plain:
         return _decode_only(q, k, v, k_cache, v_cache, input_pos, page_table, past, scale)
     if num_prefill == 0:  # decode only: token i is sequence i, at its input_pos
@@ -284,9 +297,10 @@ def torch_cached_attention(
             continue
         kc = gather_pages(k_cache, page_table[i], total)[None]  # [1, L, Hkv, D]
         vc = gather_pages(v_cache, page_table[i], total)[None]
-        q_pos = torch.arange(past[i], total, device=q.device)
-        keep = _keep(q_pos, torch.arange(total, device=q.device), sliding_window)[None]
-        out[0, a:b] = _attend(q[:, a:b], kc, vc, keep, scale, logit_cap, sinks)[0].to(out.dtype)
+        q_pos, k_pos = torch.arange(past[i], total, device=q.device), torch.arange(total, device=q.device)
+        keep = _keep(q_pos, k_pos, sliding_window)[None]
+        alibi = None if alibi_slopes is None else (alibi_slopes, (k_pos[None, :] - q_pos[:, None])[None])
+        out[0, a:b] = _attend(q[:, a:b], kc, vc, keep, scale, logit_cap, sinks, alibi)[0].to(out.dtype)
     # Decode: all sequences together, keys padded to the longest and masked.
     if num_prefill < len(lens) and plain:
         a = starts[num_prefill]
@@ -306,7 +320,8 @@ def torch_cached_attention(
         vc = vc.masked_fill(~valid[:, :, None, None], 0)  # 0 * stale inf/nan would still be nan
         keep = _keep((totals - 1)[:, None], k_pos.expand(len(totals), -1), sliding_window) & valid[:, None]
         qd = q[0, a:].unsqueeze(1)  # [Bd, 1, Hq, D]
-        out[0, a:] = _attend(qd, kc, vc, keep, scale, logit_cap, sinks)[:, 0].to(out.dtype)
+        alibi = None if alibi_slopes is None else (alibi_slopes, (k_pos[None, :] - (totals - 1)[:, None])[:, None])
+        out[0, a:] = _attend(qd, kc, vc, keep, scale, logit_cap, sinks, alibi)[:, 0].to(out.dtype)
     return out
 
 
@@ -319,7 +334,7 @@ def torch_cached_attention(
 CACHED_ATTENTION_ARGS = (
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
     "Tensor seq_lens, Tensor input_pos, Tensor page_table, SymInt num_prefill, float scale, "
-    "SymInt? sliding_window=None, float? logit_cap=None, Tensor? sinks=None) -> Tensor"
+    "SymInt? sliding_window=None, float? logit_cap=None, Tensor? sinks=None, Tensor? alibi_slopes=None) -> Tensor"
 )
 
 

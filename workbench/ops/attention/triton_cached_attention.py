@@ -13,7 +13,8 @@ sequences, then decode sequences of one token each. Their new tokens are flatten
 Query row j of sequence i sits at position p = input_pos[i] + j and attends to cached positions
 0..p (the last ``sliding_window`` of them if set), logits ``scale * q.k``, optionally soft-capped
 ``logit_cap * tanh(x / logit_cap)``, with an optional per-head sink logit ``sinks`` [Hq] in the
-softmax denominator. Softmax runs online in fp32.
+softmax denominator and an optional ALiBi bias ``alibi_slopes[h] * (k_pos - q_pos)`` ([Hq] slopes,
+absolute cache positions). Softmax runs online in fp32.
 
 Three launches (kernels in ``triton_kernels/``): the cache write, the prefill kernel over the
 prefill tiles, the decode kernel (+ the split-K merge when it splits). All metadata the launches
@@ -57,7 +58,7 @@ def _decode_splits(device: torch.device, num_decode: int, num_kv_heads: int, max
     return max(1, min(want, most, 64))
 
 
-def _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, sliding_window, sinks):
+def _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, sliding_window, sinks, alibi=None):
     """Shape/dtype checks that need no device->host sync."""
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"triton_cached_attention: q must be [1, T, Hq, D], got {tuple(q.shape)}")
@@ -86,6 +87,8 @@ def _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefi
         raise ValueError(f"triton_cached_attention: sliding_window must be >= 1, got {sliding_window}")
     if sinks is not None and sinks.shape != (hq,):
         raise ValueError(f"triton_cached_attention: sinks must be [{hq}], got {tuple(sinks.shape)}")
+    if alibi is not None and alibi.shape != (hq,):
+        raise ValueError(f"triton_cached_attention: alibi_slopes must be [{hq}], got {tuple(alibi.shape)}")
 
 
 def cached_attention_forward(
@@ -102,6 +105,7 @@ def cached_attention_forward(
     sliding_window: Optional[int] = None,
     logit_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
     num_splits: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch write + prefill + decode; shapes as in the module docstring.
@@ -114,7 +118,7 @@ def cached_attention_forward(
     from .triton_kernels.paged_kv_append import append_paged_kv
     from .triton_kernels.paged_prefill import paged_prefill_kernel
 
-    _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, sliding_window, sinks)
+    _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, sliding_window, sinks, alibi_slopes)
     dev = q.device
     _, t, hq, d = q.shape
     hkv = k.shape[2]
@@ -145,12 +149,14 @@ def cached_attention_forward(
         HAS_WINDOW=sliding_window is not None,
         HAS_CAP=logit_cap is not None,
         HAS_SINKS=sinks is not None,
+        HAS_ALIBI=alibi_slopes is not None,
         # The interpreter keeps bf16 as raw uint16 bits and its tl.dot multiplies those bits
         # (triton-lang/triton#11584: bf16 is unsupported there), so it gets fp32 products.
         FP32_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and dev.type != "cuda"),
     )
     strides = (q3.stride(), o3.stride(), k_cache.stride(), v_cache.stride(), page_table.stride(0))
     sinks_arg = sinks if sinks is not None else q  # never read when HAS_SINKS is False
+    slopes_arg = alibi_slopes.contiguous() if alibi_slopes is not None else q  # read only when HAS_ALIBI
 
     if num_prefill:
         bm = cfg["prefill_m"]
@@ -177,6 +183,7 @@ def cached_attention_forward(
             num_prefill,
             scalars,
             strides,
+            slopes_arg,
             **flags,
             BLOCK_M=bm,
             BLOCK_N=cfg["prefill_n"],
@@ -208,6 +215,7 @@ def cached_attention_forward(
             num_prefill,
             scalars,
             strides,
+            slopes_arg,
             **flags,
             G_PAD=max(16, triton.next_power_of_2(hq // hkv)),
             BLOCK_N=bn,

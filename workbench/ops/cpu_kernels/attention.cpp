@@ -4,8 +4,8 @@
 // Decode-only steps (num_prefill == 0, every sequence one new token) with float32 q/k/v and caches
 // run here: the new k/v are written to their slot, then for each sequence and KV head the scores
 // of all query heads sharing it (GQA) are computed reading each key once, a vectorised softmax
-// (fp32, polynomial exp) turns them into probabilities, and each value is read once. Sliding window, logit soft-capping
-// and per-head sinks are honoured. Anything else (prefill rows, other dtypes) is handed to the
+// (fp32, polynomial exp) turns them into probabilities, and each value is read once. Sliding window, logit soft-capping,
+// per-head sinks and ALiBi slopes are honoured. Anything else (prefill rows, other dtypes) is handed to the
 // reference op through the dispatcher, so this op is a drop-in backend for every step.
 //
 // Why a kernel: the reference's decode path is one SDPA call plus the Python around it, ~200 us a
@@ -33,16 +33,17 @@ at::Tensor reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const at::Tensor& v_cache, const at::Tensor& seq_lens, const at::Tensor& input_pos,
                      const at::Tensor& page_table, int64_t num_prefill, double scale,
                      std::optional<int64_t> sliding_window, std::optional<double> logit_cap,
-                     const std::optional<at::Tensor>& sinks) {
+                     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi_slopes) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("workbench::torch_cached_attention", "");
   torch::jit::Stack stack;
-  stack.reserve(13);
+  stack.reserve(14);
   for (const at::Tensor* t : {&q, &k, &v, &k_cache, &v_cache, &seq_lens, &input_pos, &page_table}) stack.emplace_back(*t);
   stack.emplace_back(num_prefill);
   stack.emplace_back(scale);
   stack.emplace_back(sliding_window.has_value() ? c10::IValue(*sliding_window) : c10::IValue());
   stack.emplace_back(logit_cap.has_value() ? c10::IValue(*logit_cap) : c10::IValue());
   stack.emplace_back(sinks.has_value() ? c10::IValue(*sinks) : c10::IValue());
+  stack.emplace_back(alibi_slopes.has_value() ? c10::IValue(*alibi_slopes) : c10::IValue());
   op.callBoxed(&stack);
   return stack[0].toTensor();
 }
@@ -183,21 +184,25 @@ at::Tensor cpu_cached_attention(const at::Tensor& q, const at::Tensor& k, const 
                                 at::Tensor& v_cache, const at::Tensor& seq_lens, const at::Tensor& input_pos,
                                 const at::Tensor& page_table, int64_t num_prefill, double scale,
                                 std::optional<int64_t> sliding_window, std::optional<double> logit_cap,
-                                const std::optional<at::Tensor>& sinks) {
+                                const std::optional<at::Tensor>& sinks,
+                                const std::optional<at::Tensor>& alibi_slopes) {
   const bool f32 = q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
                    k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
-                   (!sinks.has_value() || sinks->scalar_type() == at::kFloat);
+                   (!sinks.has_value() || sinks->scalar_type() == at::kFloat) &&
+                   (!alibi_slopes.has_value() || alibi_slopes->scalar_type() == at::kFloat);
   const bool layout = q.dim() == 4 && q.size(0) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                       k_cache.dim() == 4 && page_table.scalar_type() == at::kInt && input_pos.scalar_type() == at::kInt &&
                       seq_lens.scalar_type() == at::kInt;
   const int64_t B = seq_lens.numel();
   if (num_prefill != 0 || !f32 || !layout || q.size(1) != B) {
     return reference(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, scale, sliding_window,
-                     logit_cap, sinks);
+                     logit_cap, sinks, alibi_slopes);
   }
   const int64_t Hq = q.size(2), D = q.size(3), Hkv = k.size(2), Dv = v.size(3);
   const int64_t page_size = k_cache.size(1), max_pages = page_table.size(1);
   TORCH_CHECK(Hq % Hkv == 0, Hq, " query heads is not a multiple of ", Hkv, " KV heads");
+  TORCH_CHECK(!alibi_slopes.has_value() || alibi_slopes->numel() == Hq, "alibi_slopes must hold one slope per query head (",
+              Hq, "), got ", alibi_slopes.has_value() ? alibi_slopes->numel() : 0);
   TORCH_CHECK(k_cache.size(2) == Hkv && k_cache.size(3) == D && v_cache.size(3) == Dv,
               "cache pages do not hold this layer's k/v");
   const auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
@@ -231,6 +236,9 @@ at::Tensor cpu_cached_attention(const at::Tensor& q, const at::Tensor& k, const 
   float* o = out.data_ptr<float>();
   const float* qp = qc.data_ptr<float>();
   const float* sink = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  // ALiBi: slopes[h] * (key position - query position) joins query head h's logits
+  const at::Tensor slopes_c = alibi_slopes.has_value() ? alibi_slopes->contiguous() : at::Tensor();
+  const float* slope = alibi_slopes.has_value() ? slopes_c.data_ptr<float>() : nullptr;
   const int64_t rep = Hq / Hkv;
   const float fscale = static_cast<float>(scale);
   const float cap = logit_cap.has_value() ? static_cast<float>(*logit_cap) : 0.f;
@@ -294,6 +302,12 @@ at::Tensor cpu_cached_attention(const at::Tensor& q, const at::Tensor& k, const 
       }
       if (cap > 0.f)
         for (float& s : scores) s = cap * std::tanh(s / cap);
+      if (slope != nullptr)
+        for (int64_t r = 0; r < rep; ++r) {
+          const float sl = slope[g * rep + r];
+          float* sr = scores.data() + r * L;
+          for (int64_t j = 0; j < L; ++j) sr[j] += sl * static_cast<float>(first + j - last);
+        }
       for (int64_t r = 0; r < rep; ++r) {
         float* sr = scores.data() + r * L;
         float m = sr[0];

@@ -67,12 +67,34 @@ def soft_cap(x, cap):
 
 
 @triton.jit
-def attend_block(q, k, v, visible, m_i, l_i, acc, scale, cap, HAS_CAP: tl.constexpr, FP32_DOT: tl.constexpr):
+def alibi_block(slopes, q_pos, k_pos):
+    """ALiBi logit bias [M, N] fp32: ``slopes[m] * (k_pos[n] - q_pos[m])`` (slopes [M] or a
+    scalar, positions absolute cache positions)."""
+    return slopes * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+
+
+@triton.jit
+def attend_block(
+    q,
+    k,
+    v,
+    visible,
+    m_i,
+    l_i,
+    acc,
+    scale,
+    cap,
+    HAS_CAP: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    bias=0.0,
+    HAS_BIAS: tl.constexpr = False,
+):
     """One online-softmax step over a block of keys (the flash-attention update).
 
     q [M, D] (M query rows), k/v [N, D] in q's dtype, visible [M, N] bool; running state
     m_i [M] (max logit, base 2), l_i [M] (sum of exp2), acc [M, D] fp32 -> updated (m_i, l_i, acc).
     FP32_DOT (q already fp32): full fp32 products; tl.dot would otherwise use TF32 on GPUs.
+    HAS_BIAS: ``bias`` [M, N] fp32 (ALiBi) is added to the scaled, capped logits.
     """
     if FP32_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -82,6 +104,8 @@ def attend_block(q, k, v, visible, m_i, l_i, acc, scale, cap, HAS_CAP: tl.conste
         s = soft_cap(s * scale, cap) * LOG2E
     else:
         s = s * (scale * LOG2E)
+    if HAS_BIAS:
+        s = s + bias * LOG2E
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead of -inf keeps

@@ -14,7 +14,7 @@ the output itself.
 import triton
 import triton.language as tl
 
-from .paged_common import attend_block, initial_state, load_kv_block
+from .paged_common import alibi_block, attend_block, initial_state, load_kv_block
 
 
 @triton.jit
@@ -32,6 +32,7 @@ def paged_decode_kernel(
     num_prefill,
     scalars,
     strides,
+    slopes_ptr,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -43,6 +44,7 @@ def paged_decode_kernel(
     HAS_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
 ):
     """Decode sequence j = program_id(0) is sequence num_prefill + j; its token sits at
     logical position input_pos[b] and sees positions max(0, pos - window + 1) .. pos.
@@ -91,6 +93,9 @@ def paged_decode_kernel(
         m_i = tl.where(first, m_i, float("-inf"))
         l_i = tl.where(first, l_i, 0.0)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    if HAS_ALIBI:  # one slope per query head of the group
+        slopes = tl.load(slopes_ptr + heads, mask=g_ok, other=0.0).to(tl.float32)[:, None]
+        q_pos = pos + tl.zeros([G_PAD], tl.int32)
     pt_row = page_table_ptr + b * stride_pt
     for s0 in range(start, end, BLOCK_N):
         offs_n, n_ok, k, v = load_kv_block(
@@ -98,8 +103,12 @@ def paged_decode_kernel(
         )
         # Causality and the window are already in [start, end): only the block tail is masked.
         visible = g_ok[:, None] & n_ok[None, :]
+        if HAS_ALIBI:
+            bias = alibi_block(slopes, q_pos, offs_n)
+        else:
+            bias = 0.0
         m_i, l_i, acc = attend_block(
-            q, k.to(q.dtype), v.to(q.dtype), visible, m_i, l_i, acc, scale, cap, HAS_CAP, FP32_DOT
+            q, k.to(q.dtype), v.to(q.dtype), visible, m_i, l_i, acc, scale, cap, HAS_CAP, FP32_DOT, bias, HAS_ALIBI
         )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # l == 0: padded group rows, or an empty split

@@ -10,7 +10,7 @@ no special case.
 import triton
 import triton.language as tl
 
-from .paged_common import attend_block, initial_state, load_kv_block
+from .paged_common import alibi_block, attend_block, initial_state, load_kv_block
 
 
 @triton.jit
@@ -28,6 +28,7 @@ def paged_prefill_kernel(
     num_prefill,
     scalars,
     strides,
+    slopes_ptr,
     GROUP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -38,6 +39,7 @@ def paged_prefill_kernel(
     HAS_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
 ):
     """out[0, rows of the tile, head] for q [T, Hq, D] and caches [pages, PAGE_SIZE, Hkv, D].
 
@@ -85,6 +87,8 @@ def paged_prefill_kernel(
 
     m_i, l_i = initial_state(sinks_ptr, head + tl.zeros([BLOCK_M], tl.int32), row_ok, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(slopes_ptr + head).to(tl.float32)
     pt_row = page_table_ptr + b * stride_pt
     for start in range(lo, hi, BLOCK_N):
         offs_n, n_ok, k, v = load_kv_block(
@@ -104,8 +108,12 @@ def paged_prefill_kernel(
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         if HAS_WINDOW:
             visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
+        if HAS_ALIBI:
+            bias = alibi_block(slope, q_pos, offs_n)
+        else:
+            bias = 0.0
         m_i, l_i, acc = attend_block(
-            q, k.to(q.dtype), v.to(q.dtype), visible, m_i, l_i, acc, scale, cap, HAS_CAP, FP32_DOT
+            q, k.to(q.dtype), v.to(q.dtype), visible, m_i, l_i, acc, scale, cap, HAS_CAP, FP32_DOT, bias, HAS_ALIBI
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0 only on rows past the sequence

@@ -6,13 +6,16 @@ The chain, in pipeline order:
 2. ``match_eager_attention``: matmul/softmax/matmul -> ``torch_attention_sdpa``; the eager
    variants SDPA cannot express -- logit soft-capping (Gemma 2) and attention sinks (gpt-oss) --
    straight to ``torch_attention(..., logit_cap=..., sinks=...)`` (K/V still repeated: step 4
-   un-repeats them), their masks classified as in step 3.
+   un-repeats them), their masks classified as in step 3. ALiBi's eager spellings (BLOOM, MPT,
+   Falcon; ``alibi.py``) also go straight to ``torch_attention(..., alibi_slopes=...)``.
 3. ``match_sdpa_to_torch_attention``: ``aten.scaled_dot_product_attention`` and
    ``torch_attention_sdpa`` (with or without repeated K/V) -> ``torch_attention`` with native GQA.
    A mask that only encodes causality (HF passes an explicit boolean mask built from aranges) is
    dropped in favour of ``is_causal`` (+ ``sliding_window``), which backends can implement without
    materialising a [s, s] mask (``masks.py``: HF's boolean SDPA masks and its additive eager
    masks alike).
+   An SDPA mask that is a causal mask with an ALiBi bias folded in (Falcon) becomes ``is_causal``
+   + ``alibi_slopes`` (``alibi.py``).
 4. ``match_grouped_attention``: ``torch_attention`` still fed by repeated K/V -> un-repeated K/V.
 
 Layout changes (``match_attention_layout``) live in ``layout.py``.
@@ -32,6 +35,7 @@ from ...context import PipelineContext
 from ...graph.utils import call_nodes, tensor_meta
 from ...interface import Transform, TransformInfo, register
 from ...matcher import Match, Pattern, PatternMatcher, PatternTransform, match_info, named_args, same_shape, same_size
+from .alibi import ALIBI_EAGER_PATTERNS, ALIBI_SDPA_PATTERNS
 from .masks import MaskKind, attention_mask_arguments, classify_mask
 
 aten = torch.ops.aten
@@ -303,7 +307,7 @@ class MatchEagerAttention(PatternTransform):
     """Replace eager attention (matmul, scale, mask, softmax, matmul) by ``torch_attention_sdpa``,
     and its soft-capped / sink variants by ``torch_attention`` with ``logit_cap`` / ``sinks``."""
 
-    patterns = EAGER_VARIANT_PATTERNS + EAGER_ATTENTION_PATTERNS
+    patterns = EAGER_VARIANT_PATTERNS + ALIBI_EAGER_PATTERNS + EAGER_ATTENTION_PATTERNS
 
 
 # ------------------------------------------------------------------------------ sdpa -> torch_attention
@@ -380,7 +384,7 @@ class MatchSDPAToTorchAttention(PatternTransform):
     """Replace SDPA (aten or ``torch_attention_sdpa``), with or without repeat_kv, by
     ``torch_attention`` in bnsd layout; causal-only masks become ``is_causal``/``sliding_window``."""
 
-    patterns = SDPA_PATTERNS
+    patterns = ALIBI_SDPA_PATTERNS + SDPA_PATTERNS  # ALiBi first: the general ones would keep its mask
 
 
 # ------------------------------------------------------------------------------ grouped attention

@@ -2,11 +2,12 @@
 
 Every ``torch.ops.workbench.torch_attention`` node becomes the backend's cached op::
 
-    torch_attention(q, k, v, is_causal=True, scale, sliding_window, logit_cap, sinks, layout)
+    torch_attention(q, k, v, is_causal=True, scale, sliding_window, logit_cap, sinks, layout, alibi_slopes)
       q [b, s, Hq, D] (bsnd) or [b, Hq, s, D] (bnsd)
     ->  reshape to flattened tokens: q [1, b*s, Hq, D], k/v [1, b*s, Hkv, D]
         <backend>_cached_attention(q, k, v, k_cache_<i>, v_cache_<i>, seq_lens, input_pos,
-                                   page_table, num_prefill, scale, sliding_window, logit_cap, sinks)
+                                   page_table, num_prefill, scale, sliding_window, logit_cap, sinks,
+                                   alibi_slopes)
         reshape back to q's layout [b, s, Hq, Dv] / [b, Hq, s, Dv]
 
 and the graph gains the metadata inputs (shared by all layers) and one K and one V page pool per
@@ -106,7 +107,13 @@ def rewrite_attention(
                 meta["num_prefill"],
                 float(scale),
             ),
-            {"sliding_window": args["sliding_window"], "logit_cap": args["logit_cap"], "sinks": args["sinks"]},
+            {
+                "sliding_window": args["sliding_window"],
+                "logit_cap": args["logit_cap"],
+                "sinks": args["sinks"],
+                # ALiBi slopes ([Hq] graph constant) only where the canonical op has them (other graphs unchanged)
+                **({"alibi_slopes": args["alibi_slopes"]} if args["alibi_slopes"] is not None else {}),
+            },
         )
         # Back to q's own [b, s] (or [b, h, s]) shape: sizes read from q itself.
         b = g.call_function(aten.sym_size.int, (q, 0))
@@ -127,7 +134,16 @@ def layer_shapes(nodes: List[fx.Node]) -> List[LayerShape]:
     for layer, node in enumerate(nodes):
         args = dict(named_args(node))
         qv, vv = require_tensor_meta(args["query"]), require_tensor_meta(args["value"])
-        shapes.append(LayerShape(layer, int(qv.shape[-1]), int(vv.shape[-1]), qv.dtype, args["sinks"] is not None))
+        shapes.append(
+            LayerShape(
+                layer,
+                int(qv.shape[-1]),
+                int(vv.shape[-1]),
+                qv.dtype,
+                args["sinks"] is not None,
+                has_alibi=args["alibi_slopes"] is not None,
+            )
+        )
     return shapes
 
 

@@ -32,6 +32,7 @@ class LayerShape:
     v_head_dim: int
     dtype: torch.dtype
     has_sinks: bool
+    has_alibi: bool = False  # ALiBi slopes (BLOOM, MPT, Falcon-RW): refused by backends without them
 
 
 def unsupported_layers(backend: AttentionBackend, layers: Sequence[LayerShape]) -> Dict[str, List[int]]:
@@ -39,6 +40,8 @@ def unsupported_layers(backend: AttentionBackend, layers: Sequence[LayerShape]) 
     refused: Dict[str, List[int]] = {}
     for s in layers:
         why = backend.unsupported(s.head_dim, s.v_head_dim, s.dtype, s.has_sinks)
+        if why is None and s.has_alibi:
+            why = backend.unsupported_alibi()
         if why:
             refused.setdefault(why, []).append(s.layer)
     return refused

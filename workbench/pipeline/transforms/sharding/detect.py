@@ -346,6 +346,8 @@ class Detector:
             if sinks.op != "get_attr":
                 raise NotShardable("attention sinks are computed, not a weight: not split")
             cuts.append(NodeCut(attn.name, "column", (TensorCut("sinks", sinks.target, 0, ((h0, h1),)),)))
+        if attn.kwargs.get("alibi_slopes") is not None:  # a real constant the pattern stage made, not a weight
+            raise NotShardable("ALiBi slopes (a per-head constant of the graph) are not split yet")
         fixes = []
         for name, nheads, local in (("q", heads, h1 - h0), ("k", kv_heads, g1 - g0), ("v", kv_heads, g1 - g0)):
             fixes += self._fix_heads(paths[name], nheads, local, last=False)
