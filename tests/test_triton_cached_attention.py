@@ -322,7 +322,7 @@ _INT_POINTERS = {"cu_seqlens_ptr", "input_pos_ptr", "page_table_ptr", "tile_seq_
 # Tuple arguments: (scale, window, cap), and the strides of (q, out, k_cache, v_cache) with the
 # page table's row stride ((k, v, k_cache, v_cache, page table) for the write kernel).
 _STRIDES = (("i32",) * 3, ("i32",) * 3, ("i32",) * 4, ("i32",) * 4, "i32")
-_TUPLES = {"scalars": ("fp32", "i32", "fp32"), "strides": _STRIDES}
+_TUPLES = {"scalars": ("fp32", "i32", "fp32", "i32"), "strides": _STRIDES}  # scale, window, cap, chunk
 
 
 def _aot_signature(kernel, dtype: str, constexprs: dict) -> dict:
@@ -365,7 +365,7 @@ def test_kernels_compile_for_hopper():
         pytest.skip("kernels were decorated under TRITON_INTERPRET=1 in this process")
     blocks = tca._block_sizes(torch.device("cuda"), 64)
     shared = dict(PAGE_SIZE=16, HEAD_DIM=64, D_PAD=64, HAS_WINDOW=True, HAS_CAP=True,
-                  HAS_SINKS=True, HAS_ALIBI=True)
+                  HAS_SINKS=True, HAS_ALIBI=True, HAS_CHUNK=True)
     variants = [
         (paged_kv_append.paged_kv_append_kernel, "fp16",
          dict(NUM_KV_HEADS=3, HEAD_DIM=64, H_PAD=4, D_PAD=64, B_PAD=8, PAGE_SIZE=16)),
@@ -379,6 +379,12 @@ def test_kernels_compile_for_hopper():
         for splits in (1, 8):
             variants.append((paged_decode.paged_decode_kernel, dtype,
                              dict(flags, G_PAD=16, BLOCK_N=blocks["decode_n"], NUM_SPLITS=splits)))
+    # a chunk without a window: the key range starts from a plain 0, not a window's tensor
+    flags = dict(shared, GROUP=3, FP32_DOT=False, HAS_WINDOW=False)
+    variants.append((paged_prefill.paged_prefill_kernel, "fp16",
+                     dict(flags, BLOCK_M=blocks["prefill_m"], BLOCK_N=blocks["prefill_n"])))
+    variants.append((paged_decode.paged_decode_kernel, "fp16",
+                     dict(flags, G_PAD=16, BLOCK_N=blocks["decode_n"], NUM_SPLITS=1)))
     for kernel, dtype, constexprs in variants:
         src = ASTSource(kernel, _aot_signature(kernel, dtype, constexprs), constexprs=constexprs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),

@@ -69,6 +69,11 @@ class AttentionBackend(OpBackend):
         check = getattr(self._module(), "unsupported", None)
         return check(head_dim, v_head_dim, dtype, has_sinks) if check is not None else None
 
+    def unsupported_chunked(self) -> Optional[str]:
+        """Why this backend cannot serve chunked local attention (``chunk_size``; None: it can), from
+        the op module's ``CHUNKED_UNSUPPORTED``; backends without one serve it."""
+        return getattr(self._module(), "CHUNKED_UNSUPPORTED", None)
+
     def unsupported_alibi(self) -> Optional[str]:
         """Why this backend cannot serve ALiBi (``alibi_slopes``; None: it can), from the op module's
         ``ALIBI_UNSUPPORTED``; backends without one serve it."""

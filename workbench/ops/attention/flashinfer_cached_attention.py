@@ -49,6 +49,10 @@ OTHER_BACKENDS = "'triton' or 'torch'"
 # FlashInfer's ALiBi mode derives its own slopes from the head count (the BLOOM formula); MPT's and
 # Falcon's differ, and the graph's slopes cannot be passed to its paged wrappers.
 ALIBI_UNSUPPORTED = "ALiBi slopes (not supported by this backend)"
+# Chunked local attention (Llama 4's attention_chunk_size): FlashInfer's paged wrappers take a causal
+# mask and a left window, no chunk boundaries; refused by name when the backend is chosen
+# (``AttentionBackend.unsupported_chunked``) and when the op is called.
+CHUNKED_UNSUPPORTED = "chunked local attention (chunk_size: FlashInfer's paged kernels have no chunk mask)"
 
 
 def unsupported(head_dim: int, v_head_dim: int, dtype: torch.dtype, has_sinks: bool = False) -> Optional[str]:
@@ -241,11 +245,14 @@ def flashinfer_cached_attention(
     logit_cap=None,
     sinks=None,
     alibi_slopes=None,
+    chunk_size=None,
 ) -> torch.Tensor:
     """FlashInfer paged attention under the shared cached-attention schema (``torch_cached_attention``)."""
     why = _refusal(q, k, v, k_cache, v_cache, sinks)
     if why is None and alibi_slopes is not None:
         why = ALIBI_UNSUPPORTED
+    if why is None and chunk_size is not None:
+        why = CHUNKED_UNSUPPORTED
     if why is not None:
         raise ValueError(
             f"flashinfer_cached_attention cannot serve this call: {why}. Use the {OTHER_BACKENDS} "

@@ -27,7 +27,12 @@ def _to_bnsd(x: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def visible_keys(
-    s_q: int, s_k: int, device: torch.device, causal: bool, sliding_window: Optional[int]
+    s_q: int,
+    s_k: int,
+    device: torch.device,
+    causal: bool,
+    sliding_window: Optional[int],
+    chunk_size: Optional[int] = None,
 ) -> Optional[torch.Tensor]:
     """Boolean [s_q, s_k] mask (True = may attend), or None when every key is visible.
 
@@ -35,8 +40,10 @@ def visible_keys(
     KV cache, query ``i`` sits at absolute position ``s_k - s_q + i``. For ``s_q == s_k`` this is
     the usual lower-triangular causal mask. A sliding window of ``w`` keeps the ``w`` most recent
     keys including the query's own position (``q_pos - k_pos < w``), as HF's sliding masks do.
+    Chunked local attention (Llama 4's ``attention_chunk_size``) of ``c`` keeps the keys of the
+    query's own chunk of absolute positions (``k_pos // c == q_pos // c``).
     """
-    if not causal and sliding_window is None:
+    if not causal and sliding_window is None and chunk_size is None:
         return None
     q_pos = torch.arange(s_k - s_q, s_k, device=device)[:, None]
     k_pos = torch.arange(s_k, device=device)[None, :]
@@ -45,6 +52,8 @@ def visible_keys(
         keep &= k_pos <= q_pos
     if sliding_window is not None:
         keep &= (q_pos - k_pos) < sliding_window
+    if chunk_size is not None:
+        keep &= (k_pos // chunk_size) == (q_pos // chunk_size)
     return keep
 
 
@@ -61,7 +70,18 @@ def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -
 
 
 def _math_attention(
-    q, k, v, attn_mask, dropout_p, is_causal, scale, sinks, sliding_window, logit_cap, alibi_slopes=None
+    q,
+    k,
+    v,
+    attn_mask,
+    dropout_p,
+    is_causal,
+    scale,
+    sinks,
+    sliding_window,
+    logit_cap,
+    alibi_slopes=None,
+    chunk_size=None,
 ):
     """Explicit softmax attention in fp32 (bnsd, K/V already repeated to ``n`` heads)."""
     s_q, s_k = q.shape[-2], k.shape[-2]
@@ -71,7 +91,7 @@ def _math_attention(
     if alibi_slopes is not None:  # queries bottom-right aligned, as the causal mask
         positions = torch.arange(s_k, device=q.device)
         scores = scores + alibi_bias(alibi_slopes, positions[s_k - s_q :], positions)
-    keep = visible_keys(s_q, s_k, q.device, is_causal, sliding_window)
+    keep = visible_keys(s_q, s_k, q.device, is_causal, sliding_window, chunk_size)
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
@@ -104,6 +124,7 @@ def torch_attention(
     logit_cap: Optional[float] = None,
     layout: str = "bnsd",
     alibi_slopes: Optional[torch.Tensor] = None,
+    chunk_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Grouped-query attention; see the module docstring for shapes.
 
@@ -111,7 +132,9 @@ def torch_attention(
     ``[b, n, s_q, s_k]`` in either layout. ``scale`` defaults to ``1/sqrt(d)``. ``sinks`` is
     ``[n]``. ``logit_cap`` applies ``cap * tanh(logits / cap)`` before masking. ``alibi_slopes``
     ``[n]`` adds ``slopes[h] * (k_pos - q_pos)`` to the (scaled, capped) logits of head ``h``
-    (ALiBi; positions bottom-right aligned as for ``is_causal``).
+    (ALiBi; positions bottom-right aligned as for ``is_causal``). ``chunk_size`` ``c``: chunked
+    local attention, a key is visible only from queries of its own chunk of absolute positions
+    (``k_pos // c == q_pos // c``; Llama 4's ``attention_chunk_size``), on top of ``is_causal``.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"torch_attention: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -123,7 +146,12 @@ def torch_attention(
     s_q, s_k = q.shape[-2], k.shape[-2]
     if sliding_window is not None and is_causal and sliding_window >= s_k:
         sliding_window = None  # q_pos - k_pos <= s_k - 1 < window: the window hides nothing
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"torch_attention: chunk_size must be >= 1, got {chunk_size}")
+    if chunk_size is not None and chunk_size >= s_k:
+        chunk_size = None  # every position 0..s_k-1 lies in chunk 0: the chunks hide nothing
     plain = sinks is None and logit_cap is None and sliding_window is None and alibi_slopes is None
+    plain = plain and chunk_size is None
     if plain and (not is_causal or s_q == s_k) and (attn_mask is None or not is_causal):
         # SDPA's is_causal is top-left aligned, which equals ours only for s_q == s_k.
         out = F.scaled_dot_product_attention(
@@ -133,7 +161,7 @@ def torch_attention(
         if n != n_kv:
             k, v = k.repeat_interleave(n // n_kv, dim=1), v.repeat_interleave(n // n_kv, dim=1)
         out = _math_attention(
-            q, k, v, attn_mask, dropout_p, is_causal, scale, sinks, sliding_window, logit_cap, alibi_slopes
+            q, k, v, attn_mask, dropout_p, is_causal, scale, sinks, sliding_window, logit_cap, alibi_slopes, chunk_size
         )
     return _to_bnsd(out, layout).contiguous()
 
@@ -152,5 +180,6 @@ def _torch_attention_fake(
     logit_cap=None,
     layout="bnsd",
     alibi_slopes=None,
+    chunk_size=None,
 ):
     return query.new_empty(*query.shape[:-1], value.shape[-1])

@@ -15,7 +15,8 @@ in one flattened token dimension T (so the same graph runs prefill, decode and m
 Semantics: the new k/v of sequence i are first written at logical positions
 ``input_pos[i] .. input_pos[i] + seq_lens[i] - 1`` (page ``page_table[i, pos // page_size]``, slot
 ``pos % page_size``); then the new query at logical position p attends causally to the cached
-positions ``0..p`` (only the last ``sliding_window`` of them when set), with ``scale``, an optional
+positions ``0..p`` (only the last ``sliding_window`` of them when set; with ``chunk_size`` ``c``
+only those of p's own chunk, ``c * (p // c) .. p``: chunked local attention), with ``scale``, an optional
 ``logit_cap * tanh(x / logit_cap)``, optional per-head ``sinks`` (one extra logit per head in the
 softmax denominator) and optional ALiBi ``alibi_slopes`` [Hq] (``slopes[h] * (k_pos - q_pos)`` added
 to the logits, from absolute cache positions: a token's bias is the same in prefill and decode). Sequences ``0..num_prefill-1`` may have any length >= 1 (prefill, chunked
@@ -118,12 +119,17 @@ def _attend(
     return out.view(n, hkv, rep, s, dv).permute(0, 3, 1, 2, 4).reshape(n, s, hq, dv)
 
 
-def _keep(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: Optional[int]) -> torch.Tensor:
-    """[..., s, L] bool: key visible to query (causal, optional window ``q - k < window``)."""
+def _keep(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: Optional[int], chunk_size: Optional[int] = None
+) -> torch.Tensor:
+    """[..., s, L] bool: key visible to query (causal, optional window ``q - k < window``, optional
+    chunk ``k // chunk == q // chunk``)."""
     rel = q_pos[..., :, None] - k_pos[..., None, :]
     keep = rel >= 0
     if sliding_window is not None:
         keep &= rel < sliding_window
+    if chunk_size is not None:
+        keep &= (q_pos[..., :, None] // chunk_size) == (k_pos[..., None, :] // chunk_size)
     return keep
 
 
@@ -263,6 +269,7 @@ def torch_cached_attention(
     logit_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
+    chunk_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Write the step's k/v into the paged cache, then attend; see the module docstring."""
     lens, past = _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill)
@@ -271,6 +278,7 @@ def torch_cached_attention(
         and logit_cap is None
         and sinks is None
         and alibi_slopes is None
+        and chunk_size is None
         and k_cache.dtype == k.dtype
     )
     if num_prefill == 0 and plain:
@@ -298,7 +306,7 @@ def torch_cached_attention(
         kc = gather_pages(k_cache, page_table[i], total)[None]  # [1, L, Hkv, D]
         vc = gather_pages(v_cache, page_table[i], total)[None]
         q_pos, k_pos = torch.arange(past[i], total, device=q.device), torch.arange(total, device=q.device)
-        keep = _keep(q_pos, k_pos, sliding_window)[None]
+        keep = _keep(q_pos, k_pos, sliding_window, chunk_size)[None]
         alibi = None if alibi_slopes is None else (alibi_slopes, (k_pos[None, :] - q_pos[:, None])[None])
         out[0, a:b] = _attend(q[:, a:b], kc, vc, keep, scale, logit_cap, sinks, alibi)[0].to(out.dtype)
     # Decode: all sequences together, keys padded to the longest and masked.
@@ -318,7 +326,8 @@ def torch_cached_attention(
         k_pos = torch.arange(longest, device=q.device)
         valid = k_pos[None, :] < totals[:, None]  # [Bd, L]; slots past the end may be stale
         vc = vc.masked_fill(~valid[:, :, None, None], 0)  # 0 * stale inf/nan would still be nan
-        keep = _keep((totals - 1)[:, None], k_pos.expand(len(totals), -1), sliding_window) & valid[:, None]
+        keep = _keep((totals - 1)[:, None], k_pos.expand(len(totals), -1), sliding_window, chunk_size)
+        keep = keep & valid[:, None]
         qd = q[0, a:].unsqueeze(1)  # [Bd, 1, Hq, D]
         alibi = None if alibi_slopes is None else (alibi_slopes, (k_pos[None, :] - (totals - 1)[:, None])[:, None])
         out[0, a:] = _attend(qd, kc, vc, keep, scale, logit_cap, sinks, alibi)[:, 0].to(out.dtype)
@@ -334,7 +343,8 @@ def torch_cached_attention(
 CACHED_ATTENTION_ARGS = (
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
     "Tensor seq_lens, Tensor input_pos, Tensor page_table, SymInt num_prefill, float scale, "
-    "SymInt? sliding_window=None, float? logit_cap=None, Tensor? sinks=None, Tensor? alibi_slopes=None) -> Tensor"
+    "SymInt? sliding_window=None, float? logit_cap=None, Tensor? sinks=None, Tensor? alibi_slopes=None, "
+    "SymInt? chunk_size=None) -> Tensor"
 )
 
 

@@ -11,7 +11,8 @@ sequences, then decode sequences of one token each. Their new tokens are flatten
     -> out [1, T, Hq, D] in q's dtype
 
 Query row j of sequence i sits at position p = input_pos[i] + j and attends to cached positions
-0..p (the last ``sliding_window`` of them if set), logits ``scale * q.k``, optionally soft-capped
+0..p (the last ``sliding_window`` of them if set; with ``chunk_size`` c those of p's own chunk,
+c * (p // c) .. p), logits ``scale * q.k``, optionally soft-capped
 ``logit_cap * tanh(x / logit_cap)``, with an optional per-head sink logit ``sinks`` [Hq] in the
 softmax denominator and an optional ALiBi bias ``alibi_slopes[h] * (k_pos - q_pos)`` ([Hq] slopes,
 absolute cache positions). Softmax runs online in fp32.
@@ -106,6 +107,7 @@ def cached_attention_forward(
     logit_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
+    chunk_size: Optional[int] = None,
     num_splits: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch write + prefill + decode; shapes as in the module docstring.
@@ -140,7 +142,10 @@ def cached_attention_forward(
     cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)
     cu[1:] = torch.cumsum(seq_lens, 0)
 
-    scalars = (float(scale), int(sliding_window or 0), float(logit_cap or 0.0))  # scale, window, cap
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"triton_cached_attention: chunk_size must be >= 1, got {chunk_size}")
+    # scale, window, cap, chunk
+    scalars = (float(scale), int(sliding_window or 0), float(logit_cap or 0.0), int(chunk_size or 0))
     flags = dict(
         GROUP=hq // hkv,
         PAGE_SIZE=page_size,
@@ -150,6 +155,7 @@ def cached_attention_forward(
         HAS_CAP=logit_cap is not None,
         HAS_SINKS=sinks is not None,
         HAS_ALIBI=alibi_slopes is not None,
+        HAS_CHUNK=chunk_size is not None,
         # The interpreter keeps bf16 as raw uint16 bits and its tl.dot multiplies those bits
         # (triton-lang/triton#11584: bf16 is unsupported there), so it gets fp32 products.
         FP32_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and dev.type != "cuda"),
@@ -195,6 +201,8 @@ def cached_attention_forward(
         max_keys = page_table.shape[1] * page_size
         if sliding_window is not None:
             max_keys = min(max_keys, sliding_window)
+        if chunk_size is not None:
+            max_keys = min(max_keys, chunk_size)
         splits = num_splits or _decode_splits(dev, num_decode, hkv, max_keys, bn)
         if splits > 1:
             part_o = torch.empty(num_decode, hq, splits, d_pad, dtype=torch.float32, device=dev)

@@ -5,7 +5,8 @@
 // run here: the new k/v are written to their slot, then for each sequence and KV head the scores
 // of all query heads sharing it (GQA) are computed reading each key once, a vectorised softmax
 // (fp32, polynomial exp) turns them into probabilities, and each value is read once. Sliding window, logit soft-capping,
-// per-head sinks and ALiBi slopes are honoured. Anything else (prefill rows, other dtypes) is handed to the
+// per-head sinks and ALiBi slopes are honoured, and so is chunked local attention (chunk_size: only the keys of the
+// query's own chunk of positions). Anything else (prefill rows, other dtypes) is handed to the
 // reference op through the dispatcher, so this op is a drop-in backend for every step.
 //
 // Why a kernel: the reference's decode path is one SDPA call plus the Python around it, ~200 us a
@@ -33,10 +34,11 @@ at::Tensor reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const at::Tensor& v_cache, const at::Tensor& seq_lens, const at::Tensor& input_pos,
                      const at::Tensor& page_table, int64_t num_prefill, double scale,
                      std::optional<int64_t> sliding_window, std::optional<double> logit_cap,
-                     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi_slopes) {
+                     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi_slopes,
+                     std::optional<int64_t> chunk_size) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("workbench::torch_cached_attention", "");
   torch::jit::Stack stack;
-  stack.reserve(14);
+  stack.reserve(15);
   for (const at::Tensor* t : {&q, &k, &v, &k_cache, &v_cache, &seq_lens, &input_pos, &page_table}) stack.emplace_back(*t);
   stack.emplace_back(num_prefill);
   stack.emplace_back(scale);
@@ -44,6 +46,7 @@ at::Tensor reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   stack.emplace_back(logit_cap.has_value() ? c10::IValue(*logit_cap) : c10::IValue());
   stack.emplace_back(sinks.has_value() ? c10::IValue(*sinks) : c10::IValue());
   stack.emplace_back(alibi_slopes.has_value() ? c10::IValue(*alibi_slopes) : c10::IValue());
+  stack.emplace_back(chunk_size.has_value() ? c10::IValue(*chunk_size) : c10::IValue());
   op.callBoxed(&stack);
   return stack[0].toTensor();
 }
@@ -185,7 +188,7 @@ at::Tensor cpu_cached_attention(const at::Tensor& q, const at::Tensor& k, const 
                                 const at::Tensor& page_table, int64_t num_prefill, double scale,
                                 std::optional<int64_t> sliding_window, std::optional<double> logit_cap,
                                 const std::optional<at::Tensor>& sinks,
-                                const std::optional<at::Tensor>& alibi_slopes) {
+                                const std::optional<at::Tensor>& alibi_slopes, std::optional<int64_t> chunk_size) {
   const bool f32 = q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
                    k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
                    (!sinks.has_value() || sinks->scalar_type() == at::kFloat) &&
@@ -196,11 +199,12 @@ at::Tensor cpu_cached_attention(const at::Tensor& q, const at::Tensor& k, const 
   const int64_t B = seq_lens.numel();
   if (num_prefill != 0 || !f32 || !layout || q.size(1) != B) {
     return reference(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, scale, sliding_window,
-                     logit_cap, sinks, alibi_slopes);
+                     logit_cap, sinks, alibi_slopes, chunk_size);
   }
   const int64_t Hq = q.size(2), D = q.size(3), Hkv = k.size(2), Dv = v.size(3);
   const int64_t page_size = k_cache.size(1), max_pages = page_table.size(1);
   TORCH_CHECK(Hq % Hkv == 0, Hq, " query heads is not a multiple of ", Hkv, " KV heads");
+  TORCH_CHECK(!chunk_size.has_value() || *chunk_size >= 1, "chunk_size must be >= 1, got ", chunk_size.value_or(0));
   TORCH_CHECK(!alibi_slopes.has_value() || alibi_slopes->numel() == Hq, "alibi_slopes must hold one slope per query head (",
               Hq, "), got ", alibi_slopes.has_value() ? alibi_slopes->numel() : 0);
   TORCH_CHECK(k_cache.size(2) == Hkv && k_cache.size(3) == D && v_cache.size(3) == Dv,
@@ -268,7 +272,9 @@ at::Tensor cpu_cached_attention(const at::Tensor& q, const at::Tensor& k, const 
     std::vector<const float*> keys, values;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t pair = t / chunks, c = t % chunks, b = pair / Hkv, g = pair % Hkv, last = pos[b];
-      const int64_t first_key = sliding_window.has_value() ? std::max<int64_t>(0, last - *sliding_window + 1) : 0;
+      int64_t first_key = sliding_window.has_value() ? std::max<int64_t>(0, last - *sliding_window + 1) : 0;
+      // chunked local attention: only the keys of the query's own chunk of positions
+      if (chunk_size.has_value()) first_key = std::max<int64_t>(first_key, last / *chunk_size * *chunk_size);
       const int64_t n = last - first_key + 1;
       // this chunk's keys: [first, first + L)
       const int64_t first = first_key + n * c / chunks, L = first_key + n * (c + 1) / chunks - first;

@@ -45,14 +45,16 @@ def paged_decode_kernel(
     HAS_SINKS: tl.constexpr,
     FP32_DOT: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
 ):
     """Decode sequence j = program_id(0) is sequence num_prefill + j; its token sits at
-    logical position input_pos[b] and sees positions max(0, pos - window + 1) .. pos.
+    logical position input_pos[b] and sees positions max(0, pos - window + 1) .. pos (with a
+    chunk: from max(that, chunk * (pos // chunk))).
 
     part_o [num_decode, Hq, NUM_SPLITS, D_PAD] fp32, part_lse [num_decode, Hq, NUM_SPLITS] fp32
     (contiguous; unused when NUM_SPLITS == 1).
     """
-    scale, window, cap = scalars
+    scale, window, cap, chunk = scalars
     # one name per level: triton < 3.7 cannot hash a kernel whose source unpacks nested tuples
     q_strides, o_strides, kc_strides, vc_strides, stride_pt = strides
     stride_qt, stride_qh, stride_qd = q_strides
@@ -68,6 +70,8 @@ def paged_decode_kernel(
         kv_lo = tl.maximum(kv_end - window, 0)
     else:
         kv_lo = 0
+    if HAS_CHUNK:  # chunked local attention: the keys of the token's own chunk only
+        kv_lo = tl.maximum(kv_lo, (pos // chunk) * chunk)
     # Whole blocks per split, so only the last block of a split is partial.
     per_split = tl.cdiv(tl.cdiv(kv_end - kv_lo, BLOCK_N), NUM_SPLITS) * BLOCK_N
     start = kv_lo + split * per_split
@@ -101,7 +105,7 @@ def paged_decode_kernel(
         offs_n, n_ok, k, v = load_kv_block(
             k_cache_ptr, v_cache_ptr, pt_row, s0, end, kv_head, offs_d, d_ok, kc_strides, vc_strides, PAGE_SIZE, BLOCK_N
         )
-        # Causality and the window are already in [start, end): only the block tail is masked.
+        # Causality, the window and the chunk are already in [start, end): only the block tail is masked.
         visible = g_ok[:, None] & n_ok[None, :]
         if HAS_ALIBI:
             bias = alibi_block(slopes, q_pos, offs_n)

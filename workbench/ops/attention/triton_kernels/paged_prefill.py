@@ -40,13 +40,14 @@ def paged_prefill_kernel(
     HAS_SINKS: tl.constexpr,
     FP32_DOT: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
 ):
     """out[0, rows of the tile, head] for q [T, Hq, D] and caches [pages, PAGE_SIZE, Hkv, D].
 
     Row r of sequence b sits at logical position input_pos[b] + r and sees cached positions
-    max(0, pos - window + 1) .. pos.
+    max(0, pos - window + 1) .. pos (with a chunk: only those with k // chunk == pos // chunk).
     """
-    scale, window, cap = scalars
+    scale, window, cap, chunk = scalars
     # one name per level: triton < 3.7 cannot hash a kernel whose source unpacks nested tuples
     q_strides, o_strides, kc_strides, vc_strides, stride_pt = strides
     stride_qt, stride_qh, stride_qd = q_strides
@@ -84,6 +85,9 @@ def paged_prefill_kernel(
         lo = (lo // BLOCK_N) * BLOCK_N
     else:
         lo = 0
+    if HAS_CHUNK:  # the tile's first row has the earliest chunk start (aligned down, as the window's)
+        lo = tl.maximum(lo, ((ctx + m0) // chunk) * chunk)
+        lo = (lo // BLOCK_N) * BLOCK_N
 
     m_i, l_i = initial_state(sinks_ptr, head + tl.zeros([BLOCK_M], tl.int32), row_ok, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -108,6 +112,8 @@ def paged_prefill_kernel(
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         if HAS_WINDOW:
             visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
+        if HAS_CHUNK:
+            visible = visible & (offs_n[None, :] // chunk == q_pos[:, None] // chunk)
         if HAS_ALIBI:
             bias = alibi_block(slope, q_pos, offs_n)
         else:

@@ -5,7 +5,8 @@ SDPA, an additive float mask (0 where visible, ``finfo(dtype).min`` where hidden
 chain. When such a mask only says "causal" (optionally "and within the last ``w`` positions"),
 the attention matchers drop it in favour of ``is_causal`` / ``sliding_window``: backends implement
 those without materialising an [s, s] mask, and a KV cache can serve them (an explicit mask
-cannot). ``attention_mask_arguments`` is the verdict the SDPA and eager patterns share.
+cannot). Likewise "causal and within the query's chunk of ``c`` positions" (Llama 4's chunked local
+attention, ``masking_utils.chunked_causal_mask_function``) becomes ``chunk_size``. ``attention_mask_arguments`` is the verdict the SDPA and eager patterns share.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class MaskKind:
-    """What a position-only mask encodes: nothing (all visible), causal, or causal + window."""
+    """What a position-only mask encodes: nothing (all visible), causal, causal + window, or causal
+    + chunk (keys of the query's own chunk of ``chunk_size`` absolute positions)."""
 
     is_causal: bool
     sliding_window: Optional[int] = None
+    chunk_size: Optional[int] = None
 
 
 def _ancestors(node: fx.Node) -> List[fx.Node]:
@@ -91,13 +94,14 @@ def classify_mask(mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
     values, no parameters. Its sub-graph is then evaluated with both position aranges replaced
     by a probe vector of positions (0..9, and around every integer literal of the sub-graph, which
     is where a sliding window's size shows up), and compared with the full, causal and
-    causal-sliding-window masks. Anything else (padding masks, prefix-LM, chunked) -> None.
+    causal-sliding-window and causal-chunked masks (a chunk's size, like a window's, is one of the
+    literals). Anything else (padding masks, prefix-LM) -> None.
     """
     nodes = _ancestors(mask)
     literals = _int_literals(nodes)
     probe = set(range(10)) | {3_000_000}
     for w in literals:
-        probe |= {max(w + d, 0) for d in (-2, -1, 0, 1, 2)} | {2 * w + 1}
+        probe |= {max(w + d, 0) for d in (-2, -1, 0, 1, 2)} | {2 * w - 1, 2 * w, 2 * w + 1}
     positions = torch.tensor(sorted(probe), dtype=torch.int64)
     n_pos = len(positions)
     env: Dict[fx.Node, Any] = {}
@@ -147,6 +151,10 @@ def classify_mask(mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
     for w in sorted({max(v + d, 1) for v in literals for d in (-1, 0, 1)}):
         if torch.equal(m, (rel >= 0) & (rel < w)):
             return MaskKind(is_causal=True, sliding_window=w)
+    for c in sorted({max(v + d, 1) for v in literals for d in (-1, 0, 1)}):
+        chunk = positions // c
+        if torch.equal(m, (rel >= 0) & (chunk[:, None] == chunk[None, :])):
+            return MaskKind(is_causal=True, chunk_size=c)
     return None
 
 
@@ -154,14 +162,24 @@ def attention_mask_arguments(
     mask: Optional[fx.Node], q: torch.Tensor, k: torch.Tensor, is_causal: bool = False
 ) -> Dict[str, Any]:
     """``torch_attention``'s masking arguments for an attention of ``q`` [b, n, s_q, d] over
-    ``k`` [b, n_kv, s_k, d] with ``mask`` (None: no mask): ``is_causal``, ``sliding_window`` and
-    ``keep_mask`` (whether the explicit mask must stay). A mask is only dropped for what it
+    ``k`` [b, n_kv, s_k, d] with ``mask`` (None: no mask): ``is_causal``, ``sliding_window``,
+    ``chunk_size`` and ``keep_mask`` (whether the explicit mask must stay). A mask is only dropped for what it
     provably encodes, and only for self-attention over the same positions (s_q == s_k)."""
-    out: Dict[str, Any] = {"is_causal": bool(is_causal), "sliding_window": None, "keep_mask": mask is not None}
+    out: Dict[str, Any] = {
+        "is_causal": bool(is_causal),
+        "sliding_window": None,
+        "chunk_size": None,
+        "keep_mask": mask is not None,
+    }
     if mask is not None and not is_causal and same_size(q.shape[2], k.shape[2]):
         kind = classify_mask(mask, q.shape[2])
         if kind is not None:
-            out.update(is_causal=kind.is_causal, sliding_window=kind.sliding_window, keep_mask=False)
+            out.update(
+                is_causal=kind.is_causal,
+                sliding_window=kind.sliding_window,
+                chunk_size=kind.chunk_size,
+                keep_mask=False,
+            )
     return out
 
 

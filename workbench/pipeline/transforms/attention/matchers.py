@@ -11,7 +11,7 @@ The chain, in pipeline order:
 3. ``match_sdpa_to_torch_attention``: ``aten.scaled_dot_product_attention`` and
    ``torch_attention_sdpa`` (with or without repeated K/V) -> ``torch_attention`` with native GQA.
    A mask that only encodes causality (HF passes an explicit boolean mask built from aranges) is
-   dropped in favour of ``is_causal`` (+ ``sliding_window``), which backends can implement without
+   dropped in favour of ``is_causal`` (+ ``sliding_window`` or ``chunk_size``), which backends can implement without
    materialising a [s, s] mask (``masks.py``: HF's boolean SDPA masks and its additive eager
    masks alike).
    An SDPA mask that is a causal mask with an ALiBi bias folded in (Falcon) becomes ``is_causal``
@@ -193,7 +193,13 @@ def _variant_masking(m: Match, with_mask: bool) -> Optional[Dict[str, Any]]:
     return attention_mask_arguments(m.inputs["attn_mask"] if with_mask else None, q, k)
 
 
-def _variant_replacement(q, k, v, mask, *, scale, keep_mask, is_causal, sliding_window, **variant):
+def _chunked(chunk_size: Optional[int]) -> Dict[str, Any]:
+    """``torch_attention``'s ``chunk_size`` keyword where a mask was classified as chunked (none
+    otherwise: the other families' graphs keep the op's default)."""
+    return {} if chunk_size is None else {"chunk_size": chunk_size}
+
+
+def _variant_replacement(q, k, v, mask, *, scale, keep_mask, is_causal, sliding_window, chunk_size=None, **variant):
     return wb.torch_attention.default(
         q,
         k,
@@ -203,6 +209,7 @@ def _variant_replacement(q, k, v, mask, *, scale, keep_mask, is_causal, sliding_
         scale=float(scale),
         sliding_window=sliding_window,
         layout="bnsd",
+        **_chunked(chunk_size),
         **variant,
     )
 
@@ -329,7 +336,7 @@ def _sdpa_pattern(source: str, repeated: bool, with_mask: bool) -> Pattern:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
         return wb.torch_attention_sdpa.default(q, k, v, m)
 
-    def replacement(q, k, v, *mask, keep_mask, dropout_p, is_causal, scale, sliding_window, **_):
+    def replacement(q, k, v, *mask, keep_mask, dropout_p, is_causal, scale, sliding_window, chunk_size=None, **_):
         return wb.torch_attention.default(
             q,
             k,
@@ -340,6 +347,7 @@ def _sdpa_pattern(source: str, repeated: bool, with_mask: bool) -> Pattern:
             scale=scale,
             sliding_window=sliding_window,
             layout="bnsd",
+            **_chunked(chunk_size),
         )
 
     def check(m: Match) -> Optional[Dict[str, Any]]:

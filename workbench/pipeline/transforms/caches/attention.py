@@ -2,12 +2,12 @@
 
 Every ``torch.ops.workbench.torch_attention`` node becomes the backend's cached op::
 
-    torch_attention(q, k, v, is_causal=True, scale, sliding_window, logit_cap, sinks, layout, alibi_slopes)
+    torch_attention(q, k, v, is_causal=True, scale, sliding_window, logit_cap, sinks, layout, alibi_slopes, chunk_size)
       q [b, s, Hq, D] (bsnd) or [b, Hq, s, D] (bnsd)
     ->  reshape to flattened tokens: q [1, b*s, Hq, D], k/v [1, b*s, Hkv, D]
         <backend>_cached_attention(q, k, v, k_cache_<i>, v_cache_<i>, seq_lens, input_pos,
                                    page_table, num_prefill, scale, sliding_window, logit_cap, sinks,
-                                   alibi_slopes)
+                                   alibi_slopes, chunk_size)
         reshape back to q's layout [b, s, Hq, Dv] / [b, Hq, s, Dv]
 
 and the graph gains the metadata inputs (shared by all layers) and one K and one V page pool per
@@ -53,7 +53,7 @@ def _attention_nodes(gm: fx.GraphModule) -> List[fx.Node]:
 def _unsupported(args: Dict[str, Any]) -> Optional[str]:
     """Why a torch_attention call cannot become cached attention, or None."""
     if args["attn_mask"] is not None:
-        return "it has an explicit attn_mask (only causal/sliding-window masking can be cached)"
+        return "it has an explicit attn_mask (only causal, sliding-window and chunked masking can be cached)"
     if not args["is_causal"]:
         return "it is not causal (a KV cache serves autoregressive decoding only)"
     if args["dropout_p"]:
@@ -111,7 +111,9 @@ def rewrite_attention(
                 "sliding_window": args["sliding_window"],
                 "logit_cap": args["logit_cap"],
                 "sinks": args["sinks"],
-                # ALiBi slopes ([Hq] graph constant) only where the canonical op has them (other graphs unchanged)
+                # chunked local attention only where the canonical op has it (other graphs unchanged)
+                **({"chunk_size": args["chunk_size"]} if args["chunk_size"] is not None else {}),
+                # ALiBi slopes ([Hq] graph constant) likewise
                 **({"alibi_slopes": args["alibi_slopes"]} if args["alibi_slopes"] is not None else {}),
             },
         )
@@ -141,6 +143,7 @@ def layer_shapes(nodes: List[fx.Node]) -> List[LayerShape]:
                 int(vv.shape[-1]),
                 qv.dtype,
                 args["sinks"] is not None,
+                args["chunk_size"],
                 has_alibi=args["alibi_slopes"] is not None,
             )
         )

@@ -32,6 +32,7 @@ class LayerShape:
     v_head_dim: int
     dtype: torch.dtype
     has_sinks: bool
+    chunk_size: Optional[int] = None  # chunked local attention (Llama 4): refused by backends without it
     has_alibi: bool = False  # ALiBi slopes (BLOOM, MPT, Falcon-RW): refused by backends without them
 
 
@@ -40,6 +41,8 @@ def unsupported_layers(backend: AttentionBackend, layers: Sequence[LayerShape]) 
     refused: Dict[str, List[int]] = {}
     for s in layers:
         why = backend.unsupported(s.head_dim, s.v_head_dim, s.dtype, s.has_sinks)
+        if why is None and s.chunk_size is not None:
+            why = backend.unsupported_chunked()
         if why is None and s.has_alibi:
             why = backend.unsupported_alibi()
         if why:
