@@ -1,0 +1,55 @@
+"""The more dense and MoE families (``tiny_families/more_dense.py`` and ``more_moe.py``), each end to end:
+the whole default pipeline (numerics off), every attention layer cached, and 8 cached greedy tokens
+equal to HF ``generate``'s on one prompt. Plus, per family, what makes that comparison worth having:
+HF's greedy tokens on the ``workbench check`` prompts are not one or two repeated ids (>= 8 distinct
+of 16 on each prompt), so a cache that lost the past would change them.
+
+``workbench check`` runs the same families with 4 prompts, 2 at a time, and the numerics probe; the
+tiny-arch sweeps (``test_generate``, ``test_export``, ``test_models``) cover them too. This file is the
+quick per-family check: about 2 s of CPU each (the pipeline's share), gemma3n's 4 layers about 7 s.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_runtime import _hf_greedy
+
+from workbench import Workbench
+from workbench.models import load_model
+from workbench.models.tiny import TINY_ARCHS
+from workbench.models.tiny_families import more_dense, more_moe
+from workbench.onboarding.check import UNCACHED_RUNNER, check_prompts, hf_greedy, uncached_attention_left
+from workbench.onboarding.registry import load_registry
+
+ARCHS = sorted({**more_dense.ARCHS, **more_moe.ARCHS})
+NEW = 8
+ONE_THREAD = True  # see conftest.one_thread
+
+
+def test_more_families_are_registered_and_checked():
+    assert len(ARCHS) >= 15
+    assert set(ARCHS) <= set(TINY_ARCHS)
+    listed = {e.name for e in load_registry().entries}
+    assert {f"tiny:{a}" for a in ARCHS} <= listed
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_more_family_cached_greedy_equals_hf(arch):
+    loaded = load_model(f"tiny:{arch}", dtype="float32")
+    # HF's tokens before the pipeline runs (its graph shares the eager model's weights).
+    with torch.no_grad():
+        distinct = [len(set(hf_greedy(loaded.model, p, 16))) for p in check_prompts(512)]
+        prompt = torch.randint(0, 512, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+        want = _hf_greedy(loaded.model, prompt, NEW)
+    assert min(distinct) >= 8, f"HF's greedy tokens on the check prompts repeat: {distinct} distinct of 16"
+
+    bench = Workbench(loaded, numerics=False)
+    bench.run()
+    info = bench.snapshot("insert_cached_attention").info
+    assert info.num_matches > 0 and info.skip_reason is None, info
+    assert uncached_attention_left(bench.snapshots) == {}
+
+    out = bench.generate([prompt], max_new_tokens=NEW, stop_token_ids=[])
+    assert not out.stats.cache.startswith(UNCACHED_RUNNER), out.stats.cache
+    assert out.results[0].token_ids == want

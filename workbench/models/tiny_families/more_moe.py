@@ -1,0 +1,140 @@
+"""Tiny random configs of more mixture-of-experts families (merged into ``workbench.models.tiny.TINY_ARCHS``).
+
+Widely deployed MoE families, one per routing / expert layout the pipeline has to run; each passes
+``workbench check`` (every attention layer cached, greedy tokens equal HF's):
+
+* ``olmoe``: OLMoE: softmax top-k routing, QK-norm over the whole Q / K projection.
+* ``granitemoe``: Granite 3 MoE: muP multipliers (embedding, residual, attention, logits) around a
+  top-k MoE.
+* ``granitemoeshared``: PowerMoE / Granite shared-expert MoE: the same plus a shared MLP on every token.
+* ``phimoe``: Phi-3.5-MoE: sparse-mixer routing (top-2 picked by masked softmaxes, no renormalization).
+* ``qwen2_moe``: Qwen1.5/2-MoE: softmax top-k without renormalization plus a sigmoid-gated shared expert.
+* ``glm4_moe``: GLM-4.5/4.6: sigmoid scores with a bias correction for the choice only, group-limited
+  selection (2 groups, 1 kept), a shared expert, a dense first layer, QK-norm, partial rotary.
+* ``dots1``: dots.llm1: the same DeepSeek-V3-style routing (one group), shared expert, dense first layer.
+* ``ernie4_5_moe``: ERNIE 4.5 MoE: softmax scores with a bias correction (``moe_statics``) for the
+  choice, min-normalized weights, a shared expert, a dense first layer, interleaved RoPE.
+* ``hunyuan_v1_moe``: Hunyuan MoE: softmax top-k plus a shared MLP, QK-norm after RoPE.
+* ``minimax_m2``: MiniMax-M2: sigmoid routing with a correction bias, QK-norm over the whole projection.
+
+Shared sizes as in ``workbench.models.tiny``: hidden 64, vocab 512, 2 layers, 4 query / 2 KV heads of
+16; 4 routed experts, top-2, expert width 64 (shared experts 64 wide too). Weights as in ``more_dense``
+(``ORACLE``: init std 0.3 -- 0.1 for the Granite MoEs --, untied lm head, set explicitly): checked (seed 0), HF's 16 greedy tokens on
+each ``workbench check`` prompt hold >= 8 distinct ids.
+"""
+
+from __future__ import annotations
+
+from .more_dense import ORACLE, SMALL_TOKEN_IDS
+from .sizes import COMMON
+
+#: Top-2 routing.
+TOP2: dict = dict(num_experts_per_tok=2)
+#: Expert width (families with a separate MoE width).
+EXPERT_WIDTH: dict = dict(moe_intermediate_size=64)
+#: The shared sizes for families whose experts take ``intermediate_size`` (no separate MoE width).
+MOE_COMMON: dict = {**COMMON, "intermediate_size": 64}
+#: Granite's MoE families at init std 0.1: at 0.3 the cached decode's logits drift from a full re-forward by
+#: just over ``test_generate``'s 1e-5 RMSE (the tokens still equal HF's); 0.1 keeps >= 12 distinct tokens.
+GRANITE_ORACLE: dict = {**ORACLE, "initializer_range": 0.1}
+#: Granite's muP multipliers, away from 1 so each is exercised (as ``tiny:granite`` has them).
+GRANITE_MUP: dict = dict(
+    attention_multiplier=0.1, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0
+)
+#: DeepSeek-V3-style routing (sigmoid + choice bias), 4 routed experts and 1 shared, first layer dense.
+V3_ROUTING: dict = dict(**EXPERT_WIDTH, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, **TOP2)
+
+
+def _olmoe():
+    from transformers import OlmoeConfig
+
+    return OlmoeConfig(**MOE_COMMON, num_experts=4, **TOP2, **ORACLE, **SMALL_TOKEN_IDS)
+
+
+def _granitemoe():
+    from transformers import GraniteMoeConfig
+
+    return GraniteMoeConfig(
+        **MOE_COMMON, num_local_experts=4, **TOP2, **GRANITE_MUP, **GRANITE_ORACLE, **SMALL_TOKEN_IDS
+    )
+
+
+def _granitemoeshared():
+    from transformers import GraniteMoeSharedConfig
+
+    return GraniteMoeSharedConfig(
+        **MOE_COMMON,
+        num_local_experts=4,
+        shared_intermediate_size=64,
+        **TOP2,
+        **GRANITE_MUP,
+        **GRANITE_ORACLE,
+        **SMALL_TOKEN_IDS,
+    )
+
+
+def _phimoe():
+    from transformers import PhimoeConfig
+
+    return PhimoeConfig(**MOE_COMMON, num_local_experts=4, **TOP2, **ORACLE, **SMALL_TOKEN_IDS)
+
+
+def _qwen2_moe():
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(
+        **COMMON, num_experts=4, **EXPERT_WIDTH, shared_expert_intermediate_size=64, **TOP2, **ORACLE, **SMALL_TOKEN_IDS
+    )
+
+
+def _glm4_moe():
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(**COMMON, **V3_ROUTING, n_group=2, topk_group=1, use_qk_norm=True, **ORACLE, **SMALL_TOKEN_IDS)
+
+
+def _dots1():
+    from transformers import Dots1Config
+
+    return Dots1Config(**COMMON, **V3_ROUTING, n_group=1, topk_group=1, **ORACLE, **SMALL_TOKEN_IDS)
+
+
+def _ernie4_5_moe():
+    from transformers import Ernie4_5_MoeConfig
+
+    return Ernie4_5_MoeConfig(
+        **COMMON,
+        **EXPERT_WIDTH,
+        moe_k=2,
+        moe_num_experts=4,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=1,
+        **ORACLE,
+        **SMALL_TOKEN_IDS,
+    )
+
+
+def _hunyuan_v1_moe():
+    from transformers import HunYuanMoEV1Config
+
+    return HunYuanMoEV1Config(**MOE_COMMON, num_experts=4, moe_topk=2, **ORACLE, **SMALL_TOKEN_IDS)
+
+
+def _minimax_m2():
+    from transformers import MiniMaxM2Config
+
+    return MiniMaxM2Config(**MOE_COMMON, num_local_experts=4, **TOP2, **ORACLE, **SMALL_TOKEN_IDS)
+
+
+ARCHS: dict = {
+    "olmoe": _olmoe,
+    "granitemoe": _granitemoe,
+    "granitemoeshared": _granitemoeshared,
+    "phimoe": _phimoe,
+    "qwen2_moe": _qwen2_moe,
+    "glm4_moe": _glm4_moe,
+    "dots1": _dots1,
+    "ernie4_5_moe": _ernie4_5_moe,
+    "hunyuan_v1_moe": _hunyuan_v1_moe,
+    "minimax_m2": _minimax_m2,
+}
