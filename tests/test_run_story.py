@@ -47,3 +47,14 @@ def test_run_prints_wall_time_with_the_probes_and_a_summary(capsys):
     assert re.search(r"first token \d+ ms, decode [\d.]+ tok/s \(4 tokens\)", summary[3])
     assert re.search(r"weights [\d.]+ MiB, KV cache [\d.]+ MiB, peak RSS [\d.]+ (MiB|GiB)", summary[4])
     assert summary[5].startswith("  time      load ") and "numerics probes" in summary[5]
+
+
+def test_the_report_summary_holds_the_answer_and_its_speed(tmp_path, capsys):
+    assert main(["run", "--model", "tiny:llama", "--no-numerics", "--max-new-tokens", "4", "--report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    tokens = re.search(r"^tokens: (\[.*\])$", out, re.M).group(1)
+    page = (tmp_path / "index.html").read_text()
+    top = page[page.index('<table class="summary"') :][:4000]
+    assert f"<th>answer</th><td>{tokens}</td>" in top
+    assert re.search(r"<th>speed</th><td>first token \d+ ms, decode [\d.]+ tok/s</td>", top)
+    assert out.index("report: ") > out.index("tokens: ")  # written after the answer

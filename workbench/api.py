@@ -155,6 +155,7 @@ class Workbench(PipelineStepper):
         )
         # Renders that failed (disk full, a permission change, a bug in viz): the pipeline goes on.
         self.render_failures: List[RenderFailure] = []
+        self.last_generation: Any = None  # the GenerationOutput of the last generate() call
         self.on_snapshot.append(self._visualize)
 
     def with_options(self, **changes: Any) -> "Workbench":
@@ -268,7 +269,7 @@ class Workbench(PipelineStepper):
                 gen_cfg = getattr(self.loaded.model, "generation_config", None)
                 kwargs["stop_token_ids"] = default_stop_token_ids(tokenizer, gen_cfg)
             runner = runner_for(self.module, self.ctx)
-            return generate(
+            out = generate(
                 runner,
                 prompts,
                 tokenizer=tokenizer,
@@ -276,6 +277,8 @@ class Workbench(PipelineStepper):
                 max_new_tokens=max_new_tokens,
                 **kwargs,
             )
+            self.last_generation = out  # the report's summary shows the last answer and its speed
+            return out
 
     def backends_line(self) -> str:
         """Where and how the finished pipeline runs, and why: device and dtype, the cached-attention

@@ -121,10 +121,18 @@ def _model_description(wb) -> str:
 
 
 def _table_and_report(wb, args: argparse.Namespace, say, rank: int) -> List[str]:
-    """Print the table, write the report(s); returns the report failures as lines (see run_outputs).
-    Never raises: after a failed transform, an error here must not hide that transform's error."""
+    """Print the table, write the report(s) -- after a failed or interrupted transform; returns the
+    report failures as lines. Never raises: an error here must not hide that transform's error."""
     try:
         say(format_table(wb, verbose=args.verbose, keep=_configured_keys(args)))
+    except Exception as e:  # noqa: BLE001 - one line after the run's own outcome
+        return [f"the table could not be printed ({type(e).__name__}: {e})"]
+    return _write_reports(wb, args, say, rank)
+
+
+def _write_reports(wb, args: argparse.Namespace, say, rank: int) -> List[str]:
+    """Write the report(s) when asked; the failures as lines (see run_outputs). Never raises."""
+    try:
         if not args.report or (_is_sharded(wb) and wb.closed):
             return []
         from .viz.run_outputs import write_reports
@@ -150,8 +158,10 @@ def _configured_keys(args: argparse.Namespace) -> set:
 
 
 def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
-    """Run the pipeline, print the table (via ``say``: a no-op on torchrun ranks > 0), write the
-    report, generate. Every rank calls this in step: the pipeline and generation have collectives.
+    """Run the pipeline, print the table (via ``say``: a no-op on torchrun ranks > 0), generate,
+    write the report (its summary holds the answer), print the summary block. Every rank calls this
+    in step: the pipeline and generation have collectives. A failed transform or generation still
+    writes the report of what finished, after its own error line.
 
     The answer comes first: a report or render that failed is one ``error:`` line after it, and
     the exit code is 1 (the user asked for that output and did not get it)."""
@@ -167,7 +177,7 @@ def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
         _say_failures(failures)
         return code
     wall_s = time.perf_counter() - t0
-    failures = _table_and_report(wb, args, say, rank)
+    say(format_table(wb, verbose=args.verbose, keep=_configured_keys(args)))
     pipeline = pipeline_line(wb, wall_s)
     say(pipeline)
     plan = _plan_rows(wb)
@@ -186,7 +196,13 @@ def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
         from .viz.outputs import dot_available
 
         say(f"renders: {args.debug_visualize_dir}" + ("" if dot_available() else " (Graphviz sources: no dot binary)"))
-    out = _generate(wb, args.prompt, args.max_new_tokens, say) if args.max_new_tokens > 0 else None
+    try:
+        out = _generate(wb, args.prompt, args.max_new_tokens, say) if args.max_new_tokens > 0 else None
+    except (Exception, KeyboardInterrupt) as e:  # the pipeline's report is still written, after the error
+        code = say_interrupted(wb) if isinstance(e, KeyboardInterrupt) else say_error(e, args)
+        _say_failures(_write_reports(wb, args, say, rank))
+        return code
+    failures = _write_reports(wb, args, say, rank)  # after the answer: the report's summary holds it
     say(_summary(wb, out, pipeline, getattr(args, "load_s", None)))
     if args.debug_visualize_dir:
         from .viz.run_outputs import render_failures

@@ -144,8 +144,9 @@ def _worst_numerics(snaps: List[Snapshot]) -> str:
 
 
 def summary_rows(stepper: Any, snaps: List[Snapshot], folded: List[bool]) -> List[Tuple[str, str]]:
-    """The summary of ``workbench run`` as far as it is known when the report is written (before
-    generation): model, where and how it runs, the pipeline's time, memory, numerics."""
+    """The summary of ``workbench run`` as far as it is known when the report is written: model,
+    where and how it runs, the answer and its speed (when it generated), the pipeline's time,
+    memory, numerics."""
     model = getattr(stepper, "loaded", None)
     rows = [("model", _e(model if model is not None else "?"))]
     try:
@@ -185,6 +186,14 @@ def summary_rows(stepper: Any, snaps: List[Snapshot], folded: List[bool]) -> Lis
     if memory:
         rows.append(("memory", ", ".join(memory)))
     rows.append(("numerics", _worst_numerics(snaps)))
+    out = getattr(stepper, "last_generation", None)  # Workbench.generate's last output, if any
+    if out is not None and out.results:
+        first = out.results[0]
+        answer = f"error: {first.error}" if first.error else (first.text or str(first.token_ids))
+        rows.insert(2, ("answer", _e(answer)))
+        ttft = out.stats.time_to_first_token_s
+        speed = f"first token {ttft * 1e3:.0f} ms, " if ttft is not None else ""
+        rows.insert(3, ("speed", f"{speed}decode {out.stats.decode_tokens_per_s:.1f} tok/s"))
     return rows
 
 
