@@ -27,6 +27,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..ops.inline import inline_canonical_ops
 from ..ops.registry import Backend, BackendRegistry
@@ -199,7 +200,37 @@ def inductor_options(device: torch.device) -> Dict[str, Any]:
     static decode graphs are, takes): the C++ wrapper, no size/alignment asserts; CPU only."""
     if torch.device(device).type != "cpu":
         return {}
-    return {"cpp_wrapper": True, "size_asserts": False, "alignment_asserts": False}
+    return {
+        "cpp_wrapper": True,
+        "size_asserts": False,
+        "alignment_asserts": False,
+        "post_grad_custom_pre_pass": _WorkbenchOpsKey(),
+    }
+
+
+class _WorkbenchOpsKey(CustomGraphPass):
+    """A pass that changes nothing and whose ``uuid`` -- part of Inductor's FX-graph cache key -- is a
+    hash of the workbench ops' schemas. A graph omits an op's defaulted arguments, so after an op
+    gains one (``alibi_slopes``, ``chunk_size``) the same graph keyed the same: Inductor reloaded
+    C++-wrapper code built for the old schema, and its boxed call crashed the process."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return _ops_schema_hash()
+
+
+def _ops_schema_hash() -> str:
+    import hashlib
+
+    schemas = sorted(str(op.default._schema) for op in _workbench_ops())
+    return hashlib.sha256("\n".join(schemas).encode()).hexdigest()
+
+
+def _workbench_ops() -> List[Any]:
+    ns = torch.ops.workbench
+    return [getattr(ns, name) for name in dir(ns) if hasattr(getattr(ns, name, None), "default")]
 
 
 def _input_name(guard_name: str) -> str:
