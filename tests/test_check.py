@@ -4,7 +4,8 @@ load, an invalid config), the exit code, and both report files.
 
 The runs use tiny:llama three times (a passing entry, one with SDPA matching switched off, one whose
 YAML makes insert_cached_attention refuse) plus two entries that fail before any work; one CLI run
-over all of them serves every run-based test (~30 s on a 2-core CPU).
+over all of them serves every run-based test (~30 s on a 2-core CPU). The oracle: a weak one fails
+its row, and every tiny arch gives a strong one (HF's greedy tokens for each check prompt).
 """
 
 import io
@@ -13,11 +14,14 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from workbench.cli import main
 from workbench.models.spec import BUILTINS, resolve_spec
+from workbench.models.tiny import list_tiny_archs
 from workbench.onboarding import CheckResult, RegistryError, exit_code, load_registry
-from workbench.onboarding.check import compare_tokens
+from workbench.onboarding.check import CheckSettings, check_entry, check_prompts, compare_tokens, oracle_strength
+from workbench.onboarding.registry import RegistryEntry
 from workbench.onboarding.report import html_report, markdown_table
 
 
@@ -110,6 +114,34 @@ def test_report_escapes_cells():
     assert "| x\\|y | tiny:<b> |" in markdown_table([bad])  # a pipe in a cell does not split the row
 
 
+def test_a_weak_oracle_fails_its_row():
+    """HF's greedy tokens repeating a token or two would also "match" a broken cache: the row fails, its
+    oracle cell and result say why in one line each; the threshold is a CheckSettings field."""
+    kw = dict(transforms_run=3, transforms_total=3, cache_kinds=["paged KV"], runner_cache="paged KV cache",
+              tokens_equal=True, tokens="yes")
+    strong = CheckResult(key="s", model="tiny:s", oracle_tokens=12, **kw)
+    weak = CheckResult(key="w", model="tiny:w", oracle_tokens=3, **kw)
+    assert strong.passed and not strong.weak_oracle
+    assert weak.failure == ("weak oracle: HF's greedy tokens for a prompt hold only 3 distinct tokens "
+                            "(at least 8 needed to tell a broken cache from a working one)")
+    assert exit_code([strong, weak]) == 1
+    rows = parse_rows(markdown_table([strong, weak]))
+    assert rows["s"]["HF distinct tokens"] == "12" and rows["w"]["HF distinct tokens"] == "3 (weak: < 8)"
+    assert rows["w"]["result"].startswith("FAIL: weak oracle: HF's greedy tokens for a prompt hold only 3")
+    lenient = CheckResult(key="l", model="tiny:l", oracle_tokens=3, min_oracle_tokens=2, **kw)
+    assert lenient.passed
+    differs = CheckResult(key="d", model="tiny:d", oracle_tokens=3, **{**kw, "tokens_equal": False})
+    assert differs.failure == "tokens differ from HF"  # the worse failure is named first
+    assert oracle_strength([[1, 2, 3, 1], [4, 4, 4, 4]]) == 1 and oracle_strength([]) is None
+
+
+def test_check_entry_counts_the_oracle_and_applies_the_threshold():
+    entry = RegistryEntry(name="tiny:llama")
+    result = check_entry(entry, CheckSettings(prompt_lens=(5, 7), new_tokens=10, min_oracle_tokens=11))
+    assert result.oracle_tokens is not None and 8 <= result.oracle_tokens <= 10 and result.tokens_equal
+    assert result.weak_oracle and result.failure.startswith("weak oracle") and result.min_oracle_tokens == 11
+
+
 def test_exit_code():
     good = CheckResult(key="a", model="tiny:a", transforms_run=3, transforms_total=3, cache_kinds=["paged KV"],
                        runner_cache="paged KV cache", tokens_equal=True, tokens="yes")
@@ -166,6 +198,7 @@ def test_passing_row(checked):
     assert re.fullmatch(r"end \((\d+)/\1 transforms\)", row["reached stage"])
     assert row["cached?"] == "paged KV; runner: paged KV cache"
     assert row["tokens equal HF"] == "yes" and row["result"] == "pass"
+    assert int(row["HF distinct tokens"]) >= 8  # a strong oracle: tiny:llama's tokens depend on the context
     # fp32 round-off: the graph computes what HF computes, reordered (fused kernels) at most
     assert float(row["worst probe RMSE"].split()[0]) < 1e-5
 
@@ -224,3 +257,20 @@ def test_every_tiny_arch_has_a_registry_entry():
 
     listed = {e.name for e in load_registry().entries}
     assert {f"tiny:{a}" for a in list_tiny_archs()} <= listed
+
+
+@pytest.mark.parametrize("arch", list_tiny_archs())
+def test_every_tiny_arch_gives_a_strong_oracle(arch):
+    """HF's greedy continuation of each of the check's prompts holds at least 8 distinct tokens (the
+    weights as the check draws them: tiny Mamba-2 mixers re-drawn checkpoint-like)."""
+    from workbench.models import load_model
+    from workbench.models.tiny_families.ssm import checkpoint_like_ssm_weights
+    from workbench.onboarding.check import hf_greedy
+
+    settings = CheckSettings()
+    loaded = load_model(f"tiny:{arch}", dtype="float32")
+    checkpoint_like_ssm_weights(loaded.model, seed=1)
+    vocab = loaded.config.get_text_config().vocab_size
+    with torch.no_grad():
+        want = [hf_greedy(loaded.model, p, settings.new_tokens) for p in check_prompts(vocab, settings.prompt_lens)]
+    assert oracle_strength(want) >= settings.min_oracle_tokens, [len(set(w)) for w in want]

@@ -24,7 +24,8 @@ def export_and_compare(loaded, shapes=((2, 16), SECOND_SHAPE)):
         with torch.no_grad():  # the graph is meta-traced: forward() binds the weights by name
             ref, out = eager(*batch.args), wb.forward(*batch.args)
         assert out.shape == (b, s, vocab)
-        assert (out - ref).abs().max().item() <= 1e-5
+        # fp32 round-off: 1e-5 of the logits' scale (up to ~10 at the tiny models' init, models/tiny.py)
+        assert (out - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
     return wb, snap
 
 

@@ -14,8 +14,8 @@ state then carries over dozens of tokens and moves mixer outputs by several perc
 span several 16-token chunks.
 
 Tolerances: mixers and logits are fp32 on both sides, computed in a different order (chunked SSD
-einsums vs ours), so they agree to fp32 round-off: 1e-5 relative for mixer outputs, 1e-5 absolute
-for logits of magnitude ~1 (what ``test_export`` uses); generated tokens must be identical.
+einsums vs ours), so they agree to fp32 round-off: 1e-5 relative for mixer outputs, 1e-5 of the
+logits' largest magnitude for logits (what ``test_export`` uses); generated tokens must be identical.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def test_export_traces_one_scan_per_ssm_layer_and_matches_hf(arch, families):
         with torch.no_grad():
             ref, out = eager(*batch.args), bench.forward(*batch.args)
         assert out.shape == (b, s, loaded.config.vocab_size)
-        assert (out - ref).abs().max().item() <= 1e-5
+        assert (out - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
 
 
 def _prompts(vocab):

@@ -182,7 +182,7 @@ def test_hidden_state_capture(tiny_llama):
     runner.step(sched.schedule(), sched)
     with torch.no_grad():
         ref = tiny_llama.model(torch.tensor([ids]), output_hidden_states=True).hidden_states[1][0]
-    torch.testing.assert_close(cache[:5], ref)
+    torch.testing.assert_close(cache[:5], ref, rtol=1e-5, atol=1e-4)  # fp32 round-off (the CPU kernels' sum order)
 
 
 def test_transformers_mode(tiny_llama):

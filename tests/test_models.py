@@ -174,6 +174,19 @@ def test_materialise_rejects_uninitialised_tensors(monkeypatch):
         build_mod.materialise(model, torch.device("cpu"), seed=0)
 
 
+def test_oracle_defaults_fill_only_what_the_builder_left_at_the_class_default():
+    """A strong oracle (models/tiny.py): init std 0.3 and an untied head where the builder did not choose."""
+    from workbench.models.tiny import TINY_INIT_STD
+
+    gemma = build_tiny_config("gemma")  # GemmaConfig ties by default, init 0.02
+    assert gemma.initializer_range == TINY_INIT_STD and not gemma.tie_word_embeddings
+    llama = build_tiny_config("llama")  # its builder ties the head on purpose (the tied path)
+    assert llama.initializer_range == TINY_INIT_STD and llama.tie_word_embeddings
+    assert build_tiny_config("lfm2").initializer_range == 0.2  # the builder's own choice stays
+    vl = build_tiny_config("qwen2_5_vl")  # a vision-language config: its text config too
+    assert vl.get_text_config().initializer_range == TINY_INIT_STD
+
+
 def test_tied_weights_stay_tied():
     lm = load_model("tiny:llama")
     assert lm.config.tie_word_embeddings

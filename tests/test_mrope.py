@@ -3,7 +3,8 @@ export of ``tiny:qwen2_5_vl`` against HF eager, and the whole pipeline with and 
 ``initialize_mrope_delta_cache`` against HF greedy generation.
 
 Tolerances: the table is the same fp32 products and cos/sin as HF's, so it is compared bit for bit;
-graphs are compared with HF eager at fp32 round-off (1e-5); generation token for token.
+graphs are compared with HF eager at fp32 round-off (1e-5; last-token logits of the cached runner,
+up to ~10 in magnitude at the tiny models' init, 5e-5 absolute); generation token for token.
 """
 
 from __future__ import annotations
@@ -295,10 +296,10 @@ def test_a_slots_delta_shifts_only_its_sequences_positions(delta_bench, loaded):
     n = len(pa)
     plain_a = list(range(n + 2))
     shifted_a = list(range(n)) + [n + shift, n + 1 + shift]
-    assert_close(mixed[0], hf_last(pb, list(range(len(pb)))), rtol=1e-5, atol=1e-5)
-    assert_close(mixed[1], hf_last(pa + [ta], shifted_a[:n + 1]), rtol=1e-5, atol=1e-5)
-    assert_close(decode[0], hf_last(pb + [tb], list(range(len(pb) + 1))), rtol=1e-5, atol=1e-5)
-    assert_close(decode[1], hf_last(pa + [ta, ta2], shifted_a), rtol=1e-5, atol=1e-5)
+    assert_close(mixed[0], hf_last(pb, list(range(len(pb)))), rtol=1e-5, atol=5e-5)
+    assert_close(mixed[1], hf_last(pa + [ta], shifted_a[:n + 1]), rtol=1e-5, atol=5e-5)
+    assert_close(decode[0], hf_last(pb + [tb], list(range(len(pb) + 1))), rtol=1e-5, atol=5e-5)
+    assert_close(decode[1], hf_last(pa + [ta, ta2], shifted_a), rtol=1e-5, atol=5e-5)
     # the shift is visible: at plain positions A's logits are different
     assert (mixed[1] - hf_last(pa + [ta], plain_a[:n + 1])).abs().max() > 1e-3
     assert (decode[1] - hf_last(pa + [ta, ta2], plain_a)).abs().max() > 1e-3

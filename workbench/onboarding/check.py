@@ -14,8 +14,11 @@ What one check does (``check_entry``), and why:
 * ``generate`` with ``max_batch_size`` 2 and prompts of different lengths: later prompts are admitted
   while earlier ones decode (mixed prefill + decode steps) and reuse finished sequences' pages and state
   slots;
+* the oracle's strength: the fewest distinct tokens among HF's greedy continuations of the prompts.
+  A continuation that repeats a token or two (a random model whose layers barely move the residual
+  stream) would also "match" with broken attention or a broken cache, so it fails the row;
 * pass = the pipeline reached its end, no attention was left without a cache, the runner used its
-  caches, and every prompt's tokens equal HF's.
+  caches, every prompt's tokens equal HF's, and HF's tokens make a strong oracle.
 
 ``check_entry`` never raises for a model's failure (only ``KeyboardInterrupt`` and the like escape):
 each failure is a ``CheckResult`` whose fields say where and why.
@@ -54,6 +57,8 @@ class CheckSettings:
     prompt_lens: Tuple[int, ...] = (5, 11, 3, 17)
     max_batch_size: int = 2
     prompt_seed: int = 3
+    # the fewest distinct tokens HF's greedy continuation of every prompt must hold (of new_tokens)
+    min_oracle_tokens: int = 8
 
 
 @dataclass
@@ -74,6 +79,8 @@ class CheckResult:
     runner_cache: str = ""  # generate's stats.cache
     tokens_equal: Optional[bool] = None  # None: not compared (the check stopped before)
     tokens: str = ""  # "yes" / "no: <first difference>"
+    oracle_tokens: Optional[int] = None  # fewest distinct tokens in HF's continuation of any prompt
+    min_oracle_tokens: int = CheckSettings.min_oracle_tokens  # below it the oracle is weak (the row fails)
     worst_rmse: Optional[float] = None
     worst_rmse_at: str = ""
     probe_errors: int = 0
@@ -96,7 +103,17 @@ class CheckResult:
             return "generation ran uncached"
         if self.tokens_equal is not True:
             return "tokens differ from HF"
+        if self.weak_oracle:
+            return (
+                f"weak oracle: HF's greedy tokens for a prompt hold only {self.oracle_tokens} distinct tokens "
+                f"(at least {self.min_oracle_tokens} needed to tell a broken cache from a working one)"
+            )
         return ""
+
+    @property
+    def weak_oracle(self) -> bool:
+        """HF's greedy tokens were counted and are too few distinct ones to prove anything."""
+        return self.oracle_tokens is not None and self.oracle_tokens < self.min_oracle_tokens
 
     @property
     def passed(self) -> bool:
@@ -123,6 +140,11 @@ def hf_greedy(model: torch.nn.Module, prompt: List[int], new_tokens: int) -> Lis
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def oracle_strength(want: Sequence[Sequence[int]]) -> Optional[int]:
+    """The fewest distinct tokens among HF's continuations of the prompts (None: no prompts)."""
+    return min((len(set(w)) for w in want), default=None)
 
 
 def compare_tokens(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]) -> Tuple[bool, str]:
@@ -179,7 +201,7 @@ def _first_line(e: BaseException, limit: int = 300) -> str:
 def check_entry(entry: RegistryEntry, settings: CheckSettings = CheckSettings()) -> CheckResult:
     """Run one entry (see the module docstring); failures come back as the result's fields."""
     t0 = time.perf_counter()
-    result = CheckResult(key=entry.key, model=entry.name)
+    result = CheckResult(key=entry.key, model=entry.name, min_oracle_tokens=settings.min_oracle_tokens)
     try:
         _run(entry, settings, result)
     except Exception as e:  # noqa: BLE001 - a bug anywhere is this entry's row, not the end of the check
@@ -221,6 +243,7 @@ def _run(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> 
     except Exception as e:  # noqa: BLE001
         result.stopped_at, result.error = "hf reference", _first_line(e)
         return
+    result.oracle_tokens = oracle_strength(want)
     try:
         while not wb.done:
             step_key, step_stage = wb.entries[wb.position].key, wb.entries[wb.position].config.stage.value
@@ -285,6 +308,7 @@ __all__ = [
     "exit_code",
     "hf_greedy",
     "inserted_cache_kinds",
+    "oracle_strength",
     "uncached_attention_left",
     "worst_probe",
 ]

@@ -1,7 +1,8 @@
 """The summary report of ``workbench check``: one row per registry entry, as Markdown and as HTML.
 
-Columns: entry | model | family | reached stage | cached? | tokens equal HF | worst probe RMSE | time (s) |
-result. A failing row says why in its own cells (the stage and transform that stopped it with the error's
+Columns: entry | model | family | reached stage | cached? | tokens equal HF | HF distinct tokens | worst
+probe RMSE | time (s) | result. "HF distinct tokens" is the oracle's strength: the fewest distinct tokens
+in HF's greedy continuation of any prompt (a weak oracle fails the row). A failing row says why in its own cells (the stage and transform that stopped it with the error's
 first line, the attention left uncached, the first token that differs), so the table alone is enough to
 decide what to look at next.
 """
@@ -23,6 +24,7 @@ COLUMNS = (
     "reached stage",
     "cached?",
     "tokens equal HF",
+    "HF distinct tokens",
     "worst probe RMSE",
     "time (s)",
     "result",
@@ -38,6 +40,7 @@ def row_cells(r: CheckResult) -> List[str]:
         _reached(r),
         _cached(r),
         r.tokens or "-",
+        _oracle(r),
         _probe(r),
         f"{r.seconds:.1f}",
         "pass" if r.passed else f"FAIL: {r.failure}",
@@ -72,6 +75,12 @@ def _cached(r: CheckResult) -> str:
     return "; ".join(parts)
 
 
+def _oracle(r: CheckResult) -> str:
+    if r.oracle_tokens is None:
+        return "-"
+    return f"{r.oracle_tokens}" + (f" (weak: < {r.min_oracle_tokens})" if r.weak_oracle else "")
+
+
 def _probe(r: CheckResult) -> str:
     text = f"{r.worst_rmse:.1e} ({r.worst_rmse_at})" if r.worst_rmse is not None else "-"
     return text + (f"; {r.probe_errors} probe(s) could not run" if r.probe_errors else "")
@@ -98,7 +107,8 @@ def settings_line(settings: CheckSettings) -> str:
     return (
         f"{len(settings.prompt_lens)} prompts of {', '.join(map(str, settings.prompt_lens))} random token ids, "
         f"{settings.max_batch_size} at a time (continuous batching), {settings.new_tokens} greedy new tokens "
-        f"each, fp32, compared with HF generate on the same weights (each prompt alone); torch {torch.__version__}, "
+        f"each, fp32, compared with HF generate on the same weights (each prompt alone; HF's continuation of "
+        f"every prompt must hold at least {settings.min_oracle_tokens} distinct tokens); torch {torch.__version__}, "
         f"transformers {transformers.__version__}; {datetime.datetime.now().isoformat(timespec='seconds')}"
     )
 

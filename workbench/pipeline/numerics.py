@@ -8,6 +8,11 @@ from typing import Optional
 import torch
 
 
+class ProbeError(RuntimeError):
+    """The numerics probe could not run on the graph a transform left (the stepper fails that step
+    with it): a graph that cannot run the probe batch the eager model runs is not a finished step."""
+
+
 @dataclass(frozen=True)
 class Numerics:
     max_abs: Optional[float] = None
@@ -37,8 +42,8 @@ def compare_logits(out: torch.Tensor, ref: torch.Tensor) -> Numerics:
 def exceeds(n: Optional[Numerics], tol: float, metric: str = "rmse_ratio") -> bool:
     """Whether a probe result crosses ``tol``.
 
-    A probe that could not run (e.g. the graph no longer follows the plain logits contract) is
-    not evidence of an error, so it never counts as crossing.
+    A probe that could not run has no value to compare, so it never counts as crossing (the
+    stepper fails the step whose probe could not run: such a snapshot is never recorded as done).
     """
     if n is None or not n.ok:
         return False

@@ -4,7 +4,8 @@ State is a cursor into the ordered pipeline plus one snapshot per executed posit
 toggling a transform drops the snapshots from that position on; the next run resumes from the last
 valid snapshot (a fresh graph copy sharing parameter storage), so nothing before it re-runs and the
 model is not re-exported. A failing transform leaves every earlier snapshot and the live graph as
-they were.
+they were; so does a transform whose graph the numerics probe cannot run (``ProbeError``): a step
+is "done" only with a probe that ran, or with the probe off.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from .config import ConfigError, PipelineEntry, resolve_pipeline
 from .context import DistInfo, PipelineContext, RuntimeLimits
 from .graph.copy import GraphCopy
 from .graph.utils import graph_modules, num_nodes, op_histogram
-from .interface import TRANSFORMS, GraphState, Stages, TransformError, TransformRegistry, check_order
+from .interface import TRANSFORMS, GraphState, Stages, TransformError, TransformInfo, TransformRegistry, check_order
 from .memory import EXPECTED_MEM_CHANGE, measure, unexpected_change
-from .numerics import Numerics, compare_logits, exceeds
+from .numerics import Numerics, ProbeError, compare_logits, exceeds
 from .snapshot import PROVENANCE_KEY, Snapshot, snapshot_of, transform_index
 from .weights import WeightSource, run_unloaded, unloaded_targets
 
@@ -252,6 +253,8 @@ class PipelineStepper:
         self.last_error = None
         self._live, self._state = mod, state
         snap = self._record(i, entry, info, times, mem_before, prev_names)
+        if snap.numerics is not None and not snap.numerics.ok:
+            snap = self._probe_failed(i, entry, snap, mem_before, prev_names)
         self.snapshots.append(snap)
         for hook in self.on_snapshot:
             hook(snap)
@@ -307,6 +310,34 @@ class PipelineStepper:
             context=self.ctx.state(),
         )
 
+    def _probe_failed(self, i, entry, snap: Snapshot, mem_before, prev_names) -> Snapshot:
+        """The numerics probe could not run on the graph this transform left: the step fails (never
+        "done"), with the probe's error as the cause. The graph runs at the example shape it was
+        exported or rewritten at, but not at the probe's shape (a guard the model's forward put in it,
+        a shape the rewrite did not foresee): nothing later in the pipeline can be trusted on it.
+        With ``skip_on_error`` the transform is undone and recorded as failed, as for any error."""
+        assert snap.numerics is not None and snap.numerics.error is not None
+        b, s = self.probe.input_ids.shape
+        error = " ".join(snap.numerics.error.split())
+        cause = ProbeError(
+            f"the numerics probe could not run on the graph this transform left: {error} "
+            f"(the eager model runs the probe batch input_ids [{b}, {s}]). Numerics off "
+            "(Workbench(numerics=False), --no-numerics) skips the probe, not the problem"
+        )
+        self._probed = None
+        self._restore_live()
+        if not entry.config.skip_on_error:
+            self.last_error = TransformError(entry.key, entry.config.stage, cause)
+            raise self.last_error
+        logger.warning("[stage=%s, transform=%s] skipped on error: %s", entry.config.stage.value, entry.key, cause)
+        info = TransformInfo(
+            skipped=True,
+            skip_reason=f"error: {type(cause).__name__}: {cause}",
+            is_clean=self._state.is_clean,
+            has_valid_shapes=self._state.has_valid_shapes,
+        )
+        return self._record(i, entry, info, snap.times, mem_before, prev_names)
+
     def _numerics(self, mod: torch.nn.Module, changed: bool) -> Numerics:
         """The probe's result for ``mod``. A transform that changed nothing (no node added or
         removed, no match) on the module the previous snapshot probed, with the same probe
@@ -331,7 +362,7 @@ class PipelineStepper:
         try:
             with torch.no_grad():
                 out = probe(mod, self.probe) if probe is not None else self._call(mod, self.probe.args)
-        except Exception as e:  # noqa: BLE001 - the probe is diagnostic, never fatal
+        except Exception as e:  # noqa: BLE001 - reported in the result; step() then fails the step with it
             return Numerics(error=f"probe could not run: {type(e).__name__}: {e}"[:300])
         if not isinstance(out, torch.Tensor):
             return Numerics(error=f"probe returned {type(out).__name__}, not logits")

@@ -19,8 +19,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 
 import torch
 
+from ..errors import InputError
 from ..ops.step_plan import planned, planners_for
-from .kv_cache import PAGED, SLOT, KVCacheConfig, PageAllocator
+from .kv_cache import PAGED, SLOT, KVCacheConfig, PageAllocator, allocate_caches
 from .limits import RuntimeLimits
 from .scheduler import Scheduler, Step
 from .sequence_info import LAST_TOKEN_INPUT, SequenceInfo, is_cached_module, module_input_names
@@ -160,11 +161,14 @@ class CachedRunner:
 
     def step(self, step: Step, sched: Scheduler) -> torch.Tensor:
         """Logits of each sequence's last new token: [B, V]."""
-        logits = self.forward(step, sched)
-        # [: B]: a CUDA-graph runner pads the batch with scratch rows that nobody reads
+        return self.last_token_logits(self.forward(step, sched), len(step.items))
+
+    def last_token_logits(self, logits: torch.Tensor, num_seqs: int) -> torch.Tensor:
+        """[B, V] of the module's output for the step in ``seq_info``: its rows of each sequence's
+        last new token ([: B]: a CUDA-graph runner pads the batch with scratch rows nobody reads)."""
         if self.gathers_last_tokens:
-            return logits[0, : len(step.items)]
-        return logits[0].index_select(0, self.seq_info.last_token_index)[: len(step.items)]
+            return logits[0, :num_seqs]
+        return logits[0].index_select(0, self.seq_info.last_token_index)[:num_seqs]
 
 
 def decode_layout(step: Step, pad_to: Optional[int] = None) -> Optional[Any]:
@@ -204,6 +208,94 @@ class UncachedRunner:
         return torch.stack(rows)
 
 
+# The cache check's two sequences: their lengths (different, so a layer that mixes the batch's
+# sequences shows too) and the seed of their token ids.
+CACHE_CHECK_LENS = (6, 3)
+CACHE_CHECK_SEED = 0
+
+
+def cache_check_tolerance(*dtypes: torch.dtype) -> float:
+    """How far a cached module's split run may drift from its single prefill (``check_cache_carries_past``):
+    rounding of the coarsest dtype in play (the model's, the caches'), 1e-3 at the least: float32 1e-3,
+    float16 0.031, bfloat16 0.088, an 8-bit float cache 0.35. A layer that sees no past moves the
+    logits by about their own spread (ratio ~1)."""
+    eps = max(torch.finfo(d).eps for d in dtypes if d.is_floating_point)
+    return max(1e-3, eps**0.5)
+
+
+def _check_forwards(module: torch.nn.Module, cfg: KVCacheConfig, device: torch.device, steps) -> torch.Tensor:
+    """Last-token logits [B, V] after running ``steps`` ((tokens, input_pos, num_prefill) each) through
+    ``module`` on scratch caches of ``cfg``'s specs sized for the check (never the real caches)."""
+    runner = CachedRunner(module, allocate_caches(cfg, device), cfg, device)
+    per_seq = cfg.pages_for(max(CACHE_CHECK_LENS))
+    pages = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(CACHE_CHECK_LENS))]
+    logits = None
+    for tokens, input_pos, num_prefill in steps:
+        runner.seq_info.set_batch(tokens, input_pos, pages, num_prefill=num_prefill, page_size=cfg.page_size)
+        with torch.no_grad(), runner.planned():
+            logits = runner.module(*runner._inputs())
+    assert logits is not None
+    return runner.last_token_logits(logits, len(CACHE_CHECK_LENS)).float()
+
+
+def cache_check_ratio(module: torch.nn.Module, cfg: KVCacheConfig, device: torch.device, vocab_size: int) -> float:
+    """How far the last tokens' logits of two seeded sequences move between one prefill and a prefill
+    of all but the last token then a decode step of it, on scratch caches of ``cfg``'s specs: the RMS
+    of the difference over the RMS spread of the logits (0 for caches that carry the past, up to
+    rounding). Raises whatever the module raises."""
+    g = torch.Generator().manual_seed(CACHE_CHECK_SEED)
+    prompts = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in CACHE_CHECK_LENS]
+    b, longest = len(prompts), max(CACHE_CHECK_LENS)
+    scratch = KVCacheConfig.sized(
+        page_size=cfg.page_size,
+        num_pages=b * cfg.pages_for(longest),
+        dtype=cfg.dtype,
+        max_batch_size=b,
+        max_seq_len=longest,
+        max_num_tokens=sum(CACHE_CHECK_LENS),
+        specs=cfg.specs,
+    )
+    one = _check_forwards(module, scratch, device, [(prompts, [0] * b, b)])
+    split = [([p[:-1] for p in prompts], [0] * b, b), ([[p[-1]] for p in prompts], [len(p) - 1 for p in prompts], 0)]
+    two = _check_forwards(module, scratch, device, split)
+    spread = (one - one.mean(-1, keepdim=True)).pow(2).mean().sqrt().clamp_min(1e-30)
+    return ((one - two).pow(2).mean().sqrt() / spread).item()
+
+
+def check_cache_carries_past(
+    module: torch.nn.Module, cfg: KVCacheConfig, device: torch.device, vocab_size: int, model_dtype: torch.dtype
+) -> None:
+    """Refuse (``InputError``) a cached module whose caches do not carry the past.
+
+    A cached graph feeds each step only the new tokens: every layer that mixes positions must read
+    the earlier ones from a cache. One that does not -- an attention or recurrent layer whose cache
+    insert was disabled, a mixer class no pattern canonicalized -- still runs, and generates wrong
+    tokens under a runner that says "paged KV cache". So two seeded sequences run twice on scratch
+    caches (``cache_check_ratio``): as one prefill, and as a prefill of all but the last token then a
+    decode step of it. With working caches the last tokens' logits agree to rounding; a layer without
+    a cache sees only the decode token and moves them by a good part of their spread. Three forwards
+    of a few tokens.
+    """
+    what = "one prefill vs a prefill then a decode step, two short sequences on scratch caches"
+    try:
+        ratio = cache_check_ratio(module, cfg, device, vocab_size)
+    except Exception as e:  # noqa: BLE001 - any failure here is a graph the runner cannot serve
+        raise InputError(
+            f"generation refused: the cached model fails the cache check ({what}): "
+            f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        ) from e
+    tol = cache_check_tolerance(model_dtype, cfg.dtype)
+    if not ratio <= tol:  # NaN fails too
+        raise InputError(
+            f"generation refused: the cached model's decode step disagrees with its own prefill ({what}: "
+            f"logits differ by {ratio:.2g} of their spread, tolerance {tol:.2g}), so its caches do not "
+            "carry the past: some layer that mixes positions has no cache (a cache insert disabled in the "
+            "cache_init stage, or a sequence mixer the pattern matcher did not canonicalize) and would see "
+            "only each step's new tokens. Enable the cache inserts, or disable every one of them to "
+            "generate uncached (full re-forward)"
+        )
+
+
 class CacheView(Protocol):
     """The caches a finished pipeline allocated (``PipelineContext.cache``)."""
 
@@ -227,25 +319,34 @@ class RunnerSource(Protocol):
     device: torch.device
     dtype: torch.dtype
 
+    @property
+    def vocab_size(self) -> int: ...  # read-only: a property of the context
+
 
 def runner_for(module: torch.nn.Module, ctx: RunnerSource):
     """The runner for a pipeline's final module and its context (``RunnerSource``).
 
     ``compile_model`` leaves its runner (torch.compile, CUDA graphs) in ``ctx.runner``; it is used
-    when it was built for this very module, otherwise the plain runner is built here.
+    when it was built for this very module, otherwise the plain runner is built here. A cached
+    module must pass ``check_cache_carries_past`` first (an ``InputError`` otherwise): no runner
+    claims a cache the graph does not have.
     """
+    cached = is_cached_module(module)
+    if cached:
+        cfg = ctx.cache.config
+        if cfg is None:
+            raise InputError(
+                "generation refused: the model takes cache inputs but no KV cache was allocated: enable "
+                "initialize_cache (and resize_kv_cache) in the cache_init stage"
+            )
+        check_cache_carries_past(module, cfg, ctx.device, ctx.vocab_size, ctx.dtype)
     built = ctx.runner
     if built is not None:
         if built.module is module:
             return built
         logger.warning("the compiled runner was built for another module: running %s eagerly", type(module).__name__)
-    if is_cached_module(module):
-        cfg = ctx.cache.config
-        if cfg is None:
-            raise ValueError(
-                "the model takes cache inputs but no KV cache was allocated: enable initialize_cache "
-                "(and resize_kv_cache) in the cache_init stage"
-            )
+    if cached:
+        assert cfg is not None
         return CachedRunner(module, ctx.cache.tensors, cfg, ctx.device)
     logger.warning("no cache stage ran: generating without a KV cache (every step re-runs the whole sequence)")
     lim = dataclasses.replace(ctx.limits, max_num_tokens=ctx.limits.max_batch_size * ctx.limits.max_seq_len)
@@ -253,4 +354,13 @@ def runner_for(module: torch.nn.Module, ctx: RunnerSource):
     return UncachedRunner(module, cfg, ctx.device)
 
 
-__all__ = ["CachedRunner", "UncachedRunner", "RunnerSource", "CacheView", "runner_for"]
+__all__ = [
+    "CachedRunner",
+    "UncachedRunner",
+    "RunnerSource",
+    "CacheView",
+    "runner_for",
+    "check_cache_carries_past",
+    "cache_check_ratio",
+    "cache_check_tolerance",
+]

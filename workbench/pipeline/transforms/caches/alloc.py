@@ -34,6 +34,7 @@ from ....models.dtypes import resolve_dtype
 from ....runtime.interface import KVCacheConfig, allocate_caches, prefill_forward
 from ...context import CACHE_SPECS, KV_CACHE, PipelineContext
 from ...interface import Transform, TransformConfig, TransformInfo, register
+from .attention import uncached_attention
 from .memory import check_fits
 from .state_rewrite import uncached_state_ops
 
@@ -109,9 +110,18 @@ def _no_specs(key: str) -> TransformInfo:
 
 def _refuse_uncached_state(mod) -> None:
     """A cached graph feeds each step's new tokens only: a recurrent op left uncached would restart
-    from nothing every step (wrong tokens, not just slow). Refuse, naming the transform to enable."""
+    from nothing every step, an attention left uncached would attend to the new tokens only (wrong
+    tokens, not just slow). Refuse, naming the transform to enable."""
     if not isinstance(mod, torch.fx.GraphModule):
         return
+    attention = uncached_attention(mod)
+    if attention:
+        shown = "; ".join(f"{k}: {v}" for k, v in list(attention.items())[:2])
+        raise ValueError(
+            f"{len(attention)} attention node(s) have no KV cache while the graph is otherwise cached ({shown}"
+            f"{' ...' if len(attention) > 2 else ''}). Each step would let them attend to the new tokens only. "
+            "Enable insert_cached_attention (or disable the whole cache_init stage to run uncached)."
+        )
     left = uncached_state_ops(mod)
     if left:
         keys = sorted(set(left.values()))
