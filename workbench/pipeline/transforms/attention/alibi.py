@@ -43,7 +43,7 @@ from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...graph.weights import fake_value, fetch_attr
 from ...matcher import Match, Pattern, named_args, same_size
 from ...weights import TensorBinding, record_tensor_binding, tensor_bindings
-from .masks import _literal, _on_cpu
+from .masks import evaluate_on_sizes
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
@@ -82,30 +82,7 @@ def evaluate_position_term(node: fx.Node, seq_len: Any, size: int = PROBE) -> Op
     """The value of ``node`` when the sequence length is ``size`` and the batch 1, on CPU, or None
     when it depends on anything but sizes and constants (input values, parameters, unknown
     buffers). Sizes equal to ``seq_len`` become ``size``, every other size 1 (the batch)."""
-    env: Dict[fx.Node, Any] = {}
-    try:
-        for n in _size_ancestors(node):
-            if n.op == "placeholder":
-                continue  # read only through sym_size (anything else is rejected below)
-            if n.op == "get_attr":
-                value = _literal(n)
-                if value is None:
-                    return None
-                env[n] = value
-                continue
-            if n.op != "call_function":
-                return None
-            if n.target is aten.sym_size.int:
-                env[n] = size if same_size(n.meta.get("val"), seq_len) else 1
-                continue
-            if any(a.op == "placeholder" for a in n.all_input_nodes):
-                return None  # depends on input values, not only on sizes
-            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
-            args, kwargs = fx.node.map_aggregate((args, kwargs), _on_cpu)
-            env[n] = n.target(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - a term we cannot evaluate is not a recognisable ALiBi bias
-        return None
-    value = env.get(node)
+    value = evaluate_on_sizes(_size_ancestors(node), node, seq_len, size)
     return value if isinstance(value, torch.Tensor) else None
 
 

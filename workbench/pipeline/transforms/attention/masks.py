@@ -87,6 +87,46 @@ def _literal(node: fx.Node) -> Optional[torch.Tensor]:
     return value.cpu()
 
 
+def evaluate_on_sizes(
+    nodes: List[fx.Node], target: fx.Node, seq_len: Any, size: int, positions: Optional[torch.Tensor] = None
+) -> Any:
+    """The value of ``target`` computed from its sub-graph ``nodes`` (graph order) on CPU, with every
+    size equal to ``seq_len`` set to ``size`` and every other size to 1 (the batch); ``positions``
+    (``size`` of them) stands for ``arange(size)``. None when the sub-graph reads anything but sizes
+    and literal constants (input values, parameters, unknown buffers) or fails to evaluate.
+
+    Evaluated on CPU whatever device the graph names (meta when traced device-neutral, cuda when
+    traced there): a term that depends on sizes only must not get its verdict from where the graph
+    will run."""
+    env: Dict[fx.Node, Any] = {}
+    try:
+        for n in nodes:
+            if n.op == "placeholder":
+                continue  # read only through sym_size (anything else is rejected below)
+            if n.op == "get_attr":  # a literal export lifted (transformers 5.17: torch.tensor(0.0))
+                value = _literal(n)
+                if value is None:
+                    return None
+                env[n] = value
+                continue
+            if n.op != "call_function":
+                return None
+            if n.target is aten.sym_size.int:
+                env[n] = size if same_size(n.meta.get("val"), seq_len) else 1
+                continue
+            if any(a.op == "placeholder" for a in n.all_input_nodes):
+                return None  # depends on input values, not only on sizes
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+            args, kwargs = fx.node.map_aggregate((args, kwargs), _on_cpu)
+            if positions is not None and n.target is aten.arange.default and len(args) == 1 and args[0] == size:
+                env[n] = positions
+                continue
+            env[n] = n.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - a term we cannot evaluate is one we do not recognise
+        return None
+    return env.get(target)
+
+
 def classify_mask(mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
     """Decide whether ``mask`` ([b|1, h|1, s, s]) only encodes causality, by probing it.
 
@@ -104,36 +144,7 @@ def classify_mask(mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
         probe |= {max(w + d, 0) for d in (-2, -1, 0, 1, 2)} | {2 * w - 1, 2 * w, 2 * w + 1}
     positions = torch.tensor(sorted(probe), dtype=torch.int64)
     n_pos = len(positions)
-    env: Dict[fx.Node, Any] = {}
-    try:
-        for n in nodes:
-            if n.op == "placeholder":
-                continue
-            if n.op == "get_attr":  # a literal export lifted (transformers 5.17: torch.tensor(0.0))
-                value = _literal(n)
-                if value is None:
-                    return None
-                env[n] = value
-                continue
-            if n.op != "call_function":
-                return None
-            if n.target is aten.sym_size.int:
-                env[n] = n_pos if same_size(n.meta.get("val"), seq_len) else 1
-                continue
-            if any(a.op == "placeholder" for a in n.all_input_nodes):
-                return None  # depends on input values, not only on sizes
-            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
-            # Evaluated on CPU whatever device the graph names (meta when traced device-neutral,
-            # cuda when traced there): the mask depends on sizes only, and its verdict must not
-            # depend on where the graph will run.
-            args, kwargs = fx.node.map_aggregate((args, kwargs), _on_cpu)
-            if n.target is aten.arange.default and len(args) == 1 and args[0] == n_pos:
-                env[n] = positions
-                continue
-            env[n] = n.target(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - a mask we cannot evaluate is a mask we keep
-        return None
-    m = env[mask]
+    m = evaluate_on_sizes(nodes, mask, seq_len, n_pos, positions)
     if not isinstance(m, torch.Tensor) or m.dim() != 4 or tuple(m.shape[-2:]) != (n_pos, n_pos):
         return None
     m = _visible(m)
