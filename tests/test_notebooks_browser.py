@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from report_support import find_chromium
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "01_quickstart.ipynb"
@@ -27,14 +28,6 @@ LAB_SETTINGS = {
     "@jupyterlab/apputils-extension/notification": {"fetchNews": "false"},
 }
 RUN_ALL_TIMEOUT_MS = 300_000  # JupyterLab start, kernel start, and the notebook on tiny:llama
-
-
-def _find_chromium():
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None
 
 
 def _free_port() -> int:
@@ -98,7 +91,7 @@ def lab(tmp_path):
 
 
 def test_quickstart_runs_in_jupyterlab_and_the_panel_renders(lab, tmp_path):
-    chromium = _find_chromium()
+    chromium = find_chromium()
     if chromium is None:
         pytest.skip("headless Chromium not found (chromium, chromium-browser, google-chrome on PATH, "
                     "/usr/bin/chromium): install the Debian package 'chromium' (`make system-deps`)")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from report_support import unpacked
+from report_support import find_chromium, unpacked
 
 from workbench import Workbench
 from workbench.viz.report import write_report
@@ -43,14 +43,6 @@ OVERFLOW_JS = """() => {
   }
   return {scrollWidth: document.documentElement.scrollWidth, innerWidth: vw, bad: bad.slice(0, 20)};
 }"""
-
-
-def _find_chromium():
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None
 
 
 class _Sections(HTMLParser):
@@ -136,7 +128,7 @@ def test_packed_blocks_round_trip():
 
 
 def test_report_reads_well_in_chromium_at_1400px(wb, report, tmp_path):
-    chromium = _find_chromium()
+    chromium = find_chromium()
     if chromium is None:
         pytest.skip("headless Chromium not found (chromium, chromium-browser, google-chrome on PATH, "
                     "/usr/bin/chromium): install the Debian package 'chromium' (`make system-deps`)")
