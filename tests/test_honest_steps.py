@@ -139,3 +139,22 @@ def test_the_cache_check_passes_a_working_cache():
     check_cache_carries_past(wb.module, wb.ctx.cache.config, wb.ctx.device, wb.ctx.vocab_size, wb.ctx.dtype)
     assert cache_check_tolerance(torch.float32) == 1e-3
     assert 0.08 < cache_check_tolerance(torch.float32, torch.bfloat16) < 0.09
+    # a graph that rounds activations to int8 blocks (the Q4 model's a8 kernel) drifts by that grid
+    assert 0.08 < cache_check_tolerance(torch.float32, activation_steps=[2.0**-7]) < 0.09
+
+
+def test_activation_steps_reads_the_quantized_ops_of_a_graph():
+    """The grid of every op that quantizes its activations, found in nested graphs; none elsewhere."""
+    from workbench.ops.quant.fp8 import torch_fp8_linear
+    from workbench.runtime.runner import activation_steps
+
+    graph = torch.fx.Graph()
+    x, w, s = (graph.placeholder(n) for n in ("x", "w", "s"))
+    graph.output(graph.call_function(torch_fp8_linear.default, (x, w, s, s)))
+    inner = torch.fx.GraphModule(torch.nn.Module(), graph)
+    outer = torch.nn.Module()
+    outer.block = inner
+    assert activation_steps(outer) == [0.125]
+    plain = Workbench("tiny:llama", numerics=False)
+    plain.run()
+    assert activation_steps(plain.module) == []

@@ -16,7 +16,7 @@ graphs traced through it keep the op as one node.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -26,34 +26,59 @@ from .capture import host_sync_tags
 _LIB = torch.library.Library("workbench", "FRAGMENT")
 
 
-def _tags(name: str, host_sync: Optional[str]) -> Tuple[torch.Tag, ...]:
+# op name ("torch_nvfp4_linear") -> the relative rounding step of the activation quantization the
+# op does inside (its inputs rounded to a coarser grid than the model's dtype before the product).
+# Such an op's result moves by up to that step when its input moves by a float32 rounding, and 30
+# layers compound it: ``workbench.runtime.runner.cache_check_tolerance`` widens by it.
+_ACTIVATION_ROUNDING: Dict[str, float] = {}
+
+
+def _register(name: str, host_sync: Optional[str], activation_rounding: Optional[float]) -> Tuple[torch.Tag, ...]:
+    if activation_rounding is not None:
+        _ACTIVATION_ROUNDING[name] = float(activation_rounding)
     return host_sync_tags(f"workbench::{name}", host_sync) if host_sync else ()
 
 
-def define_op(schema: str, impl: Callable, fake: Callable, host_sync: Optional[str] = None):
+def activation_rounding(name: str) -> Optional[float]:
+    """The relative rounding step of the activation quantization inside ``workbench::<name>``
+    (``None``: the op computes in its inputs' dtype)."""
+    return _ACTIVATION_ROUNDING.get(name)
+
+
+def define_op(
+    schema: str,
+    impl: Callable,
+    fake: Callable,
+    host_sync: Optional[str] = None,
+    activation_rounding: Optional[float] = None,
+):
     """Define ``workbench::<schema>``, run by ``impl``, with fake (meta) implementation ``fake``.
 
     ``schema``: the op's signature, e.g. ``"torch_rmsnorm(Tensor input, Tensor weight, float eps) -> Tensor"``
     (mutated inputs marked ``Tensor(a!)``). ``host_sync``: why the op reads device values on the
-    host, if it does (a CUDA graph cannot capture it: ``workbench.ops.capture``). Returns
+    host, if it does (a CUDA graph cannot capture it: ``workbench.ops.capture``).
+    ``activation_rounding``: the relative step of the grid the op rounds its activations to, if it
+    quantizes them (int8 per block: 2**-7; FP8 E4M3: 2**-3; FP4 E2M1: 2**-1). Returns
     ``torch.ops.workbench.<name>``.
     """
     name = schema.split("(", 1)[0].strip()
-    _LIB.define(schema, tags=_tags(name, host_sync))
+    _LIB.define(schema, tags=_register(name, host_sync, activation_rounding))
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"workbench::{name}", fake, lib=_LIB)
     return getattr(torch.ops.workbench, name)
 
 
-def declare_op(schema: str, fake: Callable, host_sync: Optional[str] = None):
+def declare_op(
+    schema: str, fake: Callable, host_sync: Optional[str] = None, activation_rounding: Optional[float] = None
+):
     """Declare ``workbench::<schema>`` with only its fake implementation: the kernels come from
     compiled code (``workbench.ops.cpu_kernels``) registered for their dispatch keys when it loads.
     Declared at import so graphs that name the op trace and propagate shapes on any machine.
-    ``host_sync``: as for ``define_op``."""
+    ``host_sync``, ``activation_rounding``: as for ``define_op``."""
     name = schema.split("(", 1)[0].strip()
-    _LIB.define(schema, tags=_tags(name, host_sync))
+    _LIB.define(schema, tags=_register(name, host_sync, activation_rounding))
     torch.library.register_fake(f"workbench::{name}", fake, lib=_LIB)
     return getattr(torch.ops.workbench, name)
 
 
-__all__ = ["define_op", "declare_op"]
+__all__ = ["define_op", "declare_op", "activation_rounding"]

@@ -15,11 +15,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from contextlib import nullcontext
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
+import torch.fx as fx
 
 from ..errors import InputError
+from ..ops.library import activation_rounding
 from ..ops.step_plan import planned, planners_for
 from .kv_cache import PAGED, SLOT, KVCacheConfig, PageAllocator, allocate_caches
 from .limits import RuntimeLimits
@@ -214,13 +216,33 @@ CACHE_CHECK_LENS = (6, 3)
 CACHE_CHECK_SEED = 0
 
 
-def cache_check_tolerance(*dtypes: torch.dtype) -> float:
+def cache_check_tolerance(*dtypes: torch.dtype, activation_steps: Sequence[float] = ()) -> float:
     """How far a cached module's split run may drift from its single prefill (``check_cache_carries_past``):
-    rounding of the coarsest dtype in play (the model's, the caches'), 1e-3 at the least: float32 1e-3,
-    float16 0.031, bfloat16 0.088, an 8-bit float cache 0.35. A layer that sees no past moves the
-    logits by about their own spread (ratio ~1)."""
-    eps = max(torch.finfo(d).eps for d in dtypes if d.is_floating_point)
+    the square root of the coarsest rounding step in play -- the model's and the caches' dtypes, and
+    the grids the graph's quantized ops round activations to (``activation_steps``) -- 1e-3 at the
+    least: float32 1e-3, float16 0.031, bfloat16 0.088, int8 activations 0.088, an 8-bit float cache
+    or FP8 activations 0.35, FP4 activations 0.71. A layer that sees no past moves the logits by about
+    their own spread (ratio ~1)."""
+    eps = max([torch.finfo(d).eps for d in dtypes if d.is_floating_point] + list(activation_steps))
     return max(1e-3, eps**0.5)
+
+
+def activation_steps(module: torch.nn.Module) -> List[float]:
+    """The rounding steps of the activation quantization the ops of ``module``'s graphs do
+    (``define_op(..., activation_rounding=)``): a decode step's inputs differ from the prefill's by
+    float32 rounding, and such an op turns that into a whole grid step now and then."""
+    steps = set()
+    for gm in module.modules():
+        graph = getattr(gm, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        for node in graph.nodes:
+            schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+            if schema is not None and schema.name.startswith("workbench::"):
+                step = activation_rounding(schema.name.split("::", 1)[1])
+                if step is not None:
+                    steps.add(step)
+    return sorted(steps)
 
 
 def _check_forwards(module: torch.nn.Module, cfg: KVCacheConfig, device: torch.device, steps) -> torch.Tensor:
@@ -284,7 +306,7 @@ def check_cache_carries_past(
             f"generation refused: the cached model fails the cache check ({what}): "
             f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         ) from e
-    tol = cache_check_tolerance(model_dtype, cfg.dtype)
+    tol = cache_check_tolerance(model_dtype, cfg.dtype, activation_steps=activation_steps(module))
     if not ratio <= tol:  # NaN fails too
         raise InputError(
             f"generation refused: the cached model's decode step disagrees with its own prefill ({what}: "
@@ -363,4 +385,5 @@ __all__ = [
     "check_cache_carries_past",
     "cache_check_ratio",
     "cache_check_tolerance",
+    "activation_steps",
 ]

@@ -51,6 +51,7 @@ import torch
 
 from ...cache_dir import cache_root, usable_cache_root
 from ..library import declare_op
+from ..quant.codecs import INT8_BLOCK_STEP
 
 SOURCES = ("linear.cpp", "linear_a8.cpp", "attention.cpp", "elementwise.cpp", "vec_math.h")
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-fopenmp")
@@ -75,6 +76,7 @@ declare_op(
     "cpu_int4_linear_a8(Tensor input, Tensor qweight, Tensor scales, Tensor offsets, int group_size, "
     "Tensor? bias=None) -> Tensor",
     _linear_fake,
+    activation_rounding=INT8_BLOCK_STEP,
 )
 declare_op(
     "cpu_int8_linear(Tensor input, Tensor qweight, Tensor scales, int group_size, Tensor? bias=None) -> Tensor",

@@ -23,6 +23,11 @@ import torch
 
 FP8_E4M3_MAX = 448.0
 E2M1_MAX = 6.0
+# The relative step of each grid activations are rounded to (a value's spacing over the value, at the
+# coarsest: 2**-mantissa_bits): what an op that quantizes its input declares as ``activation_rounding``.
+FP8_E4M3_STEP = 2.0**-3
+FP4_E2M1_STEP = 2.0**-1
+INT8_BLOCK_STEP = 2.0**-7  # symmetric int8 with one scale per block of 32 (llama.cpp's Q8_1)
 # The 8 non-negative e2m1 magnitudes; code c (0..7) is E2M1_VALUES[c], code c + 8 is its negative.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E8M0_BIAS = 127

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..library import define_op
-from .codecs import E2M1_MAX, FP8_E4M3_MAX, nvfp4_dequantize, nvfp4_quantize, to_fp8
+from .codecs import E2M1_MAX, FP4_E2M1_STEP, FP8_E4M3_MAX, FP8_E4M3_STEP, nvfp4_dequantize, nvfp4_quantize, to_fp8
 
 
 def _nonzero(scale: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,15 @@ def _fake(input, amax, *args):
     return torch.empty_like(input)
 
 
-torch_fake_quant_fp8 = define_op("torch_fake_quant_fp8(Tensor input, Tensor amax) -> Tensor", fake_quant_fp8, _fake)
+torch_fake_quant_fp8 = define_op(
+    "torch_fake_quant_fp8(Tensor input, Tensor amax) -> Tensor",
+    fake_quant_fp8,
+    _fake,
+    activation_rounding=FP8_E4M3_STEP,
+)
 torch_fake_quant_nvfp4 = define_op(
-    "torch_fake_quant_nvfp4(Tensor input, Tensor amax, int block_size=16) -> Tensor", fake_quant_nvfp4, _fake
+    "torch_fake_quant_nvfp4(Tensor input, Tensor amax, int block_size=16) -> Tensor",
+    fake_quant_nvfp4,
+    _fake,
+    activation_rounding=FP4_E2M1_STEP,
 )

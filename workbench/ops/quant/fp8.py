@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..library import define_op
-from .codecs import fp8_block_dequantize, fp8_group_dequantize, fp8_group_quantize, to_fp8
+from .codecs import FP8_E4M3_STEP, fp8_block_dequantize, fp8_group_dequantize, fp8_group_quantize, to_fp8
 from .fp8_scaled_mm import fp8_scaled_mm, scaled_mm_applies
 from .row_blocks import by_row_blocks, quantized_linear_fake
 
@@ -87,6 +87,7 @@ torch_fp8_linear = define_op(
     "-> Tensor",
     fp8_linear,
     quantized_linear_fake,
+    activation_rounding=FP8_E4M3_STEP,
 )
 
 
@@ -121,6 +122,7 @@ torch_finegrained_fp8_linear = define_op(
     "int block_k=128, Tensor? bias=None) -> Tensor",
     finegrained_fp8_linear,
     quantized_linear_fake,
+    activation_rounding=FP8_E4M3_STEP,
 )
 
 
@@ -161,5 +163,8 @@ def _bmm_fake(input, weight, input_scale, weight_scale):
 
 
 torch_fp8_bmm = define_op(
-    "torch_fp8_bmm(Tensor input, Tensor weight, Tensor input_scale, Tensor weight_scale) -> Tensor", fp8_bmm, _bmm_fake
+    "torch_fp8_bmm(Tensor input, Tensor weight, Tensor input_scale, Tensor weight_scale) -> Tensor",
+    fp8_bmm,
+    _bmm_fake,
+    activation_rounding=FP8_E4M3_STEP,
 )

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..library import define_op
-from .codecs import nvfp4_dequantize, nvfp4_quantize
+from .codecs import FP4_E2M1_STEP, nvfp4_dequantize, nvfp4_quantize
 from .row_blocks import by_row_blocks, quantized_linear_fake
 
 NVFP4_BLOCK = 16
@@ -73,4 +73,5 @@ torch_nvfp4_linear = define_op(
     "Tensor weight_scale_2, Tensor? bias=None) -> Tensor",
     nvfp4_linear,
     quantized_linear_fake,
+    activation_rounding=FP4_E2M1_STEP,
 )

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..library import define_op
 from ..moe.torch_moe import MOE_HOST_SYNC, _act, _combine
-from .codecs import fp8_block_dequantize, mxfp4_dequantize, nvfp4_dequantize
+from .codecs import FP4_E2M1_STEP, FP8_E4M3_STEP, fp8_block_dequantize, mxfp4_dequantize, nvfp4_dequantize
 from .fp8 import fp8_group_qdq, fp8_qdq
 from .nvfp4 import NVFP4_BLOCK, nvfp4_qdq
 
@@ -70,6 +70,7 @@ torch_fp8_moe = define_op(
     fp8_moe,
     _moe_fake,
     host_sync=MOE_HOST_SYNC,
+    activation_rounding=FP8_E4M3_STEP,
 )
 
 
@@ -128,6 +129,7 @@ torch_finegrained_fp8_moe = define_op(
     finegrained_fp8_moe,
     _moe_fake,
     host_sync=MOE_HOST_SYNC,
+    activation_rounding=FP8_E4M3_STEP,
 )
 
 
@@ -165,6 +167,7 @@ torch_nvfp4_moe = define_op(
     nvfp4_moe,
     _moe_fake,
     host_sync=MOE_HOST_SYNC,
+    activation_rounding=FP4_E2M1_STEP,
 )
 
 

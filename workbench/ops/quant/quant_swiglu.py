@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..library import define_op
+from .codecs import FP4_E2M1_STEP, FP8_E4M3_STEP
 from .fp8 import finegrained_fp8_linear
 from .nvfp4 import nvfp4_linear
 from .row_blocks import quantized_linear_fake
@@ -47,6 +48,7 @@ torch_nvfp4_swiglu_mlp = define_op(
     "Tensor down_weight_scale_2) -> Tensor",
     nvfp4_swiglu_mlp,
     _nvfp4_fake,
+    activation_rounding=FP4_E2M1_STEP,
 )
 
 
@@ -78,4 +80,5 @@ torch_finegrained_fp8_swiglu_mlp = define_op(
     "int block_n=128, int block_k=128) -> Tensor",
     finegrained_fp8_swiglu_mlp,
     _fp8_fake,
+    activation_rounding=FP8_E4M3_STEP,
 )
