@@ -18,14 +18,15 @@ means nothing to do.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.fx as fx
+from pydantic import Field, field_validator
 
 from ....runtime.interface import PER_TOKEN, CacheSpec
 from ...context import CACHE_SPECS, PipelineContext
-from ...interface import Transform, TransformInfo, register
+from ...interface import Transform, TransformConfig, TransformInfo, register
 from ...matcher import annotate_new_nodes
 from .inputs import CAPTURE_KEY, cache_input
 
@@ -36,8 +37,32 @@ def hidden_state_cache_name(layer: int) -> str:
     return f"hidden_states_cache_{layer}"
 
 
+# The write is one ``aten.index_copy_`` that every device runs: there is no kernel to choose.
+RESIDUAL_ADD_BACKENDS = ("auto", "torch")
+
+
+class InsertCachedResidualAddConfig(TransformConfig):
+    """The reference shares ``InsertCachedAttentionConfig`` here, hence ``backend``."""
+
+    backend: Optional[str] = Field(
+        default=None,
+        description="The backend of the hidden-state write: auto | torch (None: auto). The write is one "
+        "aten.index_copy_ into the cache buffer on any device, so both mean that.",
+    )
+
+    @field_validator("backend")
+    @classmethod
+    def _known(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and v not in RESIDUAL_ADD_BACKENDS:
+            raise ValueError(
+                f"unknown backend {v!r} for the hidden-state write; choose {' or '.join(RESIDUAL_ADD_BACKENDS)} "
+                "(it is one aten.index_copy_ on every device: no other kernel exists)"
+            )
+        return v
+
+
 @register("insert_cached_residual_add")
-class InsertCachedResidualAdd(Transform):
+class InsertCachedResidualAdd(Transform[InsertCachedResidualAddConfig]):
     """Write each marked layer output into ``hidden_states_cache_<layer>`` every step."""
 
     provides = (CACHE_SPECS,)
@@ -76,7 +101,11 @@ class InsertCachedResidualAdd(Transform):
             num_matches=len(specs),
             is_clean=True,
             has_valid_shapes=True,
-            details={"captured_layers": sorted(s.layer for s in specs), "new_inputs": [s.name for s in specs]},
+            details={
+                "captured_layers": sorted(s.layer for s in specs),
+                "new_inputs": [s.name for s in specs],
+                "backend": "torch (aten.index_copy_)",
+            },
         )
 
 
