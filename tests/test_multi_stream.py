@@ -255,6 +255,25 @@ def test_gemm_on_tiny_llama_qkv():
     assert w.snapshot("multi_stream_gemm").info.num_matches == 0
 
 
+def test_gemm_on_tiny_fp8_llama_after_fuse_gemms(tmp_path):
+    """The reference's target: FP8 linears sharing an input. ``fuse_gemms`` leaves per-tensor-scaled
+    FP8 weights apart, so each layer keeps Q/K/V and gate/up as sibling FP8 GEMMs: 2 sites per layer,
+    the largest on the aux stream; the siblings' scale attributes move up to the fork. The logits
+    do not move (the markers pass tensors through)."""
+    from workbench.models.tiny_quantized import save_tiny_quantized
+
+    loaded = load_model(str(save_tiny_quantized("llama", "FP8", tmp_path)))
+    w = Workbench(loaded, overrides={"linear_weight_layout.enabled": False})
+    w.configure("multi_stream_gemm", require_cuda=False)
+    w.run_to("multi_stream_gemm")
+    snap, before = w.snapshot("multi_stream_gemm"), w.snapshots[w.index("multi_stream_gemm") - 1]
+    assert snap.info.num_matches == 4, snap.info.details["refused"]
+    sites = snap.info.details["sites"]
+    assert all(s["branch"][0].startswith("torch_fp8_linear") for s in sites)
+    assert sorted(len(s["overlaps"]) for s in sites) == [1, 1, 2, 2]  # gate || up, q || k, v
+    assert snap.numerics.rmse_ratio == pytest.approx(before.numerics.rmse_ratio, rel=1e-6)
+
+
 def test_mla_pattern0_unfused():
     args = mla_args()
     out, info = _check_rewrite("multi_stream_mla_attn", export_graph_module(MLA(), args), args, 1)

@@ -125,8 +125,13 @@ def run_on_aux(
     if order[anchor] >= order[first_use]:
         return {"refused": "the branch input is produced after its results are consumed"}
     hoist = [n for n in hoist if n not in inside and order[n] > order[anchor]]
-    if any(order[a] > order[anchor] for n in hoist for a in _inputs(n)):
+    late = {a for n in hoist for a in _inputs(n) if order[a] > order[anchor]}
+    if any(a.op != "get_attr" for a in late):
         return {"refused": "a node to run beside the branch reads something computed after its input"}
+    # Parameters read by the hoisted nodes (a quantized sibling's scales, fetched where export put
+    # them) depend on nothing: they move up before the fork's anchor.
+    for a in sorted(late, key=order.__getitem__):
+        anchor.prepend(a)
     overlap = [
         n
         for n in g.nodes
@@ -246,7 +251,21 @@ def _branch_input(branch: Sequence[fx.Node]) -> Optional[fx.Node]:
 MOE_OPS = ("torch_moe", "torch_moe_fused", "torch_moe_dense_mlp")
 # linear spellings with (input, weight [N, K], bias): aten's, ours, and the CPU decode GEMM
 LINEAR_OPS = ("linear", "torch_linear_simple", "cpu_linear_wxt", "cpu_linear")
-GEMM_OPS = (*LINEAR_OPS, "mm", "matmul", "bmm", "torch_swiglu_mlp")
+# quantized linears with (input, weight, ...): the weight (codes) is arg 1, so its element count
+# orders GEMMs of one format by size. FP8 first: the reference's multi_stream_gemm targets them.
+QUANTIZED_LINEAR_OPS = (
+    "torch_fp8_linear",
+    "torch_finegrained_fp8_linear",
+    "torch_nvfp4_linear",
+    "torch_int4_linear",
+    "torch_int8_linear",
+    "torch_int4_awq_linear",
+    "torch_int4_gptq_linear",
+    "cpu_int4_linear",
+    "cpu_int4_linear_a8",
+    "cpu_int8_linear",
+)
+GEMM_OPS = (*LINEAR_OPS, *QUANTIZED_LINEAR_OPS, "mm", "matmul", "bmm", "torch_swiglu_mlp")
 PASS_OPS = {
     aten.view.default,
     aten.reshape.default,
@@ -301,14 +320,17 @@ class MultiStreamMOE(MultiStreamTransform):
 @register("multi_stream_gemm")
 class MultiStreamGemm(MultiStreamTransform):
     """For each tensor read by 2+ GEMMs with parameter weights, the largest (by weight size) runs
-    on the aux stream while the others run on the main stream."""
+    on the aux stream while the others run on the main stream. GEMMs are plain linears (fused ones
+    included: ``fuse_gemms`` leaves one linear per input, so they pair with another format's or a
+    router's GEMM on that input) and quantized linears (FP8 first: ``fuse_gemms`` does not
+    concatenate per-tensor-scaled FP8 weights, so Q/K/V and gate/up stay siblings)."""
 
     what = "overlapping GEMMs that share an input"
 
     def sites(self, gm):
         by_input: Dict[fx.Node, List[Tuple[int, fx.Node]]] = {}
         for n in gm.graph.nodes:
-            if _op_is(n, LINEAR_OPS) and len(n.args) >= 2:
+            if _op_is(n, LINEAR_OPS + QUANTIZED_LINEAR_OPS) and len(n.args) >= 2:
                 w = param_of(gm, n.args[1])
                 if w is not None and isinstance(n.args[0], fx.Node):
                     by_input.setdefault(n.args[0], []).append((w.numel(), n))
