@@ -111,6 +111,13 @@ def test_tiny_does_not_touch_global_rng():
     assert torch.equal(torch.rand(3), expected)
 
 
+# Archs whose HF forward hands a strided activation to a linear (RecurrentGemma's ``linear_out``
+# reads the transposed conv output): for such inputs the CPU GEMM's last bit depends on the weight
+# tensor's address, so two models with bitwise-equal weights differ by ~6e-7 in the logits (equal
+# with contiguous inputs, also single-threaded).
+STRIDED_GEMM_ARCHS = {"recurrent_gemma"}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_matches_normally_built_model(arch):
     """Meta build + to_empty + init == eager CPU build re-initialised with the same seed:
@@ -129,7 +136,10 @@ def test_tiny_matches_normally_built_model(arch):
     assert _sd_equal(lm.model, ref)
     for (name, buf), (_, rbuf) in zip(lm.model.named_buffers(), ref.named_buffers()):
         assert torch.equal(buf, rbuf), name
-    assert torch.equal(_logits(lm.model), _logits(ref))
+    if arch in STRIDED_GEMM_ARCHS:  # weights bit-identical (above); the GEMM's last bit is not
+        torch.testing.assert_close(_logits(lm.model), _logits(ref), rtol=0, atol=1e-6)
+    else:
+        assert torch.equal(_logits(lm.model), _logits(ref))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])  # tied dense, untied MoE

@@ -238,6 +238,21 @@ def strip_quantization_config(config) -> None:
         delattr(config, "quantization_config")
 
 
+def orient_transposed_experts(config, dense: Dict[str, torch.Tensor], mxfp4_params: List[str]) -> None:
+    """MXFP4 ``_blocks`` store stacked experts ``[E, out, in]``; transformers keeps some experts
+    ``[E, in, out]`` (``is_transposed``: gpt-oss's ``gate_up_proj [E, H, 2I]``) and transposes them
+    when it dequantizes (``convert_moe_packed_tensors``). The twin's dequantized tensors get the same
+    turn, read from the modules of a weightless (meta) build of the model."""
+    if not mxfp4_params:
+        return
+    with torch.device("meta"):
+        skeleton = _causal_lm_class(config)._from_config(config)
+    modules = dict(skeleton.named_modules())
+    for name in mxfp4_params:
+        if getattr(modules.get(name.rpartition(".")[0]), "is_transposed", False):
+            dense[name] = dense[name].transpose(-1, -2).contiguous()
+
+
 def load_quantized_dir(
     directory: Path, quant_config: QuantConfig, dtype: torch.dtype, device: torch.device
 ) -> Tuple[torch.nn.Module, QuantizedCheckpoint]:
@@ -248,6 +263,7 @@ def load_quantized_dir(
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
     strip_quantization_config(config)
     dense, raw = split_checkpoint(read_safetensors(directory), quant_config, dtype)
+    orient_transposed_experts(config, dense, [n[: -len("_blocks")] for n in raw if n.endswith("_blocks")])
     if not raw:
         raise ValueError(
             f"{directory}: {quant_config.source} says {quant_config.quant_algo}, but no tensor in the "
@@ -271,6 +287,7 @@ __all__ = [
     "ExpertModules",
     "load_quantized_dir",
     "split_checkpoint",
+    "orient_transposed_experts",
     "dequantize_module",
     "read_safetensors",
     "gptq_zero_offset",

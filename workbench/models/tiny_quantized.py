@@ -18,7 +18,9 @@ Per format (checkpoint names; ``m`` a linear module, ``x`` its calibration input
 * ``W4A16_GPTQ``: symmetric round-to-nearest in groups (zero point 8, stored as 7: classic format);
   ``desc_act=True`` quantizes the columns in decreasing activation order and records ``g_idx``.
 * ``MXFP4``: MoE archs only, gpt-oss style: the stacked experts ``experts.gate_up_proj`` /
-  ``down_proj`` as ``_blocks`` [E, N, K/32, 16] + ``_scales``; everything else stays fp32.
+  ``down_proj`` as ``_blocks`` [E, N, K/32, 16] + ``_scales`` (``[E, out, in]`` order: gpt-oss's own
+  ``[E, in, out]`` experts are transposed, its gate/up rows kept interleaved, its expert biases kept
+  as they are); everything else stays fp32.
 
 MoE experts (FP8, FP8_BLOCK, NVFP4) are quantized per expert like real per-expert checkpoints;
 an expert's gate and up share their per-tensor scales (FP8 weight scale, NVFP4 global scale), as
@@ -206,21 +208,33 @@ def _quantize_experts(
 
 
 def _mxfp4_experts(model: torch.nn.Module, tensors: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], set]:
-    """Stacked experts of the HF model as MXFP4 ``_blocks`` / ``_scales``; the per-expert names they replace."""
+    """Stacked experts of the HF model as MXFP4 ``_blocks`` / ``_scales``; the checkpoint names they replace.
+
+    Blocks are always stored ``[E, out, in/32, 16]`` (32 inputs per scale, as gpt-oss's checkpoints and
+    transformers' ``convert_moe_packed_tensors`` have them). Experts that transformers keeps
+    ``[E, in, out]`` (``is_transposed``: gpt-oss's ``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``)
+    are transposed first, so their gate/up rows stay interleaved as the model reads them. Expert
+    biases (gpt-oss) stay unquantized, as in the real checkpoints."""
     from ..ops.quant import codecs
 
     out: Dict[str, torch.Tensor] = {}
+    modules = dict(model.named_modules())
     for name, p in model.named_parameters():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            packed, scales = codecs.mxfp4_quantize(p.detach().float(), 32)
+            w = p.detach().float()
+            if getattr(modules[name.rsplit(".", 1)[0]], "is_transposed", False):
+                w = w.transpose(-1, -2)
+            packed, scales = codecs.mxfp4_quantize(w.contiguous(), 32)
             out[name + "_blocks"] = packed.reshape(*packed.shape[:-1], packed.shape[-1] // 16, 16)
             out[name + "_scales"] = scales
     if not out:
         raise ValueError(
             "MXFP4 checkpoints here quantize stacked MoE experts; this model has none "
-            "(use a MoE arch: tiny:qwen3_moe or tiny:mixtral)"
+            "(use a MoE arch: tiny:gpt_oss, tiny:qwen3_moe or tiny:mixtral)"
         )
     replaced = {n for group in _expert_groups(tensors).values() for e in group.values() for n in e.values()}
+    # saved stacked (no per-expert conversion in transformers, e.g. gpt-oss): the fp32 copy goes too
+    replaced |= {n[: -len("_blocks")] for n in out if n.endswith("_blocks") and n[: -len("_blocks")] in tensors}
     return out, replaced
 
 

@@ -43,6 +43,7 @@ CACHE_KINDS: Dict[str, str] = {
     "insert_cached_causal_conv": "conv state",
     "insert_cached_delta_rule": "delta-rule state",
     "insert_cached_gated_delta_rule": "gated delta-rule state",
+    "insert_cached_linear_attention": "linear-attention state",
     "initialize_mrope_delta_cache": "mRoPE delta",
 }
 UNCACHED_RUNNER = "uncached"  # generate's stats.cache starts with it when no cache stage ran

@@ -11,12 +11,15 @@ from . import (  # noqa: F401  # noqa: F401  (after state: stateful ops declare 
     cpu_kernels,  # noqa: F401  (declares the C++ kernels' ops; they build on first use)
     delta_rule,
     distributed,  # noqa: F401  (collectives of sharded graphs)
+    linear_attention,
     mla,
     mlp,
     moe,
     normalization,
     quant,
+    rglru,
     rope,
+    selective_scan,
     ssm,
     state,
 )

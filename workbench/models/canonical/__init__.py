@@ -10,9 +10,10 @@ module's own weights. The eager HF model is never changed: every numerics probe 
 canonical graph against HF's own forward, so a replacement that computes something else shows up
 in the first probe after export.
 
-Each replacement is a ``ModulePatch``: the HF class names it applies to and the function that
-becomes ``forward`` of each such instance, for the duration of one export only (``swap_forwards``
-restores every instance afterwards). They are switchable by name like every export patch
+Each replacement is a ``ModulePatch``: the HF class names it applies to (or a structural predicate
+that recognises its mechanism under any class name) and the function that becomes ``forward`` of
+each such instance, for the duration of one export only (``swap_forwards`` restores every instance
+afterwards). They are switchable by name like every export patch
 (``export_to_gm.patches: {canonical_mamba2_mixer: false}`` exports HF's own spelling).
 
 One module per mechanism family (conv.py, ssm.py, delta_rule.py, mla.py, mrope.py), each exporting
@@ -24,23 +25,32 @@ from __future__ import annotations
 import contextlib
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
 
 @dataclass(frozen=True)
 class ModulePatch:
-    """``forward`` of every module whose class name is in ``classes`` becomes ``forward``
-    (called as ``forward(module, *args, **kwargs)``) while one export runs."""
+    """``forward`` of every module whose class name is in ``classes`` -- or which ``match`` accepts --
+    becomes ``forward`` (called as ``forward(module, *args, **kwargs)``) while one export runs.
+
+    ``match`` recognises a mechanism by its structure (attributes, parameter shapes) wherever a family
+    puts it, under any class name. It may raise ``ValueError`` for a module that looks like its
+    mechanism but lacks what ``forward`` reads: the export then stops with that message instead of
+    tracing HF's own spelling of a mechanism the cache stage will not find."""
 
     name: str  # the export patch name, e.g. "canonical_mamba2_mixer"
     description: str
     classes: Tuple[str, ...]  # HF class names (matched by name: no transformers import needed here)
     forward: Callable[..., object]
+    match: Optional[Callable[[torch.nn.Module], bool]] = None  # structural recognition, besides classes
+
+    def applies_to(self, module: torch.nn.Module) -> bool:
+        return type(module).__name__ in self.classes or (self.match is not None and self.match(module))
 
     def targets(self, model: torch.nn.Module) -> List[torch.nn.Module]:
-        return [m for m in model.modules() if type(m).__name__ in self.classes]
+        return [m for m in model.modules() if self.applies_to(m)]
 
 
 @contextlib.contextmanager
@@ -73,9 +83,12 @@ def refuse_cache(module: Any, cache_params: Any, states: str) -> None:
 
 
 def _collect() -> Tuple[ModulePatch, ...]:
-    from . import conv, delta_rule, mla, mrope, ssm
+    from . import conv, delta_rule, linear_attention, mamba1, mla, mrope, rglru, ssm
 
     patches = (*conv.PATCHES, *ssm.PATCHES, *delta_rule.PATCHES, *mla.PATCHES, *mrope.PATCHES)
+    patches = (*patches, *linear_attention.PATCHES)
+    patches = (*patches, *mamba1.PATCHES)
+    patches = (*patches, *rglru.PATCHES)
     names = [p.name for p in patches]
     if len(set(names)) != len(names):
         raise RuntimeError(f"duplicate canonical module patch names: {names}")

@@ -4,11 +4,30 @@ each an ``ARCHS`` dict of ``name -> builder`` in the style of ``workbench.models
 
 from __future__ import annotations
 
-from . import alibi, chunked, conv, custom, delta_rule, mla, more_dense, more_moe, mrope, ssm
+from . import (
+    alibi,
+    chunked,
+    conv,
+    custom,
+    delta_rule,
+    linear_attention,
+    mamba1,
+    mamba2_more,
+    mla,
+    more_dense,
+    more_moe,
+    mrope,
+    rglru,
+    ssm,
+)
 
 FAMILY_ARCHS: dict = {**conv.ARCHS, **custom.ARCHS, **ssm.ARCHS, **delta_rule.ARCHS, **mla.ARCHS, **mrope.ARCHS}
 FAMILY_ARCHS.update(chunked.ARCHS)  # chunked local attention (Llama 4), forward-made tensors (Falcon MQA)
 FAMILY_ARCHS.update(alibi.ARCHS)  # ALiBi position biases (BLOOM, MPT, Falcon-RW)
 FAMILY_ARCHS.update({**more_dense.ARCHS, **more_moe.ARCHS})  # more dense and MoE families
+FAMILY_ARCHS.update(linear_attention.ARCHS)  # decayed linear attention (MiniMax lightning)
+FAMILY_ARCHS.update(rglru.ARCHS)  # RG-LRU recurrence + local attention (RecurrentGemma)
+FAMILY_ARCHS.update(mamba2_more.ARCHS)  # Mamba-2 mixers under other names (Granite 4 hybrid, Zamba2)
+FAMILY_ARCHS.update(mamba1.ARCHS)  # Mamba-1 selective scan (Mamba, FalconMamba, Jamba)
 
 __all__ = ["FAMILY_ARCHS"]

@@ -110,22 +110,24 @@ def _nemotron_h():
 ARCHS: dict = {"mamba2": _mamba2, "bamba": _bamba, "falcon_h1": _falcon_h1, "nemotron_h": _nemotron_h}
 
 
-#: Mixer classes of the families above (the modules ``checkpoint_like_ssm_weights`` touches).
+#: Mixer classes of the families above (``checkpoint_like_ssm_weights`` finds mixers by structure,
+#: ``workbench.models.canonical.ssm.mamba2_mixers``: these and any other family's).
 MIXER_CLASSES = ("Mamba2Mixer", "BambaMixer", "FalconH1Mixer", "NemotronHMamba2Mixer")
 
 
 def checkpoint_like_ssm_weights(model, seed: int = 0):
-    """Re-draw every Mamba-2 mixer's step bias, in_proj and conv1d (in place; returns ``model``):
+    """Re-draw every Mamba-2 mixer's step bias, in_proj and conv1d (in place; returns ``model``; mixers
+    found by structure, ``mamba2_mixers``, whatever their class):
     ``dt_bias = softplus^-1(dt)`` with dt log-uniform in [0.01, 0.1] (Mamba-2's own init recipe,
     narrowed so the time-step limits of the families never bite), in_proj / conv1d with PyTorch's
     default init (uniform, bound 1/sqrt(fan_in)). Seeded, and the caller's RNG is left as it was."""
     import torch
 
+    from ..canonical.ssm import mamba2_mixers
+
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for m in model.modules():
-            if type(m).__name__ not in MIXER_CLASSES:
-                continue
+        for m in mamba2_mixers(model):
             dt = torch.exp(torch.empty(m.dt_bias.shape).uniform_(math.log(0.01), math.log(0.1)))
             m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
             m.in_proj.reset_parameters()

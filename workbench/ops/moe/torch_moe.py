@@ -4,26 +4,46 @@ Shapes: ``T`` tokens, ``H`` hidden, ``I`` expert intermediate, ``E`` experts, ``
 token. Every expert is a gated MLP ``down(act(gate(x)) * up(x))`` with weights in ``nn.Linear``
 layout (``[out, in]``). The token/expert combination is summed over the ``k`` slots in slot order
 and cast back to ``x``'s dtype, as HF's MoE blocks do, so a match is numerically faithful.
+
+``torch_moe_fused`` also carries what gpt-oss's experts add (``expert_mlp.py``): per-expert biases,
+gate/up rows interleaved, and the clamped SwiGLU (``act_fn="clamped_swiglu"``, ``swiglu_alpha``,
+``swiglu_limit``). Every rewrite of a ``torch_moe_fused`` node either carries these options over or
+leaves the node alone and says why (``has_expert_extras`` below names them).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 
 from ..capture import host_sync_tags
+from .expert_mlp import PLAIN_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation, expert_mlp
 
 # why the MoE ops that dispatch tokens to experts cannot be captured in a CUDA graph
 MOE_HOST_SYNC = "runs only the experts that got tokens: reads them on the host (unique().tolist(), nonzero)"
-ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = dict(PLAIN_ACTIVATIONS)
 
 
 def _act(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in ACTIVATIONS:
         raise ValueError(f"unknown MoE activation {name!r}; known: {sorted(ACTIVATIONS)}")
     return ACTIVATIONS[name]
+
+
+def has_expert_extras(args: Mapping[str, Any]) -> List[str]:
+    """The options of a ``torch_moe_fused`` call (its arguments by name, defaults filled in) beyond the
+    plain gated MLP: what an op or rewrite that only knows ``act(gate) * up`` without biases must
+    refuse, by these names."""
+    extras = []
+    if args.get("w1_w3_bias") is not None or args.get("w2_bias") is not None:
+        extras.append("expert biases")
+    if args.get("gate_up_interleaved"):
+        extras.append("interleaved gate/up rows")
+    if args.get("act_fn", "silu") not in ACTIVATIONS:
+        extras.append(f"act_fn={args['act_fn']!r}")
+    return extras
 
 
 def _combine(
@@ -92,23 +112,40 @@ def torch_moe_fused(
     w1_w3_stacked: torch.Tensor,
     w2_stacked: torch.Tensor,
     act_fn: str = "silu",
+    w1_w3_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
+    gate_up_interleaved: bool = False,
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: float = SWIGLU_LIMIT,
 ) -> torch.Tensor:
     """MoE with stacked expert weights (HF transformers>=5 ``experts.gate_up_proj/down_proj``).
 
     x [..., H]; selected_experts/routing_weights [T, k]; w1_w3_stacked [E, 2I, H] with the gate
-    (w1) rows first, then up (w3); w2_stacked [E, H, I] -> [..., H].
+    (w1) rows first, then up (w3) -- or alternating gate, up rows with ``gate_up_interleaved``
+    (gpt-oss); w2_stacked [E, H, I]; optional biases w1_w3_bias [E, 2I] (same row order) and
+    w2_bias [E, H] -> [..., H]. ``act_fn``: silu / gelu / relu (``act(gate) * up``) or
+    clamped_swiglu (gpt-oss, with ``swiglu_alpha`` and ``swiglu_limit``; ``expert_mlp.py``).
     """
-    act = _act(act_fn)
+    check_activation(act_fn)
 
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(xe, w1_w3_stacked[e]).chunk(2, dim=-1)
-        return F.linear(act(gate) * up, w2_stacked[e])
+        return expert_mlp(
+            xe,
+            w1_w3_stacked[e],
+            w2_stacked[e],
+            act_fn,
+            None if w1_w3_bias is None else w1_w3_bias[e],
+            None if w2_bias is None else w2_bias[e],
+            gate_up_interleaved,
+            swiglu_alpha,
+            swiglu_limit,
+        )
 
     return _combine(x, selected_experts, routing_weights, expert)
 
 
 @torch_moe_fused.register_fake
-def _torch_moe_fused_fake(x, selected_experts, routing_weights, w1_w3_stacked, w2_stacked, act_fn="silu"):
+def _torch_moe_fused_fake(x, selected_experts, routing_weights, w1_w3_stacked, w2_stacked, *args, **kwargs):
     return torch.empty_like(x)
 
 

@@ -3,7 +3,9 @@
 Same routing arguments and stacked layout as ``torch_moe_fused`` (``moe/torch_moe.py``, whose
 routing/combine loop they reuse): x [..., H], selected_experts / routing_weights [T, k],
 w1_w3 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]; each expert computes
-``down(act(gate(x)) * up(x))``. Per expert, activations are quantized the way that format's GEMMs
+``down(act(gate(x)) * up(x))`` (``moe/expert_mlp.py``; MXFP4 also takes gpt-oss's biases,
+interleaved gate/up rows and clamped SwiGLU, as ``torch_moe_fused`` does; the others refuse
+``clamped_swiglu`` by name). Per expert, activations are quantized the way that format's GEMMs
 consume them (FP8: static per-tensor scales; fine-grained FP8: dynamic 1 x 128 groups; NVFP4:
 dynamic 16-blocks under a static global scale; MXFP4: not at all, weight-only), the weights are
 dequantized with the codecs, and the products run in fp32. Output: x's dtype.
@@ -11,12 +13,12 @@ dequantized with the codecs, and the products run in fp32. Output: x's dtype.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..library import define_op
+from ..moe.expert_mlp import SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation, expert_mlp
 from ..moe.torch_moe import MOE_HOST_SYNC, _act, _combine
 from .codecs import FP4_E2M1_STEP, FP8_E4M3_STEP, fp8_block_dequantize, mxfp4_dequantize, nvfp4_dequantize
 from .fp8 import fp8_group_qdq, fp8_qdq
@@ -25,10 +27,18 @@ from .nvfp4 import NVFP4_BLOCK, nvfp4_qdq
 MXFP4_BLOCK = 32
 
 
-def _gated(act, x, w1_w3, w2, quantize_x=lambda t: t.float(), quantize_h=lambda t: t, b1_w3=None, b2=None):
-    """One expert on its tokens: fp32 ``w2 @ (act(gate) * up)`` from dequantized fp32 weights."""
-    gate, up = F.linear(quantize_x(x), w1_w3, b1_w3).chunk(2, dim=-1)
-    return F.linear(quantize_h(act(gate) * up), w2, b2)
+def _gated(
+    act_fn: str,
+    x: torch.Tensor,
+    w1_w3: torch.Tensor,
+    w2: torch.Tensor,
+    quantize_x: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.float(),
+    quantize_h: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    **options,
+) -> torch.Tensor:
+    """One expert on its tokens: fp32 ``w2 @ gated(w1_w3 @ x)`` from dequantized fp32 weights;
+    ``options``: biases / layout / SwiGLU parameters of ``expert_mlp``."""
+    return expert_mlp(quantize_x(x), w1_w3, w2, act_fn, quantize_h=quantize_h, **options)
 
 
 def _moe_fake(x, *args, **kwargs):
@@ -48,11 +58,11 @@ def fp8_moe(
     w2_weight_scale,
     act_fn="silu",
 ):
-    act = _act(act_fn)
+    _act(act_fn)  # act(gate) * up only: clamped_swiglu is refused by name
 
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
         return _gated(
-            act,
+            act_fn,
             xe,
             w1_w3[e].float() * w1_w3_weight_scale[e].float(),
             w2[e].float() * w2_weight_scale[e].float(),
@@ -112,12 +122,12 @@ def finegrained_fp8_moe(
     block_n=128,
     block_k=128,
 ):
-    act = _act(act_fn)
+    _act(act_fn)  # act(gate) * up only: clamped_swiglu is refused by name
 
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
         w13 = dequantize_gate_up_blocks(w1_w3[e], w1_w3_weight_scale_inv[e], block_n, block_k)
         w2e = fp8_block_dequantize(w2[e], w2_weight_scale_inv[e], (block_n, block_k))
-        return _gated(act, xe, w13, w2e, lambda t: fp8_group_qdq(t, block_k), lambda t: fp8_group_qdq(t, block_k))
+        return _gated(act_fn, xe, w13, w2e, lambda t: fp8_group_qdq(t, block_k), lambda t: fp8_group_qdq(t, block_k))
 
     return _combine(x, selected_experts, routing_weights, expert)
 
@@ -148,13 +158,18 @@ def nvfp4_moe(
     w2_input_scale,
     act_fn="silu",
 ):
-    act = _act(act_fn)
+    _act(act_fn)  # act(gate) * up only: clamped_swiglu is refused by name
 
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
         w13 = nvfp4_dequantize(w1_w3[e], w1_w3_weight_scale[e], w1_w3_weight_scale_2[e], NVFP4_BLOCK)
         w2e = nvfp4_dequantize(w2[e], w2_weight_scale[e], w2_weight_scale_2[e], NVFP4_BLOCK)
         return _gated(
-            act, xe, w13, w2e, lambda t: nvfp4_qdq(t, w1_w3_input_scale[e]), lambda t: nvfp4_qdq(t, w2_input_scale[e])
+            act_fn,
+            xe,
+            w13,
+            w2e,
+            lambda t: nvfp4_qdq(t, w1_w3_input_scale[e]),
+            lambda t: nvfp4_qdq(t, w2_input_scale[e]),
         )
 
     return _combine(x, selected_experts, routing_weights, expert)
@@ -183,9 +198,16 @@ def mxfp4_moe(
     w2_scales,
     w2_bias: Optional[torch.Tensor],
     act_fn="silu",
+    gate_up_interleaved=False,
+    swiglu_alpha=SWIGLU_ALPHA,
+    swiglu_limit=SWIGLU_LIMIT,
 ):
-    """Weight-only: activations stay unquantized (upcast to fp32 for the products)."""
-    act = _act(act_fn)
+    """Weight-only: activations stay unquantized (upcast to fp32 for the products).
+
+    ``w1_w3_blocks`` [E, 2I, H/2] / ``w1_w3_scales`` [E, 2I, H/32] in the stored row order (gpt-oss:
+    gate and up rows alternate, ``gate_up_interleaved``); biases [E, 2I] / [E, H] as stored (bf16 in
+    gpt-oss checkpoints, added in fp32); ``act_fn`` as ``torch_moe_fused`` takes it."""
+    check_activation(act_fn)
     if w1_w3_scales.dtype != torch.uint8 or w2_scales.dtype != torch.uint8:
         raise TypeError(
             f"torch_mxfp4_moe: MXFP4 scales are uint8 e8m0 exponents, got {w1_w3_scales.dtype} and {w2_scales.dtype}"
@@ -193,12 +215,15 @@ def mxfp4_moe(
 
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
         return _gated(
-            act,
+            act_fn,
             xe,
             mxfp4_dequantize(w1_w3_blocks[e], w1_w3_scales[e], MXFP4_BLOCK),
             mxfp4_dequantize(w2_blocks[e], w2_scales[e], MXFP4_BLOCK),
             b1_w3=None if w1_w3_bias is None else w1_w3_bias[e].float(),
             b2=None if w2_bias is None else w2_bias[e].float(),
+            gate_up_interleaved=gate_up_interleaved,
+            alpha=swiglu_alpha,
+            limit=swiglu_limit,
         )
 
     return _combine(x, selected_experts, routing_weights, expert)
@@ -207,7 +232,8 @@ def mxfp4_moe(
 torch_mxfp4_moe = define_op(
     "torch_mxfp4_moe(Tensor x, Tensor selected_experts, Tensor routing_weights, Tensor w1_w3_blocks, "
     "Tensor w1_w3_scales, Tensor? w1_w3_bias, Tensor w2_blocks, Tensor w2_scales, Tensor? w2_bias, "
-    'str act_fn="silu") -> Tensor',
+    'str act_fn="silu", bool gate_up_interleaved=False, '
+    f"float swiglu_alpha={SWIGLU_ALPHA}, float swiglu_limit={SWIGLU_LIMIT}) -> Tensor",
     mxfp4_moe,
     _moe_fake,
     host_sync=MOE_HOST_SYNC,

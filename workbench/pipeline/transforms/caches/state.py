@@ -1,5 +1,6 @@
 """Per-sequence state caches (stage ``cache_init``): ``insert_cached_ssm_attention``,
-``insert_cached_causal_conv``, ``insert_cached_delta_rule``, ``insert_cached_gated_delta_rule``.
+``insert_cached_causal_conv``, ``insert_cached_delta_rule``, ``insert_cached_gated_delta_rule``,
+``insert_cached_linear_attention``.
 
 Each rewrites the canonical stateful op nodes it owns (``workbench.ops.state``: the op entry names
 its insert key) into their cached ops over per-sequence state slots (see ``state_rewrite.py``),
@@ -7,7 +8,7 @@ and declares the ``SLOT`` cache specs that ``initialize_cache`` allocates next t
 ``[num_slots, *state_shape]`` per layer, ``num_slots = max_batch_size + 1``. What a sequence's state
 costs does not grow with its length; ``details`` report it per layer and in total.
 
-The four keys differ only in which ops they own (and the SSM key's extra seed field), so they
+The keys differ only in which ops they own (and the SSM key's extra seed field), so they
 share one base class. A graph with no such node reports 0 matches with the reason.
 """
 
@@ -125,7 +126,9 @@ class _InsertCachedState(Transform[_StateConfigT]):
 
 @register("insert_cached_ssm_attention")
 class SSMCacheTransform(_InsertCachedState[SSMCacheTransformConfig]):
-    """Mamba-2 SSM scans -> cached scans over a per-sequence SSM state [heads, head_dim, d_state]."""
+    """The state-space recurrences -> their cached forms over per-sequence states: Mamba-2 scans
+    (``torch_ssm``, state [heads, head_dim, d_state]), Mamba-1 selective scans (``torch_selective_scan``,
+    [d_inner, d_state]) and RG-LRU recurrences (``torch_rglru``, [lru_width])."""
 
     mechanism = "SSM scan"
 
@@ -151,11 +154,20 @@ class InsertCachedGatedDeltaRule(_InsertCachedState):
     mechanism = "gated delta rule"
 
 
+@register("insert_cached_linear_attention")
+class InsertCachedLinearAttention(_InsertCachedState):
+    """Decayed linear attention (MiniMax lightning) -> cached recurrence over a per-sequence state
+    [heads, d_k, d_v]."""
+
+    mechanism = "linear attention"
+
+
 __all__ = [
     "SSMCacheTransform",
     "InitializeCausalConvCache",
     "InsertCachedDeltaRule",
     "InsertCachedGatedDeltaRule",
+    "InsertCachedLinearAttention",
     "InsertCachedStateConfig",
     "SSMCacheTransformConfig",
 ]

@@ -1,6 +1,7 @@
 """Mixture-of-experts patterns (stage ``pattern_matcher``).
 
-* ``match_moe_pattern``: HF transformers>=5 stacked experts -> ``torch_moe_fused``. Export spells the
+* ``match_moe_pattern``: HF transformers>=5 stacked experts -> ``torch_moe_fused`` (gpt-oss's biased,
+  transposed, interleaved clamped-SwiGLU experts too: ``biased_experts.py``). Export spells the
   experts' forward by ``config._experts_implementation``: ``grouped_mm`` (sort tokens by expert,
   ``transformers::grouped_mm_fallback`` twice, un-permute, sum over top-k) or ``batched_mm``
   (gather each token's expert weights, ``bmm``). ``eager`` loops over the experts that received
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ....ops.moe.torch_moe import has_expert_extras
 from ...context import PipelineContext
 from ...graph.utils import call_nodes, tensor_meta
 from ...interface import Transform, TransformConfig, TransformInfo, register
@@ -42,6 +44,7 @@ from ...matcher import (
     same_shape,
 )
 from ...weights import record_weight_view
+from .biased_experts import biased_expert_patterns, grouped_mm_op
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
@@ -55,14 +58,7 @@ def _moe_examples():
     return (torch.randn(_T, _H), selected, torch.rand(_T, _K), torch.randn(_E, 2 * _I, _H), torch.randn(_E, _H, _I))
 
 
-def _grouped_mm_op():
-    """``torch.ops.transformers.grouped_mm_fallback`` (registered when transformers' MoE
-    integration is imported), or None with an older/newer transformers that lacks it."""
-    try:
-        import transformers.integrations.moe  # noqa: F401
-    except ImportError:
-        return None
-    return getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+_grouped_mm_op = grouped_mm_op
 
 
 def _grouped_mm_experts(x, selected, weights, w1_w3, w2, k, sentinel: bool):
@@ -205,13 +201,15 @@ def moe_patterns() -> List[Pattern]:
     ]
 
 
-# Built once at import (tracing happens lazily, on first use).
-MOE_PATTERNS = tuple(moe_patterns())
+# Built once at import (tracing happens lazily, on first use). gpt-oss's biased, transposed,
+# clamped-SwiGLU experts (biased_experts.py) reach the same op with its bias / activation options.
+MOE_PATTERNS = tuple(moe_patterns()) + tuple(biased_expert_patterns())
 
 
 @register("match_moe_pattern")
 class MatchMoePattern(PatternTransform):
-    """Replace transformers' stacked-experts MoE (grouped_mm / batched_mm) by ``torch_moe_fused``."""
+    """Replace transformers' stacked-experts MoE (grouped_mm / batched_mm; plain or gpt-oss's biased,
+    clamped-SwiGLU experts) by ``torch_moe_fused``."""
 
     patterns = MOE_PATTERNS
 
@@ -342,16 +340,23 @@ class SplitMoeFusedForSharding(Transform):
     """Convert ``torch_moe_fused`` (stacked weights) to ``torch_moe`` (per-expert lists).
 
     The per-expert weights are views of the stacked parameters (no memory is copied), registered
-    beside them as ``<stacked>_w1_<e>`` / ``_w2_<e>`` / ``_w3_<e>``.
+    beside them as ``<stacked>_w1_<e>`` / ``_w2_<e>`` / ``_w3_<e>``. Nodes with gpt-oss's options
+    (expert biases, interleaved gate/up rows, clamped SwiGLU) stay ``torch_moe_fused``: ``torch_moe``
+    has none of them; ``details["left"]`` names each with the reason.
     """
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        n = 0
+        n, left = 0, []
         for node in call_nodes(gm, wb.torch_moe_fused.default):
             args = dict(named_args(node))
+            extras = has_expert_extras(args)
+            if extras:  # torch_moe's per-expert lists carry none of these
+                left.append(f"{node.name}: {', '.join(extras)} (torch_moe has no such option)")
+                continue
             w13, w2 = _get_param(gm, args["w1_w3_stacked"]), _get_param(gm, args["w2_stacked"])
             if w13 is None or w2 is None:
-                continue  # not plain parameters (e.g. already transformed): leave it
+                left.append(f"{node.name}: the stacked experts are not plain parameters")
+                continue
             inter = w13.shape[1] // 2
             with gm.graph.inserting_before(node):
                 w1 = _expert_views(gm, args["w1_w3_stacked"], "w1", w13, (slice(None, inter),))
@@ -369,7 +374,7 @@ class SplitMoeFusedForSharding(Transform):
             gm.graph.erase_node(node)
             annotate_new_nodes(gm, [new], [node.name], anchor=node)
             n += 1
-        return match_info(gm, {"split_moe": n})
+        return match_info(gm, {"split_moe": n}, **({"left": left} if left else {}))
 
 
 # ------------------------------------------------------------------------------ routing

@@ -1,0 +1,80 @@
+"""Tiny random configs of more families that carry the Mamba-2 mixer under their own class names.
+
+The canonical mixer patch recognises these by structure (``workbench.models.canonical.ssm``), so
+they export through ``torch_causal_conv1d`` + ``torch_ssm`` with no per-family code; these configs
+are what proves it. Mixer sizes as ``tiny_families/ssm.py`` (hidden 64, expand 2: 8 SSM heads of
+16, state 16, one group, conv kernel 4, chunk 16), vocab 512.
+
+* ``granitemoehybrid``: Granite 4.0 hybrid (``GraniteMoeHybridMambaLayer``): 4 layers, the second
+  full attention with RoPE, every layer a top-2 MoE of 4 experts plus a shared MLP, Granite's muP
+  multipliers away from 1.
+* ``zamba2``: Zamba2 (``Zamba2MambaMixer``): 4 layers, Mamba-2 / hybrid / Mamba-2 / hybrid; each
+  hybrid layer runs the one *shared* transformer block (attention over [hidden, original
+  embedding] concatenated, 4 heads of 32, RoPE) with its own LoRA adapters, then a
+  linear back to the stream, then its Mamba-2 mixer.
+
+Weights: the strong-oracle defaults of ``workbench.models.tiny`` (init std 0.3, untied head; 0.1 for
+Granite, as its MoE siblings in ``more_moe``), then, for every test and ``workbench check`` row,
+``checkpoint_like_ssm_weights`` re-draws the mixers (finding them by the same structure) so their
+state carries over dozens of tokens.
+"""
+
+from __future__ import annotations
+
+from .more_moe import GRANITE_MUP, GRANITE_ORACLE, TOP2
+from .sizes import TRANSFORMER, WIDTH
+
+#: Mamba-2 sizes in Granite's spelling (Bamba's: ``mamba_*``).
+GRANITE_SSM: dict = dict(
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_d_state=16,
+    mamba_n_groups=1,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=16,
+)
+#: Mamba-2 sizes in Zamba2's spelling (its head dim follows from expand * hidden / heads = 16).
+ZAMBA2_SSM: dict = dict(
+    n_mamba_heads=8, mamba_d_state=16, mamba_ngroups=1, mamba_d_conv=4, mamba_expand=2, chunk_size=16
+)
+
+
+def _granitemoehybrid():
+    from transformers import GraniteMoeHybridConfig
+
+    return GraniteMoeHybridConfig(
+        **TRANSFORMER,
+        **GRANITE_SSM,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        position_embedding_type="rope",
+        num_local_experts=4,
+        **TOP2,
+        shared_intermediate_size=64,
+        **GRANITE_MUP,
+        **GRANITE_ORACLE,
+    )
+
+
+def _zamba2():
+    """``num_mem_blocks=1``: both hybrid layers share one transformer block (its attention and MLP
+    weights), each with its own adapters (``use_shared_attention_adapter``)."""
+    from transformers import Zamba2Config
+
+    return Zamba2Config(
+        **WIDTH,
+        **ZAMBA2_SSM,
+        num_hidden_layers=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        num_attention_heads=4,
+        num_key_value_heads=4,  # HF's k/v adapters add [b, s, 2 * hidden]: they need as many KV heads as query heads
+        intermediate_size=128,
+        num_mem_blocks=1,
+        use_shared_attention_adapter=True,
+        adapter_rank=8,
+        use_mem_rope=True,
+    )
+
+
+ARCHS: dict = {"granitemoehybrid": _granitemoehybrid, "zamba2": _zamba2}

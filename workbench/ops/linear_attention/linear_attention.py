@@ -1,0 +1,161 @@
+"""``workbench::torch_linear_attention``: linear attention with a per-token, per-head log decay.
+
+One recurrence behind MiniMax's lightning attention, RetNet-style retention and other decayed
+linear-attention layers. Per value head, with a state ``S [dk, dv]`` that starts at zero::
+
+    S_t = exp(g_t) * S_{t-1} + k_t^T v_t          (k_t [dk] a column, v_t [dv] a row)
+    o_t = scale * q_t S_t                          [dv]
+
+::
+
+    q/k [b, s, hk, dk], v [b, s, h, dv] (h % hk == 0: value head j reads q/k head j // (h // hk))
+    g   [b, s, h]     log decay per token and value head (<= 0 for a decay; a constant per-head
+                      decay, MiniMax's ``-slope_rate``, is expanded over [b, s]: one float per token
+                      and head, next to q/k/v's 3 * 16+ -- and the cache rewrite treats every
+                      per-token argument alike)
+    -> o [b, s, h, dv] in q's dtype, computed in fp32
+
+No activation, normalisation or gate happens here: those differ per family and stay plain ops in
+the canonical forward (``workbench.models.canonical.linear_attention``), where the usual matchers
+see them.
+
+The chunked form (what the op runs) computes ``C`` tokens at a time with matmuls. Inside a chunk
+starting from state ``S0``, with ``gam_t = g_1 + ... + g_t`` (cumulative log decay since the chunk
+start) and ``D[t, j] = exp(gam_t - gam_j)`` for ``j <= t`` (0 above the diagonal)::
+
+    O     = (exp(gam) * Q) S0 + (D * Q K^T) V
+    S_end = exp(gam_C) S0 + (exp(gam_C - gam) * K)^T V
+
+The intra-chunk terms do not depend on ``S0``, so they are computed for every chunk at once; only
+the chunk-to-chunk state carry is a loop. ``chunk_size`` changes round-off only.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..library import define_op
+
+
+def check_linear_attention_args(q, k, v, g, chunk_size: int = 64) -> None:
+    """Validate the ops' shared arguments (also at trace time, from the fakes): q/k ``[b, s, hk, dk]``,
+    v ``[b, s, h, dv]`` with ``h % hk == 0``, g ``[b, s, h]``."""
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(
+            f"linear attention expects q and k of one shape [b, s, heads, dk]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}"
+        )
+    if v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"linear attention expects v [b, s, value_heads, dv] with q's [b, s] = {tuple(q.shape[:2])}; "
+            f"got v {tuple(v.shape)}"
+        )
+    h = v.shape[2]
+    if h % q.shape[2] != 0:
+        raise ValueError(f"{h} value heads is not a multiple of {q.shape[2]} query/key heads")
+    if tuple(g.shape) != (*v.shape[:2], h):
+        raise ValueError(
+            f"linear attention expects g [b, s, value_heads] = {(*v.shape[:2], h)} (one log decay per token "
+            f"and value head; expand a per-head decay); got {tuple(g.shape)}"
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def prepare(q, k, v, g, scale: float) -> Tuple[torch.Tensor, ...]:
+    """From the ops' layout ``[b, s, heads, d]`` to the math's: fp32, heads first, key heads repeated
+    to the value heads, q scaled. Returns q/k ``[b, h, s, dk]``, v ``[b, h, s, dv]``, g ``[b, h, s]``."""
+    rep = v.shape[2] // q.shape[2]
+    if rep > 1:  # grouped value heads: value head j reads key head j // rep
+        q, k = (x.repeat_interleave(rep, dim=2) for x in (q, k))
+    q, k, v = (x.transpose(1, 2).to(torch.float32) for x in (q, k, v))
+    g = g.transpose(1, 2).to(torch.float32)
+    return (q if scale == 1.0 else q * scale), k, v, g
+
+
+def linear_attention_step(q, k, v, g, state) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One token for many rows at once: q/k ``[N, h, dk]``, v ``[N, h, dv]``, g ``[N, h]``, state
+    ``[N, h, dk, dv]`` -> (o ``[N, h, dv]``, new state)."""
+    state = state * g.exp()[..., None, None] + k.unsqueeze(-1) * v.unsqueeze(-2)
+    return (q.unsqueeze(-2) @ state).squeeze(-2), state
+
+
+def recurrent_linear_attention(q, k, v, g, state) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence token by token (the ground truth of the tests), in ``prepare``'s layout.
+    Returns (o ``[N, h, s, dv]``, final state)."""
+    out = []
+    for t in range(q.shape[2]):
+        o, state = linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], state)
+        out.append(o)
+    return torch.stack(out, dim=2), state
+
+
+def chunked_linear_attention(q, k, v, g, state, chunk_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form (module docstring), in ``prepare``'s layout, from ``state [N, h, dk, dv]``.
+    Returns (o ``[N, h, s, dv]``, final state). Padded tokens (zero k/v, ``g = 0``) come after every
+    real one: they neither add to nor decay the state."""
+    n, h, s, dk = k.shape
+    dv = v.shape[-1]
+    c = min(chunk_size, max(s, 1))
+    pad = -s % c
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g = F.pad(g, (0, pad))
+    chunks = (s + pad) // c
+    q, k, v = (x.reshape(n, h, chunks, c, x.shape[-1]) for x in (q, k, v))
+    gam = g.reshape(n, h, chunks, c).cumsum(-1)  # log decay from the chunk start through token t
+
+    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    # D[t, j] = exp(gam_t - gam_j), j <= t; masked before exp (above the diagonal it would grow)
+    decay = (gam[..., :, None] - gam[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    out = ((q @ k.transpose(-1, -2)) * decay) @ v  # intra-chunk part, [n, h, chunks, c, dv]
+    q_from_start = q * gam.exp()[..., None]
+    kv = (k * (gam[..., -1:] - gam).exp()[..., None]).transpose(-1, -2) @ v  # [n, h, chunks, dk, dv]
+    chunk_decay = gam[..., -1].exp()[..., None, None]  # [n, h, chunks, 1, 1]
+    for i in range(chunks):
+        out[:, :, i] += q_from_start[:, :, i] @ state
+        state = state * chunk_decay[:, :, i] + kv[:, :, i]
+    return out.reshape(n, h, chunks * c, dv)[:, :, :s], state
+
+
+def linear_attention_reference(q, k, v, g, scale: float = 1.0, chunk_size: int = 64) -> torch.Tensor:
+    """Whole sequences from a zero state: ``[b, s, h, dv]`` in q's dtype."""
+    check_linear_attention_args(q, k, v, g, chunk_size)
+    qf, kf, vf, gf = prepare(q, k, v, g, scale)
+    state = vf.new_zeros(vf.shape[0], vf.shape[1], kf.shape[-1], vf.shape[-1])
+    out, _ = chunked_linear_attention(qf, kf, vf, gf, state, chunk_size)
+    return out.transpose(1, 2).to(q.dtype).contiguous()
+
+
+def linear_attention_output_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """An empty output: v's shape (per-token value heads), q's dtype."""
+    return v.new_empty(v.shape, dtype=q.dtype)
+
+
+def _fake(q, k, v, g, scale=1.0, chunk_size=64):
+    check_linear_attention_args(q, k, v, g, chunk_size)
+    return linear_attention_output_like(q, v)
+
+
+OPTIONS = "*, float scale=1.0, int chunk_size=64"
+
+torch_linear_attention = define_op(
+    f"torch_linear_attention(Tensor q, Tensor k, Tensor v, Tensor g, {OPTIONS}) -> Tensor",
+    linear_attention_reference,
+    _fake,
+)
+
+__all__ = [
+    "torch_linear_attention",
+    "check_linear_attention_args",
+    "prepare",
+    "linear_attention_step",
+    "recurrent_linear_attention",
+    "chunked_linear_attention",
+    "linear_attention_reference",
+    "linear_attention_output_like",
+    "OPTIONS",
+]
