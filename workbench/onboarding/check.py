@@ -27,6 +27,7 @@ each failure is a ``CheckResult`` whose fields say where and why.
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -219,6 +220,10 @@ def _run(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> 
     from ..pipeline.config import ConfigError
     from ..pipeline.interface import TransformError
 
+    if entry.world_size > 1:  # the same row, the pipeline on N ranks (check_sharded.py)
+        from .check_sharded import run_sharded
+
+        return run_sharded(entry, settings, result, helpers=sys.modules[__name__])
     try:
         loaded = load_model(
             entry.name, dtype="float32", gguf_weights=entry.gguf_weights, custom_models=entry.custom_models

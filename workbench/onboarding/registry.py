@@ -9,6 +9,11 @@ A registry is a YAML file with one top-level key, ``models:``, a list of entries
       - name: smollm2
         gguf_weights: dequantize
         slow: true                             # `workbench check --quick` skips it
+      - name: tiny:llama
+        label: llama_tp2_hints
+        custom_models: sharding_ir             # the sharding-aware model (hint ops in its graph)
+        yaml_extra: [configs/enable_sharder_ir.yaml]
+        world_size: 2                          # 2 ranks (gloo on CPU)
 
 Loading validates everything that can be checked without loading a model -- unknown fields (with
 the closest known one), unknown ``tiny:`` archs (with the known ones), missing ``yaml_extra`` files,
@@ -25,7 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..models.tiny import list_tiny_archs
 from ..pipeline.config import ConfigError, validation_messages
@@ -33,6 +38,7 @@ from ..pipeline.config import ConfigError, validation_messages
 #: The registry shipped with workbench (``workbench check`` without ``--registry``).
 DEFAULT_REGISTRY = Path(__file__).resolve().parents[1] / "models" / "registry.yaml"
 TINY_PREFIX = "tiny:"
+SHARDING_IR = "sharding_ir"  # custom_models: the sharding-aware models (models.custom.SHARDING_IR_MODELS)
 
 
 class RegistryError(ConfigError):
@@ -80,13 +86,36 @@ class RegistryEntry(BaseModel):
         ),
     )
     slow: bool = Field(False, description="takes long to check (a real checkpoint): `workbench check --quick` skips it")
-    custom_models: bool = Field(
+    custom_models: Union[bool, Dict[str, Any]] = Field(
         True,
         description=(
             "export the custom canonical-op model registered for the config class (workbench/models/custom), if any; "
-            "false: the HF class (through the export-time canonical forwards)"
+            "false: the HF class (through the export-time canonical forwards); sharding_ir: the sharding-aware "
+            "model whose graph carries tensor-parallel hints (with configs/enable_sharder_ir.yaml)"
         ),
     )
+    world_size: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description=(
+            "ranks the check runs the pipeline on (CPU: gloo on localhost); > 1 compares the sharded run's tokens "
+            "with HF's, like world size 1"
+        ),
+    )
+
+    @field_validator("custom_models", mode="before")
+    @classmethod
+    def _custom_models(cls, value: Any) -> Any:
+        """``true`` / ``false`` / ``sharding_ir`` in YAML; ``sharding_ir`` becomes the mapping
+        ``load_model`` takes (a plain dict: it travels to the ranks of a sharded run)."""
+        if isinstance(value, bool):
+            return value
+        if value == SHARDING_IR:
+            from ..models.custom import SHARDING_IR_MODELS
+
+            return dict(SHARDING_IR_MODELS)
+        raise ValueError(f"custom_models must be true, false or {SHARDING_IR!r}, got {value!r}")
 
     @property
     def key(self) -> str:

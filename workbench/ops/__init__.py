@@ -20,6 +20,7 @@ from . import (  # noqa: F401  # noqa: F401  (after state: stateful ops declare 
     rglru,
     rope,
     selective_scan,
+    sharding_hints,  # noqa: F401  (ops carrying tensor-parallel hints)
     ssm,
     state,
 )

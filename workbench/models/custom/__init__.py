@@ -22,6 +22,8 @@ from types import MappingProxyType
 from typing import Mapping
 
 from .modeling_deepseek_v3 import DeepseekV3ForCausalLM
+from .modeling_llama_ir import LlamaIRForCausalLM
+from .modeling_qwen3_moe_ir import Qwen3MoeIRForCausalLM
 from .modeling_qwen3_next import Qwen3NextForCausalLM
 
 #: HF config class name -> custom model class (constructed as ``cls(config)``). Read-only.
@@ -29,4 +31,19 @@ CUSTOM_MODELS: Mapping[str, type] = MappingProxyType(
     {"DeepseekV3Config": DeepseekV3ForCausalLM, "Qwen3NextConfig": Qwen3NextForCausalLM}
 )
 
-__all__ = ["CUSTOM_MODELS", "DeepseekV3ForCausalLM", "Qwen3NextForCausalLM"]
+#: The sharding-aware ("IR") models, whose graphs carry tensor-parallel hints (``ir_layers.py``,
+#: ``apply_sharding_hints``). Never the default for their config classes: a registry entry picks them
+#: with ``custom_models: sharding_ir``; in Python pass ``custom_models=dict(SHARDING_IR_MODELS)`` (a
+#: plain dict travels to the ranks of a sharded run). Read-only.
+SHARDING_IR_MODELS: Mapping[str, type] = MappingProxyType(
+    {"LlamaConfig": LlamaIRForCausalLM, "Qwen3MoeConfig": Qwen3MoeIRForCausalLM}
+)
+
+__all__ = [
+    "CUSTOM_MODELS",
+    "SHARDING_IR_MODELS",
+    "DeepseekV3ForCausalLM",
+    "Qwen3NextForCausalLM",
+    "LlamaIRForCausalLM",
+    "Qwen3MoeIRForCausalLM",
+]

@@ -1,0 +1,101 @@
+"""``workbench check`` for a registry entry with ``world_size > 1``: the same row as ``check.check_entry``
+(HF's greedy tokens first, the whole pipeline step by step, cached generation compared token for
+token), with the pipeline run on ``world_size`` ranks (``Workbench(..., world_size=N)``: gloo on CPU).
+
+The parent loads the model once for HF's reference tokens; every rank loads its own copy from the
+spec (same seed, so the same weights; ``custom_models`` and the pipeline YAML travel as options).
+The Mamba-2 re-draw (``RegistryEntry.redraw_ssm``) changes the parent's copy only, so an entry that
+needs it is refused here with that reason instead of comparing different weights.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from .registry import RegistryEntry
+
+
+def run_sharded(entry: RegistryEntry, settings: Any, result: Any, helpers: ModuleType) -> None:
+    """Fill ``result`` (a ``check.CheckResult``) for ``entry`` run on ``entry.world_size`` ranks;
+    failures become its fields. ``helpers`` is ``onboarding.check`` itself (prompts, HF's greedy
+    tokens, the row's measures), passed in so this module does not import its caller back."""
+    import torch
+
+    h = helpers
+    from ..api import Workbench
+    from ..models import load_model
+    from ..pipeline.config import ConfigError
+
+    try:
+        loaded = load_model(
+            entry.name, dtype="float32", gguf_weights=entry.gguf_weights, custom_models=entry.custom_models
+        )
+    except Exception as e:  # noqa: BLE001
+        result.stopped_at, result.error = "load", h._first_line(e)
+        return
+    result.family = getattr(loaded.config, "model_type", None) or "-"
+    if entry.redraw_ssm and any("mamba" in type(m).__name__.lower() for m in loaded.model.modules()):
+        result.stopped_at = "config"
+        result.error = (
+            "world_size > 1 with re-drawn Mamba-2 mixers: the ranks load their own weights (set weights: as_loaded)"
+        )
+        return
+    prompts = h.check_prompts(loaded.config.vocab_size, settings.prompt_lens, settings.prompt_seed)
+    try:
+        with torch.no_grad():
+            want = [h.hf_greedy(loaded.model, p, settings.new_tokens) for p in prompts]
+    except Exception as e:  # noqa: BLE001
+        result.stopped_at, result.error = "hf reference", h._first_line(e)
+        return
+    result.oracle_tokens = h.oracle_strength(want)
+    del loaded
+    try:
+        wb = Workbench(
+            entry.name,
+            world_size=entry.world_size,
+            dtype="float32",
+            gguf_weights=entry.gguf_weights,
+            custom_models=entry.custom_models,
+            yaml_extra=entry.yaml_extra,
+            overrides=entry.overrides,
+            max_batch_size=settings.max_batch_size,
+        )
+    except ConfigError as e:
+        result.stopped_at, result.error = "config", h._first_line(e)
+        return
+    try:
+        step_key = "start"
+        try:
+            while not wb.done:
+                step_key = wb.keys[wb.position] if wb.position < len(wb.keys) else step_key
+                wb.step()
+        except Exception as e:  # noqa: BLE001 - a rank's failure names the transform it was in
+            result.stopped_at, result.error = f"sharded/{step_key}", h._first_line(e)
+        finally:
+            snaps = list(wb.snapshots)
+            result.transforms_total = len(wb.keys)
+            result.transforms_run = len(snaps)
+            result.skipped_on_error = [s.key for s in snaps if s.status == "failed"]
+            result.cache_kinds = h.inserted_cache_kinds(snaps)
+            result.uncached_attention = h.uncached_attention_left(snaps)
+            result.worst_rmse, result.worst_rmse_at, result.probe_errors = h.worst_probe(snaps)
+        if result.stopped_at:
+            return
+        try:
+            out = wb.generate(prompts, max_new_tokens=settings.new_tokens, stop_token_ids=[])
+        except Exception as e:  # noqa: BLE001
+            result.stopped_at, result.error = "generate", h._first_line(e)
+            return
+        result.runner_cache = out.stats.cache
+        failed = [r for r in out.results if r.error is not None]
+        if failed:
+            result.stopped_at = "generate"
+            result.error = f"prompt {failed[0].index + 1}: {failed[0].error}".splitlines()[0][:300]
+            return
+        result.tokens_equal, result.tokens = h.compare_tokens([r.token_ids for r in out.results], want)
+    finally:
+        wb.close()
+
+
+__all__ = ["run_sharded"]
