@@ -6,4 +6,6 @@ detect.py       regions (attention heads, MLP features, MoE experts, LM-head voc
 plan.py         the plan's types (regions, cuts, ranges)
 apply.py        the rewrite: sliced weights, collectives
 linear_ops.py   the linear ops a region may hold (plain and quantized)
+hint_transform.py  apply_sharding_hints: the opt-in alternative for sharding-aware models
+hints.py        its rewrite: each torch_hint_* node cut for one rank and lowered to the plain op
 """
