@@ -136,6 +136,6 @@ def test_generate_equals_hf_greedy(mla_bench):
 
 def test_other_backends_are_refused():
     transform = TRANSFORMS.get("insert_cached_mla_attention")(
-        InsertCachedAttentionConfig(stage="cache_init", backend="triton"))
-    with pytest.raises(ValueError, match="no 'triton' backend.*'torch'"):
+        InsertCachedAttentionConfig(stage="cache_init", backend="flashinfer"))
+    with pytest.raises(ValueError, match="no 'flashinfer' backend.*'torch'"):
         transform._apply(fx.symbolic_trace(torch.nn.Identity()), ctx=None)

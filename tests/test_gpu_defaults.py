@@ -126,8 +126,9 @@ def test_a_refused_capture_names_the_attention_choice_that_blocks_it(cached_llam
     assert "the cached attention is" not in str(refused.value)
 
 
+# gpt-oss: its grouped-mm MoE is matched into torch_moe_fused (biases, clamped SwiGLU), which says why
 @pytest.mark.parametrize("arch, blocker", [("mixtral", "workbench::torch_moe_fused: runs only the experts"),
-                                           ("gpt_oss", "transformers::grouped_mm_fallback: an op of another library")])
+                                           ("gpt_oss", "workbench::torch_moe_fused: runs only the experts")])
 def test_moe_graphs_stay_out_of_cuda_graphs_and_say_why(arch, blocker, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the CUDA-graph backends can run
     wb = Workbench(f"tiny:{arch}", numerics=False, overrides={"insert_cached_attention.backend": "torch"})

@@ -9,6 +9,7 @@ and the ``post_load_fusion`` transforms swap them for the backend op picked here
     attention    triton       triton_cached_attention               triton + CUDA (or TRITON_INTERPRET=1)
     attention    flashinfer   flashinfer_cached_attention           flashinfer + CUDA; head_dim 64/128/256
     mla          torch        torch_cached_mla                      nothing (reads lengths on the host)
+    mla          triton       triton_cached_mla                     triton + CUDA (or TRITON_INTERPRET=1)
     rmsnorm      torch        torch_rmsnorm (canonical, kept)       nothing
     rmsnorm      triton       triton_rmsnorm                        triton + CUDA (or TRITON_INTERPRET=1)
     rmsnorm      flashinfer   flashinfer_rmsnorm                    flashinfer + CUDA

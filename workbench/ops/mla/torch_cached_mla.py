@@ -40,7 +40,7 @@ from ..library import define_op
 from .torch_mla import mla_absorbed, mla_dims, mla_expanded, torch_mla_reference
 
 
-def _check(
+def check_cached_mla_args(
     q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, seq_lens, input_pos, page_table, num_prefill
 ) -> Tuple[List[int], List[int], int]:
     """Validate shapes and metadata; returns (seq_lens, input_pos) as host lists and dv."""
@@ -68,6 +68,40 @@ def gather_latents(mla_cache: torch.Tensor, page_ids: torch.Tensor, length: int)
     return rows.view(n, n_pages * mla_cache.shape[1], mla_cache.shape[2])[:, :length]
 
 
+def write_latents(compressed_kv, kpe, mla_cache, seq_lens, input_pos, page_table) -> None:
+    """Write one ``[compressed_kv, kpe]`` row (r + dr values) per new token into its page slot."""
+    seq_idx, pos = token_layout(seq_lens, input_pos, compressed_kv.shape[1])
+    page_size = mla_cache.shape[1]
+    pages = page_table.long()[seq_idx, pos // page_size]
+    mla_cache[pages, pos % page_size] = torch.cat([compressed_kv[0], kpe[0, :, 0]], dim=-1).to(mla_cache.dtype)
+
+
+def prefill_rows(
+    q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, lens, past, page_table, num_prefill, scale, out
+) -> int:
+    """Attention of the ``num_prefill`` prefill sequences (their rows already written), into ``out``
+    [1, T, n, dv]; ``lens``/``past`` are the host lists. Returns the first decode row's token index.
+    Shared by ``triton_cached_mla``, whose prefill rows run this same torch code."""
+    r = compressed_kv.shape[-1]
+    page_size = mla_cache.shape[1]
+    device = q_nope.device
+    a = 0
+    for i in range(num_prefill):
+        b, total = a + lens[i], past[i] + lens[i]
+        if past[i] == 0 and mla_cache.dtype == compressed_kv.dtype:  # fresh prefill: keys = its new tokens
+            out[0, a:b] = torch_mla_reference(
+                q_nope[:, a:b], q_pe[:, a:b], compressed_kv[:, a:b], kpe[:, a:b], kv_b_proj_weight, scale
+            )[0]
+        else:
+            rows = gather_latents(mla_cache, page_table[i : i + 1, : -(-total // page_size)], total).to(q_nope.dtype)
+            keep = torch.arange(total, device=device)[None, :] <= torch.arange(past[i], total, device=device)[:, None]
+            out[0, a:b] = mla_expanded(
+                q_nope[:, a:b], q_pe[:, a:b], rows[..., :r], rows[..., r:], kv_b_proj_weight, keep[None], scale
+            )[0]
+        a = b
+    return a
+
+
 def torch_cached_mla(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -82,35 +116,18 @@ def torch_cached_mla(
     scale: float,
 ) -> torch.Tensor:
     """Write the step's latents into the paged cache, then attend; see the module docstring."""
-    lens, past, dv = _check(
+    lens, past, dv = check_cached_mla_args(
         q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, seq_lens, input_pos, page_table, num_prefill
     )
     r = compressed_kv.shape[-1]
     device = q_nope.device
-    # Write: one [r + dr] row per new token.
-    seq_idx, pos = token_layout(seq_lens, input_pos, compressed_kv.shape[1])
     page_size = mla_cache.shape[1]
-    pages = page_table.long()[seq_idx, pos // page_size]
-    mla_cache[pages, pos % page_size] = torch.cat([compressed_kv[0], kpe[0, :, 0]], dim=-1).to(mla_cache.dtype)
-
+    write_latents(compressed_kv, kpe, mla_cache, seq_lens, input_pos, page_table)
     out = q_nope.new_empty(*q_nope.shape[:-1], dv)  # [1, T, n, dv]
-    starts = [0]
-    for x in lens:
-        starts.append(starts[-1] + x)
-    for i in range(num_prefill):
-        a, b, total = starts[i], starts[i + 1], past[i] + lens[i]
-        if past[i] == 0 and mla_cache.dtype == compressed_kv.dtype:  # fresh prefill: keys = its new tokens
-            out[0, a:b] = torch_mla_reference(
-                q_nope[:, a:b], q_pe[:, a:b], compressed_kv[:, a:b], kpe[:, a:b], kv_b_proj_weight, scale
-            )[0]
-            continue
-        rows = gather_latents(mla_cache, page_table[i : i + 1, : -(-total // page_size)], total).to(q_nope.dtype)
-        keep = torch.arange(total, device=device)[None, :] <= torch.arange(past[i], total, device=device)[:, None]
-        out[0, a:b] = mla_expanded(
-            q_nope[:, a:b], q_pe[:, a:b], rows[..., :r], rows[..., r:], kv_b_proj_weight, keep[None], scale
-        )[0]
+    a = prefill_rows(
+        q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, lens, past, page_table, num_prefill, scale, out
+    )
     if num_prefill < len(lens):  # decode rows: absorbed, keys padded to the longest and masked
-        a = starts[num_prefill]
         totals = input_pos[num_prefill:].long().to(device) + 1  # [Bd]
         longest = max(past[num_prefill:]) + 1
         ids = page_table[num_prefill : len(lens), : -(-longest // page_size)]
@@ -122,7 +139,7 @@ def torch_cached_mla(
     return out
 
 
-def _torch_cached_mla_fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, *_rest):
+def cached_mla_fake(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, *_rest):
     n, dn, dr, r, dv = mla_dims(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight)
     return q_nope.new_empty(*q_nope.shape[:-1], dv)
 
@@ -137,8 +154,20 @@ CACHED_MLA_SCHEMA = (
 torch_cached_mla_op = define_op(
     CACHED_MLA_SCHEMA,
     torch_cached_mla,
-    _torch_cached_mla_fake,
-    host_sync="reads seq_lens and input_pos on the host (.tolist())",
+    cached_mla_fake,
+    host_sync=(
+        "reads seq_lens and input_pos on the host (.tolist()); insert_cached_mla_attention.backend=triton "
+        "(auto on CUDA) is captured"
+    ),
 )
 
-__all__ = ["torch_cached_mla", "torch_cached_mla_op", "gather_latents", "CACHED_MLA_SCHEMA"]
+__all__ = [
+    "torch_cached_mla",
+    "torch_cached_mla_op",
+    "gather_latents",
+    "write_latents",
+    "prefill_rows",
+    "check_cached_mla_args",
+    "cached_mla_fake",
+    "CACHED_MLA_SCHEMA",
+]

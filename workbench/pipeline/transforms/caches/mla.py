@@ -1,7 +1,7 @@
 """``insert_cached_mla_attention`` (stage ``cache_init``): canonical MLA -> MLA over a paged latent cache.
 
 Every ``torch.ops.workbench.torch_mla`` node (what ``export_to_gm``'s canonical DeepSeek-V2/V3
-attention forwards produce) becomes ``torch_cached_mla``::
+attention forwards produce) becomes ``torch_cached_mla`` (or ``triton_cached_mla``, same schema)::
 
     torch_mla(q_nope [b, s, n, dn], q_pe [b, s, n, dr], compressed_kv [b, s, r], kpe [b, s, 1, dr],
               kv_b_proj_weight, scale)
@@ -17,14 +17,17 @@ not a per-sequence-slot state: each layer gets ONE page pool ``[num_pages, page_
 per-head K/V cache of the same layers would hold ``n * (dn + dr + dv)`` values per token; the
 snapshot's details report both and the saving.
 
-Backends: ``torch`` only (``torch_cached_mla``, the reference; it reads sequence lengths on the
-host, so CUDA graphs cannot capture it). The config is ``insert_cached_attention``'s; another
-backend is refused with what to set instead.
+Backends (``MLA_BACKENDS``): ``torch`` (``torch_cached_mla``, the reference; it reads sequence
+lengths on the host, so CUDA graphs cannot capture it) and ``triton`` (``triton_cached_mla``: cache
+write and absorbed decode rows in Triton, a decode-only step reads nothing on the host, so CUDA
+graphs capture it). ``auto`` (or unset) picks ``triton`` on a CUDA device where Triton runs, else
+``torch`` (``pick_mla_backend``). The config is ``insert_cached_attention``'s; another backend
+(``cpu``, ``flashinfer``) is refused with what to set instead.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -32,6 +35,7 @@ import torch.fx as fx
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ....ops import mla as _mla_ops  # noqa: F401  (torch_mla / torch_cached_mla, until ops/__init__ imports it)
 from ....ops.mla.torch_mla import default_scale
+from ....ops.triton_support import triton_available
 from ....runtime.interface import PAGED, CacheSpec
 from ...context import CACHE_SPECS, PipelineContext
 from ...graph.utils import call_nodes, require_tensor_meta
@@ -43,7 +47,37 @@ from .inputs import cache_input, metadata_inputs
 aten = torch.ops.aten
 
 #: The backends ``insert_cached_mla_attention`` can use, by name -> cached op.
-MLA_BACKENDS = {"torch": "torch_cached_mla"}
+MLA_BACKENDS = {"torch": "torch_cached_mla", "triton": "triton_cached_mla"}
+
+
+def check_mla_backend_name(requested: Optional[str]) -> None:
+    """Refuse a backend name MLA has no op for (``cpu``, ``flashinfer``: attention-only backends)."""
+    if requested not in (None, "auto", *MLA_BACKENDS):
+        raise ValueError(
+            f"insert_cached_mla_attention has no {requested!r} backend: MLA runs on "
+            f"{' | '.join(repr(b) for b in MLA_BACKENDS)} only ({', '.join(MLA_BACKENDS.values())}). Set "
+            "insert_cached_mla_attention.backend to 'auto', 'torch' or 'triton'."
+        )
+
+
+def pick_mla_backend(requested: Optional[str], device: torch.device) -> Tuple[str, str]:
+    """(backend, why) for ``insert_cached_mla_attention.backend`` on ``device``: ``auto``/None is
+    ``triton`` on CUDA where Triton runs (CUDA graphs can capture it), else the ``torch`` reference;
+    an explicit name must be one of ``MLA_BACKENDS`` and able to run here."""
+    check_mla_backend_name(requested)
+    device = torch.device(device)
+    if requested in (None, "auto"):
+        if device.type == "cuda" and triton_available(device)[0]:
+            return "triton", "auto: CUDA device and Triton runs (decode steps capturable in CUDA graphs)"
+        why = "not a CUDA device" if device.type != "cuda" else triton_available(device)[1]
+        return "torch", f"auto: the torch reference ({why})"
+    if requested == "triton":
+        ok, why = triton_available(device)
+        if not ok:
+            raise ValueError(
+                f"insert_cached_mla_attention.backend 'triton' cannot run on {device}: {why}; set backend: torch or auto"
+            )
+    return requested, "requested"
 
 
 def mla_nodes(gm: fx.GraphModule) -> List[fx.Node]:
@@ -63,9 +97,15 @@ def mla_shape(node: fx.Node) -> Dict[str, int]:
 
 
 def rewrite_mla(
-    gm: fx.GraphModule, node: fx.Node, layer: int, meta: Dict[str, fx.Node], device: torch.device
+    gm: fx.GraphModule,
+    node: fx.Node,
+    layer: int,
+    meta: Dict[str, fx.Node],
+    device: torch.device,
+    backend: str = "torch",
 ) -> CacheSpec:
-    """Replace one ``torch_mla`` node by ``torch_cached_mla``; returns the latent page pool it reads."""
+    """Replace one ``torch_mla`` node by ``backend``'s cached op (``MLA_BACKENDS``, one schema);
+    returns the latent page pool it reads."""
     args = dict(named_args(node))
     d = mla_shape(node)
     qn, qp = require_tensor_meta(args["q_nope"]), require_tensor_meta(args["q_pe"])
@@ -81,7 +121,7 @@ def rewrite_mla(
             return g.call_function(aten.reshape.default, (x, [1, -1, *trailing]))
 
         out = g.call_function(
-            torch.ops.workbench.torch_cached_mla.default,
+            getattr(torch.ops.workbench, MLA_BACKENDS[backend]).default,
             (
                 flat(args["q_nope"], d["n"], d["dn"]),
                 flat(args["q_pe"], d["n"], d["dr"]),
@@ -127,13 +167,7 @@ class InsertCachedMLAAttention(Transform[InsertCachedAttentionConfig]):
     def _apply(self, gm: torch.nn.Module, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         if not isinstance(gm, fx.GraphModule):
             raise TypeError("insert_cached_mla_attention rewrites exported graphs, and this model is not exported")
-        backend = self.config.backend
-        if backend not in (None, "auto", *MLA_BACKENDS):
-            raise ValueError(
-                f"insert_cached_mla_attention has no {backend!r} backend: MLA runs on "
-                f"{' | '.join(repr(b) for b in MLA_BACKENDS)} only ({', '.join(MLA_BACKENDS.values())}). Set "
-                "insert_cached_mla_attention.backend to 'torch' (or leave it unset)."
-            )
+        check_mla_backend_name(self.config.backend)  # refused before looking at the graph
         nodes = mla_nodes(gm)
         if not nodes:
             return gm, TransformInfo(
@@ -145,13 +179,15 @@ class InsertCachedMLAAttention(Transform[InsertCachedAttentionConfig]):
             )
         shapes = [mla_shape(n) for n in nodes]  # all layers, before the graph changes
         device = ctx.device
+        backend, why = pick_mla_backend(self.config.backend, device)
         meta = metadata_inputs(gm, device)
-        specs = [rewrite_mla(gm, node, layer, meta, device) for layer, node in enumerate(nodes)]
+        specs = [rewrite_mla(gm, node, layer, meta, device, backend) for layer, node in enumerate(nodes)]
         gm.graph.lint()
         gm.recompile()
         ctx.cache.declare(specs, ctx.dtype, ctx.limits.page_size)
         details = {
-            "backend": "torch",
+            "backend": backend,
+            "chosen": why,
             "layers": len(nodes),
             "kv_lora_rank": sorted({d["r"] for d in shapes}),
             "qk_rope_head_dim": sorted({d["dr"] for d in shapes}),
@@ -161,4 +197,13 @@ class InsertCachedMLAAttention(Transform[InsertCachedAttentionConfig]):
         return gm, TransformInfo(num_matches=len(nodes), is_clean=True, has_valid_shapes=True, details=details)
 
 
-__all__ = ["InsertCachedMLAAttention", "MLA_BACKENDS", "mla_nodes", "mla_shape", "rewrite_mla", "cache_footprint"]
+__all__ = [
+    "InsertCachedMLAAttention",
+    "MLA_BACKENDS",
+    "pick_mla_backend",
+    "check_mla_backend_name",
+    "mla_nodes",
+    "mla_shape",
+    "rewrite_mla",
+    "cache_footprint",
+]
