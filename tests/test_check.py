@@ -242,6 +242,38 @@ def test_exit_code_summary_and_reports(checked):
     assert "stopped at cache_init/insert_cached_attention" in html
 
 
+def test_report_has_a_section_per_entry(checked):
+    """Below the table: per entry the prompt -> output samples, the results as a tree (memory
+    estimate, stages) and the limitations found."""
+    md = checked["md"]
+    sections = {m.group(1): m.group(0) for m in re.finditer(r"(?ms)^### (\S+) .*?(?=^### |\Z)", md)}
+    assert sections.keys() == {"bad_config", "no_model", "broken", "uncached", "ok"}
+    ok = sections["ok"]
+    assert ok.startswith("### ok (tiny:llama): pass")
+    assert re.search(r"^- \[[\d, ]+\] \(\d+ ids\) -> \[[\d, .]+\] \(16 ids\) \| ", ok, re.M)  # no tokenizer: ids
+    assert re.search(r"^- memory: needs ~[\d.]+ MiB \(.* from the config on the meta device, x2\); ", ok, re.M)
+    assert re.search(r"^  - cache_init: ok \(\d+ ran, [1-9]\d* matched", ok, re.M)
+    assert "Limitations: none found" in ok
+    broken = sections["broken"]
+    assert "FAIL: pipeline stopped at cache_init/insert_cached_attention" in broken.splitlines()[0]
+    assert "- stopped at cache_init/insert_cached_attention: ValueError: 2 attention node(s)" in broken
+    assert "attention node" in sections["uncached"] and "has no KV cache" in sections["uncached"]
+    assert checked["html"].count('<details class="fail">') == 4 and checked["html"].count('<details class="pass">') == 1
+
+
+def test_an_entry_that_cannot_fit_is_refused_before_loading(monkeypatch):
+    """The estimate (float32 weights x2, from the config on meta) against the free memory: a row that
+    cannot fit stops at "memory" with both figures, before anything is loaded."""
+    from workbench.pipeline.transforms.caches import memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda device: (1000, "available RAM (test)"))
+    monkeypatch.setattr("workbench.models.load_model", lambda *a, **k: pytest.fail("loaded a model that cannot fit"))
+    row = check_entry(RegistryEntry(name="tiny:llama"))
+    assert row.stopped_at == "memory" and row.failure == "does not fit in memory"
+    assert re.match(r"does not fit: the check needs ~[\d.]+ MiB on cpu \([\d.]+ MiB of float32 weights x2 .*\), "
+                    r"0\.0 MiB available RAM \(test\)", row.error), row.error
+
+
 def test_cli_config_failure_and_bad_only(tmp_path, capsys):
     reg = write_registry(tmp_path, "models:\n  - {name: tiny:llama, overrides: {export_to_gm.example_seq_len: 0}}\n")
     assert main(["check", "--registry", str(reg)]) == 1

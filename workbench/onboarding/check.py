@@ -34,6 +34,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .entry_details import StageResult, samples, stage_results
+from .memory_estimate import memory_refusal
 from .registry import RegistryEntry
 
 # insert transform key -> what it caches, in table order
@@ -87,12 +89,17 @@ class CheckResult:
     worst_rmse_at: str = ""
     probe_errors: int = 0
     seconds: float = 0.0
+    memory: str = ""  # the estimate made before loading (memory_estimate.memory_refusal)
+    stages: List[StageResult] = field(default_factory=list)  # the pipeline per stage (entry_details)
+    samples: List[Tuple[str, str, str]] = field(default_factory=list)  # (prompt, output, HF output)
 
     @property
     def failure(self) -> str:
         """Why the entry does not pass, in a few words ("" when it passes)."""
         if self.stopped_at == "load":
             return "the model did not load"
+        if self.stopped_at == "memory":
+            return "does not fit in memory"
         if self.stopped_at == "config":
             return "invalid pipeline config"
         if self.stopped_at in ("hf reference", "generate"):
@@ -220,6 +227,13 @@ def _run(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> 
     from ..pipeline.config import ConfigError
     from ..pipeline.interface import TransformError
 
+    try:
+        refusal, result.memory = memory_refusal(entry.name, torch.device("cpu"), copies=entry.world_size)
+    except Exception as e:  # noqa: BLE001 - a spec that does not resolve fails at load, with its own message
+        refusal, result.memory = None, f"not estimated ({_first_line(e, 120)})"
+    if refusal:
+        result.stopped_at, result.error = "memory", refusal
+        return
     if entry.world_size > 1:  # the same row, the pipeline on N ranks (check_sharded.py)
         from .check_sharded import run_sharded
 
@@ -259,12 +273,7 @@ def _run(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> 
     except Exception as e:  # noqa: BLE001 - the stepper itself failed around this transform
         result.stopped_at, result.error = f"{step_stage}/{step_key}", _first_line(e)
     finally:
-        snaps = list(wb.snapshots)
-        result.transforms_run = len(snaps)
-        result.skipped_on_error = [s.key for s in snaps if s.status == "failed"]
-        result.cache_kinds = inserted_cache_kinds(snaps)
-        result.uncached_attention = uncached_attention_left(snaps)
-        result.worst_rmse, result.worst_rmse_at, result.probe_errors = worst_probe(snaps)
+        record_pipeline(result, wb.snapshots, [e.config.stage.value for e in wb.entries])
     if result.stopped_at:
         return
     try:
@@ -272,13 +281,35 @@ def _run(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> 
     except Exception as e:  # noqa: BLE001
         result.stopped_at, result.error = "generate", _first_line(e)
         return
+    record_generation(result, out, prompts, want, loaded.tokenizer)
+
+
+def record_pipeline(
+    result: CheckResult, snapshots: Iterable, stages_of_entries: Sequence[str], total: Optional[int] = None
+) -> None:
+    """The row's pipeline fields from the snapshots of the steps that ran (``stages_of_entries``: the
+    stage of every pipeline entry, in order; ``total``: the number of entries, if not all listed)."""
+    snaps = list(snapshots)
+    result.transforms_total = len(stages_of_entries) if total is None else total
+    result.transforms_run = len(snaps)
+    result.skipped_on_error = [s.key for s in snaps if s.status == "failed"]
+    result.cache_kinds = inserted_cache_kinds(snaps)
+    result.uncached_attention = uncached_attention_left(snaps)
+    result.worst_rmse, result.worst_rmse_at, result.probe_errors = worst_probe(snaps)
+    result.stages = stage_results(stages_of_entries, snaps)
+
+
+def record_generation(result: CheckResult, out, prompts, want, tokenizer) -> None:
+    """The row's generation fields from ``generate``'s output ``out`` against HF's tokens ``want``."""
     result.runner_cache = out.stats.cache
     failed = [r for r in out.results if r.error is not None]
     if failed:
         result.stopped_at = "generate"
         result.error = f"prompt {failed[0].index + 1}: {failed[0].error}".splitlines()[0][:300]
         return
-    result.tokens_equal, result.tokens = compare_tokens([r.token_ids for r in out.results], want)
+    got = [r.token_ids for r in out.results]
+    result.tokens_equal, result.tokens = compare_tokens(got, want)
+    result.samples = samples(prompts, got, want, tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------- many
@@ -315,6 +346,8 @@ __all__ = [
     "hf_greedy",
     "inserted_cache_kinds",
     "oracle_strength",
+    "record_generation",
+    "record_pipeline",
     "uncached_attention_left",
     "worst_probe",
 ]

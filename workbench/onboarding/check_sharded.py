@@ -49,6 +49,7 @@ def run_sharded(entry: RegistryEntry, settings: Any, result: Any, helpers: Modul
         result.stopped_at, result.error = "hf reference", h._first_line(e)
         return
     result.oracle_tokens = h.oracle_strength(want)
+    tokenizer = loaded.tokenizer
     del loaded
     try:
         wb = Workbench(
@@ -73,13 +74,8 @@ def run_sharded(entry: RegistryEntry, settings: Any, result: Any, helpers: Modul
         except Exception as e:  # noqa: BLE001 - a rank's failure names the transform it was in
             result.stopped_at, result.error = f"sharded/{step_key}", h._first_line(e)
         finally:
-            snaps = list(wb.snapshots)
-            result.transforms_total = len(wb.keys)
-            result.transforms_run = len(snaps)
-            result.skipped_on_error = [s.key for s in snaps if s.status == "failed"]
-            result.cache_kinds = h.inserted_cache_kinds(snaps)
-            result.uncached_attention = h.uncached_attention_left(snaps)
-            result.worst_rmse, result.worst_rmse_at, result.probe_errors = h.worst_probe(snaps)
+            snaps = list(wb.snapshots)  # rank 0's; the ranks' stages are the single pipeline's
+            h.record_pipeline(result, snaps, [s.stage.value for s in snaps], total=len(wb.keys))
         if result.stopped_at:
             return
         try:
@@ -87,13 +83,7 @@ def run_sharded(entry: RegistryEntry, settings: Any, result: Any, helpers: Modul
         except Exception as e:  # noqa: BLE001
             result.stopped_at, result.error = "generate", h._first_line(e)
             return
-        result.runner_cache = out.stats.cache
-        failed = [r for r in out.results if r.error is not None]
-        if failed:
-            result.stopped_at = "generate"
-            result.error = f"prompt {failed[0].index + 1}: {failed[0].error}".splitlines()[0][:300]
-            return
-        result.tokens_equal, result.tokens = h.compare_tokens([r.token_ids for r in out.results], want)
+        h.record_generation(result, out, prompts, want, tokenizer)
     finally:
         wb.close()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import List, Sequence, Tuple, Union
 
 from .check import CheckResult, CheckSettings
+from .entry_details import details_html, details_markdown
 from .registry import RegistryEntry
 
 COLUMNS = (
@@ -125,9 +126,10 @@ def markdown_table(results: Sequence[CheckResult]) -> str:
 def markdown_report(
     results: Sequence[CheckResult], skipped: Sequence[RegistryEntry] = (), settings: CheckSettings = DEFAULT_SETTINGS
 ) -> str:
+    details = "\n".join(details_markdown(r) for r in results)
     return (
         f"# workbench check\n\n**{summary_line(results, skipped)}**\n\n{settings_line(settings)}\n\n"
-        f"{markdown_table(results)}\n"
+        f"{markdown_table(results)}\n\n## Entries\n\n{details}"
     )
 
 
@@ -150,6 +152,8 @@ th, td {{ border: 1px solid #bbb; padding: 0.3em 0.5em; text-align: left; vertic
 th {{ background: #eee; }}
 tr.pass td:last-child {{ color: #17692a; }}
 tr.fail td:last-child {{ color: #a61b1b; font-weight: bold; }}
+details {{ margin: 0.4em 0; }}
+details.fail > summary {{ color: #a61b1b; font-weight: bold; }}
 </style></head>
 <body>
 <h1>workbench check</h1>
@@ -161,6 +165,8 @@ tr.fail td:last-child {{ color: #a61b1b; font-weight: bold; }}
 {rows}
 </tbody>
 </table>
+<h2>Entries</h2>
+{"".join(details_html(r) for r in results)}
 </body></html>
 """
 
