@@ -75,7 +75,7 @@ class Workbench(PipelineStepper):
         debug_visualize_dir: Optional[str] = None,
         seed: int = 0,
         gguf_weights: str = "keep",
-        custom_models: bool = True,
+        custom_models: Union[bool, Mapping[str, type]] = True,
         world_size: int = 1,
         worker_imports: Sequence[str] = (),
         **kwargs: Any,
@@ -90,7 +90,9 @@ class Workbench(PipelineStepper):
         ``gguf_weights`` (GGUF models such as smollm2): ``"keep"`` the file's quantized weights
         (int4/int8 ops) or ``"dequantize"`` them to fp32. ``custom_models``: export the custom
         canonical-op model registered for the config class (``workbench.models.custom``), if any,
-        instead of the HF class (HF's eager model stays the numerics reference either way). ``kwargs`` go to ``PipelineStepper``: ``max_batch_size``, ``max_seq_len``,
+        instead of the HF class (HF's eager model stays the numerics reference either way), or a mapping
+        {config class name: model class} of the custom models to use (e.g. the sharding-aware ones).
+        ``kwargs`` go to ``PipelineStepper``: ``max_batch_size``, ``max_seq_len``,
         ``max_num_tokens``, ``page_size`` (the runtime limits), ``numerics``, ``snapshots``,
         ``probe_shape``, ``on_snapshot``, ``entries``, ``registry``."""
         if world_size != 1:  # only reached by calling __init__ directly: __new__ dispatched already

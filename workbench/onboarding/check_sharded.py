@@ -25,6 +25,7 @@ def run_sharded(entry: RegistryEntry, settings: Any, result: Any, helpers: Modul
     h = helpers
     from ..api import Workbench
     from ..models import load_model
+    from ..parallel.sharded import ShardedWorkbench
     from ..pipeline.config import ConfigError
 
     try:
@@ -52,9 +53,10 @@ def run_sharded(entry: RegistryEntry, settings: Any, result: Any, helpers: Modul
     tokenizer = loaded.tokenizer
     del loaded
     try:
-        wb = Workbench(
+        wb = ShardedWorkbench(
             entry.name,
             world_size=entry.world_size,
+            workbench_class=Workbench,
             dtype="float32",
             gguf_weights=entry.gguf_weights,
             custom_models=entry.custom_models,
