@@ -31,6 +31,7 @@ from workbench.models.canonical.ssm import falcon_h1_mixer_forward, mamba2_mixer
 from workbench.models.export_contract import CausalLMLogits, make_batch
 from workbench.models.tiny import build_tiny_config
 from workbench.models.tiny_families.ssm import MIXER_CLASSES, checkpoint_like_ssm_weights
+from workbench.pipeline.matcher import named_args
 
 ONE_THREAD = True  # see conftest.one_thread
 ARCHS = ["mamba2", "bamba", "falcon_h1", "nemotron_h"]
@@ -178,3 +179,22 @@ def test_reused_slot_starts_from_zero_state(arch, families):
     for t in [*ssm_states.values(), *_state_tensors(bench, "conv_state").values()]:
         t.fill_(float("nan"))
     assert bench.generate([b], max_new_tokens=NEW, stop_token_ids=[]).results[0].token_ids == want
+
+
+def test_conv_activation_is_fused_into_the_cached_conv():
+    """Export spells HF's ``silu(conv(x))``; after the cache stage ``fuse_causal_conv_activation``
+    folds each SiLU into the cached conv op (CUDA-only by default; ``require_cuda: false`` here):
+    one fusion per SSM layer, the conv ops then carry ``activation="silu"``, and HF's tokens."""
+    loaded = load_model("tiny:bamba")
+    checkpoint_like_ssm_weights(loaded.model)
+    bench = Workbench(loaded, numerics=False)
+    bench.configure("fuse_causal_conv_activation", require_cuda=False)
+    bench.run()
+    n = _ssm_layers(loaded.model)
+    snap = bench.snapshot("fuse_causal_conv_activation")
+    assert snap.info.num_matches == n, snap.info
+    convs = [node for node in bench.module.graph.nodes if "cached_causal_conv1d" in str(node.target)]
+    assert len(convs) == n and all(dict(named_args(c)).get("activation") == "silu" for c in convs)
+    prompts = _prompts(loaded.config.vocab_size)
+    out = bench.generate(prompts, max_new_tokens=NEW, stop_token_ids=[])
+    assert [r.token_ids for r in out.results] == [_hf_greedy(loaded.model, p, NEW) for p in prompts]

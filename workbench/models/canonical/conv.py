@@ -20,7 +20,25 @@ from typing import Any, Optional
 import torch
 
 from ...ops import conv as _conv_ops  # noqa: F401  (registers workbench::torch_causal_conv1d)
+from ...ops.conv.causal_conv import ACTIVATIONS
 from . import ModulePatch
+
+
+def conv_then_activation(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str]
+) -> torch.Tensor:
+    """``torch_causal_conv1d(x, weight, bias)`` [b, s, c], then ``activation`` as a node of its own:
+    HF's spelling, ``act(conv(x))``. The cache stage turns the conv into its cached op, and
+    ``fuse_causal_conv_activation`` then folds the activation into that op's kernel (the
+    reference's order: the cached conv kernels apply it while the output is in registers)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"causal conv activation {activation!r}: the cached conv kernels apply only "
+            f"{sorted(a for a in ACTIVATIONS if a)} (or none)"
+        )
+    y = torch.ops.workbench.torch_causal_conv1d(x, weight, bias)
+    act = ACTIVATIONS[activation]
+    return y if act is None else act(y)
 
 
 def lfm2_short_conv_forward(

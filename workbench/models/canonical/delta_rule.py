@@ -7,7 +7,7 @@ keeps the layer's surroundings as plain module calls (projections, the gated RMS
 the usual matchers still see linears and norms) and routes the two recurrent pieces through
 canonical ops, each of which the cache stage turns into a state-slot op::
 
-    in_proj_qkvz, in_proj_ba -> regroup per key head -> [q | k | v] -> torch_causal_conv1d(silu)
+    in_proj_qkvz, in_proj_ba -> regroup per key head -> [q | k | v] -> silu(torch_causal_conv1d)
       -> torch_gated_delta_rule(q, k, v, g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b),
                                 use_qk_l2norm=True) -> norm(o, z) -> out_proj
 
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ModulePatch, refuse_cache
+from .conv import conv_then_activation
 
 
 def _zero_padding(hidden_states: torch.Tensor, attention_mask) -> torch.Tensor:
@@ -53,8 +54,8 @@ def qwen3_next_gated_delta_net_forward(
     hidden_states = _zero_padding(hidden_states, attention_mask)
     hk, dk, h, dv = module.num_k_heads, module.head_k_dim, module.num_v_heads, module.head_v_dim
     q, k, v, z, b, a = _qwen3_next_split(module, module.in_proj_qkvz(hidden_states), module.in_proj_ba(hidden_states))
-    qkv = torch.ops.workbench.torch_causal_conv1d(
-        torch.cat([q, k, v], dim=-1), module.conv1d.weight, module.conv1d.bias, activation=module.activation
+    qkv = conv_then_activation(
+        torch.cat([q, k, v], dim=-1), module.conv1d.weight, module.conv1d.bias, module.activation
     )
     q, k, v = qkv.split([hk * dk, hk * dk, h * dv], dim=-1)
     # g in fp32 as HF computes it (exp(A_log) overflows fp16 for strongly decaying heads)
@@ -79,9 +80,7 @@ def deltanet_mixer_forward(
     refuse_cache(module, cache_params, "conv and delta-rule states")
     hidden_states = _zero_padding(hidden_states, attention_mask)
     heads, dk, dv = module.num_heads, module.head_k_dim, module.head_v_dim
-    qkv = torch.ops.workbench.torch_causal_conv1d(
-        module.qkv_proj(hidden_states), module.conv1d.weight, module.conv1d.bias, activation="silu"
-    )
+    qkv = conv_then_activation(module.qkv_proj(hidden_states), module.conv1d.weight, module.conv1d.bias, "silu")
     q, k, v = qkv.split([heads * dk, heads * dk, heads * dv], dim=-1)
     o = torch.ops.workbench.torch_delta_rule(
         q.unflatten(-1, (heads, dk)),

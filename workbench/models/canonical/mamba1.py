@@ -7,7 +7,7 @@ The replacement keeps the mixer's projections and norms as plain module calls (t
 still see linears and norms) and routes the two recurrent pieces through canonical ops, each of
 which the cache stage turns into a state-slot op::
 
-    in_proj -> split [x | gate] -> torch_causal_conv1d(act) -> x_proj -> split [dt_low | B | C]
+    in_proj -> split [x | gate] -> act(torch_causal_conv1d) -> x_proj -> split [dt_low | B | C]
             -> (FalconMamba / Jamba: RMS norms of dt_low, B, C)
             -> dt = dt_low @ dt_proj.weight^T  (the bias goes to the op: HF adds it in fp32)
             -> torch_selective_scan(x, A=-exp(A_log), B, C, D, dt, dt_proj.bias) * silu(gate) -> out_proj
@@ -30,8 +30,8 @@ from torch import nn
 
 from ...ops import conv as _conv_ops  # noqa: F401  (registers workbench::torch_causal_conv1d)
 from ...ops import selective_scan as _scan_ops  # noqa: F401  (registers workbench::torch_selective_scan)
-from ...ops.conv.causal_conv import ACTIVATIONS
 from . import ModulePatch, refuse_cache
+from .conv import conv_then_activation
 
 #: The HF classes with this layout (tested); ``is_mamba1_mixer`` also accepts others that share it.
 MAMBA1_MIXER_CLASSES = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
@@ -113,11 +113,6 @@ def mamba1_mixer_forward(
     ``cache`` / ``cache_params`` (transformers 5.2x renames the latter): refused when given.
     """
     refuse_cache(module, cache if cache is not None else cache_params, "selective-scan and conv state")
-    if module.activation not in ACTIVATIONS:
-        raise ValueError(
-            f"the canonical {type(module).__name__} forward runs the conv activation inside "
-            f"torch_causal_conv1d, which supports {sorted(a for a in ACTIVATIONS if a)}; got {module.activation!r}"
-        )
     d, n = module.A_log.shape
     rank = module.time_step_rank
     dtype = hidden_states.dtype
@@ -125,8 +120,8 @@ def mamba1_mixer_forward(
     # The conv runs in its weight's dtype and hands back the input's, as HF's causal_conv1d_fn does;
     # casts only where they differ (a dtype is static at trace time), so fp32 graphs get none.
     weight = module.conv1d.weight
-    conv = torch.ops.workbench.torch_causal_conv1d(
-        x if x.dtype == weight.dtype else x.to(weight.dtype), weight, module.conv1d.bias, activation=module.activation
+    conv = conv_then_activation(
+        x if x.dtype == weight.dtype else x.to(weight.dtype), weight, module.conv1d.bias, module.activation
     )
     x = _mask_padding(conv if conv.dtype == x.dtype else conv.to(x.dtype), attention_mask)
     dt_low, B, C = module.x_proj(x).split([rank, n, n], dim=-1)

@@ -7,7 +7,7 @@ mixer's surroundings as plain module calls (``in_proj``, the gated ``norm``, ``o
 matchers still see linears and norms) and routes the two recurrent pieces through canonical ops,
 each of which the cache stage turns into a state-slot op::
 
-    in_proj -> split [gate | x,B,C | dt] -> torch_causal_conv1d(silu) -> split [x | B | C]
+    in_proj -> split [gate | x,B,C | dt] -> silu(torch_causal_conv1d) -> split [x | B | C]
             -> torch_ssm(x, A=-exp(A_log), B, C, D, dt, dt_bias) -> norm(y, gate) -> out_proj
 
 Recognition. The same mixer lives under many class names (``Mamba2Mixer``, ``BambaMixer``,
@@ -41,6 +41,7 @@ from ...ops import conv as _conv_ops  # noqa: F401  (registers workbench::torch_
 from ...ops import ssm as _ssm_ops  # noqa: F401  (registers workbench::torch_ssm)
 from ...ops.conv.causal_conv import ACTIVATIONS
 from . import ModulePatch, refuse_cache
+from .conv import conv_then_activation
 
 #: What makes a module look like a Mamba-2 mixer: per-head decay and step bias, a conv, one fused in_proj.
 MAMBA2_SIGNATURE: Tuple[str, ...] = ("A_log", "dt_bias", "conv1d", "in_proj")
@@ -199,9 +200,7 @@ def _conv_and_scan(module: Any, projected: torch.Tensor) -> Tuple[torch.Tensor, 
     # output. Casts only then (a dtype is static at trace time), so fp32 graphs get no cast nodes.
     weight = module.conv1d.weight
     conv_in = xbc if xbc.dtype == weight.dtype else xbc.to(weight.dtype)
-    conv_out = torch.ops.workbench.torch_causal_conv1d(
-        conv_in, weight, module.conv1d.bias, activation=module.activation
-    )
+    conv_out = conv_then_activation(conv_in, weight, module.conv1d.bias, module.activation)
     xbc = conv_out if conv_out.dtype == xbc.dtype else conv_out.to(xbc.dtype)
     x, B, C = xbc.split([module.intermediate_size, groups * state, groups * state], dim=-1)
     low, high = _time_step_limits(module)

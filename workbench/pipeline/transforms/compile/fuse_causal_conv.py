@@ -1,13 +1,15 @@
 """``fuse_causal_conv_activation`` (stage ``compile``): fold a SiLU into the cached causal conv op.
 
-Mamba/SSM-style blocks run a short depthwise causal conv and then an activation::
+Mamba/SSM-style blocks run a short depthwise causal conv and then an activation (the canonical
+forwards of ``models/canonical`` export it in that order, as HF spells it)::
 
     y = <cached causal conv op>(x, ..., activation=None)   [.., C, L] (whatever the op's layout)
     z = aten.silu(y)
     ->  z = <cached causal conv op>(x, ..., activation="silu")
 
 so the conv kernel applies the activation while its output is still in registers (one memory
-round trip less). The ops it rewrites are the cached causal-conv ops that ``insert_cached_causal_conv``
+round trip less). Reshapes between the two (the cache stage's ``[1, T, c] -> [b, s, c]``) stay, after
+the fused conv. The ops it rewrites are the cached causal-conv ops that ``insert_cached_causal_conv``
 will produce (seed order: this runs after it, on the cached ops); their qualified names are the
 ``conv_ops`` config field, and only ops whose schema has an ``activation`` argument qualify. A
 name that is not registered (no such op yet in this process) is ignored and listed in
@@ -34,13 +36,25 @@ from .cuda_only import CudaOnlyConfig, cuda_skip_reason
 
 aten = torch.ops.aten
 
-DEFAULT_CONV_OPS = (
-    "workbench::cuda_cached_causal_conv1d",
-    "workbench::triton_cached_causal_conv1d",
-    "workbench::torch_cached_causal_conv1d",
-)
+# the cached conv ops ``insert_cached_causal_conv`` produces (both apply ``activation`` in the op)
+DEFAULT_CONV_OPS = ("workbench::triton_cached_causal_conv1d", "workbench::torch_cached_causal_conv1d")
 # Activation op in the graph -> the name the conv op's ``activation`` argument takes.
 ACTIVATIONS = {aten.silu.default: "silu"}
+# Shape-only ops an elementwise activation commutes with: the cache stage reshapes a cached op's
+# flattened [1, T, c] output back to [b, s, c] before the activation reads it.
+RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+
+
+def _through_reshapes(node: fx.Node) -> Tuple[List[fx.Node], fx.Node]:
+    """(the chain of single-user reshapes after ``node``, the node after them)."""
+    chain, cur = [], node
+    while len(cur.users) == 1:
+        nxt = next(iter(cur.users))
+        if nxt.op != "call_function" or nxt.target not in RESHAPES or nxt.args[:1] != (cur,):
+            break
+        chain.append(nxt)
+        cur = nxt
+    return chain, cur
 
 
 class FuseCausalConvActivationConfig(CudaOnlyConfig):
@@ -75,8 +89,11 @@ def fuse_conv_activations(gm: fx.GraphModule, conv_ops: List[Any]) -> List[Tuple
         args = dict(named_args(node))
         if args.get("activation") is not None or len(node.users) != 1:
             continue
-        act = next(iter(node.users))
-        if act.op != "call_function" or act.target not in ACTIVATIONS or act.args[:1] != (node,):
+        reshapes, last = _through_reshapes(node)
+        if len(last.users) != 1:
+            continue
+        act = next(iter(last.users))
+        if act.op != "call_function" or act.target not in ACTIVATIONS or act.args[:1] != (last,):
             continue
         if len(act.args) != 1 or act.kwargs:
             continue
@@ -90,7 +107,9 @@ def fuse_conv_activations(gm: fx.GraphModule, conv_ops: List[Any]) -> List[Tuple
         with g.inserting_before(node):
             fused = g.call_function(node.target, tuple(new_args), new_kwargs)
         annotate_new_nodes(gm, [fused], [node.name, act.name], anchor=node)
-        act.replace_all_uses_with(fused)
+        # conv -> reshapes -> act  becomes  conv(act) -> reshapes: the reshapes now read the fused conv
+        node.replace_all_uses_with(fused)
+        act.replace_all_uses_with(reshapes[-1] if reshapes else fused)
         done.append((node.name, ACTIVATIONS[act.target]))
         g.erase_node(act)
         g.erase_node(node)
