@@ -13,7 +13,8 @@
 Stored forms read here (per module ``m``, checkpoint names):
 
 =================  ======================================================================================
-FP8                ``m.weight`` float8_e4m3fn [N, K], ``m.weight_scale`` / ``m.input_scale`` fp32 (one element)
+FP8                ``m.weight`` float8_e4m3fn [N, K], ``m.weight_scale`` / ``m.input_scale`` fp32 (one element);
+                   a bare parameter ``p`` (Llama-4's stacked BMM experts) ``p_weight_scale`` / ``p_input_scale``
 FP8_BLOCK          ``m.weight`` float8_e4m3fn [N, K], ``m.weight_scale_inv`` [ceil(N/bn), ceil(K/bk)]
 NVFP4              ``m.weight`` uint8 [N, K/2], ``m.weight_scale`` fp8 [N, K/16], ``m.weight_scale_2``,
                    ``m.input_scale`` fp32 (one element each)
@@ -194,6 +195,11 @@ def split_checkpoint(
             raw[name], raw[name[: -len("_blocks")] + "_scales"] = t, scales
         elif leaf.endswith("_scales") and name[: -len("_scales")] + "_blocks" in tensors:
             continue
+        elif t.dtype == torch.float8_e4m3fn and name + "_weight_scale" in tensors:  # bare FP8 parameter
+            dense[name] = (t.float() * tensors[name + "_weight_scale"].float()).to(dtype)  # (Llama-4 experts)
+            raw[name] = t
+        elif leaf.endswith(("_weight_scale", "_input_scale")) and name.rsplit("_", 2)[0] in tensors:
+            raw[name] = t
         elif leaf in ("weight", *QUANT_SUFFIXES):
             modules.setdefault(owner, {})[leaf] = t
         else:

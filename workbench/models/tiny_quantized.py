@@ -22,6 +22,12 @@ Per format (checkpoint names; ``m`` a linear module, ``x`` its calibration input
   ``[E, in, out]`` experts are transposed, its gate/up rows kept interleaved, its expert biases kept
   as they are); everything else stays fp32.
 
+Stacked experts that a model multiplies with ``bmm`` (Llama-4's ``experts.gate_up_proj [E, H, 2I]`` /
+``down_proj [E, I, H]``, saved stacked): in ``FP8`` each is stored float8_e4m3fn with one per-tensor
+``<p>_weight_scale`` (amax/448) and ``<p>_input_scale`` (calibrated amax/448 of what that ``bmm``
+reads: the score-scaled tokens, then ``up * act(gate)``) beside it, as ModelOpt's Llama-4 FP8
+checkpoints have them; ``quantize_fp8_bmm_from_config`` reads them.
+
 MoE experts (FP8, FP8_BLOCK, NVFP4) are quantized per expert like real per-expert checkpoints;
 an expert's gate and up share their per-tensor scales (FP8 weight scale, NVFP4 global scale), as
 ModelOpt does for projections that get fused, so stacking them into one ``w1_w3`` is exact. Input
@@ -207,6 +213,36 @@ def _quantize_experts(
     return out
 
 
+def _fp8_bmm_experts(
+    model: torch.nn.Module, tensors: Dict[str, torch.Tensor], expert_inputs
+) -> Dict[str, torch.Tensor]:
+    """FP8 stacked BMM experts (Llama-4 style, see the module docstring): checkpoint name -> tensor,
+    for every experts module saved stacked whose forward is ``bmm(x [E, T, H], gate_up_proj [E, H, 2I])``
+    then ``bmm(up * act(gate), down_proj [E, I, H])`` (not transformers' experts interface)."""
+    from ..ops.quant import codecs
+
+    out: Dict[str, torch.Tensor] = {}
+    for name, m in model.named_modules():
+        if hasattr(m, "_is_expert_parallel") or name not in expert_inputs:
+            continue  # transformers' experts interface (grouped/batched GEMMs), or never called
+        w13_name, w2_name = f"{name}.gate_up_proj", f"{name}.down_proj"
+        if w13_name not in tensors or w2_name not in tensors or not hasattr(m, "act_fn"):
+            continue
+        w13, w2 = tensors[w13_name].float(), tensors[w2_name].float()
+        n_exp, hidden = w13.shape[0], w13.shape[1]
+        if w13.dim() != 3 or w2.shape != (n_exp, w13.shape[2] // 2, hidden):
+            continue
+        x = expert_inputs[name].reshape(n_exp, -1, hidden)  # every expert's (score-scaled) tokens
+        gate, up = torch.bmm(x, w13).chunk(2, dim=-1)
+        h = up * m.act_fn(gate)
+        for wname, w, inp in ((w13_name, w13, x), (w2_name, w2, h)):
+            w8, scale = codecs.fp8_per_tensor_quantize(w)
+            out[wname] = w8
+            out[wname + "_weight_scale"] = scale.float().reshape(())
+            out[wname + "_input_scale"] = (inp.abs().amax() / codecs.FP8_E4M3_MAX).float().reshape(())
+    return out
+
+
 def _mxfp4_experts(model: torch.nn.Module, tensors: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], set]:
     """Stacked experts of the HF model as MXFP4 ``_blocks`` / ``_scales``; the checkpoint names they replace.
 
@@ -304,6 +340,8 @@ def save_tiny_quantized(
             for name in experts:
                 del tensors[name]
             tensors.update(_quantize_experts(fmt, experts, expert_inputs, block=block, group=group_size))
+        if fmt == "FP8":
+            tensors.update(_fp8_bmm_experts(model, tensors, expert_inputs))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights_file), metadata={"format": "pt"})
     write_quant_config(out, cfg)
     return out

@@ -9,7 +9,8 @@
 * ``match_bmm_moe_pattern``: Llama-4 style, routing applied to the *input* of all-expert BMMs ->
   ``torch_moe_dense_mlp(..., apply_routing_on_input=True)``.
 * ``match_dense_moe_pattern``: the dense all-experts BMM form weighted on the output ->
-  ``torch_moe_dense_mlp``.
+  ``torch_moe_dense_mlp``. No causal LM in transformers 5.x spells its MoE this way (their experts
+  use the experts interface above, loop over the hit experts, or are Llama-4's input-weighted BMMs).
 * ``split_moe_fused_for_sharding``: ``torch_moe_fused`` -> ``torch_moe`` with per-expert weight
   lists (views of the stacked parameters, no copies), the form sharding splits.
 * ``match_moe_routing_pattern``: softmax -> top-k -> renormalize -> one routing op.
@@ -21,7 +22,8 @@ new MoE op, and ``match_moe_routing_pattern`` can fuse the common router separat
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional, Tuple
+import dataclasses
+from typing import Any, Dict, List, Literal, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -44,6 +46,7 @@ from ...matcher import (
     same_shape,
 )
 from ...weights import record_weight_view
+from ..quantization.bmm import bmm_scale_names
 from .biased_experts import biased_expert_patterns, grouped_mm_op
 
 aten = torch.ops.aten
@@ -288,11 +291,51 @@ DENSE_MOE_PATTERNS = (
 )
 
 
+def fp8_bmm_weights(gm: fx.GraphModule, ctx: PipelineContext) -> Set[str]:
+    """Graph targets of the stacked weights the checkpoint stores in FP8 for ``bmm`` (``p`` in
+    float8_e4m3fn with ``p_weight_scale`` / ``p_input_scale``: ModelOpt's Llama-4 experts)."""
+    ck = getattr(ctx, "checkpoint", None)
+    if ck is None:
+        return set()
+    out = set()
+    for bmm in call_nodes(gm, aten.bmm.default):
+        node = bmm.args[1]
+        if not isinstance(node, fx.Node) or node.op != "get_attr":
+            continue
+        name = ck.checkpoint_name(str(node.target))
+        w = ck.tensors.get(name)
+        if w is not None and w.dtype == torch.float8_e4m3fn and all(s in ck for s in bmm_scale_names(name)):
+            out.add(str(node.target))
+    return out
+
+
+def _not_reading(targets: Set[str], check):
+    def guarded(m: Match) -> Optional[Dict[str, Any]]:
+        for name in ("gate_up", "down"):
+            node = m.inputs.get(name)
+            if isinstance(node, fx.Node) and node.op == "get_attr" and str(node.target) in targets:
+                return None
+        return check(m) if check is not None else {}
+
+    return guarded
+
+
 @register("match_bmm_moe_pattern")
 class MatchBmmMoePattern(PatternTransform):
-    """Replace Llama-4 style BMM MoE (routing scales the input) by ``torch_moe_dense_mlp``."""
+    """Replace Llama-4 style BMM MoE (routing scales the input) by ``torch_moe_dense_mlp``.
+
+    Experts an FP8 checkpoint stores in fp8 (with per-tensor scales) stay BMMs: the dense MoE op
+    has no FP8 form, and ``quantize_fp8_bmm_from_config`` turns those BMMs into ``torch_fp8_bmm``
+    (``details["left_fp8"]`` names them)."""
 
     patterns = BMM_MOE_PATTERNS
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
+        fp8 = fp8_bmm_weights(gm, ctx)
+        if not fp8:
+            return super()._apply(gm, ctx)
+        patterns = [dataclasses.replace(p, check=_not_reading(fp8, p.check)) for p in self.patterns]
+        return match_info(gm, PatternMatcher(patterns).apply(gm), left_fp8=sorted(fp8))
 
 
 @register("match_dense_moe_pattern")

@@ -3,10 +3,20 @@
 ``match_rmsnorm_pattern`` rewrites HF's RMSNorm chain (cast to fp32, pow/mean/add eps/rsqrt/mul,
 cast back, multiply by the weight) to ``workbench::torch_rmsnorm``; ``post_load_fusion`` later
 picks a fused backend for it. ``match_l2norm_pattern`` does the same for the L2 normalisation
-of linear-attention q/k.
+of linear-attention q/k, and for Llama-4's weightless QK norm (``Llama4TextL2Norm``).
+
+Llama-4 spells both of its norms ``norm(x.float()).type_as(x)`` (``Llama4TextRMSNorm`` then
+multiplies by the weight): the ``*_type_as`` patterns. ``Llama4TextL2Norm`` averages rather than
+sums (``x * rsqrt(mean(x**2) + eps)``, an RMSNorm without a weight); over a last dim of size D that is
+exactly ``sqrt(D) * x * rsqrt(sum(x**2) + D * eps)``, so it becomes ``torch_l2norm(x, D * eps) * sqrt(D)``
+(in fp32, cast back to x's dtype as HF does). ``match_rmsnorm_pattern`` runs first and takes the
+weighted form, so only the weightless chain is left for ``match_l2norm_pattern``.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -37,6 +47,12 @@ def _rmsnorm_plain(x, weight, *, eps):
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def _rmsnorm_type_as(x, weight, *, eps):
+    # HF Llama4TextRMSNorm.forward: the normalised fp32 value cast back with ``type_as(x)``.
+    h = x.float()
+    return h.mul(torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+
+
 def _rmsnorm_replacement(x, weight, *, eps, out_dtype=None):
     return wb.torch_rmsnorm.default(x, weight, eps)
 
@@ -64,6 +80,14 @@ RMSNORM_PATTERNS = (
         shareable=(torch.ops.aten.to.dtype,),
     ),
     Pattern(
+        "rmsnorm_type_as",
+        _rmsnorm_type_as,
+        _rmsnorm_replacement,
+        _example_norm_inputs,
+        literals={"eps": _EPS},
+        shareable=(torch.ops.aten.to.dtype,),
+    ),
+    Pattern(
         "rmsnorm", _rmsnorm_plain, _rmsnorm_replacement, _example_norm_inputs, literals={"eps": _EPS}, check=_fp32_input
     ),
 )
@@ -83,6 +107,27 @@ def _l2norm_replacement(x, *, eps, out_dtype=None):
     return wb.torch_l2norm.default(x, eps)
 
 
+def _rms_l2norm_type_as(x, *, eps):
+    # HF Llama4TextL2Norm.forward (Llama-4's QK norm): mean, not sum, and no weight.
+    h = x.float()
+    return h.mul(torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+def _last_dim(m: Match) -> Optional[Dict[str, Any]]:
+    # The mean's divisor D (x's last dim) sets the L2 form's eps and scale; it must be static.
+    x = m.val("x")
+    if x is None or x.dim() == 0 or not isinstance(x.shape[-1], int):
+        return None
+    return {"dim": x.shape[-1], "dtype": x.dtype}
+
+
+def _rms_l2norm_replacement(x, *, eps, dim, dtype):
+    # x * rsqrt(mean(x**2) + eps) == sqrt(D) * x * rsqrt(sum(x**2) + D * eps), in fp32 like HF.
+    h = x if dtype == torch.float32 else x.to(torch.float32)
+    y = torch.ops.aten.mul.Tensor(wb.torch_l2norm.default(h, eps * dim), math.sqrt(dim))
+    return y if dtype == torch.float32 else y.to(dtype)
+
+
 L2NORM_PATTERNS = (
     Pattern(
         "l2norm_with_casts",
@@ -99,6 +144,15 @@ L2NORM_PATTERNS = (
         lambda: (torch.randn(2, 3, 8),),
         literals={"eps": _EPS},
         check=_fp32_input,
+    ),
+    Pattern(
+        "rms_l2norm_type_as",
+        _rms_l2norm_type_as,
+        _rms_l2norm_replacement,
+        lambda: (torch.randn(2, 3, 8),),
+        literals={"eps": _EPS},
+        check=_last_dim,
+        shareable=(torch.ops.aten.to.dtype,),
     ),
 )
 

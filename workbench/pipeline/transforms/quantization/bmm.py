@@ -4,9 +4,10 @@
 ``bmm(x [B, M, K], W [B, K, N])`` whose weight an FP8 checkpoint stores in float8_e4m3fn, with
 per-tensor ``weight_scale`` and ``input_scale`` beside it, becomes ``torch_fp8_bmm``. Scale names:
 a module weight ``m.weight`` has ``m.weight_scale`` / ``m.input_scale``; a bare parameter ``p``
-(stacked expert weights, say) has ``p_weight_scale`` / ``p_input_scale``. None of the tiny
-architectures multiplies by a weight with ``bmm`` (their MoE experts go through ``torch_moe_fused``),
-so on them this reports 0 matches.
+(stacked expert weights, say) has ``p_weight_scale`` / ``p_input_scale``. Llama-4's experts are
+such BMMs (``save_tiny_quantized("llama4_text", "FP8")`` stores them so, as ModelOpt does):
+``match_bmm_moe_pattern`` leaves FP8-stored experts to this transform. The other tiny MoE
+architectures' experts go through ``torch_moe_fused`` (``quantize_fp8_moe``): 0 matches there.
 """
 
 from __future__ import annotations
