@@ -4,8 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # Two install levels: what the demo needs (the package, its core dependencies, the embedded model),
-# and what the tests add on top (the dev and notebooks extras: pytest, triton's interpreter, ruff,
-# mypy, JupyterLab, playwright). `make demo` installs the first only.
+# and what the tests add on top (the dev, notebooks and explorer extras: pytest, triton's interpreter,
+# ruff, mypy, JupyterLab, playwright, Model Explorer). `make demo` installs the first only.
 CORE_STAMP := $(VENV)/.installed-core
 DEV_STAMP := $(VENV)/.installed-dev
 PYTEST_ARGS ?= --durations=25  # the slowest tests, printed after every run: where the suite's time goes
@@ -55,7 +55,7 @@ $(CORE_STAMP): pyproject.toml Makefile
 	@touch $@
 
 $(DEV_STAMP): $(CORE_STAMP) pyproject.toml Makefile
-	$(PIP) install -q -e '.[dev,notebooks]'
+	$(PIP) install -q -e '.[dev,notebooks,explorer]'
 	@touch $@
 
 # Byte-compile the package up front: with PYTHONDONTWRITEBYTECODE set (as on this project's

@@ -191,6 +191,44 @@ class Workbench(PipelineStepper):
 
         return WorkbenchPanel(self)
 
+    def explore(
+        self,
+        key: Optional[str] = None,
+        compare: Optional[str] = None,
+        *,
+        overlays: Optional[Mapping[str, Mapping[str, float]]] = None,
+        expand: Sequence[str] = (),
+        select: str = "",
+        port: Optional[int] = None,
+        height: int = 800,
+    ) -> Optional[str]:
+        """Open snapshot ``key`` (default: the last one run) in Google's Model Explorer: pan, zoom,
+        search, one collapsible group per decoder layer and sub-module, and the overlays painted on
+        the nodes (what the transform changed, numerics drift, and ``overlays``: {name: {node name:
+        value}}, e.g. a cost). ``compare``: a second snapshot, shown side by side. ``expand``: groups
+        to open (``["layers.0/self_attn"]``); ``select``: a node to select (its attributes shown).
+
+        In a notebook it shows the viewer in the cell's output and returns None; elsewhere it returns
+        the URL of the server (a daemon thread of this process: it serves until the process ends).
+        Needs the ``explorer`` extra (``pip install 'workbench[explorer]'``); ``workbench.viz.explorer``.
+        """
+        from .viz.explorer import serve_snapshots
+
+        server = serve_snapshots(
+            self.snapshots, self.keys, key, compare, overlays=overlays, expand=expand, select=select, port=port
+        )
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            return server.url
+        shell = get_ipython()
+        if shell is None or getattr(shell, "kernel", None) is None:
+            return server.url
+        from IPython.display import HTML, display
+
+        display(server.embed(height), HTML(f"<a href='{server.url}' target='_blank'>open in a new tab</a>"))
+        return None
+
     @staticmethod
     def _say_how_renders_are_written(out_dir: str, dist: Any) -> None:
         """Without graphviz's ``dot`` the renders are Graphviz sources: say so once, before the model
@@ -321,6 +359,27 @@ class Workbench(PipelineStepper):
                 self.ctx.runner,
                 **kwargs,
             )
+
+    def cost_table(
+        self,
+        key: Optional[str] = None,
+        device: str = "h100",
+        phase: str = "decode",
+        measure: bool = False,
+        threads: Optional[int] = None,
+    ):
+        """Per op category of snapshot ``key``'s graph (None: the live graph): GFLOP, MB moved,
+        launches and the roofline time on ``device`` ("h100": datasheet; "this-cpu": measured here)
+        for one ``phase`` ("decode": ms per step of the 512th token; "prefill": us per token of a
+        512-token prompt); ``measure=True`` adds the time measured here per category (torch.profiler,
+        ``threads`` intra-op threads). A DataFrame; ``workbench.analysis.cost`` has the per-node rows."""
+        from .analysis.cost import category_table, measure_categories, node_costs
+
+        with self.runtime_lock:
+            mod = self.snapshot(key).module if key is not None else self.module
+            frame = node_costs(mod, phase, device, threads)
+            measured = measure_categories(self, key, phase, threads=threads) if measure else None
+        return category_table(frame, phase, measured)
 
 
 # help(Workbench) and notebook tooltips: __init__'s parameters, not __new__'s (*args, world_size, **kwargs).

@@ -1,4 +1,4 @@
-"""``workbench run | transforms``: the command-line face of the step-through API."""
+"""``workbench run | transforms | check | explore``: the command-line face of the step-through API."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 import time
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from .cli_errors import EXIT_STATUSES, check_run_args, note_flags_that_do_not_apply, say_error, say_interrupted
 from .errors import InputError
@@ -477,7 +477,52 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default=None, metavar="DIR", help="write DIR/check_report.md and DIR/check_report.html")
     _traceback_flag(c)
     c.set_defaults(func=cmd_check)
+    e = _explore_parser(
+        sub,
+        "exit status: 0 when stopped with Ctrl-C after serving; 1 when a transform before --at failed; 2 on a "
+        "usage error, said before the model loads or before the pipeline runs (a --at/--compare that is not a "
+        "transform of the pipeline, a --port in use, Model Explorer not installed: pip install 'workbench[explorer]')",
+    )
+    _traceback_flag(e)
+    e.set_defaults(func=cmd_explore)
     return p
+
+
+def _explore_parser(sub: Any, epilog: str) -> argparse.ArgumentParser:
+    """``workbench explore``'s flags (the command itself: ``viz.explorer.command``)."""
+    e = sub.add_parser(
+        "explore",
+        help="serve a snapshot's graph in Model Explorer (pan, zoom, search, collapsible layers, overlays)",
+        epilog=epilog,
+    )
+    e.add_argument("--model", default="smollm2", help="smollm2 | tiny:<arch> | HF dir | cached HF id")
+    e.add_argument("--at", default=None, metavar="KEY", help="the transform whose snapshot to show (default: the last)")
+    e.add_argument("--compare", default=None, metavar="KEY", help="a second snapshot, shown side by side")
+    e.add_argument("--port", type=int, default=None, metavar="N", help="port to serve on (default: a free one)")
+    e.add_argument("--host", default="127.0.0.1", help="interface to serve on (default 127.0.0.1)")
+    e.add_argument(
+        "--expand",
+        action="append",
+        default=[],
+        metavar="GROUP",
+        help="open this group when the page loads, e.g. layers.0/self_attn (repeatable)",
+    )
+    e.add_argument("--select", default=None, metavar="NODE", help="select this node (by fx name) when the page loads")
+    e.add_argument(
+        "--out", default=None, metavar="DIR", help="write the graph and overlay files to DIR (default: a temp dir)"
+    )
+    e.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    e.add_argument("--yaml-extra", action="append", default=[], metavar="FILE", help="YAML merged on the pipeline")
+    e.add_argument("--set", action="append", default=[], metavar="KEY.FIELD=VALUE", help="override one config field")
+    e.add_argument("--no-numerics", action="store_true", help="skip the per-step numerics probe (no drift overlay)")
+    return e
+
+
+def cmd_explore(args: argparse.Namespace) -> int:
+    from .api import Workbench
+    from .viz.explorer.command import cmd_explore as run_explore
+
+    return run_explore(args, Workbench)
 
 
 def _traceback_flag(parser: argparse.ArgumentParser) -> None:

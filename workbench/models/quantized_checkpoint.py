@@ -118,6 +118,13 @@ class QuantizedCheckpoint:
 
 
 # ----------------------------------------------------------------------------------- dequantize
+def bmm_scale_names(weight: str) -> Tuple[str, str]:
+    """(weight_scale, input_scale) checkpoint names of a bmm weight: ``m.weight`` -> ``m.weight_scale``,
+    a bare parameter ``p`` (stacked experts, say) -> ``p_weight_scale``."""
+    stem = weight[: -len("weight")] if weight.endswith(".weight") else weight + "_"
+    return stem + "weight_scale", stem + "input_scale"
+
+
 def gptq_zero_offset(cfg: QuantConfig) -> int:
     """1 for classic GPTQ storage (zero points stored minus one), 0 for ``checkpoint_format: gptq_v2``."""
     return 0 if str(cfg.raw.get("checkpoint_format", "gptq")).lower() == "gptq_v2" else 1
@@ -297,6 +304,7 @@ __all__ = [
     "dequantize_module",
     "read_safetensors",
     "gptq_zero_offset",
+    "bmm_scale_names",
     "QUANT_SUFFIXES",
     "GRAPH_PREFIX",
 ]

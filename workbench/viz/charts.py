@@ -188,3 +188,39 @@ def figure_png(fig: Figure, dpi: int = 100) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     return buf.getvalue()
+
+
+def _changed_rows(frame: pd.DataFrame, cols: Sequence[str]) -> pd.DataFrame:
+    """The first and last rows and every row whose ``cols`` differ from the row before."""
+    keep = [0]
+    for i in range(1, len(frame)):
+        a, b = frame.iloc[i - 1], frame.iloc[i]
+        if i == len(frame) - 1 or any(not (a[c] == b[c] or (pd.isna(a[c]) and pd.isna(b[c]))) for c in cols):
+            keep.append(i)
+    return frame.iloc[keep]
+
+
+def plot_cost_across(frame: pd.DataFrame, title: str = "") -> Figure:
+    """Predicted (roofline) and measured time per decode step and per prefill token after each
+    transform, from ``workbench.analysis.cost.cost_across_pipeline`` (only the transforms that
+    changed a number are drawn). Log scale: a cache turns a decode step from a re-run of the
+    whole history into one token's work."""
+    cols = [c for c in frame.columns if c.startswith(("predicted_", "measured_"))]
+    rows = _changed_rows(frame, cols)
+    fig, axes = _new_figure(_width(len(rows)), 6.0, rows=2)
+    x = list(range(len(rows)))
+    for ax, phase, unit in ((axes[0], "decode", "ms"), (axes[1], "prefill", "us_per_token")):
+        pred, meas = f"predicted_{phase}_{unit}", f"measured_{phase}_{unit}"
+        ax.plot(x, rows[pred], marker="o", color="#1e88e5", label="predicted (roofline)")
+        if meas in rows:
+            ax.plot(x, rows[meas], marker="s", linestyle="--", color="#e53935", label="measured here")
+        ax.set_yscale("log")
+        ax.set_ylabel("ms / decode step" if phase == "decode" else "us / prefill token")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8, loc="upper right")
+    axes[0].set_title(title or "what each transform bought: time per decode step and per prefill token")
+    axes[1].set_xticks(x)
+    axes[1].set_xticklabels(
+        [f"{r['#']:02d} {r['transform']}" for _, r in rows.iterrows()], rotation=35, ha="right", fontsize=8
+    )
+    return fig

@@ -8,7 +8,9 @@ One file that opens from disk with no server and no network, made to be shared:
   ``workbench run``'s table;
 * an overview chart (inline PNG) that scales to the page width (click it for full size);
 * per transform a section: config, info, timing, memory, numerics, the diff against the previous
-  snapshot (tables, and the diff picture when it is small enough) and the collapsed graph render.
+  snapshot (tables, and the diff picture when it is small enough) and the collapsed graph render,
+  linked to its Model Explorer files under ``explorer/`` (``viz.explorer.report_links``; with the
+  ``explorer`` extra installed).
   A transform that changed nothing is one line that opens to its details.
 
 Each render is stored once: a snapshot whose graph did not change points to the render of the one
@@ -43,6 +45,7 @@ from ..pipeline.snapshot import Snapshot
 from .charts import figure_png, memory_frame, plot_pipeline, timing_frame
 from .diff import NEW_CHANGES, GraphDiff, diff_snapshots
 from .diff_view import render_diff
+from .explorer.report_links import explorer_links, missing_note
 from .outputs import dot_available, report_notice, report_notice_html, source_name, warn_once
 from .render import DotMissingError, render_snapshot, to_svg
 from .report_page import CSS, UNPACK_JS, fmt_kv, inline_svg, packed
@@ -333,6 +336,8 @@ def write_report(
         graph, here = _graph_html(snap, diff, drawn, pictures, out)
         if here:
             drawn = snap
+            probed = {s.key: s.numerics for s in snaps[: i + 1] if s.numerics is not None}
+            graph += explorer_links(snap, prev, out, probed)  # the files Model Explorer opens
         sections.append((snap, False, _section(snap, prev, nav, diff, graph, t, m, pictures)))
 
     chart = ""
@@ -353,7 +358,7 @@ def write_report(
 <title>{_e(title)}</title><style>{CSS}</style></head>
 <body id="top" data-num-steps="{len(snaps)}">
 <h1>{_e(title)}</h1>
-{no_dot_html}
+{no_dot_html}{missing_note()}
 {summary_html(summary_rows(stepper, snaps, folded))}
 <h2>Pipeline</h2>
 <div class="scroll" style="max-height:none">{pipeline_table(snaps, folded)}</div>

@@ -100,6 +100,11 @@ class WorkbenchPanel(PanelActions):
         self.layer = W.Dropdown(description="layer", layout=W.Layout(width="260px"))
         self.graph = W.HTML()
         self.graph.add_class("wb-graph")
+        self.explore_button = _button(
+            "Model Explorer", "sitemap", "open the selected snapshot in Model Explorer (pan, zoom, search, overlays)"
+        )
+        self.explore_button.on_click(lambda _b: self.explore_selected())
+        self.explorer = W.HTML()
         self.compare = W.Dropdown(
             description="compare with", layout=W.Layout(width="360px"), style={"description_width": "100px"}
         )
@@ -116,7 +121,7 @@ class WorkbenchPanel(PanelActions):
         self.generate_box = GenerateBox(self._start_job, lambda: self.worker.stop_requested)
         self.tabs = W.Tab(
             [
-                W.VBox([self.layer, self.graph]),
+                W.VBox([W.HBox([self.layer, self.explore_button]), self.explorer, self.graph]),
                 W.VBox([self.compare, self.diff]),
                 W.VBox([self.config_box, self.apply_button, self.config_error]),
                 W.VBox([self.chart, self.chart_table]),

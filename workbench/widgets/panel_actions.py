@@ -36,6 +36,7 @@ class PanelActions:
     pipeline: PipelineList
     auto_rerun: W.Checkbox
     message: W.HTML
+    explorer: W.HTML
     config_error: W.HTML
     seen: Dict[str, Snapshot]
     _pane_key: Any
@@ -121,6 +122,27 @@ class PanelActions:
         self.svgs.clear()
         self._say("reset to the eager model: the next step re-exports")
         self.render()
+
+    def explore_selected(self) -> Optional[str]:
+        """Open the selected snapshot in Model Explorer below the Graph tab's picker (an iframe on a
+        local server, ``Workbench.explore``'s); the URL, or None with the reason said."""
+        from ..viz.explorer import ExplorerMissingError, serve_snapshots
+
+        if self.wb.index(self.selected) >= self.wb.position:
+            self._say(f"{self.selected} has not run yet: run to it first, then open it in Model Explorer")
+            return None
+        try:
+            server = serve_snapshots(self.wb.snapshots, self.wb.keys, self.selected)
+        except ExplorerMissingError as e:
+            self._say(str(e), "#c62828")
+            return None
+        link = f"<a href='{server.url}' target='_blank'>open in a new tab</a>"
+        self.explorer.value = (
+            f"<div>{panes.esc(self.selected)} in Model Explorer &middot; {link}</div>"
+            f"<iframe src='{server.url}' style='width:100%;height:720px;border:1px solid #ccc'></iframe>"
+        )
+        self._say(f"{self.selected}: opened in Model Explorer")
+        return server.url
 
     def _edit(self, change: Callable[[], object], where: W.HTML) -> bool:
         """Apply one edit through the API; on success re-run back to where the pipeline was."""

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ....models.quantized_checkpoint import bmm_scale_names
 from ....ops.moe.torch_moe import has_expert_extras
 from ...context import PipelineContext
 from ...graph.utils import call_nodes, tensor_meta
@@ -46,7 +47,6 @@ from ...matcher import (
     same_shape,
 )
 from ...weights import record_weight_view
-from ..quantization.bmm import bmm_scale_names
 from .biased_experts import biased_expert_patterns, grouped_mm_op
 
 aten = torch.ops.aten

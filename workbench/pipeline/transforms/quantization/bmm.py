@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ....models.quantized_checkpoint import bmm_scale_names
 from ...context import PipelineContext
 from ...graph.utils import call_nodes
 from ...interface import Transform, TransformInfo, register, rewrite_info
@@ -34,13 +35,6 @@ from .graph import (
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
-
-
-def bmm_scale_names(weight: str) -> Tuple[str, str]:
-    """(weight_scale, input_scale) checkpoint names of a bmm weight: ``m.weight`` -> ``m.weight_scale``,
-    a bare parameter ``p`` (stacked experts, say) -> ``p_weight_scale``."""
-    stem = weight[: -len("weight")] if weight.endswith(".weight") else weight + "_"
-    return stem + "weight_scale", stem + "input_scale"
 
 
 @register("quantize_fp8_bmm_from_config")
@@ -83,4 +77,4 @@ class QuantizeFp8BmmFromConfig(Transform[QuantizeFromConfigConfig]):
         return gm, info
 
 
-__all__ = ["QuantizeFp8BmmFromConfig", "bmm_scale_names"]
+__all__ = ["QuantizeFp8BmmFromConfig"]
