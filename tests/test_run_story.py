@@ -4,6 +4,7 @@ numerics probes, and a summary block (answer, backends, speed, memory, time) at 
 
 import re
 
+from workbench import Workbench
 from workbench.cli import main
 from workbench.run_summary import MILESTONES, changed_nothing, format_table
 
@@ -37,8 +38,9 @@ def test_no_op_transforms_fold_into_one_line_per_stage(tiny_llama_done):
 def test_run_prints_wall_time_with_the_probes_and_a_summary(capsys):
     assert main(["run", "--model", "tiny:llama", "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
-    m = re.search(r"pipeline: 60 transforms in ([\d.]+)s wall: the transforms ([\d.]+)s, (\d+) numerics probes", out)
-    assert m and float(m.group(1)) >= float(m.group(2)) and int(m.group(3)) > 0
+    m = re.search(r"pipeline: (\d+) transforms in ([\d.]+)s wall: the transforms ([\d.]+)s, (\d+) numerics probes", out)
+    assert m and int(m.group(1)) == len(Workbench("tiny:llama").entries), out
+    assert float(m.group(2)) >= float(m.group(3)) and int(m.group(4)) > 0
     summary = out[out.index("summary:") :].splitlines()
     assert [ln.split()[0] for ln in summary[1:]] == ["answer", "ran", "speed", "memory", "time"]
     tokens = re.search(r"^tokens: (\[.*\])$", out, re.M).group(1)
