@@ -169,7 +169,9 @@ def _check(m: Match) -> Optional[Dict[str, Any]]:
     return {}
 
 
-_IGNORE = (
+# Size and device arguments the experts' spellings take from the model (expert count, token count,
+# dtype): not literals to bind. Shared with the unbiased experts' patterns (``matchers.py``).
+EXPERT_SIZE_ARGS = (
     (aten.view.default, "size"),
     (aten.histc.default, "bins"),
     (aten.histc.default, "min"),
@@ -199,7 +201,7 @@ def biased_expert_patterns() -> List[Pattern]:
             _replacement,
             _examples,
             literals={"k": _K, "alpha": _ALPHA, "limit": _LIMIT, "neg_limit": -_LIMIT},
-            ignore=_IGNORE,
+            ignore=EXPERT_SIZE_ARGS,
             check=_check,
             inputs=("x", "selected", "weights", "w1_w3", "b1_w3", "w2", "b2"),
         )
@@ -207,4 +209,4 @@ def biased_expert_patterns() -> List[Pattern]:
     ]
 
 
-__all__ = ["grouped_mm_op", "biased_expert_patterns"]
+__all__ = ["grouped_mm_op", "biased_expert_patterns", "EXPERT_SIZE_ARGS"]

@@ -47,7 +47,7 @@ from ...matcher import (
     same_shape,
 )
 from ...weights import record_weight_view
-from .biased_experts import biased_expert_patterns, grouped_mm_op
+from .biased_experts import EXPERT_SIZE_ARGS, biased_expert_patterns, grouped_mm_op
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
@@ -61,9 +61,6 @@ def _moe_examples():
     return (torch.randn(_T, _H), selected, torch.rand(_T, _K), torch.randn(_E, 2 * _I, _H), torch.randn(_E, _H, _I))
 
 
-_grouped_mm_op = grouped_mm_op
-
-
 def _grouped_mm_experts(x, selected, weights, w1_w3, w2, k, sentinel: bool):
     # transformers' grouped_mm experts forward (gated, weights [E, out, in], no bias): sort the
     # (token, slot) pairs by expert, one grouped GEMM per projection, un-permute, sum over top-k.
@@ -72,7 +69,7 @@ def _grouped_mm_experts(x, selected, weights, w1_w3, w2, k, sentinel: bool):
     # after each grouped GEMM; with E experts no id reaches E, so it masks nothing. Its in-place
     # clamp of the ids is read by nothing without biases, but export keeps it (a mutation): it is
     # returned, to be a second output of the pattern rather than an outside user of the sorted ids.
-    mm = _grouped_mm_op()
+    mm = grouped_mm_op()
     flat_w, flat_e = weights.reshape(-1), selected.reshape(-1)
     expert_sorted, perm = torch.sort(flat_e)
     xs, ws = x[perm // k], flat_w[perm]
@@ -162,25 +159,14 @@ def _moe_check(m: Match) -> Optional[Dict[str, Any]]:
     return {}
 
 
-_IGNORE_SHAPES = (
-    (aten.view.default, "size"),
-    (aten.histc.default, "bins"),
-    (aten.histc.default, "min"),
-    (aten.histc.default, "max"),
-    (aten.arange.default, "end"),
-    (aten.arange.default, "device"),
-    (aten.arange.default, "pin_memory"),
-    (aten.to.dtype, "dtype"),
-    (aten.ge.Scalar, "other"),
-    (aten.clamp_.default, "max"),
-    (aten.clamp.default, "max"),
-)
+# the experts' size arguments, and the batched form's clamp bound (a size in the unbiased spelling)
+_IGNORE_SHAPES = (*EXPERT_SIZE_ARGS, (aten.clamp.default, "max"))
 
 
 def moe_patterns() -> List[Pattern]:
     """The stacked-experts MoE patterns usable with the installed transformers."""
     forms = []
-    if _grouped_mm_op() is not None:
+    if grouped_mm_op() is not None:
         forms += [
             ("moe_grouped_mm", _moe_grouped_mm, _moe_fused_replacement),
             ("moe_grouped_mm_sentinel", _moe_grouped_mm_sentinel, _moe_fused_replacement_2),
