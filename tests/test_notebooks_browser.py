@@ -4,6 +4,7 @@ playwright (the system Chromium, nothing downloaded), Run All Cells, then the pa
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -27,6 +28,9 @@ LAB_SETTINGS = {
     "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
     "@jupyterlab/apputils-extension/notification": {"fetchNews": "false"},
 }
+# Buttons (ipywidgets draws their text with an ellipsis when it does not fit) whose text is cut.
+CUT_LABELS_JS = """() => [...document.querySelectorAll('.wb-panel button')]
+  .filter(b => b.offsetParent !== null && b.scrollWidth > b.clientWidth + 1).map(b => b.textContent.trim())"""
 RUN_ALL_TIMEOUT_MS = 300_000  # JupyterLab start, kernel start, and the notebook on tiny:llama
 
 
@@ -101,7 +105,7 @@ def test_quickstart_runs_in_jupyterlab_and_the_panel_renders(lab, tmp_path):
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch_persistent_context(
             str(tmp_path / "profile"), executable_path=chromium, headless=True, args=CHROMIUM_FLAGS,
-            viewport={"width": 1700, "height": 1300})
+            viewport={"width": 1400, "height": 1000})
         page = browser.new_page()
         try:
             page.goto(f"{base}/lab/tree/01_quickstart.ipynb?token={token}")
@@ -123,10 +127,20 @@ def test_quickstart_runs_in_jupyterlab_and_the_panel_renders(lab, tmp_path):
 
             for label in ("Step", "Run to selected", "Run all", "Stop", "Rewind", "Reset"):
                 assert panel.locator("button", has_text=label).count() >= 1, label
-            graph = panel.locator(".wb-graph svg").first
-            graph.wait_for(timeout=60_000)
-            box = graph.bounding_box()
-            assert box is not None and box["width"] > 50 and box["height"] > 50
+            # 1400 px with JupyterLab's file browser open (its default): no button label is cut
+            # ("torch-si..."), and the panes wrap below the pipeline list rather than shrink.
+            assert page.locator(".jp-FileBrowser").first.is_visible()
+            cut = page.evaluate(CUT_LABELS_JS)
+            assert cut == [], f"labels cut short: {cut}"
+            graph = panel.frame_locator(".wb-graph iframe.wb-svg-viewer").first
+            graph.locator("#view svg").wait_for(timeout=60_000)
+            viewer = panel.locator(".wb-graph iframe.wb-svg-viewer").first.bounding_box()
+            assert viewer is not None and viewer["width"] > 800 and viewer["height"] > 500
+            box0 = graph.locator("#view svg").get_attribute("viewBox")
+            graph.locator("#in").click()  # the pan/zoom viewer answers inside the live panel
+            assert graph.locator("#view svg").get_attribute("viewBox") != box0
+            graph.locator("#search").fill("layers.1")
+            assert re.fullmatch(r"[1-9]\d* found", graph.locator("#found").inner_text())
             assert panel.locator(".wb-transform", has_text="match_rmsnorm_pattern").count() == 1
 
             panel.scroll_into_view_if_needed()
@@ -135,12 +149,24 @@ def test_quickstart_runs_in_jupyterlab_and_the_panel_renders(lab, tmp_path):
             assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
             page.screenshot(path=str(ARTIFACTS / "notebook_quickstart_page.png"))
 
+            # Charts: one row per transform, drawn at its own size (940 px), not shrunk to the pane.
+            panel.locator(".lm-TabBar-tab", has_text="Charts").first.click()
+            chart = panel.locator(".wb-chart").first
+            page.wait_for_function("el => el.naturalWidth > 0", arg=chart.element_handle(), timeout=60_000)
+            size = chart.evaluate(
+                "el => [el.naturalWidth, el.naturalHeight, el.getBoundingClientRect().width,"
+                " el.getBoundingClientRect().height]")
+            assert size[0] >= 900 and size[2] >= 0.97 * size[0] and size[3] >= 0.97 * size[1], size
+            chart.scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "notebook_quickstart_charts.png"))
+            panel.locator(".lm-TabBar-tab", has_text="Graph").first.click()
+
             # The panel is live: Reset and Step go through the kernel (jobs run in a thread there).
             panel.locator("button", has_text="Reset").first.click()
             panel.get_by_text("reset to the eager model").wait_for(timeout=60_000)
             panel.locator("button", has_text="Step").first.click()
             panel.get_by_text("ran 1 transform").wait_for(timeout=120_000)
-            panel.locator(".wb-graph svg").first.wait_for(timeout=60_000)
+            panel.frame_locator(".wb-graph iframe.wb-svg-viewer").first.locator("svg").wait_for(timeout=60_000)
             assert "1/" in panel.locator("h3").first.inner_text()
 
             panel.screenshot(path=str(ARTIFACTS / "notebook_quickstart_panel_after_step.png"))

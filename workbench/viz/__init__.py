@@ -3,7 +3,7 @@
 Reads snapshots only; nothing in ``workbench.pipeline`` imports this package.
 """
 
-from .charts import memory_frame, plot_memory, plot_nodes, plot_pipeline, plot_times, timing_frame
+from .charts import memory_frame, plot_memory, plot_nodes, plot_pipeline, plot_pipeline_rows, plot_times, timing_frame
 from .collapse import assign_layers, layer_of_path
 from .diff import GraphDiff, diff_graphs, diff_snapshots, op_count_delta
 from .diff_view import render_diff
@@ -28,6 +28,7 @@ __all__ = [
     "plot_memory",
     "plot_nodes",
     "plot_pipeline",
+    "plot_pipeline_rows",
     "plot_times",
     "provenance",
     "render_diff",

@@ -184,6 +184,52 @@ def plot_pipeline(snapshots: Snapshots) -> Figure:
     return fig
 
 
+ROW_INCH = 0.24  # one transform per row: 24 px at 100 dpi, room for a 9 pt label
+
+
+def plot_pipeline_rows(snapshots: Snapshots, width: float = 9.4) -> Figure:
+    """Time, node count and memory side by side, one *row* per transform (the panel's chart).
+
+    ``plot_pipeline`` puts 60 transforms along the x axis: 24 inches wide, so a notebook pane
+    shrinks it to a quarter and its 8 pt labels become 2 px. Here the labels are horizontal, the
+    figure is ``width`` inches (940 px at 100 dpi, a JupyterLab pane with the file browser open)
+    and grows downwards instead; each bar carries its number. Memory is the tracked bytes after the
+    transform, red where it moved although the transform does not expect it to.
+    """
+    snaps = _snaps(snapshots)
+    n = max(len(snaps), 1)
+    fig = ChartFigure(figsize=(width, 1.3 + ROW_INCH * n), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_t, ax_n, ax_m = fig.subplots(1, 3, sharey=True, width_ratios=(1.3, 1.0, 1.0))
+    y = list(range(len(snaps)))
+    left = [0.0] * len(snaps)
+    for phase, color in PHASES:
+        vals = [getattr(s.times, phase) for s in snaps]
+        ax_t.barh(y, vals, left=left, color=color, label=phase.replace("_", " "))
+        left = [a + v for a, v in zip(left, vals)]
+    for i, s in enumerate(snaps):
+        t = s.times.total
+        ax_t.annotate(f" {t:.2f} s" if t >= 1 else f" {t * 1000:.0f} ms", (left[i], i), va="center", fontsize=8)
+        ax_n.annotate(f" {s.num_nodes}", (s.num_nodes, i), va="center", fontsize=8)
+    ax_n.barh(y, [s.num_nodes for s in snaps], color="#43a047")
+    after = [tracked_bytes(s.mem_after) / MiB for s in snaps]
+    ax_m.barh(y, after, color=[UNEXPECTED if s.mem_warning else "#7e57c2" for s in snaps])
+    for i, s in enumerate(snaps):
+        if s.mem_delta:
+            color = UNEXPECTED if s.mem_warning else "#333"
+            ax_m.annotate(f" {s.mem_delta / MiB:+.1f}", (after[i], i), va="center", fontsize=8, color=color)
+    ax_t.set_yticks(y)
+    ax_t.set_yticklabels([_label(s) for s in snaps], fontsize=9)
+    ax_t.invert_yaxis()  # the pipeline reads top to bottom
+    ax_t.legend(fontsize=8, loc="lower right")
+    for ax, title in ((ax_t, "wall time (s)"), (ax_n, "nodes after"), (ax_m, "MiB after (change)")):
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", labelsize=8, top=True, labeltop=True)  # the scale at both ends of a tall chart
+        ax.grid(axis="x", alpha=0.3)
+        ax.margins(x=0.25, y=0.005)  # room for the numbers at the bars' ends
+    return fig
+
+
 def figure_png(fig: Figure, dpi: int = 100) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)

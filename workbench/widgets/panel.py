@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 import ipywidgets as W
 
 from ..pipeline.snapshot import Snapshot
-from ..viz import memory_frame, plot_pipeline, timing_frame
+from ..viz import memory_frame, plot_pipeline_rows, timing_frame
 from ..viz.charts import figure_png
 from . import panes
 from .config_form import ConfigForm
@@ -115,7 +115,11 @@ class WorkbenchPanel(PanelActions):
         self.apply_button.layout.width = "120px"
         self.apply_button.on_click(lambda _b: self.apply_config())
         self.config_error = W.HTML()
-        self.chart = W.Image(format="png", layout=W.Layout(width="100%", object_fit="contain"))
+        # Shown at its own size (940 px, one row per transform) and never stretched; the box scrolls.
+        self.chart = W.Image(
+            format="png", layout=W.Layout(max_width="100%", max_height="none", height="auto", flex="0 0 auto")
+        )
+        self.chart.add_class("wb-chart")
         self.chart_table = W.HTML()
         self.numerics = W.HTML()
         self.generate_box = GenerateBox(self._start_job, lambda: self.worker.stop_requested)
@@ -124,7 +128,14 @@ class WorkbenchPanel(PanelActions):
                 W.VBox([W.HBox([self.layer, self.explore_button]), self.explorer, self.graph]),
                 W.VBox([self.compare, self.diff]),
                 W.VBox([self.config_box, self.apply_button, self.config_error]),
-                W.VBox([self.chart, self.chart_table]),
+                W.VBox(
+                    [
+                        W.VBox(
+                            [self.chart], layout=W.Layout(overflow="auto", max_height="640px", align_items="flex-start")
+                        ),
+                        self.chart_table,
+                    ]
+                ),
                 self.numerics,
                 self.generate_box.box,
             ],
@@ -151,11 +162,14 @@ class WorkbenchPanel(PanelActions):
                 self.selectors.box,
                 controls,
                 W.HBox([self.progress, self.message]),
+                # Side by side where there is room for both; with JupyterLab's file browser open
+                # at 1400 px there is not, and the panes wrap below the list at full width.
                 W.HBox(
                     [
                         self.pipeline.box,
-                        W.VBox([self.facts, self.tabs], layout=W.Layout(flex="1 1 auto", min_width="480px")),
-                    ]
+                        W.VBox([self.facts, self.tabs], layout=W.Layout(flex="1 1 600px", min_width="600px")),
+                    ],
+                    layout=W.Layout(flex_flow="row wrap"),
                 ),
             ]
         )
@@ -263,7 +277,7 @@ class WorkbenchPanel(PanelActions):
                 base = snaps[c] if c < len(snaps) else None
             self.diff.value = panes.diff_html(base, snap, expand, self.svgs)
         elif tab == "Charts":
-            self.chart.value = figure_png(plot_pipeline(snaps)) if snaps else b""
+            self.chart.value = figure_png(plot_pipeline_rows(snaps)) if snaps else b""
             self.chart_table.value = panes.charts_tables_html(memory_frame(snaps), timing_frame(snaps))
         elif tab == "Numerics":
             self.numerics.value = panes.numerics_html(snaps, self.tol.value, self.wb.numerics_enabled)

@@ -17,6 +17,7 @@ from ..pipeline.numerics import exceeds
 from ..pipeline.snapshot import Snapshot
 from ..viz import GraphTooLargeError, diff_snapshots, render_diff, render_snapshot, to_svg
 from ..viz.diff import GONE_CHANGES, GraphDiff
+from ..viz.svg_viewer import svg_viewer_iframe
 
 STATUS_COLORS = {"done": "#2e7d32", "skipped": "#757575", "failed": "#c62828", "stale": "#ef6c00", "pending": "#9e9e9e"}
 SCROLL = "<div style='overflow:auto;max-height:{h}px;border:1px solid #ddd'>{body}</div>"
@@ -40,12 +41,6 @@ def error(text: str) -> str:
 def badge(status: str) -> str:
     color = STATUS_COLORS.get(status, "#555")
     return f"<span style='background:{color};color:white;border-radius:3px;padding:0 5px;font-size:85%'>{status}</span>"
-
-
-def inline_svg(svg: str, height: int = 640) -> str:
-    """dot's SVG without its XML prologue, in a scroll box (so it becomes part of the DOM)."""
-    start = svg.find("<svg")
-    return SCROLL.format(h=height, body=svg[start:] if start >= 0 else svg)
 
 
 def frame_html(df: pd.DataFrame, max_rows: int = 60) -> str:
@@ -116,7 +111,7 @@ def graph_html(
         )
     except (ValueError, GraphTooLargeError) as e:
         return error(str(e))
-    return inline_svg(svg)
+    return svg_viewer_iframe(svg)
 
 
 def diff_marks(diff: GraphDiff) -> Dict[str, str]:
@@ -167,7 +162,7 @@ def diff_html(before: Optional[Snapshot], after: Optional[Snapshot], expand: Opt
             "too many changes for the node-level picture: the collapsed graph with the "
             "changed nodes highlighted (open a layer to see them one by one)"
         )
-    parts += [f"<p><i>{caption}</i></p>", inline_svg(svg, 560)]
+    parts += [f"<p><i>{caption}</i></p>", svg_viewer_iframe(svg, 560)]
     return "".join(parts)
 
 

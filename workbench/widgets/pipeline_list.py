@@ -42,6 +42,8 @@ class PipelineList:
         self.names: Dict[str, W.Button] = {}
         self.cells: Dict[str, W.HTML] = {}
         children: List[W.Widget] = []
+        # wide enough for the longest key at 12 px (~7 px a character), so no name is cut
+        name_px = max(240, 7 * max((len(e.key) for e in entries), default=0) + 28)
         stage = None
         for e in entries:
             if e.config.stage != stage:
@@ -63,7 +65,7 @@ class PipelineList:
                 description=e.key,
                 tooltip=f"select {e.key}",
                 style={"font_size": "12px"},
-                layout=W.Layout(width="240px", height="24px"),
+                layout=W.Layout(width=f"{name_px}px", height="24px", flex="0 0 auto"),
             )
             name.on_click(lambda _b, k=e.key: on_select(k))
             name.add_class("wb-transform")
@@ -71,7 +73,8 @@ class PipelineList:
             self.checkboxes[e.key], self.names[e.key], self.cells[e.key] = cb, name, cell
             children.append(W.HBox([cb, name, cell], layout=W.Layout(align_items="center", flex="0 0 auto")))
         self.box = W.VBox(
-            children, layout=W.Layout(overflow_y="auto", max_height="720px", width="600px", flex="0 0 auto")
+            children,
+            layout=W.Layout(overflow_y="auto", max_height="720px", width=f"{name_px + 360}px", flex="0 0 auto"),
         )
 
     def update(self, rows: Sequence[RowView], busy: bool) -> None:

@@ -24,12 +24,16 @@ class SelectorBar:
         for sel in SELECTORS:
             buttons = {}
             for option in sel.options:
-                b = W.ToggleButton(description=option, layout=W.Layout(width=f"{max(64, 9 * len(option) + 30)}px"))
+                # flex none: a long note beside the row must not squeeze the labels ("torch-si...")
+                b = W.ToggleButton(
+                    description=option, layout=W.Layout(width=f"{max(64, 9 * len(option) + 30)}px", flex="0 0 auto")
+                )
                 b.observe(lambda ch, s=sel.name, o=option: on_choice(s, o, ch["new"]), names="value")
                 buttons[option] = b
             self.buttons[sel.name], self.notes[sel.name] = buttons, W.HTML()
-            label = W.HTML(f"<b>{sel.label}</b>", layout=W.Layout(width="180px"))
-            rows.append(W.HBox([label, *buttons.values(), self.notes[sel.name]]))
+            label = W.HTML(f"<b>{sel.label}</b>", layout=W.Layout(width="180px", flex="0 0 auto"))
+            self.notes[sel.name].layout = W.Layout(flex="1 1 240px", min_width="240px")
+            rows.append(W.HBox([label, *buttons.values(), self.notes[sel.name]], layout=W.Layout(flex_flow="row wrap")))
         self.box = W.VBox(rows)
 
     def update(self, wb: Any, busy: bool) -> None:
