@@ -6,10 +6,11 @@
 One pipeline run does it all, in a Jupyter kernel: a notebook (written to a temp dir) loads the model,
 runs the default pipeline (numerics on), writes the HTML report (``write_report``) and the collapsed
 render of ``fuse_gemms`` with its new nodes' layers outlined (``render_snapshot(collapsed=True)``),
-then shows the panel (``wb.ui()``) with ``fuse_rmsnorm`` selected. JupyterLab runs
+then shows the panel (``wb.ui()``) with ``fuse_rmsnorm`` selected: the whole panel, its Graph pane
+(the viewer's search centred on decoder layer 0, at 100 %) and its Charts pane. JupyterLab runs
 on 127.0.0.1 with every Jupyter directory in the temp dir; headless Chromium (the system one, driven
-by playwright, as in ``tests/test_notebooks_browser.py``) runs the notebook and takes the three
-screenshots at 1400 px. Each PNG is cut to at most 1400 x 900 and reduced to a 256-colour palette,
+by playwright, as in ``tests/test_notebooks_browser.py``) runs the notebook and takes the
+screenshots at 1400 px (the panel with JupyterLab's file browser open). Each PNG is cut to at most 1400 x 900 and reduced to a 256-colour palette,
 which keeps it well under 300 KB.
 
 Needs the notebooks extra (jupyterlab, playwright), graphviz's ``dot`` and Chromium. Takes about
@@ -230,8 +231,6 @@ SHOW_LAYER0_JS = """(sel) => {
   box.scrollLeft += r.left - b.left - 60;
   return true;
 }"""
-# The panel's graph in a scroll box of one screen's height (as JupyterLab's scrolled outputs show it).
-PANEL_CSS = ".wb-graph{max-height:520px;max-width:100%;overflow:auto}"
 
 
 def run_notebook(page, url: str) -> None:
@@ -240,7 +239,7 @@ def run_notebook(page, url: str) -> None:
     page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=120_000)
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
     page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
-    page.locator(".wb-panel .wb-graph svg").first.wait_for(timeout=RUN_TIMEOUT_MS)
+    page.frame_locator(".wb-panel .wb-graph iframe").first.locator("svg").wait_for(timeout=RUN_TIMEOUT_MS)
     errors = page.locator(
         ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']:has-text('Traceback')"
     )
@@ -264,16 +263,27 @@ def main(argv=None) -> int:
         with _Lab(tmp, args.model, shots) as url:
             with _browser(chromium, tmp / "profile") as browser:
                 # The panel: the notebook runs the pipeline, writes the report and the render, shows it.
+                # At 1400 px with JupyterLab's file browser open (its default), the panes wrap below
+                # the pipeline list at full width.
                 page = browser.new_page()
-                page.set_viewport_size({"width": WIDTH + 200, "height": HEIGHT + 300})  # room for Lab's sidebars
+                page.set_viewport_size({"width": WIDTH, "height": HEIGHT + 100})
                 try:
                     run_notebook(page, url)
                     panel = page.locator(".wb-panel")
                     panel.scroll_into_view_if_needed()
                     time.sleep(1)  # the panel's last redraw
-                    page.add_style_tag(content=PANEL_CSS)
-                    page.evaluate(SHOW_LAYER0_JS, ".wb-panel .wb-graph")
                     panel.screenshot(path=str(out / "panel.png"))
+                    panes = panel.locator(".wb-panes")
+                    graph = panes.frame_locator(".wb-graph iframe").first
+                    graph.locator("#search").fill("layers.0")  # the viewer's search centres decoder layer 0
+                    graph.locator("#search").press("Enter")
+                    graph.locator("#one").click()
+                    panes.scroll_into_view_if_needed()
+                    panes.screenshot(path=str(out / "panel_graph.png"))
+                    panes.locator(".lm-TabBar-tab", has_text="Charts").first.click()
+                    panes.locator(".wb-chart").first.wait_for()
+                    time.sleep(1)
+                    panes.screenshot(path=str(out / "panel_charts.png"))
                 except Exception:
                     page.screenshot(path=str(tmp / "failure.png"))
                     shutil.copy(tmp / "failure.png", out / "readme_screenshots_failure.png")
@@ -298,7 +308,7 @@ def main(argv=None) -> int:
                 page.goto((shots / "report" / "index.html").as_uri())
                 page.wait_for_selector("body[data-ready]", timeout=120_000)
                 page.screenshot(path=str(out / "report.png"))
-    for name in ("panel.png", "collapsed_render.png", "report.png"):
+    for name in ("panel.png", "panel_graph.png", "panel_charts.png", "collapsed_render.png", "report.png"):
         size = shrink(out / name)
         print(f"{out / name}: {size / 1024:.0f} KiB")
     return 0

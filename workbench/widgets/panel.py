@@ -144,6 +144,8 @@ class WorkbenchPanel(PanelActions):
         )
         for w in (self.tabs, self.layer, self.compare, self.tol):
             w.observe(lambda _ch: self.render(), names="selected_index" if w is self.tabs else "value")
+        self.panes = W.VBox([self.facts, self.tabs], layout=W.Layout(flex="1 1 600px", min_width="600px"))
+        self.panes.add_class("wb-panes")
         controls = W.HBox(
             [
                 self.step_button,
@@ -164,13 +166,7 @@ class WorkbenchPanel(PanelActions):
                 W.HBox([self.progress, self.message]),
                 # Side by side where there is room for both; with JupyterLab's file browser open
                 # at 1400 px there is not, and the panes wrap below the list at full width.
-                W.HBox(
-                    [
-                        self.pipeline.box,
-                        W.VBox([self.facts, self.tabs], layout=W.Layout(flex="1 1 600px", min_width="600px")),
-                    ],
-                    layout=W.Layout(flex_flow="row wrap"),
-                ),
+                W.HBox([self.pipeline.box, self.panes], layout=W.Layout(flex_flow="row wrap")),
             ]
         )
         self.widget.add_class("wb-panel")
