@@ -1,14 +1,17 @@
-"""The op a pattern's match ends at, remembered on disk, so an absent op skips the pattern's trace.
+"""The ops a pattern is made of, remembered on disk, so a pattern with an op the graph lacks is
+skipped without tracing it.
 
 ``PatternMatcher`` finds matches by walking back from the nodes whose target is the traced
-pattern's output op (its anchor). Tracing a pattern is a ``torch.export`` of a small function:
-~30-60 ms each, ~40 patterns, paid again by every new process (``workbench run``), most of them for
-patterns whose anchor the model never uses (MoE patterns on a dense model, eager attention on an
-SDPA one). The anchor of a pattern is a fact of its code, so it is kept in
-``$WORKBENCH_CACHE_DIR/patterns/anchors.json`` under a key of everything the trace depends on
-(the pattern's name, the source, closure values and defaults of ``search``, its literals, the
-example inputs' shapes and dtypes, the torch version). When the key is known and its anchor op is
-not in the graph, the pattern cannot match and is not traced; otherwise it is traced as before.
+pattern's output op (its anchor), and a pattern node only matches a graph node with the same
+target: a pattern one of whose ops is absent from the graph cannot match. Tracing a pattern is a
+``torch.export`` of a small function: ~30-110 ms each, ~40 patterns, paid again by every new
+process (``workbench run``), most of them for patterns the model cannot match (MoE patterns on a
+dense model: their anchor, a ``view``, is everywhere, but their ``bmm``/``grouped_mm`` is not).
+The op set of a pattern is a fact of its code, so it is kept in
+``$WORKBENCH_CACHE_DIR/patterns/ops.json`` (the anchor first) under a key of everything the trace
+depends on (the pattern's name, the source, closure values and defaults of ``search``, its
+literals, the example inputs' shapes and dtypes, the torch version). When the key is known and one
+of its ops is not in the graph, the pattern is not traced; otherwise it is traced as before.
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ import inspect
 import json
 import os
 import tempfile
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from ...cache_dir import cache_root
 
-_FILE = ("patterns", "anchors.json")
+_FILE = ("patterns", "ops.json")
 
 
 @functools.lru_cache(maxsize=None)  # per pattern object, like engine.traced_pattern: they are module constants
@@ -68,36 +71,45 @@ def op_from_name(name: str) -> Optional[Any]:
         return None
 
 
-class AnchorCache:
+class PatternOpsCache:
     """The on-disk table (read once per instance; every new entry is written through)."""
 
     def __init__(self):
         root = cache_root()
         self.path = root.joinpath(*_FILE) if root is not None else None
-        self._table: Optional[Dict[str, str]] = None
+        self._table: Optional[Dict[str, List[str]]] = None
 
-    def _load(self) -> Dict[str, str]:
+    def _load(self) -> Dict[str, List[str]]:
         if self._table is None:
             self._table = {}
             if self.path is not None and self.path.is_file():
                 try:
-                    self._table = dict(json.loads(self.path.read_text()))
-                except (OSError, ValueError):
+                    table = json.loads(self.path.read_text())
+                    self._table = {k: v for k, v in table.items() if isinstance(v, list) and v}
+                except (OSError, ValueError, AttributeError):
                     self._table = {}
         return self._table
 
-    def anchor(self, pattern: Any) -> Optional[Any]:
-        """The remembered anchor op of ``pattern``, or None if unknown."""
+    def ops(self, pattern: Any) -> Optional[List[Any]]:
+        """The remembered ops of ``pattern`` (its anchor first), or None if unknown or if one of them
+        no longer exists (an extension not loaded): then the pattern is traced."""
         key = pattern_key(pattern)
-        name = self._load().get(key) if key is not None else None
-        return op_from_name(name) if name else None
+        names = self._load().get(key) if key is not None else None
+        if not names:
+            return None
+        ops = [op_from_name(n) for n in names]
+        return None if any(op is None for op in ops) else ops
 
-    def remember(self, pattern: Any, target: Any) -> None:
-        key, name = pattern_key(pattern), op_name(target)
+    def remember(self, pattern: Any, targets: Sequence[Any]) -> None:
+        """Store the OpOverload targets of ``pattern``'s traced graph, ``targets[0]`` its anchor."""
+        key = pattern_key(pattern)
+        names = [op_name(t) for t in targets]
         table = self._load()
-        if key is None or name is None or table.get(key) == name or self.path is None:
+        if key is None or not names or any(n is None for n in names) or table.get(key) == names:
             return
-        table[key] = name
+        table[key] = names  # type: ignore[assignment]
+        if self.path is None:
+            return
         try:  # atomic replace: concurrent processes see a whole file
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
@@ -108,4 +120,4 @@ class AnchorCache:
             pass  # a read-only cache only costs the traces
 
 
-__all__ = ["AnchorCache", "pattern_key"]
+__all__ = ["PatternOpsCache", "pattern_key"]

@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from ..interface import Transform, TransformInfo
-from .anchors import AnchorCache
+from .anchors import PatternOpsCache
 from .rewrite import annotate_new_nodes, erase_dead, match_info
 from .trace import export_graph_module
 
@@ -205,15 +205,18 @@ class PatternMatcher:
     def apply(self, gm: fx.GraphModule) -> Dict[str, int]:
         """Replace every match of every pattern (in order); returns matches per pattern name."""
         counts: Dict[str, int] = {}
-        anchors = AnchorCache()
+        known_ops = PatternOpsCache()
         for pattern in self.patterns:
             n = 0
-            known = anchors.anchor(pattern)
-            if known is not None and all(x.target != known for x in gm.graph.nodes):
-                counts[pattern.name] = 0  # its output op is not in the graph: no match, no trace
-                continue
-            anchor_target = _outputs(traced_pattern(pattern))[0].target
-            anchors.remember(pattern, anchor_target)
+            known = known_ops.ops(pattern)
+            if known is not None:
+                present = {x.target for x in gm.graph.nodes if x.op == "call_function"}
+                if not all(op in present for op in known):
+                    counts[pattern.name] = 0  # one of its ops is not in the graph: no match, no trace
+                    continue
+            traced = traced_pattern(pattern)
+            anchor_target = _outputs(traced)[0].target
+            known_ops.remember(pattern, _pattern_ops(traced, anchor_target))
             for node in [x for x in gm.graph.nodes if x.target == anchor_target]:
                 if node._erased or node.op != "call_function":
                     continue
@@ -345,6 +348,19 @@ def _same_literal(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - incomparable values are different values
         return False
+
+
+def _pattern_ops(graph: fx.Graph, anchor: Any) -> List[Any]:
+    """The distinct ATen/custom ops of ``graph``'s call_function nodes, ``anchor`` first (empty when
+    the anchor is not such an op: nothing is remembered then). A graph without one of them cannot
+    match: pattern nodes match only nodes of the same target."""
+    if not isinstance(anchor, torch._ops.OpOverload):
+        return []
+    ops = [anchor]
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target not in ops:
+            ops.append(node.target)
+    return ops
 
 
 def _outputs(graph: fx.Graph) -> List[fx.Node]:
