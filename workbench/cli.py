@@ -11,6 +11,7 @@ import time
 from typing import Any, List, Optional
 
 from .cli_errors import EXIT_STATUSES, check_run_args, note_flags_that_do_not_apply, say_error, say_interrupted
+from .compile_cost import compile_line, inductor_state
 from .errors import InputError
 from .run_summary import format_table, pipeline_line, summary_block
 from .runtime.generate import DEFAULT_PROMPT  # noqa: F401  (re-exported: the CLI's default prompt)
@@ -196,6 +197,7 @@ def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
         from .viz.outputs import dot_available
 
         say(f"renders: {args.debug_visualize_dir}" + ("" if dot_available() else " (Graphviz sources: no dot binary)"))
+    compiled_before = inductor_state()
     try:
         out = _generate(wb, args.prompt, args.max_new_tokens, say) if args.max_new_tokens > 0 else None
     except (Exception, KeyboardInterrupt) as e:  # the pipeline's report is still written, after the error
@@ -203,7 +205,8 @@ def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
         _say_failures(_write_reports(wb, args, say, rank))
         return code
     failures = _write_reports(wb, args, say, rank)  # after the answer: the report's summary holds it
-    say(_summary(wb, out, pipeline, getattr(args, "load_s", None)))
+    compiled = compile_line(_compile_model_s(wb), compiled_before, inductor_state())
+    say(_summary(wb, out, pipeline, getattr(args, "load_s", None), compiled))
     if args.debug_visualize_dir:
         from .viz.run_outputs import render_failures
 
@@ -260,7 +263,15 @@ def format_plan(rows: list) -> str:
     return "\n".join(lines)
 
 
-def _summary(wb, out, pipeline: str, load_s) -> str:
+def _compile_model_s(wb) -> Optional[float]:
+    """The compile_model transform's wall time, if it ran in this process."""
+    if _is_sharded(wb):
+        return None
+    snap = next((s for s in wb.snapshots if s.key == "compile_model"), None)
+    return snap.times.total if snap is not None else None
+
+
+def _summary(wb, out, pipeline: str, load_s, compile_cost: Optional[str] = None) -> str:
     """The summary block (``run_summary.summary_block``) of this run."""
     result = out.results[0] if out is not None else None
     answer = None
@@ -278,6 +289,7 @@ def _summary(wb, out, pipeline: str, load_s) -> str:
         cache_bytes=cache,
         load_s=load_s,
         pipeline=pipeline,
+        compile_cost=compile_cost,
     )
 
 

@@ -136,8 +136,10 @@ def summary_block(
     cache_bytes: Optional[int],
     load_s: Optional[float],
     pipeline: str,
+    compile_cost: Optional[str] = None,
 ) -> str:
-    """The last lines of a run: answer, backends and why, speed, memory, time."""
+    """The last lines of a run: answer, backends and why, speed, memory, time, and what
+    torch.compile cost when it ran (``compile_cost.compile_line``)."""
     lines = ["summary:"]
     if answer is not None:
         lines.append(f"  answer    {answer}")
@@ -155,6 +157,8 @@ def summary_block(
     lines.append(f"  memory    {', '.join(m for m in memory if m)}")
     time_line = pipeline.removeprefix("pipeline: ")
     lines.append(f"  time      {f'load {load_s:.1f}s; ' if load_s is not None else ''}pipeline {time_line}")
+    if compile_cost is not None:
+        lines.append(f"  compile   {compile_cost}")
     return "\n".join(lines)
 
 
