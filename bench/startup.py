@@ -6,7 +6,8 @@
 Runs the CLI as a child process (a fresh interpreter each time, as a user would) and timestamps
 every line it prints from the moment of the spawn: the load line, the pipeline total, the prompt
 line (generation starts there) and the generate stats (their TTFT). First token = time of the
-prompt line + TTFT. Peak RSS is the child's ``ru_maxrss``. The numerics probes are on, as by
+prompt line + TTFT. The split: imports (spawn to the load line, less the load), load, the
+transforms and the numerics probes with the snapshots (the pipeline line's two parts). Peak RSS is the child's ``ru_maxrss``. The numerics probes are on, as by
 default. Run it twice: the first run after an install pays the one-off builds (the C++ kernels).
 """
 
@@ -40,6 +41,10 @@ def one_run(extra) -> dict:
             out["load_s"], out["loaded_at_s"] = float(m.group(1)), t
         elif line.startswith("pipeline:") and (m := re.search(r"in ([\d.]+)s", line)):
             out["pipeline_s"], out["pipeline_done_at_s"] = float(m.group(1)), t
+            if m := re.search(r"the transforms ([\d.]+)s", line):
+                out["transforms_s"] = float(m.group(1))
+            if m := re.search(r"probes and the snapshots ([\d.]+)s", line):
+                out["probes_s"] = float(m.group(1))
         elif line.startswith("prompt:"):
             out["prompt_at_s"] = t
         elif line.startswith("generate:"):
@@ -51,6 +56,8 @@ def one_run(extra) -> dict:
             out["output"] = line[len("output:"):].strip()
     proc.wait()
     out["wall_s"] = time.perf_counter() - t0
+    if "loaded_at_s" in out:  # spawn to the load line, less the load itself: interpreter and imports
+        out["imports_s"] = out["loaded_at_s"] - out["load_s"]
     out["returncode"] = proc.returncode
     # ru_maxrss of children is the largest of any child so far (KiB on Linux)
     out["peak_rss_mb"] = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
@@ -70,7 +77,8 @@ def main() -> None:
         runs.append(r)
         print(f"run {i + 1}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v!r}"
                                           for k, v in r.items()), flush=True)
-    keys = ("load_s", "pipeline_s", "first_token_s", "decode_tok_s", "wall_s", "peak_rss_mb")
+    keys = ("imports_s", "load_s", "transforms_s", "probes_s", "pipeline_s", "first_token_s", "decode_tok_s",
+            "wall_s", "peak_rss_mb")
     print("median over runs: " + ", ".join(f"{k} {median(r[k] for r in runs if k in r):.2f}" for k in keys
                                            if any(k in r for r in runs)))
 
