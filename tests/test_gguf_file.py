@@ -425,3 +425,21 @@ def test_tokenizer_chat_template_equal_transformers(tokenizers_pair):
         assert text.endswith("<|im_start|>assistant\n")
         ids = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         assert mine.apply_chat_template(messages, tokenize=True, add_generation_prompt=True) == ids
+
+
+@needs_smollm2
+def test_released_pages_leave_the_rss_and_read_back_the_same_bytes():
+    """``release`` drops a tensor's mapped pages once it is copied (the loader's peak RSS held the
+    whole file beside the copies); reading the tensor again faults the same bytes back in."""
+    psutil = pytest.importorskip("psutil")
+    from workbench.models.spec import resolve_spec
+
+    f = GGUFFile(resolve_spec("smollm2").path)
+    t = max(f.tensors.values(), key=lambda x: x.data.size)  # the 28 MB embedding table
+    before = psutil.Process().memory_info().rss
+    first = t.data.copy()  # touches every page of it
+    touched = psutil.Process().memory_info().rss
+    f.release(t)
+    released = psutil.Process().memory_info().rss
+    assert touched - before > 0.8 * t.data.size and touched - released > 0.8 * t.data.size
+    assert np.array_equal(t.data, first)

@@ -170,10 +170,12 @@ def load_gguf_model(file: Path | GGUFFile, weights: GGUFWeights = "keep", dtype:
                 module = QuantizedLinear(fmt, tensors, t.shape[1], t.shape[0], t.ggml_type)
             _set_submodule(model, module_path, module)
             shared[module_path] = module
+            f.release(t)  # copied into the module's tensors: the mapped bytes are not needed
             continue
         value = torch.from_numpy(dequantize(t)[order] if order is not None else dequantize(t)).to(dtype)
         owner = model.get_submodule(module_path)
         owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        f.release(t)
     if config.tie_word_embeddings:
         embed = "model.embed_tokens"
         if embed in shared:
