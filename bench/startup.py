@@ -7,8 +7,11 @@ Runs the CLI as a child process (a fresh interpreter each time, as a user would)
 every line it prints from the moment of the spawn: the load line, the pipeline total, the prompt
 line (generation starts there) and the generate stats (their TTFT). First token = time of the
 prompt line + TTFT. The split: imports (spawn to the load line, less the load), load, the
-transforms and the numerics probes with the snapshots (the pipeline line's two parts). Peak RSS is the child's ``ru_maxrss``. The numerics probes are on, as by
-default. Run it twice: the first run after an install pays the one-off builds (the C++ kernels).
+transforms and the numerics probes with the snapshots (the pipeline line's two parts), and how
+many probes came from the probe cache. Peak RSS is the child's ``ru_maxrss``. The numerics probes
+are on, as by default. Run it twice: the first run after an install pays the one-off builds (the
+C++ kernels, the pattern-ops and probe caches); ``WORKBENCH_CACHE_DIR=off`` measures a run with
+no cache at all.
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ def one_run(extra) -> dict:
             out["pipeline_s"], out["pipeline_done_at_s"] = float(m.group(1)), t
             if m := re.search(r"the transforms ([\d.]+)s", line):
                 out["transforms_s"] = float(m.group(1))
-            if m := re.search(r"probes and the snapshots ([\d.]+)s", line):
+            if m := re.search(r"and the snapshots ([\d.]+)s", line):
                 out["probes_s"] = float(m.group(1))
+            out["probes_cached"] = int(m.group(1)) if (m := re.search(r"(\d+) read from the probe cache", line)) else 0
         elif line.startswith("prompt:"):
             out["prompt_at_s"] = t
         elif line.startswith("generate:"):

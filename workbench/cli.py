@@ -40,6 +40,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     options = dict(_workbench_options(args), worker_imports=args.worker_import)
     if world_size > 1:  # N rank processes behind one ShardedWorkbench; this process prints
         options.update(world_size=world_size, dist_timeout_s=args.dist_timeout)
+    elif not args.worker_import:  # a repeat run reuses the probes (not with imported code that may patch ops)
+        options.update(probe_cache=True)
     _check_outputs(args)
     note_flags_that_do_not_apply(args, print)
     t0 = time.perf_counter()

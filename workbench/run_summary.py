@@ -112,9 +112,11 @@ def pipeline_line(stepper, wall_s: Optional[float]) -> str:
     n, transforms_s = len(stepper.snapshots), stepper.total_time()
     if wall_s is None:
         return f"pipeline: {n} transforms in {transforms_s:.2f}s"
-    probes = sum(1 for s in stepper.snapshots if s.numerics is not None and not s.numerics.carried_from)
+    probed = [s.numerics for s in stepper.snapshots if s.numerics is not None and not s.numerics.carried_from]
+    cached = sum(1 for n in probed if n.from_cache)
     rest = max(0.0, wall_s - transforms_s)
-    what = f"{probes} numerics probes and the snapshots" if probes else "snapshots and bookkeeping"
+    reused = f" ({cached} read from the probe cache)" if cached else ""
+    what = f"{len(probed)} numerics probes{reused} and the snapshots" if probed else "snapshots and bookkeeping"
     return f"pipeline: {n} transforms in {wall_s:.2f}s wall: the transforms {transforms_s:.2f}s, {what} {rest:.2f}s"
 
 

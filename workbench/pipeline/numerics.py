@@ -20,6 +20,7 @@ class Numerics:
     top1_agreement: Optional[float] = None  # fraction of positions with the same argmax token
     error: Optional[str] = None  # why the probe could not run
     carried_from: Optional[str] = None  # the graph was unchanged: this is that earlier snapshot's result
+    from_cache: bool = False  # read from the probe cache: an earlier process ran this very probe
 
     @property
     def ok(self) -> bool:

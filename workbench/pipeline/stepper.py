@@ -27,6 +27,7 @@ from .graph.utils import graph_modules, num_nodes, op_histogram
 from .interface import TRANSFORMS, GraphState, Stages, TransformError, TransformInfo, TransformRegistry, check_order
 from .memory import EXPECTED_MEM_CHANGE, measure, unexpected_change
 from .numerics import Numerics, ProbeError, compare_logits, exceeds
+from .probe_cache import ProbeCache, run_key, step_key, transform_source_key
 from .snapshot import PROVENANCE_KEY, Snapshot, snapshot_of, transform_index
 from .weights import WeightSource, run_unloaded, unloaded_targets
 
@@ -61,9 +62,12 @@ class PipelineStepper:
         on_snapshot: Sequence[SnapshotHook] = (),
         registry: TransformRegistry = TRANSFORMS,
         dist: Optional[DistInfo] = None,
+        probe_cache: bool = False,
     ):
         """``dist``: this process's rank in a sharded run (``workbench.parallel`` makes it); None:
-        world size 1."""
+        world size 1. ``probe_cache``: reuse numerics probe results an earlier process computed for
+        the same graph, weights, configs and code (``pipeline.probe_cache``; ``workbench run`` turns
+        it on)."""
         self.loaded = loaded
         self.registry = registry
         self.entries: List[PipelineEntry] = (
@@ -96,6 +100,8 @@ class PipelineStepper:
         self._reference: Optional[torch.Tensor] = None
         self.snapshots: List[Snapshot] = []
         self._probed: Optional[tuple] = None  # (module, probe function) the last probe ran on
+        self.probe_cache: Optional[ProbeCache] = ProbeCache() if probe_cache else None
+        self._probe_run_key: Optional[str] = None
         self.last_error: Optional[TransformError] = None
         self._live: torch.nn.Module = self._eager
         self._state = GraphState()
@@ -306,7 +312,7 @@ class PipelineStepper:
             node_names=frozenset(names),
             added_nodes=added,
             removed_nodes=removed,
-            numerics=self._numerics(mod, changed) if self.numerics_enabled else None,
+            numerics=self._numerics(mod, changed, i) if self.numerics_enabled else None,
             context=self.ctx.state(),
         )
 
@@ -338,7 +344,7 @@ class PipelineStepper:
         )
         return self._record(i, entry, info, snap.times, mem_before, prev_names)
 
-    def _numerics(self, mod: torch.nn.Module, changed: bool) -> Numerics:
+    def _numerics(self, mod: torch.nn.Module, changed: bool, index: int) -> Numerics:
         """The probe's result for ``mod``. A transform that changed nothing (no node added or
         removed, no match) on the module the previous snapshot probed, with the same probe
         function, computes the same logits: its result is carried over (``carried_from`` names the
@@ -355,7 +361,27 @@ class PipelineStepper:
         ):
             return dataclasses.replace(prev.numerics, carried_from=prev.numerics.carried_from or prev.key)
         self._probed = (mod, self.ctx.cache.probe)
-        return self._probe(mod)
+        key = self._probe_key(mod, index)
+        cached = self.probe_cache.get(key) if self.probe_cache is not None and key is not None else None
+        if cached is not None:
+            return cached
+        result = self._probe(mod)
+        if self.probe_cache is not None and key is not None:
+            self.probe_cache.put(key, result)
+        return result
+
+    def _probe_key(self, mod: torch.nn.Module, index: int) -> Optional[str]:
+        """The probe cache's key for the graph transform ``index`` left (None: do not reuse)."""
+        if self.probe_cache is None:
+            return None
+        entries = self.entries[: index + 1]
+        sources = transform_source_key([self.registry.get(e.key) for e in entries])
+        if sources is None:
+            return None
+        if self._probe_run_key is None:
+            ref = self.reference_logits()
+            self._probe_run_key = run_key(ref, self.probe.args, self.ctx.device, self.ctx.dtype)
+        return step_key(self._probe_run_key, [e.config for e in entries], sources, mod)
 
     def _probe(self, mod: torch.nn.Module) -> Numerics:
         probe = self.ctx.cache.probe

@@ -160,6 +160,8 @@ def _numerics(snap: Snapshot) -> Dict[str, Any]:
     out: Dict[str, Any] = {"max_abs": n.max_abs, "rmse_ratio": n.rmse_ratio, "top1_agreement": n.top1_agreement}
     if n.carried_from:
         out["carried from"] = f"{n.carried_from} (the graph did not change)"
+    if n.from_cache:
+        out["from"] = "the probe cache (an earlier run probed this graph with the same weights and code)"
     return out
 
 

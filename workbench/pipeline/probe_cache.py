@@ -1,0 +1,147 @@
+"""Numerics probe results kept on disk, so a repeat run of the same model and config does not run
+the probe forwards again (``workbench run`` turns it on; ``PipelineStepper(probe_cache=True)``).
+
+On smollm2 the 20 probes (2 x 16 tokens through each changed graph) are ~3 s of an ~11 s first
+answer; a second ``workbench run`` of the same model computes the same graphs from the same weights
+and gets the same numbers. A result is reused only when everything it depends on is the same, in
+one key per step:
+
+- the eager model's reference logits on the probe batch, bit for bit (a fingerprint of the weights
+  and the model's code; computed anyway, it is what every probe compares with), and the probe batch;
+- the graph's generated Python code (``GraphModule.code``: ops, their arguments and attribute names);
+- the config of every transform up to this one, and the source of the transforms' classes (the
+  workbench's own files are hashed once per process: ``.py``, ``.cpp``, ``.h``, ``.yaml``);
+- torch's and transformers' versions, the device, the dtype and torch's thread count (a GEMM's
+  reduction order).
+
+Only probes that ran are stored (a failed probe fails its step and is never reused), and a key that
+cannot be formed (a transform whose source cannot be read, a module that is not a GraphModule) means
+the probe runs as before. ``$WORKBENCH_CACHE_DIR`` set to ``off`` switches this off with the other
+caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..cache_dir import cache_root
+from .numerics import Numerics
+
+_SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".yaml")
+_PACKAGE = Path(__file__).resolve().parents[1]  # workbench/
+
+
+@functools.lru_cache(maxsize=1)
+def workbench_source_hash() -> str:
+    """One hash of every source file of the workbench package (kernels and default config included)."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in _PACKAGE.rglob("*") if p.suffix in _SOURCE_SUFFIXES and p.is_file()):
+        h.update(str(path.relative_to(_PACKAGE)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=256)
+def _file_hash(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def transform_source_key(transform_classes: Sequence[type]) -> Optional[str]:
+    """The hash of the files defining transform classes outside the workbench package (a user's or a
+    test's), or None when one cannot be read: then nothing is reused."""
+    parts = []
+    for cls in transform_classes:
+        try:
+            path = inspect.getsourcefile(cls)
+        except TypeError:
+            return None
+        if path is None or not os.path.isfile(path):
+            return None
+        if Path(path).resolve().is_relative_to(_PACKAGE):
+            continue  # in workbench_source_hash already
+        parts.append(_file_hash(path))
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _tensor_hash(t: torch.Tensor) -> str:
+    t = t.detach().contiguous().cpu()
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def run_key(reference: torch.Tensor, probe_args: Sequence[Any], device: torch.device, dtype: torch.dtype) -> str:
+    """What every step of this run shares: the reference logits, the probe batch, the code and the
+    environment."""
+    import transformers
+
+    parts = [
+        _tensor_hash(reference),
+        *(_tensor_hash(a) if isinstance(a, torch.Tensor) else repr(a) for a in probe_args),
+        workbench_source_hash(),
+        torch.__version__,
+        transformers.__version__,
+        str(device),
+        str(dtype),
+        str(torch.get_num_threads()),
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def step_key(base: str, configs: Sequence[Any], sources: str, module: torch.nn.Module) -> Optional[str]:
+    """The key of one step: ``base`` (``run_key``), the configs of the transforms so far, their
+    sources (``transform_source_key``) and the graph's code; None for a module that is not a graph."""
+    code = getattr(module, "code", None)
+    if not isinstance(module, torch.fx.GraphModule) or not isinstance(code, str):
+        return None
+    dumped = [c.model_dump_json() if hasattr(c, "model_dump_json") else repr(c) for c in configs]
+    return hashlib.sha256("\0".join([base, *dumped, sources, code]).encode()).hexdigest()
+
+
+class ProbeCache:
+    """``$WORKBENCH_CACHE_DIR/probes/<key>.json``: one probe result per file (written atomically)."""
+
+    def __init__(self) -> None:
+        root = cache_root()
+        self.dir = root / "probes" if root is not None else None
+
+    def get(self, key: str) -> Optional[Numerics]:
+        if self.dir is None:
+            return None
+        try:
+            data = json.loads((self.dir / f"{key}.json").read_text())
+            return Numerics(
+                max_abs=float(data["max_abs"]),
+                rmse_ratio=float(data["rmse_ratio"]),
+                top1_agreement=float(data["top1_agreement"]),
+                from_cache=True,
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # absent or unreadable: the probe runs
+
+    def put(self, key: str, numerics: Numerics) -> None:
+        if self.dir is None or not numerics.ok or numerics.from_cache:
+            return
+        fields = dataclasses.asdict(numerics)
+        data = {k: fields[k] for k in ("max_abs", "rmse_ratio", "top1_agreement")}
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, self.dir / f"{key}.json")
+        except OSError:
+            pass  # a read-only cache only costs the probes
+
+
+__all__ = ["ProbeCache", "run_key", "step_key", "transform_source_key", "workbench_source_hash"]
