@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from workbench.compile_cost import InductorState, compile_line
+from workbench.runtime.compile_cost import InductorState, compile_line
 
 REPO = Path(__file__).resolve().parents[1]
 

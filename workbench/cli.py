@@ -11,9 +11,9 @@ import time
 from typing import Any, List, Optional
 
 from .cli_errors import EXIT_STATUSES, check_run_args, note_flags_that_do_not_apply, say_error, say_interrupted
-from .compile_cost import compile_line, inductor_state
 from .errors import InputError
 from .run_summary import format_table, pipeline_line, summary_block
+from .runtime.compile_cost import compile_line, inductor_state
 from .runtime.generate import DEFAULT_PROMPT  # noqa: F401  (re-exported: the CLI's default prompt)
 from .runtime.generate import text_prompt_ids as prompt_token_ids  # noqa: F401  (re-exported)
 

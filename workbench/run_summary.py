@@ -141,7 +141,7 @@ def summary_block(
     compile_cost: Optional[str] = None,
 ) -> str:
     """The last lines of a run: answer, backends and why, speed, memory, time, and what
-    torch.compile cost when it ran (``compile_cost.compile_line``)."""
+    torch.compile cost when it ran (``runtime.compile_cost.compile_line``)."""
     lines = ["summary:"]
     if answer is not None:
         lines.append(f"  answer    {answer}")
