@@ -8,7 +8,8 @@ one key per step:
 
 - the eager model's reference logits on the probe batch, bit for bit (a fingerprint of the weights
   and the model's code; computed anyway, it is what every probe compares with), and the probe batch;
-- the graph's generated Python code (``GraphModule.code``: ops, their arguments and attribute names);
+- the graph: every node's name, op, target, arguments (``graph_structure``: what its code is
+  generated from);
 - the config of every transform up to this one, and the source of the transforms' classes (the
   workbench's own files are hashed once per process: ``.py``, ``.cpp``, ``.h``, ``.yaml``);
 - torch's and transformers' versions, the device, the dtype and torch's thread count (a GEMM's
@@ -98,14 +99,27 @@ def run_key(reference: torch.Tensor, probe_args: Sequence[Any], device: torch.de
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
+def graph_structure(module: torch.fx.GraphModule) -> str:
+    """Every node of ``module``'s graph and of the graphs of its GraphModule submodules: name, op,
+    target, args, kwargs -- what its generated code is made from. Reading ``module.code`` instead
+    would make a lazily recompiled graph generate its code now (~50 ms for smollm2's 2,000 nodes,
+    the work a probe read from the cache does not otherwise need)."""
+    parts = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, torch.fx.GraphModule):
+            parts.append(f"# {name}")
+            parts.extend(f"{n.name}={n.op}:{n.target}{n.args}{n.kwargs}" for n in sub.graph.nodes)
+    return "\n".join(parts)
+
+
 def step_key(base: str, configs: Sequence[Any], sources: str, module: torch.nn.Module) -> Optional[str]:
     """The key of one step: ``base`` (``run_key``), the configs of the transforms so far, their
-    sources (``transform_source_key``) and the graph's code; None for a module that is not a graph."""
-    code = getattr(module, "code", None)
-    if not isinstance(module, torch.fx.GraphModule) or not isinstance(code, str):
+    sources (``transform_source_key``) and the graph (``graph_structure``); None for a module that
+    is not a graph."""
+    if not isinstance(module, torch.fx.GraphModule):
         return None
     dumped = [c.model_dump_json() if hasattr(c, "model_dump_json") else repr(c) for c in configs]
-    return hashlib.sha256("\0".join([base, *dumped, sources, code]).encode()).hexdigest()
+    return hashlib.sha256("\0".join([base, *dumped, sources, graph_structure(module)]).encode()).hexdigest()
 
 
 class ProbeCache:
