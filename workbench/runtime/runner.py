@@ -24,6 +24,7 @@ from ..errors import InputError
 from ..ops.library import activation_rounding
 from ..ops.step_plan import planned, planners_for
 from .kv_cache import PAGED, SLOT, KVCacheConfig, PageAllocator, allocate_caches
+from .lean_graph import lean_copy
 from .limits import RuntimeLimits
 from .scheduler import Scheduler, Step
 from .sequence_info import LAST_TOKEN_INPUT, SequenceInfo, is_cached_module, module_input_names
@@ -369,7 +370,9 @@ def runner_for(module: torch.nn.Module, ctx: RunnerSource):
         logger.warning("the compiled runner was built for another module: running %s eagerly", type(module).__name__)
     if cached:
         assert cfg is not None
-        return CachedRunner(module, ctx.cache.tensors, cfg, ctx.device)
+        runner = CachedRunner(module, ctx.cache.tensors, cfg, ctx.device)
+        runner.fn = lean_copy(module)  # the same ops with fewer Python layers a node (lean_graph.py)
+        return runner
     logger.warning("no cache stage ran: generating without a KV cache (every step re-runs the whole sequence)")
     lim = dataclasses.replace(ctx.limits, max_num_tokens=ctx.limits.max_batch_size * ctx.limits.max_seq_len)
     cfg = KVCacheConfig(lim, lim.max_batch_size * -(-lim.max_seq_len // lim.page_size), ctx.dtype)

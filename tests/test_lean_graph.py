@@ -1,0 +1,58 @@
+"""The plain runner executes a lean copy of the finished graph (``runtime/lean_graph.py``): views,
+reshapes, sizes and splits as Tensor methods, tensor adds as ``+``. The pipeline's graph is left as
+it is, the copy shares its tensors, and logits and tokens are bitwise those of the graph itself."""
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from workbench.runtime.runner import runner_for
+from workbench.runtime.lean_graph import TENSOR_METHODS, lean_copy, rewritten_nodes
+
+PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42]]
+
+
+def _runner(wb):
+    return wb._runner_for_generate(runner_for)
+
+
+def test_the_runner_runs_the_lean_copy_and_the_graph_is_unchanged(tiny_llama_done):
+    wb = tiny_llama_done
+    runner = _runner(wb)
+    graph = wb.module
+    assert runner.module is graph and isinstance(runner.fn, fx.GraphModule) and runner.fn is not graph
+    lean = runner.fn
+    n = rewritten_nodes(graph)
+    assert n > 20  # tiny:llama's views, reshapes, sizes, splits and residual adds
+    assert len(lean.graph.nodes) == len(graph.graph.nodes)
+    methods = [x for x in lean.graph.nodes if x.op == "call_method"]
+    adds = [x for x in lean.graph.nodes if x.target is operator.add]
+    assert len(methods) + len(adds) == n and {m.target for m in methods} <= set(TENSOR_METHODS.values())
+    # the pipeline's graph keeps its ATen ops (snapshots, renders and the cost model read it)
+    assert not any(x.op == "call_method" for x in graph.graph.nodes)
+    assert sum(1 for x in graph.graph.nodes if x.target in TENSOR_METHODS) == len(methods)
+    shared = {id(t) for t in graph.state_dict(keep_vars=True).values()}
+    assert {id(t) for t in lean.state_dict(keep_vars=True).values()} <= shared  # no tensor copied
+
+
+def test_the_lean_copy_gives_the_graphs_tokens_and_logits_bit_for_bit(tiny_llama_done):
+    wb = tiny_llama_done
+    runner = _runner(wb)
+    lean = runner.fn
+    try:
+        lean_tokens = wb.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[]).token_ids
+        runner.fn = wb.module  # the graph itself
+        plain_tokens = wb.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[]).token_ids
+    finally:
+        runner.fn = lean
+    assert lean_tokens == plain_tokens
+    # the numerics probe's forward (prefill through the cache path) on both: the same bits
+    with torch.no_grad():
+        a, b = wb.ctx.cache.probe(lean, wb.probe), wb.ctx.cache.probe(wb.module, wb.probe)
+    assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_a_module_that_is_not_a_graph_is_run_as_it_is():
+    m = torch.nn.Linear(2, 2)
+    assert lean_copy(m) is m and rewritten_nodes(m) == 0
