@@ -1,6 +1,7 @@
 """The workbench's on-disk cache: ``$WORKBENCH_CACHE_DIR`` (default ``~/.cache/workbench``; ``off``,
 ``0``, ``none`` or empty switch it off). It holds what is derived once and keyed by its inputs:
-converted GGUF copies, the built C++ kernels, the anchor op of each traced pattern."""
+converted GGUF copies, the built C++ kernels, the ops of each traced pattern, numerics probe
+results (``pipeline/probe_cache.py``)."""
 
 from __future__ import annotations
 
