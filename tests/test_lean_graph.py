@@ -34,6 +34,15 @@ def test_the_runner_runs_the_lean_copy_and_the_graph_is_unchanged(tiny_llama_don
     assert sum(1 for x in graph.graph.nodes if x.target in TENSOR_METHODS) == len(methods)
     shared = {id(t) for t in graph.state_dict(keep_vars=True).values()}
     assert {id(t) for t in lean.state_dict(keep_vars=True).values()} <= shared  # no tensor copied
+    # every weight read as one flat attribute of the copy, the same tensor as the graph's
+    reads = [x for x in lean.graph.nodes if x.op == "get_attr"]
+    assert reads and all("." not in x.target for x in reads)
+    originals = {x.name: x.target for x in graph.graph.nodes if x.op == "get_attr"}
+    for x in reads:
+        value = graph
+        for part in originals[x.name].split("."):
+            value = getattr(value, part)
+        assert getattr(lean, x.target) is value
 
 
 def test_the_lean_copy_gives_the_graphs_tokens_and_logits_bit_for_bit(tiny_llama_done):

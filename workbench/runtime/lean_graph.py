@@ -8,9 +8,13 @@ goes through ``OpOverload.__call__`` and the dispatcher's argument parsing: ~2.1
 this CPU, against ~0.75 us for ``x.view(...)``, 0.8 vs 0.17 us for ``sym_size`` against
 ``x.size(d)``, 1.5 vs 0.8 us for ``add`` against ``a + b`` (timeit, torch 2.13). The copy calls the
 Tensor methods and the operator instead; they reach the same ATen kernels with the same arguments,
-so the results are bitwise the same. Measured on smollm2 Q4_1 (``bench/lean_graph.py``, 5
-alternated rounds, 2026-11-27): decode 69.5 -> 72.8 tok/s, a median of +4.3 % per round (+2 to
-+12 %) -- a small part of the per-node cost, most of which is the custom ops' own dispatch.
+so the results are bitwise the same.
+
+The copy also reads each weight as one flat instance attribute instead of FX's
+``getattr(self.model.layers, "0").self_attn...`` chain of ``nn.Module.__getattr__`` calls (424
+weight reads a step on smollm2). Measured on smollm2 Q4_1 (``bench/lean_graph.py``, 5 alternated
+rounds, 2026-11-27): the method calls alone +4.3 % decode (median per round); with the flat
+weights +21 % and +26 % (two runs).
 
 The pipeline's graph (what snapshots, renders and the cost model read) is not touched: the copy
 shares its parameters, buffers and cache tensors and exists only inside the runner.
@@ -60,7 +64,28 @@ def lean_copy(module: torch.nn.Module) -> torch.nn.Module:
         if form is not None:
             node.op, node.target = form
     graph._codegen = module.graph._codegen  # the same input/output pytree specs
-    return fx.GraphModule(module, graph, class_name=f"Lean{type(module).__name__}")
+    lean = fx.GraphModule(module, graph, class_name=f"Lean{type(module).__name__}")
+    _flatten_attributes(lean)
+    return lean
+
+
+def _flatten_attributes(gm: fx.GraphModule) -> None:
+    """Make every tensor a ``get_attr`` reads a plain instance attribute of ``gm`` under one flat
+    name. FX reads ``layers.0.self_attn.q_proj.weight`` as ``getattr(self.model.layers,
+    "0").self_attn...``: five ``nn.Module.__getattr__`` calls (Python) per weight and per step,
+    where an instance attribute is one dict lookup. The tensors are the same objects."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or "." not in node.target:
+            continue
+        value = gm
+        for part in node.target.split("."):
+            value = getattr(value, part)
+        if not isinstance(value, torch.Tensor):
+            continue
+        flat = "_lean_" + node.target.replace(".", "_")
+        gm.__dict__[flat] = value  # not registered: this copy only runs, it is never saved or moved
+        node.target = flat
+    gm.recompile()
 
 
 def rewritten_nodes(module: torch.nn.Module) -> int:
