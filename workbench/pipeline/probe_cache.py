@@ -23,7 +23,6 @@ caches.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import inspect
@@ -52,26 +51,28 @@ def workbench_source_hash() -> str:
     return h.hexdigest()
 
 
-@functools.lru_cache(maxsize=256)
-def _file_hash(path: str) -> str:
+@functools.lru_cache(maxsize=None)
+def _class_source_hash(cls: type) -> Optional[str]:
+    """The hash of the file defining ``cls`` ("" inside the workbench package, which
+    ``workbench_source_hash`` covers), or None when it cannot be read."""
+    try:
+        path = inspect.getsourcefile(cls)
+    except TypeError:
+        return None
+    if path is None or not os.path.isfile(path):
+        return None
+    if Path(path).resolve().is_relative_to(_PACKAGE):
+        return ""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def transform_source_key(transform_classes: Sequence[type]) -> Optional[str]:
     """The hash of the files defining transform classes outside the workbench package (a user's or a
     test's), or None when one cannot be read: then nothing is reused."""
-    parts = []
-    for cls in transform_classes:
-        try:
-            path = inspect.getsourcefile(cls)
-        except TypeError:
-            return None
-        if path is None or not os.path.isfile(path):
-            return None
-        if Path(path).resolve().is_relative_to(_PACKAGE):
-            continue  # in workbench_source_hash already
-        parts.append(_file_hash(path))
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+    parts = [_class_source_hash(cls) for cls in transform_classes]
+    if any(p is None for p in parts):
+        return None
+    return hashlib.sha256("\0".join(p for p in parts if p).encode()).hexdigest()
 
 
 def _tensor_hash(t: torch.Tensor) -> str:
@@ -146,8 +147,11 @@ class ProbeCache:
     def put(self, key: str, numerics: Numerics) -> None:
         if self.dir is None or not numerics.ok or numerics.from_cache:
             return
-        fields = dataclasses.asdict(numerics)
-        data = {k: fields[k] for k in ("max_abs", "rmse_ratio", "top1_agreement")}
+        data = {
+            "max_abs": numerics.max_abs,
+            "rmse_ratio": numerics.rmse_ratio,
+            "top1_agreement": numerics.top1_agreement,
+        }
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")

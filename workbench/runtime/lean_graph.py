@@ -52,40 +52,35 @@ def _lean_form(node: fx.Node) -> Optional[Tuple[str, Any]]:
 
 
 def lean_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A GraphModule over a copy of ``module``'s graph with the ops above called as Tensor methods
-    and ``aten.add.Tensor`` of two tensors as ``+``; ``module`` itself if it is not a GraphModule.
-    Parameters, buffers and caches are the same objects."""
+    """A GraphModule over a copy of ``module``'s graph with the ops above called as Tensor methods,
+    ``aten.add.Tensor`` of two tensors as ``+`` and every tensor it reads as one flat instance
+    attribute; ``module`` itself if it is not a GraphModule. The tensors are the same objects."""
     if not isinstance(module, fx.GraphModule):
         return module
     graph = fx.Graph()
     graph.output(graph.graph_copy(module.graph, {}))
+    graph._codegen = module.graph._codegen  # the same input/output pytree specs
+    attrs: Dict[str, Any] = {}  # target -> what it reads (GraphModule takes them from this dict)
+    flat = []
     for node in graph.nodes:
         form = _lean_form(node)
         if form is not None:
             node.op, node.target = form
-    graph._codegen = module.graph._codegen  # the same input/output pytree specs
-    lean = fx.GraphModule(module, graph, class_name=f"Lean{type(module).__name__}")
-    _flatten_attributes(lean)
+        elif node.op in ("get_attr", "call_module"):
+            value = operator.attrgetter(node.target)(module)
+            if node.op == "get_attr" and "." in node.target and isinstance(value, torch.Tensor):
+                node.target = "_lean_" + node.target.replace(".", "_")
+                flat.append(node.target)
+            attrs[node.target] = value
+    lean = fx.GraphModule(attrs, graph, class_name=f"Lean{type(module).__name__}")
+    # FX reads ``layers.0.self_attn.q_proj.weight`` as ``getattr(self.model.layers, "0")...``: five
+    # nn.Module.__getattr__ calls (Python) per weight and per step. A flat name found in the
+    # instance dict is one lookup (a Parameter would be registered, and read through __getattr__).
+    for name in flat:
+        value = lean._parameters.pop(name, None)
+        if value is not None:
+            lean.__dict__[name] = value  # this copy only runs: it is never saved or moved
     return lean
-
-
-def _flatten_attributes(gm: fx.GraphModule) -> None:
-    """Make every tensor a ``get_attr`` reads a plain instance attribute of ``gm`` under one flat
-    name. FX reads ``layers.0.self_attn.q_proj.weight`` as ``getattr(self.model.layers,
-    "0").self_attn...``: five ``nn.Module.__getattr__`` calls (Python) per weight and per step,
-    where an instance attribute is one dict lookup. The tensors are the same objects."""
-    for node in gm.graph.nodes:
-        if node.op != "get_attr" or "." not in node.target:
-            continue
-        value = gm
-        for part in node.target.split("."):
-            value = getattr(value, part)
-        if not isinstance(value, torch.Tensor):
-            continue
-        flat = "_lean_" + node.target.replace(".", "_")
-        gm.__dict__[flat] = value  # not registered: this copy only runs, it is never saved or moved
-        node.target = flat
-    gm.recompile()
 
 
 def rewritten_nodes(module: torch.nn.Module) -> int:

@@ -66,8 +66,9 @@ H100 = DeviceProfile(
 )
 
 
-def _best(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up (allocation, first-call dispatch)
+def wall_time(fn: Callable[[], object], repeats: int = 3) -> float:
+    """Best of ``repeats`` calls after one warm-up (allocation, first-call dispatch), in seconds."""
+    fn()
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
@@ -97,14 +98,14 @@ def measure_this_cpu(threads: Optional[int] = None) -> DeviceProfile:
     with torch.no_grad(), torch_threads(threads):
         w = torch.randn(4096, 4096)  # 64 MiB fp32: far past the caches
         x = torch.randn(4096)
-        gemv = w.nbytes / _best(lambda: torch.mv(w, x), 5)
+        gemv = w.nbytes / wall_time(lambda: torch.mv(w, x), 5)
         src, dst = torch.randn(16 * 2**20), torch.empty(16 * 2**20)  # 64 MiB each
-        copy = 2 * src.nbytes / _best(lambda: dst.copy_(src), 5)
+        copy = 2 * src.nbytes / wall_time(lambda: dst.copy_(src), 5)
         a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-        peak = 2 * 1024**3 / _best(lambda: torch.mm(a, b), 3)
+        peak = 2 * 1024**3 / wall_time(lambda: torch.mm(a, b), 3)
         one = torch.ones(1)
         calls = 200
-        launch = _best(lambda: [torch.add(one, one) for _ in range(calls)], 3) / calls
+        launch = wall_time(lambda: [torch.add(one, one) for _ in range(calls)], 3) / calls
         used = torch.get_num_threads()
     return DeviceProfile(
         name="this-cpu",

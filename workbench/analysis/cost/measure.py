@@ -15,14 +15,13 @@ no op event covers.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 import torch.fx as fx
 
-from .devices import torch_threads
+from .devices import torch_threads, wall_time
 from .rules import category_of
 from .sizes import Phase, is_cached_graph, phase_of
 
@@ -70,17 +69,6 @@ def step_function(wb: Any, key: Optional[str], phase: Union[Phase, str]) -> Opti
             return mod(*inputs)
 
     return run
-
-
-def wall_time(fn: Callable[[], Any], repeats: int = 3) -> float:
-    """Best of ``repeats`` calls after one warm-up, in seconds."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def measure_categories(
