@@ -14,19 +14,26 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_line_names_the_seconds_and_the_cache_state():
+    start = InductorState(dynamo_s=0.0, hits=0, misses=0)
     before = InductorState(dynamo_s=10.0, hits=0, misses=2)
-    cold = compile_line(148.7, before, InductorState(dynamo_s=57.1, hits=0, misses=9))
+    cold = compile_line(148.7, start, before, InductorState(dynamo_s=57.1, hits=0, misses=9))
     assert cold is not None and cold.startswith("148.7 s in compile_model, 47.1 s on first use (new shapes)")
     assert "0 hits, 9 misses (cold: the next run of this model and config reuses" in cold
-    warm = compile_line(7.7, None, InductorState(dynamo_s=2.4, hits=9, misses=0))
+    warm = compile_line(7.7, None, None, InductorState(dynamo_s=2.4, hits=9, misses=0))
     assert warm == (
         "7.7 s in compile_model, 2.4 s on first use (new shapes); "
         "Inductor cache 9 hits, 0 misses (warm: compiled code loaded, not built)"
     )
-    assert "partly warm" in compile_line(None, None, InductorState(1.0, hits=3, misses=1))
+    assert "partly warm" in compile_line(None, None, None, InductorState(1.0, hits=3, misses=1))
     # nothing compiled (torch-simple, or torch's compiler never imported): no line
-    assert compile_line(0.001, None, None) is None
-    assert compile_line(0.001, None, InductorState(0.0, 0, 0)) is None
+    assert compile_line(0.001, None, None, None) is None
+    assert compile_line(0.001, None, None, InductorState(0.0, 0, 0)) is None
+    # the counters are per process: an earlier compile in the same process (a notebook, a test
+    # worker) is not this run's, and only this run's hits and misses are counted
+    earlier = InductorState(dynamo_s=30.0, hits=4, misses=6)
+    assert compile_line(0.001, earlier, earlier, earlier) is None
+    partly = compile_line(2.0, earlier, earlier, InductorState(dynamo_s=31.5, hits=7, misses=6))
+    assert partly is not None and "1.5 s on first use" in partly and "3 hits, 0 misses (warm" in partly
 
 
 def _run(cache_dir: Path) -> str:

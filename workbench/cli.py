@@ -168,6 +168,7 @@ def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
 
     The answer comes first: a report or render that failed is one ``error:`` line after it, and
     the exit code is 1 (the user asked for that output and did not get it)."""
+    compiled_at_start = inductor_state()  # cumulative per process: this run's share is the difference
     t0 = time.perf_counter()
     try:
         wb.run()
@@ -207,7 +208,7 @@ def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
         _say_failures(_write_reports(wb, args, say, rank))
         return code
     failures = _write_reports(wb, args, say, rank)  # after the answer: the report's summary holds it
-    compiled = compile_line(_compile_model_s(wb), compiled_before, inductor_state())
+    compiled = compile_line(_compile_model_s(wb), compiled_at_start, compiled_before, inductor_state())
     say(_summary(wb, out, pipeline, getattr(args, "load_s", None), compiled))
     if args.debug_visualize_dir:
         from .viz.run_outputs import render_failures

@@ -51,25 +51,35 @@ def inductor_cache_dir() -> str:
 
 
 def compile_line(
-    compile_model_s: Optional[float], before: Optional[InductorState], after: Optional[InductorState]
+    compile_model_s: Optional[float],
+    at_start: Optional[InductorState],
+    before_generate: Optional[InductorState],
+    after: Optional[InductorState],
 ) -> Optional[str]:
     """``torch-compile: 148.7 s in compile_model, 47.1 s on first use; Inductor cache 0 hits, 9
-    misses (cold: ...)``, from the compile_model transform's time and the counters before and after
-    generation; None when nothing was compiled."""
-    if after is None or after.hits + after.misses == 0:
+    misses (cold: ...)``, from the compile_model transform's time and the counters at the run's
+    start, before generation and after it; None when this run compiled nothing.
+
+    The counters are cumulative per process: a notebook or a test worker that compiled before this
+    run still has them, so only what changed since ``at_start`` is this run's."""
+    if after is None:
         return None
-    first_use = after.dynamo_s - (before.dynamo_s if before is not None else 0.0)
+    base = at_start or InductorState(0.0, 0, 0)
+    hits, misses = after.hits - base.hits, after.misses - base.misses
+    if hits + misses == 0:
+        return None
+    first_use = after.dynamo_s - (before_generate.dynamo_s if before_generate is not None else base.dynamo_s)
     parts = []
     if compile_model_s is not None:
         parts.append(f"{compile_model_s:.1f} s in compile_model")
     parts.append(f"{first_use:.1f} s on first use (new shapes)")
-    if after.misses == 0:
+    if misses == 0:
         reuse = "warm: compiled code loaded, not built"
-    elif after.hits == 0:
+    elif hits == 0:
         reuse = f"cold: the next run of this model and config reuses {inductor_cache_dir()}"
     else:
         reuse = f"partly warm: the rest is now stored in {inductor_cache_dir()}"
-    return f"{', '.join(parts)}; Inductor cache {after.hits} hits, {after.misses} misses ({reuse})"
+    return f"{', '.join(parts)}; Inductor cache {hits} hits, {misses} misses ({reuse})"
 
 
 __all__ = ["InductorState", "compile_line", "inductor_cache_dir", "inductor_state"]
