@@ -38,7 +38,8 @@ use the bytes of their GGUF file's tensors. "x best peer" compares with the fast
 benchmark's dtype (llama.cpp on the packaged 4-bit GGUF is shown but not counted).
 
 On CPU with smollm2 the run ends with alternated bs 1 rounds (``--paired-rounds``; not with
-``--no-llama-cpp``): llama.cpp and the workbench's torch-compile rows timed back to back, the ratio
+``--no-llama-cpp``): llama.cpp and the workbench's rows (``--paired-backends``, default ``auto`` and
+``torch-compile``) timed back to back, the ratio
 taken within each round, then the median over rounds. This machine's memory bandwidth drifts by tens
 of percent within minutes, so the table's rows, timed minutes apart, can differ by the machine's
 state as much as by the engines.
@@ -59,7 +60,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -256,8 +257,11 @@ def main() -> None:
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows and the alternated rounds")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--paired-rounds", type=int, default=5,
-                    help="smollm2 on CPU: rounds of llama.cpp and workbench torch-compile alternated at bs 1 "
+                    help="smollm2 on CPU: rounds of llama.cpp and the workbench alternated at bs 1 "
                     "(fp32 vs F32, Q4_1 vs Q4_1); the ratios are taken per round (0: skip)")
+    ap.add_argument("--paired-backends", nargs="+", default=["auto", "torch-compile"],
+                    help="compile backends of the workbench rows in the alternated rounds (default: auto, "
+                    "what runs by default, and torch-compile)")
     ap.add_argument("--paired-dynamo", action="store_true",
                     help="in the alternated rounds, also time fp32 and Q4_1 exact with every decode step "
                     "through Dynamo (compile_model.static_decode_batch_sizes=[]): the static graph's effect")
@@ -323,7 +327,8 @@ def main() -> None:
     one = prompts.get(1) or [prompts[args.batch_sizes[0]][0]]  # the bs 1 prompt
     if (args.paired_rounds and q4 is not None and not args.no_llama_cpp
             and llama_cpp_unavailable(spec, one, device) is None):
-        print_paired_rounds(gguf, loaded, q4, one, args.new_tokens, args.paired_rounds, device, args.paired_dynamo)
+        print_paired_rounds(gguf, loaded, q4, one, args.new_tokens, args.paired_rounds, device, args.paired_dynamo,
+                            args.paired_backends)
     print("command: " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]))
 
 
@@ -347,21 +352,25 @@ def llama_cpp_rows(spec: str, gguf: Optional[Path], dtype: torch.dtype, prompts:
 
 
 def print_paired_rounds(src: Path, fp32, q4, prompts: List[List[int]], new: int, rounds: int,
-                        device: torch.device, dynamo_too: bool = False) -> None:
-    """bs 1 head to head, alternated: each round times llama.cpp F32, workbench fp32, llama.cpp Q4_1 and
-    the workbench Q4_1 rows (torch-compile) one after the other (best of 2 each), and the ratios are
-    taken within the round. This VM's memory bandwidth drifts by 30 % within minutes; rows timed
-    minutes apart (the table above) compare states as much as engines, a round compares within one.
+                        device: torch.device, dynamo_too: bool = False,
+                        backends: Sequence[str] = ("auto", "torch-compile")) -> None:
+    """bs 1 head to head, alternated: each round times llama.cpp F32, the workbench fp32 rows,
+    llama.cpp Q4_1 and the workbench Q4_1 rows (one per compile backend of ``backends``: ``auto`` is
+    what a user gets by default) one after the other (best of 2 each), and the ratios are taken
+    within the round. This VM's memory bandwidth drifts by 30 % within minutes; rows timed minutes
+    apart (the table above) compare states as much as engines, a round compares within one.
     ``src``: the packaged GGUF file."""
     f32 = float32_gguf(src)
-    overrides = {"initialize_cache.max_batch_size": 1, "initialize_cache.max_seq_len": len(prompts[0]) + new,
-                 "compile_model.backend": "torch-compile"}
-    runs = {"fp32": Workbench(fp32, device=device, numerics=False, overrides=overrides)}
-    for act in ("fp32", "int8"):
-        runs[f"Q4_1 {'exact' if act == 'fp32' else 'int8 act'}"] = Workbench(
-            q4, device=device, numerics=False, overrides={**overrides, "linear_weight_layout.int4_activations": act})
+    base = {"initialize_cache.max_batch_size": 1, "initialize_cache.max_seq_len": len(prompts[0]) + new}
+    runs: Dict[str, Workbench] = {}
+    for backend in backends:
+        overrides = {**base, "compile_model.backend": backend}
+        runs[f"fp32 {backend}"] = Workbench(fp32, device=device, numerics=False, overrides=overrides)
+        for act in ("fp32", "int8"):
+            runs[f"Q4_1 {'exact' if act == 'fp32' else 'int8 act'} {backend}"] = Workbench(
+                q4, device=device, numerics=False, overrides={**overrides, "linear_weight_layout.int4_activations": act})
     if dynamo_too:  # the same pipelines with no static decode graph: every step through Dynamo
-        no_static = {**overrides, "compile_model.static_decode_batch_sizes": []}
+        no_static = {**base, "compile_model.backend": "torch-compile", "compile_model.static_decode_batch_sizes": []}
         runs["fp32 dynamo"] = Workbench(fp32, device=device, numerics=False, overrides=no_static)
         runs["Q4_1 exact dynamo"] = Workbench(
             q4, device=device, numerics=False, overrides={**no_static, "linear_weight_layout.int4_activations": "fp32"})
@@ -381,18 +390,17 @@ def print_paired_rounds(src: Path, fp32, q4, prompts: List[List[int]], new: int,
         for k, v in w.items():
             ratios[k].append(v / (l32 if k.startswith("fp32") else lq))
         print(f"  round {i + 1}: llama.cpp F32 {l32:6.1f}  " + "  ".join(
-            f"workbench {k} {v:6.1f} ({v / l32:.2f}x)" for k, v in w.items() if k.startswith("fp32")) +
+            f"{k} {v:6.1f} ({v / l32:.2f}x)" for k, v in w.items() if k.startswith("fp32")) +
             f" | llama.cpp Q4_1 {lq:6.1f}  " + "  ".join(
-            f"workbench {k} {v:6.1f} ({v / lq:.2f}x)" for k, v in w.items() if not k.startswith("fp32")))
+            f"{k} {v:6.1f} ({v / lq:.2f}x)" for k, v in w.items() if not k.startswith("fp32")))
     for k, r in ratios.items():
         peer = "llama.cpp F32" if k.startswith("fp32") else "llama.cpp Q4_1"
-        print(f"workbench {k} torch-compile bs 1: median {statistics.median(r):.2f}x {peer} "
+        print(f"workbench {k} bs 1: median {statistics.median(r):.2f}x {peer} "
               f"(rounds {min(r):.2f}-{max(r):.2f}x)")
-    for base in ("fp32", "Q4_1 exact") if dynamo_too else ():
-        r = [a / b for a, b in zip(ratios[base], ratios[f"{base} dynamo"])]
-        print(f"workbench {base}: static decode graph vs every step through Dynamo: median {statistics.median(r):.3f}x "
+    for name in ("fp32", "Q4_1 exact") if dynamo_too else ():
+        r = [a / b for a, b in zip(ratios[f"{name} torch-compile"], ratios[f"{name} dynamo"])]
+        print(f"workbench {name}: static decode graph vs every step through Dynamo: median {statistics.median(r):.3f}x "
               f"(rounds {min(r):.3f}-{max(r):.3f}x)")
-
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,5 @@
-"""The plain runner executes a lean copy of the finished graph (``runtime/lean_graph.py``): views,
+"""The lean copy of the finished graph (``runtime/lean_graph.py``), which the plain runner steps
+from Python where the C++ step program cannot run the graph (``test_step_program.py``): views,
 reshapes, sizes and splits as Tensor methods, tensor adds as ``+``. The pipeline's graph is left as
 it is, the copy shares its tensors, and logits and tokens are bitwise those of the graph itself."""
 
@@ -17,12 +18,11 @@ def _runner(wb):
     return wb._runner_for_generate(runner_for)
 
 
-def test_the_runner_runs_the_lean_copy_and_the_graph_is_unchanged(tiny_llama_done):
+def test_the_lean_copy_leaves_the_graph_unchanged_and_shares_its_tensors(tiny_llama_done):
     wb = tiny_llama_done
-    runner = _runner(wb)
     graph = wb.module
-    assert runner.module is graph and isinstance(runner.fn, fx.GraphModule) and runner.fn is not graph
-    lean = runner.fn
+    lean = lean_copy(graph)
+    assert isinstance(lean, fx.GraphModule) and lean is not graph
     n = rewritten_nodes(graph)
     assert n > 20  # tiny:llama's views, reshapes, sizes, splits and residual adds
     assert len(lean.graph.nodes) == len(graph.graph.nodes)
@@ -48,13 +48,14 @@ def test_the_runner_runs_the_lean_copy_and_the_graph_is_unchanged(tiny_llama_don
 def test_the_lean_copy_gives_the_graphs_tokens_and_logits_bit_for_bit(tiny_llama_done):
     wb = tiny_llama_done
     runner = _runner(wb)
-    lean = runner.fn
+    before, lean = runner.fn, lean_copy(wb.module)
+    runner.fn = lean
     try:
         lean_tokens = wb.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[]).token_ids
         runner.fn = wb.module  # the graph itself
         plain_tokens = wb.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[]).token_ids
     finally:
-        runner.fn = lean
+        runner.fn = before
     assert lean_tokens == plain_tokens
     # the numerics probe's forward (prefill through the cache path) on both: the same bits
     with torch.no_grad():

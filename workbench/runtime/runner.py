@@ -28,6 +28,7 @@ from .lean_graph import lean_copy
 from .limits import RuntimeLimits
 from .scheduler import Scheduler, Step
 from .sequence_info import LAST_TOKEN_INPUT, SequenceInfo, is_cached_module, module_input_names
+from .step_program import build as build_step_program
 
 logger = logging.getLogger("workbench.runtime")
 
@@ -65,6 +66,7 @@ class CachedRunner:
             )
         self.caches: Dict[str, torch.Tensor] = {n: caches[n] for n in self.input_names if n in caches}
         self.fn: Callable[..., Any] = module  # what runs a forward; compiled runners swap in a compiled callable
+        self.step_form = "module"  # what self.fn is, in words (runner_for says: C++ step program, Python graph)
         self.cache_mode = describe_caches(cfg)
         slot_names = {s.name for s in cfg.specs if s.kind == SLOT}
         self.slot_states = [t for n, t in self.caches.items() if n in slot_names]
@@ -346,6 +348,20 @@ class RunnerSource(Protocol):
     def vocab_size(self) -> int: ...  # read-only: a property of the context
 
 
+def plain_step(module: torch.nn.Module, device: torch.device) -> Tuple[Callable[..., Any], str]:
+    """What the plain runner calls for a step, and what that is in words: on CPU the graph as a C++
+    step program (no Python per node, ``step_program.py``), else -- or where the graph has a node
+    the program cannot express -- the lean Python copy (``lean_graph.py``). Both run the graph's
+    operators with the same arguments in the same order: the same results bit for bit."""
+    why = "runs on CUDA: its own runners (CUDA graphs, torch.compile) replace the Python step"
+    if torch.device(device).type == "cpu":
+        program, why = build_step_program(module)
+        if program is not None:
+            return program, f"C++ step program ({program.num_calls} calls a step)"
+    logger.info("the plain runner steps the graph from Python: %s", why)
+    return lean_copy(module), f"Python graph ({why})"
+
+
 def runner_for(module: torch.nn.Module, ctx: RunnerSource):
     """The runner for a pipeline's final module and its context (``RunnerSource``).
 
@@ -371,7 +387,7 @@ def runner_for(module: torch.nn.Module, ctx: RunnerSource):
     if cached:
         assert cfg is not None
         runner = CachedRunner(module, ctx.cache.tensors, cfg, ctx.device)
-        runner.fn = lean_copy(module)  # the same ops with fewer Python layers a node (lean_graph.py)
+        runner.fn, runner.step_form = plain_step(module, ctx.device)
         return runner
     logger.warning("no cache stage ran: generating without a KV cache (every step re-runs the whole sequence)")
     lim = dataclasses.replace(ctx.limits, max_num_tokens=ctx.limits.max_batch_size * ctx.limits.max_seq_len)

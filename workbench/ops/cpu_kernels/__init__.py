@@ -53,7 +53,7 @@ from ...cache_dir import cache_root, usable_cache_root
 from ..library import declare_op
 from ..quant.codecs import INT8_BLOCK_STEP
 
-SOURCES = ("linear.cpp", "linear_a8.cpp", "attention.cpp", "elementwise.cpp", "vec_math.h")
+SOURCES = ("linear.cpp", "linear_a8.cpp", "attention.cpp", "elementwise.cpp", "step_program.cpp", "vec_math.h")
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 NAME = "workbench_cpu_kernels"
