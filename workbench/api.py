@@ -336,8 +336,11 @@ class Workbench(PipelineStepper):
 
     def backends_line(self) -> str:
         """Where and how the finished pipeline runs, and why: device and dtype, the cached-attention
-        and compile backends with the reason each was chosen (one line)."""
-        return backends_line(self, self._where())
+        and compile backends with the reason each was chosen, and once generation ran, how the plain
+        runner steps the graph (one line)."""
+        line = backends_line(self, self._where())
+        form = getattr(self._runner_memo[1], "step_form", "module") if self._runner_memo is not None else "module"
+        return line if form == "module" else f"{line}; steps as a {form}"
 
     def _where(self) -> str:
         return f"{self.ctx.device.type} {str(self.ctx.dtype).replace('torch.', '')}"
