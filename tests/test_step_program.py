@@ -44,14 +44,18 @@ def test_the_cpu_runner_steps_the_graph_as_a_program_with_the_graphs_tokens_and_
 
 
 def test_scalars_lists_and_several_results_are_passed_as_python_passes_them():
+    weight = torch.arange(2, dtype=torch.int32).reshape(1, 2) + 7
+
     def f(x, y, idx):
-        z = torch.cat([x, y]) * 2.5  # aten.mul.Tensor(t, 2.5): a wrapped number, not a float64 tensor
-        a, b = torch.split(z, [1, 3])  # split_with_sizes: a list result, read by getitem
+        # a weight (get_attr) inside a list argument, as falcon's and recurrent_gemma's graphs have
+        z = torch.cat([x, weight, y]) * 2.5  # aten.mul.Tensor(t, 2.5): a wrapped number, not a float64 tensor
+        a, b = torch.split(z, [1, 4])  # split_with_sizes: a list result, read by getitem
         return a.reshape(-1) + 1, b.sum(dim=0, keepdim=True), idx.to(torch.float64) * 0.5
 
     args = (torch.arange(2, dtype=torch.int32).reshape(1, 2), torch.arange(6, dtype=torch.int32).reshape(3, 2),
             torch.tensor([3]))
     gm = make_fx(f)(*args)
+    assert any(n.op == "get_attr" for n in gm.graph.nodes)
     program, why = build(gm)
     assert program is not None, why
     want, got = gm(*args), program(*args)

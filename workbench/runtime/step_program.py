@@ -73,7 +73,7 @@ class _Builder:
 
     def add_arg(self, prog: Any, value: Any, type_: torch._C.Type) -> None:
         if isinstance(value, fx.Node):
-            if value in self.weights:
+            if value in self.weights and value not in self.slot:
                 prog.add_const(self.weights[value])
             else:
                 prog.add_slot(self.slot[value])
@@ -85,10 +85,10 @@ class _Builder:
                 for v in value:
                     if v is None:
                         slots.append(-1)
-                    elif isinstance(v, fx.Node) and v not in self.weights:
-                        slots.append(self.slot[v])
+                    elif isinstance(v, fx.Node):
+                        slots.append(self.slot[v])  # a weight in a list has a preset slot
                     else:
-                        raise Unsupported(f"a tensor list holding {type(v).__name__}")
+                        raise Unsupported(f"a tensor list holding a {type(v).__name__} ({v!r})")
                 prog.add_tensor_list(slots, "Optional[Tensor]" in text)
             elif "int" in text.lower():
                 entries, patches = [], []
@@ -163,6 +163,12 @@ class StepProgramFn:
                 outputs = [b.slot[v] for v in leaves]
             else:
                 raise Unsupported(f"{node.name}: {node.op} {node.target}")
+        for _kind, node, _ in calls:  # a weight read inside a list argument gets a slot, preset each run
+            for arg in (*node.args, *node.kwargs.values()):
+                if isinstance(arg, (list, tuple)):
+                    for v in arg:
+                        if isinstance(v, fx.Node) and v in b.weights and v not in b.slot:
+                            b.new_slot(v)
         self.graph = graph  # its codegen flattens the inputs and rebuilds the outputs, as forward does
         self.input_names = module_input_names(module)  # what it takes, for callers that ask a module
         # a slot is freed after its last reader (as the FX forward sets names to None); outputs are kept
@@ -175,6 +181,9 @@ class StepProgramFn:
             if s not in outputs:
                 frees_at.setdefault(at, []).append(s)
         prog = torch.classes.workbench.StepProgram(b.next_slot)
+        for node, weight in b.weights.items():
+            if node in b.slot:
+                prog.preset_slot(b.slot[node], weight)
         for kind, node, detail in calls:
             frees = frees_at.get(order[node], [])
             if kind == "alias":  # reads only its multi-result source, which has no slot of its own

@@ -95,6 +95,7 @@ c10::IValue typed_constant(const c10::IValue& value, const c10::TypePtr& type) {
 struct StepProgram : torch::CustomClassHolder {
   int64_t num_slots;
   std::vector<int64_t> input_slots, output_slots;
+  std::vector<std::pair<int64_t, c10::IValue>> preset;  // slots holding a constant from the start
   std::vector<Instr> program;
   std::vector<Arg> pending;  // arguments of the instruction being added
 
@@ -104,6 +105,9 @@ struct StepProgram : torch::CustomClassHolder {
     input_slots = std::move(inputs);
     output_slots = std::move(outputs);
   }
+
+  // a weight read inside a list argument (``cat([weight, x])``): it gets a slot, set at each run's start
+  void preset_slot(int64_t slot, c10::IValue value) { preset.emplace_back(slot, std::move(value)); }
 
   void add_const(c10::IValue value) {
     Arg a;
@@ -185,6 +189,7 @@ struct StepProgram : torch::CustomClassHolder {
                 " inputs, got ", inputs.size());
     std::vector<c10::IValue> slots(num_slots);
     for (size_t i = 0; i < inputs.size(); ++i) slots[input_slots[i]] = std::move(inputs[i]);
+    for (const auto& p : preset) slots[p.first] = p.second;
     torch::jit::Stack stack;
     stack.reserve(16);
     for (const Instr& ins : program) {
@@ -244,6 +249,7 @@ TORCH_LIBRARY_FRAGMENT(workbench, m) {
   m.class_<StepProgram>("StepProgram")
       .def(torch::init<int64_t>())
       .def("set_io", &StepProgram::set_io)
+      .def("preset_slot", &StepProgram::preset_slot)
       .def("add_const", &StepProgram::add_const)
       .def("add_slot", &StepProgram::add_slot)
       .def("add_int_list", &StepProgram::add_int_list)
