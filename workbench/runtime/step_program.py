@@ -145,7 +145,8 @@ class StepProgramFn:
         graph = module.graph
         nodes = list(graph.nodes)
         order = {n: i for i, n in enumerate(nodes)}
-        inputs, multi = [], {}
+        inputs: List[int] = []
+        multi: Dict[fx.Node, List[int]] = {}  # node of several results -> their slots
         calls: List[Tuple[str, fx.Node, Any]] = []  # (kind, node, detail)
         for node in nodes:
             if node.op == "placeholder":
