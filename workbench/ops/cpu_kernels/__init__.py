@@ -16,6 +16,10 @@ summation order), put into graphs by the transforms that pick backends:
     cpu_rope_with_explicit_cos_sin  torch_rope_with_explicit_cos_sin  elementwise.cpp
     cpu_silu_and_mul             torch_silu_and_mul         elementwise.cpp
 
+The same library holds ``torch.classes.workbench.StepProgram`` (``step_program.cpp``): a finished
+graph as a list of boxed dispatcher calls, which the plain CPU runner steps with no Python per node
+(``workbench/runtime/step_program.py``).
+
 Why our own: at batch 1 a decode step is a chain of matrix-vector products over every weight. MKL's
 fp32 GEMV streams ~24 GB/s here where the hardware gives ~30; ATen's int4 kernel wants bf16
 activations (``bench/cpu_kernels.py`` measures all of them side by side); and the reference cached
