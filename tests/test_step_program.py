@@ -66,6 +66,18 @@ def test_scalars_lists_and_several_results_are_passed_as_python_passes_them():
     assert want[0].dtype == torch.float32
     with pytest.raises(RuntimeError, match="the step program takes 3 inputs, got 2"):
         program.program.run([args[0], args[1]])
+    # an operator's own error keeps its type and message, and names the graph node it came from
+    with pytest.raises(RuntimeError) as err:
+        program(args[0], torch.zeros(3, 5, dtype=torch.int32), args[2])
+    cat = next(n.name for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default)
+    assert "Sizes of tensors must match" in str(err.value)
+    assert f"in the step program, at graph node {cat} (aten::cat)" in str(err.value)
+    pick = make_fx(lambda x, i: x.index_select(0, i))(torch.ones(3, 2), torch.tensor([1]))
+    with pytest.raises(IndexError) as graph_err:
+        pick(torch.ones(3, 2), torch.tensor([7]))
+    with pytest.raises(IndexError) as program_err:  # not a RuntimeError: the type a user would catch
+        build(pick)[0](torch.ones(3, 2), torch.tensor([7]))
+    assert str(graph_err.value).splitlines()[0] in str(program_err.value)
 
 
 def test_a_graph_it_cannot_express_is_stepped_from_python_with_the_reason():

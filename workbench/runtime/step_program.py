@@ -193,7 +193,7 @@ class StepProgramFn:
                 for value, type_ in b.schema_args(node):
                     b.add_arg(prog, value, type_)
                 name, overload = detail
-                prog.add_call(name, overload, self._outs(b, node, multi), frees)
+                prog.add_call(node.name, name, overload, self._outs(b, node, multi), frees)
             elif kind == "getitem":
                 src, index = node.args
                 prog.add_getitem(b.slot[src], int(index), b.slot[node], frees)

@@ -42,6 +42,7 @@ struct Instr {
   std::vector<Arg> args;
   int64_t src = -1, index = 0;  // kGetItem: element `index` of slot `src`; kSize: size(index) of `src`
   std::vector<int64_t> outs, frees;
+  std::string node;  // the graph node it runs, named in errors
 };
 
 // int[] / SymInt[] (optional or not) in a schema: the constant list must be an IntList for unboxing
@@ -137,8 +138,8 @@ struct StepProgram : torch::CustomClassHolder {
     pending.push_back(std::move(a));
   }
 
-  void add_call(const std::string& name, const std::string& overload, std::vector<int64_t> outs,
-                std::vector<int64_t> frees) {
+  void add_call(const std::string& node, const std::string& name, const std::string& overload,
+                std::vector<int64_t> outs, std::vector<int64_t> frees) {
     auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
     const auto& schema = op.schema();
     TORCH_CHECK(pending.size() == schema.arguments().size(), name, ".", overload, ": ", pending.size(),
@@ -159,6 +160,7 @@ struct StepProgram : torch::CustomClassHolder {
     pending.clear();
     ins.outs = std::move(outs);
     ins.frees = std::move(frees);
+    ins.node = node;
     program.push_back(std::move(ins));
   }
 
@@ -222,7 +224,12 @@ struct StepProgram : torch::CustomClassHolder {
               }
             }
           }
-          ins.op->callBoxed(stack);
+          try {
+            ins.op->callBoxed(stack);
+          } catch (c10::Error& e) {  // the same error type (IndexError stays IndexError), with the node
+            e.add_context("in the step program, at graph node " + ins.node + " (" + ins.op->schema().name() + ")");
+            throw;
+          }
           for (size_t i = 0; i < ins.outs.size(); ++i) slots[ins.outs[i]] = std::move(stack[i]);
           break;
         }
