@@ -279,8 +279,10 @@ def retarget_values(gm: fx.GraphModule, device: torch.device) -> int:
         return n
 
     def move(v: Any) -> Any:
+        # a fresh fake tensor of the same sizes and strides: what ``v.to(device)`` gives for a dense
+        # value, without its copy (``_to_copy``'s decomposition); ~0.1 s of smollm2's 1,430 values
         if isinstance(v, torch.Tensor) and v.device != device:
-            return v.to(device)
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
         return v
 
     with symbolic_fake_mode(mode):
