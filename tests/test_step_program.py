@@ -95,3 +95,14 @@ def test_a_graph_it_cannot_express_is_stepped_from_python_with_the_reason():
     program, why = build(sym)
     assert program is None and "calls mul, not an operator" in why
     assert build(torch.nn.Linear(2, 2)) == (None, "Linear is not a graph")
+
+
+def test_without_the_kernels_library_the_runner_steps_the_lean_copy_and_says_why(tiny_llama_done, monkeypatch):
+    # a machine with no AVX-512 or no compiler: the library that holds the program is not there
+    monkeypatch.setattr(cpu_kernels, "load", lambda: "this CPU has no AVX-512 (torch reports DEFAULT)")
+    graph = tiny_llama_done.module
+    fn, form = plain_step(graph, torch.device("cpu"))
+    assert isinstance(fn, fx.GraphModule) and fn is not graph  # the lean copy
+    assert form == "Python graph (this CPU has no AVX-512 (torch reports DEFAULT))"
+    fn, form = plain_step(graph, torch.device("cuda"))  # not built for a CUDA graph: its runners replace it
+    assert isinstance(fn, fx.GraphModule) and form.startswith("Python graph (runs on CUDA")
