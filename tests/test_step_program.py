@@ -27,7 +27,7 @@ def test_the_cpu_runner_steps_the_graph_as_a_program_with_the_graphs_tokens_and_
     calls = [n for n in wb.module.graph.nodes if n.op == "call_function"]
     # one instruction per call, except the getitems of a multi-result op (rope's q and k): aliases
     aliases = [
-        n for n in calls if n.target is operator.getitem and len(getattr(n.args[0].target, "_schema").returns) > 1
+        n for n in calls if n.target is operator.getitem and len(n.args[0].target._schema.returns) > 1
     ]
     assert aliases and program.num_calls == len(calls) - len(aliases)
     assert runner.step_form == f"C++ step program ({program.num_calls} calls a step)"
