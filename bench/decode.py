@@ -397,7 +397,7 @@ def print_paired_rounds(src: Path, fp32, q4, prompts: List[List[int]], new: int,
         peer = "llama.cpp F32" if k.startswith("fp32") else "llama.cpp Q4_1"
         print(f"workbench {k} bs 1: median {statistics.median(r):.2f}x {peer} "
               f"(rounds {min(r):.2f}-{max(r):.2f}x)")
-    for name in ("fp32", "Q4_1 exact") if dynamo_too else ():
+    for name in ("fp32", "Q4_1 exact") if dynamo_too and "torch-compile" in backends else ():
         r = [a / b for a, b in zip(ratios[f"{name} torch-compile"], ratios[f"{name} dynamo"])]
         print(f"workbench {name}: static decode graph vs every step through Dynamo: median {statistics.median(r):.3f}x "
               f"(rounds {min(r):.3f}-{max(r):.3f}x)")

@@ -16,7 +16,7 @@ graphs traced through it keep the op as one node.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -81,4 +81,26 @@ def declare_op(
     return getattr(torch.ops.workbench, name)
 
 
-__all__ = ["define_op", "declare_op", "activation_rounding"]
+MISSING = object()  # a required argument the call did not give
+
+
+def schema_arguments(node: Any) -> List[Tuple[Any, Any]]:
+    """``(schema argument, value)`` for every argument of the operator call ``node`` (an FX node
+    whose target is an ``OpOverload``): given positionally, by keyword or left to its default, in
+    the schema's order; ``MISSING`` for a required argument the call did not give. What a pattern
+    comparing calls and a boxed dispatcher call (which takes every argument) both need."""
+    out = []
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            value = node.args[i]
+        elif arg.name in node.kwargs:
+            value = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            value = arg.default_value
+        else:
+            value = MISSING
+        out.append((arg, value))
+    return out
+
+
+__all__ = ["MISSING", "define_op", "declare_op", "activation_rounding", "schema_arguments"]

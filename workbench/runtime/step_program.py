@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from ..ops.library import MISSING, schema_arguments
 from .sequence_info import module_input_names
 
 # the IValue codes of the enums TorchScript passes as ints (c10/core/MemoryFormat.h, Layout.h)
@@ -105,18 +106,12 @@ class _Builder:
             return
         prog.add_const(_constant(value))
 
-    def schema_args(self, node: fx.Node) -> List[Tuple[Any, Any]]:
+    @staticmethod
+    def schema_args(node: fx.Node) -> List[Tuple[Any, Any]]:
         """(value, type) for every schema argument, defaults filled in (a boxed call takes them all)."""
-        schema = node.target._schema
         out = []
-        for i, arg in enumerate(schema.arguments):
-            if i < len(node.args) and not arg.kwarg_only:
-                value = node.args[i]
-            elif arg.name in node.kwargs:
-                value = node.kwargs[arg.name]
-            elif arg.has_default_value():
-                value = arg.default_value
-            else:
+        for arg, value in schema_arguments(node):
+            if value is MISSING:
                 raise Unsupported(f"{node.name}: argument {arg.name} of {node.target} not given")
             out.append((value, arg.type))
         return out
@@ -136,6 +131,8 @@ def build(module: torch.nn.Module) -> Tuple[Optional["StepProgramFn"], str]:
         return StepProgramFn(module), ""
     except Unsupported as e:
         return None, str(e)
+    except RuntimeError as e:  # refused by the C++ builder (an argument its schema does not take)
+        return None, f"the step program refused {str(e).splitlines()[0]}"
 
 
 class StepProgramFn:

@@ -165,8 +165,20 @@ struct StepProgram : torch::CustomClassHolder {
   }
 
   void add_getitem(int64_t src, int64_t index, int64_t out, std::vector<int64_t> frees) {
+    add_builtin(kGetItem, src, index, out, std::move(frees));
+  }
+
+  void add_size(int64_t src, int64_t dim, int64_t out, std::vector<int64_t> frees) {
+    add_builtin(kSize, src, dim, out, std::move(frees));
+  }
+
+  int64_t size() const { return static_cast<int64_t>(program.size()); }
+
+ private:
+  // kGetItem: element ``index`` of slot ``src``; kSize: ``src.size(index)``; into slot ``out``
+  void add_builtin(int64_t kind, int64_t src, int64_t index, int64_t out, std::vector<int64_t> frees) {
     Instr ins;
-    ins.kind = kGetItem;
+    ins.kind = kind;
     ins.src = src;
     ins.index = index;
     ins.outs = {out};
@@ -174,17 +186,7 @@ struct StepProgram : torch::CustomClassHolder {
     program.push_back(std::move(ins));
   }
 
-  void add_size(int64_t src, int64_t dim, int64_t out, std::vector<int64_t> frees) {
-    Instr ins;
-    ins.kind = kSize;
-    ins.src = src;
-    ins.index = dim;
-    ins.outs = {out};
-    ins.frees = std::move(frees);
-    program.push_back(std::move(ins));
-  }
-
-  int64_t size() const { return static_cast<int64_t>(program.size()); }
+ public:
 
   std::vector<at::Tensor> run(std::vector<c10::IValue> inputs) const {
     TORCH_CHECK(inputs.size() == input_slots.size(), "the step program takes ", input_slots.size(),

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterator, List,
 import torch
 import torch.fx as fx
 
+from ...ops.library import MISSING, schema_arguments
 from ..interface import Transform, TransformInfo
 from .anchors import PatternOpsCache
 from .rewrite import annotate_new_nodes, erase_dead, match_info
@@ -109,20 +110,8 @@ def named_args(node: fx.Node) -> List[Tuple[str, Any]]:
 
     Makes ``mean(x, [-1], True)`` and ``mean(x, [-1], keepdim=True)`` compare equal.
     """
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        out = []
-        for i, arg in enumerate(target._schema.arguments):
-            if i < len(node.args):
-                value = node.args[i]
-            elif arg.name in node.kwargs:
-                value = node.kwargs[arg.name]
-            elif arg.has_default_value():
-                value = arg.default_value
-            else:
-                value = None
-            out.append((arg.name, value))
-        return out
+    if isinstance(node.target, torch._ops.OpOverload):
+        return [(arg.name, None if value is MISSING else value) for arg, value in schema_arguments(node)]
     return [(str(i), a) for i, a in enumerate(node.args)] + sorted(node.kwargs.items())
 
 
