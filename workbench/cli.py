@@ -554,9 +554,34 @@ def _traceback_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def leave_triton_unloaded() -> bool:
+    """In a process where no Triton kernel can run -- no CUDA device and no ``TRITON_INTERPRET=1`` --
+    keep the ``triton`` package from loading; returns whether it did.
+
+    torch imports triton when Dynamo is imported (transformers' model code imports Dynamo) only to
+    learn its types: ~72 MB of resident memory and ~0.3 s of a CPU run's start, for a package that
+    cannot launch a kernel there. ``sys.modules["triton"] = None`` makes ``import triton`` raise
+    ImportError, which torch reads as "not installed". Only for a program run (``main()`` with the
+    command line's arguments): the process is the CLI's own, unlike a notebook, a test or a
+    ``main([...])`` call, whose later work might set ``TRITON_INTERPRET`` and import triton. The
+    workbench's Triton ops still say why they cannot run here (``ops/triton_support``: no CUDA and
+    no interpreter)."""
+    import torch
+
+    if "triton" in sys.modules or torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    sys.modules["triton"] = None  # type: ignore[assignment]
+    return True
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    """Run one command; every failure ends as one ``error:`` line and an exit status (``cli_errors``)."""
+    """Run one command; every failure ends as one ``error:`` line and an exit status (``cli_errors``).
+
+    ``argv`` None (a program run: the console script, ``python -m workbench.cli``) also leaves
+    Triton unloaded where it cannot run (``leave_triton_unloaded``)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    if argv is None:
+        leave_triton_unloaded()
     args = build_parser().parse_args(argv)  # a usage error: argparse's message and exit status 2
     try:
         return args.func(args)

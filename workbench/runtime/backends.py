@@ -22,12 +22,12 @@ calls ``build``: everything that knows about runners lives here.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..ops.inline import inline_canonical_ops
 from ..ops.registry import Backend, BackendRegistry
@@ -204,21 +204,33 @@ def inductor_options(device: torch.device) -> Dict[str, Any]:
         "cpp_wrapper": True,
         "size_asserts": False,
         "alignment_asserts": False,
-        "post_grad_custom_pre_pass": _WorkbenchOpsKey(),
+        "post_grad_custom_pre_pass": _workbench_ops_key(),
     }
 
 
-class _WorkbenchOpsKey(CustomGraphPass):
-    """A pass that changes nothing and whose ``uuid`` -- part of Inductor's FX-graph cache key -- is a
-    hash of the workbench ops' schemas. A graph omits an op's defaulted arguments, so after an op
-    gains one (``alibi_slopes``, ``chunk_size``) the same graph keyed the same: Inductor reloaded
-    C++-wrapper code built for the old schema, and its boxed call crashed the process."""
+@functools.lru_cache(maxsize=None)
+def _workbench_ops_key_class() -> type:
+    """``_WorkbenchOpsKey``, made on first use: ``torch._inductor`` imports Dynamo and Triton (~0.7 s,
+    ~110 MB), which a run that never compiles should not pay at import time."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    def __call__(self, graph: fx.Graph) -> None:
-        return None
+    class _WorkbenchOpsKey(CustomGraphPass):
+        """A pass that changes nothing and whose ``uuid`` -- part of Inductor's FX-graph cache key -- is
+        a hash of the workbench ops' schemas. A graph omits an op's defaulted arguments, so after an op
+        gains one (``alibi_slopes``, ``chunk_size``) the same graph keyed the same: Inductor reloaded
+        C++-wrapper code built for the old schema, and its boxed call crashed the process."""
 
-    def uuid(self) -> str:
-        return _ops_schema_hash()
+        def __call__(self, graph: fx.Graph) -> None:
+            return None
+
+        def uuid(self) -> str:
+            return _ops_schema_hash()
+
+    return _WorkbenchOpsKey
+
+
+def _workbench_ops_key() -> Any:
+    return _workbench_ops_key_class()()
 
 
 def _ops_schema_hash() -> str:

@@ -372,8 +372,12 @@ class PatternTransform(Transform):
 
     patterns: ClassVar[Sequence[Pattern]] = ()
 
+    def active_patterns(self) -> Sequence[Pattern]:
+        """The patterns this run matches: ``patterns``, unless a transform decides at run time."""
+        return self.patterns
+
     def _apply(self, gm: fx.GraphModule, ctx: "PipelineContext") -> Tuple[torch.nn.Module, TransformInfo]:
-        return match_info(gm, PatternMatcher(self.patterns).apply(gm))
+        return match_info(gm, PatternMatcher(self.active_patterns()).apply(gm))
 
 
 __all__ = [

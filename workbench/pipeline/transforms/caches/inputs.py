@@ -17,7 +17,6 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
-from torch._dynamo.source import ConstantSource
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 from torch.utils import _pytree as pytree
@@ -45,6 +44,9 @@ def _symbol(gm: fx.GraphModule, name: str, hint: int):
     """A named symbolic size (one per name and graph), e.g. ``num_pages``."""
     table = dict(gm.meta.get(_SYMBOLS_KEY, {}))
     if name not in table:
+        # imported here: torch._dynamo (with Inductor and Triton) is not needed to import the transforms
+        from torch._dynamo.source import ConstantSource
+
         env = graph_fake_mode(gm).shape_env
         sym = env.create_symbol(hint, source=ConstantSource(f"wb_{name}"), dynamic_dim=DimDynamic.DYNAMIC)
         table[name] = env.create_symintnode(sym, hint=hint)

@@ -55,11 +55,11 @@ class _Marker(torch.nn.Module):
     def __init__(self, site: AuxSite) -> None:
         super().__init__()
         self.site = site
+        _compiler_disabled_forward(type(self))
 
     def extra_repr(self) -> str:
         return self.site.name
 
-    @torch.compiler.disable
     def forward(self, *ys: torch.Tensor) -> Any:
         if ys[0].is_cuda:
             self.on_cuda(ys, ys[0].device)
@@ -67,6 +67,17 @@ class _Marker(torch.nn.Module):
 
     def on_cuda(self, ys: Tuple[torch.Tensor, ...], device: torch.device) -> None:
         raise NotImplementedError
+
+
+def _compiler_disabled_forward(cls: type) -> None:
+    """Make ``cls.forward`` opaque to ``torch.compile`` (``torch.compiler.disable``), once per class.
+
+    Done when the first marker is made rather than with a decorator at import: the decorator imports
+    Dynamo (with Inductor and Triton, ~0.7 s and ~110 MB), which every process importing the
+    transforms would pay, while markers exist only in multi-stream CUDA graphs."""
+    if "forward" in cls.__dict__ and getattr(cls.__dict__["forward"], "_torchdynamo_disable", False):
+        return
+    cls.forward = torch.compiler.disable(cls.forward)  # type: ignore[attr-defined]
 
 
 class AuxFork(_Marker):

@@ -23,7 +23,8 @@ new MoE op, and ``match_moe_routing_pattern`` can fuse the common router separat
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Literal, Optional, Set, Tuple
+import functools
+from typing import Any, Dict, List, Literal, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -190,9 +191,13 @@ def moe_patterns() -> List[Pattern]:
     ]
 
 
-# Built once at import (tracing happens lazily, on first use). gpt-oss's biased, transposed,
-# clamped-SwiGLU experts (biased_experts.py) reach the same op with its bias / activation options.
-MOE_PATTERNS = tuple(moe_patterns()) + tuple(biased_expert_patterns())
+@functools.lru_cache(maxsize=None)
+def _stacked_expert_patterns(with_grouped_mm: bool) -> Tuple[Pattern, ...]:
+    # One tuple per availability of transformers' grouped_mm op (tracing happens lazily, on first
+    # use, and is kept with the tuple). gpt-oss's biased, transposed, clamped-SwiGLU experts
+    # (biased_experts.py) reach the same op with its bias / activation options.
+    assert with_grouped_mm == (grouped_mm_op() is not None)
+    return tuple(moe_patterns()) + tuple(biased_expert_patterns())
 
 
 @register("match_moe_pattern")
@@ -200,7 +205,9 @@ class MatchMoePattern(PatternTransform):
     """Replace transformers' stacked-experts MoE (grouped_mm / batched_mm; plain or gpt-oss's biased,
     clamped-SwiGLU experts) by ``torch_moe_fused``."""
 
-    patterns = MOE_PATTERNS
+    def active_patterns(self) -> Sequence[Pattern]:
+        # the grouped_mm forms only once transformers' MoE integration is loaded (grouped_mm_op)
+        return _stacked_expert_patterns(grouped_mm_op() is not None)
 
 
 # ------------------------------------------------------------------------------ dense / BMM forms
@@ -484,4 +491,4 @@ class MatchMoeRoutingPattern(Transform[MatchMoeRoutingPatternConfig]):
         return match_info(gm, PatternMatcher(ROUTING_PATTERNS[self.config.backend]).apply(gm))
 
 
-__all__ = ["MOE_PATTERNS", "BMM_MOE_PATTERNS", "DENSE_MOE_PATTERNS", "ROUTING_PATTERNS"]
+__all__ = ["BMM_MOE_PATTERNS", "DENSE_MOE_PATTERNS", "ROUTING_PATTERNS"]
