@@ -8,7 +8,7 @@ every line it prints from the moment of the spawn: the load line, the pipeline t
 line (generation starts there) and the generate stats (their TTFT). First token = time of the
 prompt line + TTFT. The split: imports (spawn to the load line, less the load), load, the
 transforms and the numerics probes with the snapshots (the pipeline line's two parts), and how
-many probes came from the probe cache. Peak RSS is the child's ``ru_maxrss``. The numerics probes
+many probes came from the probe cache. Peak RSS is the child's own ``ru_maxrss`` (``os.wait4``). The numerics probes
 are on, as by default. Run it twice: the first run after an install pays the one-off builds (the
 C++ kernels, the pattern-ops and probe caches); ``WORKBENCH_CACHE_DIR=off`` measures a run with
 no cache at all.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import resource
 import subprocess
 import sys
 import time
@@ -31,7 +30,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def one_run(extra) -> dict:
     cmd = [sys.executable, "-m", "workbench.cli", "run", "--model", "smollm2", *extra]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -58,13 +56,14 @@ def one_run(extra) -> dict:
                 out["decode_tok_s"] = float(m.group(1))
         elif line.startswith("output:"):
             out["output"] = line[len("output:"):].strip()
-    proc.wait()
+    # this child's own rusage (RUSAGE_CHILDREN's ru_maxrss is the largest of all children so far)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
     out["wall_s"] = time.perf_counter() - t0
     if "loaded_at_s" in out:  # spawn to the load line, less the load itself: interpreter and imports
         out["imports_s"] = out["loaded_at_s"] - out["load_s"]
     out["returncode"] = proc.returncode
-    # ru_maxrss of children is the largest of any child so far (KiB on Linux)
-    out["peak_rss_mb"] = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
+    out["peak_rss_mb"] = usage.ru_maxrss / 1024  # KiB on Linux
     if proc.returncode != 0:
         print("\n".join(lines[-20:]))
     return out

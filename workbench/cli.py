@@ -40,8 +40,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     options = dict(_workbench_options(args), worker_imports=args.worker_import)
     if world_size > 1:  # N rank processes behind one ShardedWorkbench; this process prints
         options.update(world_size=world_size, dist_timeout_s=args.dist_timeout)
-    elif not args.worker_import and not args.no_probe_cache:
-        options.update(probe_cache=True)  # a repeat run reuses the probes (not with imported code: it may patch ops)
+    elif not args.worker_import:  # a repeat run reuses probes and the export (not with imported code: it may patch ops)
+        options.update(probe_cache=not args.no_probe_cache, export_cache=not args.no_export_cache)
     _check_outputs(args)
     note_flags_that_do_not_apply(args, print)
     t0 = time.perf_counter()
@@ -425,6 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
         "pictures); checked before the pipeline, a failure after it is one line and exit 1",
     )
     r.add_argument("--no-numerics", action="store_true", help="skip the per-step numerics probe")
+    r.add_argument(
+        "--no-export-cache",
+        action="store_true",
+        help="export the model even when an earlier run exported it with the same code and config "
+        "(by default the graph is read from $WORKBENCH_CACHE_DIR/exports)",
+    )
     r.add_argument(
         "--no-probe-cache",
         action="store_true",

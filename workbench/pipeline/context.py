@@ -175,6 +175,8 @@ class PipelineContext:
     checkpoint: Optional["QuantizedCheckpoint"] = None
     dist: DistInfo = field(default_factory=DistInfo)
     sharding: Any = None  # pipeline.sharding.ShardingPlan once sharding_transform_executor applied one
+    # transforms/export/export_cache.ExportCache when the run reuses graphs earlier processes exported
+    export_cache: Any = None
     _weights: Optional[Mapping[str, torch.Tensor]] = field(default=None, repr=False)
 
     def __post_init__(self):

@@ -63,11 +63,13 @@ class PipelineStepper:
         registry: TransformRegistry = TRANSFORMS,
         dist: Optional[DistInfo] = None,
         probe_cache: bool = False,
+        export_cache: bool = False,
     ):
         """``dist``: this process's rank in a sharded run (``workbench.parallel`` makes it); None:
         world size 1. ``probe_cache``: reuse numerics probe results an earlier process computed for
         the same graph, weights, configs and code (``pipeline.probe_cache``; ``workbench run`` turns
-        it on)."""
+        it on). ``export_cache``: read the exported graph an earlier process exported for the same
+        model, config and code (``transforms/export/export_cache.py``; ``workbench run`` turns it on)."""
         self.loaded = loaded
         self.registry = registry
         self.entries: List[PipelineEntry] = (
@@ -101,6 +103,10 @@ class PipelineStepper:
         self.snapshots: List[Snapshot] = []
         self._probed: Optional[tuple] = None  # (module, probe function) the last probe ran on
         self.probe_cache: Optional[ProbeCache] = ProbeCache() if probe_cache else None
+        if export_cache:
+            from .transforms.export.export_cache import ExportCache
+
+            self.ctx.export_cache = ExportCache()
         self._probe_run_key: Optional[str] = None
         self.last_error: Optional[TransformError] = None
         self._live: torch.nn.Module = self._eager

@@ -65,6 +65,7 @@ from ...graph.utils import remove_tensor_metadata_asserts, run_shape_prop
 from ...graph.weights import fake_value, fetch_attr
 from ...interface import Transform, TransformConfig, TransformInfo, register
 from ...weights import TRACE_DEVICE_KEY, record_forward_constant
+from .export_cache import ExportCache, Uncacheable, checked_record, export_key, module_of
 from .patches import EXPORT_PATCHES, apply_patches, resolve_patches
 from .stamp import TRACED, stamp_layers, truncated, why_not_stampable
 
@@ -162,6 +163,18 @@ class ExportToGM(Transform[ExportToGMConfig]):
                     f"{what} dim's upper bound {bound}: lower it, or raise max_{what}_{'size' if what == 'batch' else 'len'}"
                 )
         mod, model_class = _model_to_export(mod, ctx)
+        cache, key = _export_cache_for(mod, cfg, ctx, (max_b, max_s))
+        if cache is not None and (record := cache.get(key)) is not None:
+            try:
+                gm, info = module_of(record)
+            except Exception as e:  # noqa: BLE001 - an entry that no longer builds: export again
+                cache_note = f"an entry was found but did not build ({type(e).__name__}: {e}); exported again"
+            else:
+                info.details["export_cache"] = f"read ({key[:12]}); export's input guards are not kept"
+                info.details["summary"] += " -- read from the export cache"
+                return gm, info
+        else:
+            cache_note = "off" if cache is None else "no entry: exported"
         traced, trace_device = _module_to_trace(mod, cfg.trace_device)
         few_experts = _cut_experts(traced, cfg)  # {} unless num_moe_experts_for_export
         example = make_batch(ctx.vocab_size, cfg.example_batch_size, cfg.example_seq_len, seed=0, device=trace_device)
@@ -241,7 +254,30 @@ class ExportToGM(Transform[ExportToGMConfig]):
                 "(export's ranges; 1 works too)",
             },
         )
+        if cache is not None:
+            info.details["export_cache"] = _store(cache, key, gm, info, made, cache_note)
         return gm, info
+
+
+def _export_cache_for(mod: torch.nn.Module, cfg: ExportToGMConfig, ctx, bounds) -> Tuple[Optional[ExportCache], str]:
+    """The run's export cache and this export's key; (None, "") when the run keeps none or the
+    graph would hold weight values (traced off meta)."""
+    cache = getattr(ctx, "export_cache", None)
+    if cache is None or cfg.trace_device != "meta":
+        return None, ""
+    return cache, export_key(mod, cfg, bounds, ctx.vocab_size)
+
+
+def _store(cache: ExportCache, key: str, gm: fx.GraphModule, info: TransformInfo, made, note: str) -> str:
+    """Write ``gm`` to the export cache (after checking it builds back the same); says what happened."""
+    if made:
+        return f"{note}; not kept: tensors made in the forward ({len(made)})"
+    try:
+        record = checked_record(gm, info)
+    except Uncacheable as e:
+        return f"{note}; not kept: {e}"
+    why = cache.put(key, record)
+    return f"{note}; {why}" if why else f"{note}; written ({key[:12]})"
 
 
 def _cut_experts(traced: torch.nn.Module, cfg: ExportToGMConfig) -> Dict[str, Any]:

@@ -9,10 +9,12 @@ The Q, K and V projections of an attention block all read the normed hidden stat
 One GEMM streams ``x`` once and launches once (at decode batch sizes the three launches and three
 reads of ``x`` dominate). The weights are concatenated ONCE, here, into a new parameter registered
 beside the originals (``<module>.fused_q_proj_k_proj_v_proj_weight``); an original is then dropped
-from the graph module when no graph node reads it any more, and its bytes count as freed only when
-no other attribute of the module still holds the same storage (tied weights stay). The snapshot's
-memory delta is therefore exactly ``new_bytes - freed_bytes`` (both reported in ``details``).
-Earlier snapshots and the eager reference model keep their own references to the originals.
+from the graph module when no graph node reads it any more (a tied weight read elsewhere stays).
+The original tensor objects -- held by the eager reference model, earlier snapshots and any tied
+name -- are made views of their rows of the fused tensor (``graph/weights.alias_rows``): the same
+values, and the weights held once, not twice. ``freed_bytes`` counts the storages the module no
+longer holds, so the snapshot's memory delta is exactly ``new_bytes - freed_bytes`` (both in
+``details``).
 
 Quantized linears (``torch_int4_linear``, ``torch_int8_linear``: weights quantized per output row)
 fuse the same way: their packed codes, scales and offsets are each concatenated along the output
@@ -34,7 +36,7 @@ from torch._guards import detect_fake_mode
 
 from ...context import PipelineContext
 from ...graph.utils import symbolic_fake_mode
-from ...graph.weights import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights
+from ...graph.weights import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights, storage_bytes
 from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes, repropagate_users
 
@@ -156,7 +158,7 @@ def fuse_linear_group(gm: fx.GraphModule, group: Sequence[fx.Node]) -> Dict[str,
     tensor_groups = [[n.args[i] for n in group] for i in form.weights] + ([b_nodes] if has_bias else [])
     targets, new_bytes = [], 0
     for nodes in tensor_groups:
-        target, nbytes = concat_weights(gm, nodes)
+        target, nbytes = concat_weights(gm, nodes, alias_originals=True)
         targets.append(target)
         new_bytes += nbytes
     before = set(g.nodes)
@@ -198,17 +200,24 @@ class FuseGemms(Transform):
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[fx.GraphModule, TransformInfo]:
         groups = linear_groups(gm)
+        held = storage_bytes(gm)
         done = [fuse_linear_group(gm, group) for group in groups]
         # One release for all groups: the storage census walks every parameter.
         released = release_weights(gm, [t for d in done for t in d["originals"]])
+        # Freed: what the module held before, plus what was made, less what it holds now -- the
+        # originals' own storages once they are views of the fused tensors (alias_rows), even where a
+        # graph node still reads one (tied weights). Totals, not a per-storage diff: a freed
+        # storage's address is reused by the next fused tensor within this transform.
+        new_bytes = sum(d["new_bytes"] for d in done)
+        freed = sum(held.values()) + new_bytes - sum(storage_bytes(gm).values())
         if done:
             gm.graph.lint()
             gm.recompile()
         details = {
             "groups": [d["fused"] for d in done],
-            "new_bytes": sum(d["new_bytes"] for d in done),
-            "freed_bytes": released.freed_bytes,
-            "kept_originals": released.kept + released.tied,
+            "new_bytes": new_bytes,
+            "freed_bytes": freed,
+            "kept_originals": released.kept,  # still read by a node (every original now views the fused tensor)
             "views_made_reshapes": sum(d["views_made_reshapes"] for d in done),
         }
         # The split outputs have other strides than the linears they replace: re-derive the values
