@@ -126,6 +126,24 @@ def test_fuse_gemms_keeps_tied_weight_and_reports_honest_memory():
     assert kept.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
 
 
+def test_alias_rows_holds_the_weights_once_and_refuses_what_it_cannot_lay_out():
+    from workbench.pipeline.graph.weights import alias_rows
+
+    q, k, v = torch.randn(8, 4), torch.randn(2, 4), torch.randn(2, 4)
+    values = [t.clone() for t in (q, k, v)]
+    fused = torch.cat([q, k, v])
+    assert alias_rows(fused, [q, k, v])
+    for t, want in zip((q, k, v), values):
+        assert torch.equal(t, want) and t.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert [t.storage_offset() for t in (q, k, v)] == [0, 32, 40]
+    # not what torch.cat laid out along dim 0: left alone
+    a, b = torch.randn(4, 8).t(), torch.randn(8, 4)  # a is a transposed view
+    assert not alias_rows(torch.cat([a, b]), [a, b])
+    c, d = torch.randn(3, 4), torch.randn(3, 4, dtype=torch.float64)
+    assert not alias_rows(torch.cat([c, c]), [c, d])
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+
+
 class NearMiss(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -99,6 +99,18 @@ def test_kv_cache_bytes_are_the_memory_delta(wb):
     assert "resize_kv_cache" in {s.key for s in wb.snapshots if s.mem_delta}
 
 
+def test_resize_runs_a_cpu_forward_only_when_asked(wb):
+    assert "rss_growth_bytes" not in wb.snapshot("resize_kv_cache").info.details  # the default: none
+    try:
+        wb.configure("resize_kv_cache", forward_num_tokens=8)
+        wb.run()
+        d = wb.snapshot("resize_kv_cache").info.details
+        assert d["forward_tokens"] == 8 and isinstance(d["rss_growth_bytes"], int)
+    finally:
+        wb.configure("resize_kv_cache", forward_num_tokens=None)
+        wb.run()
+
+
 def test_resize_follows_the_cpu_budget_and_rewinds(wb):
     try:
         wb.configure("resize_kv_cache", cpu_budget_bytes=10 * 8192 + 100)

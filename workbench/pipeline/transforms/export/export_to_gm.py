@@ -164,17 +164,9 @@ class ExportToGM(Transform[ExportToGMConfig]):
                 )
         mod, model_class = _model_to_export(mod, ctx)
         cache, key = _export_cache_for(mod, cfg, ctx, (max_b, max_s))
-        if cache is not None and (record := cache.get(key)) is not None:
-            try:
-                gm, info = module_of(record)
-            except Exception as e:  # noqa: BLE001 - an entry that no longer builds: export again
-                cache_note = f"an entry was found but did not build ({type(e).__name__}: {e}); exported again"
-            else:
-                info.details["export_cache"] = f"read ({key[:12]}); export's input guards are not kept"
-                info.details["summary"] += " -- read from the export cache"
-                return gm, info
-        else:
-            cache_note = "off" if cache is None else "no entry: exported"
+        read, cache_note = _read_cached(cache, key)
+        if read is not None:
+            return read
         traced, trace_device = _module_to_trace(mod, cfg.trace_device)
         few_experts = _cut_experts(traced, cfg)  # {} unless num_moe_experts_for_export
         example = make_batch(ctx.vocab_size, cfg.example_batch_size, cfg.example_seq_len, seed=0, device=trace_device)
@@ -266,6 +258,20 @@ def _export_cache_for(mod: torch.nn.Module, cfg: ExportToGMConfig, ctx, bounds) 
     if cache is None or cfg.trace_device != "meta":
         return None, ""
     return cache, export_key(mod, cfg, bounds, ctx.vocab_size)
+
+
+def _read_cached(cache: Optional[ExportCache], key: str) -> Tuple[Optional[Tuple[fx.GraphModule, TransformInfo]], str]:
+    """(the graph and report kept under ``key``, "") on a hit, else (None, what the details will say)."""
+    record = cache.get(key) if cache is not None else None
+    if record is None:
+        return None, "off" if cache is None else "no entry: exported"
+    try:
+        gm, info = module_of(record)
+    except Exception as e:  # noqa: BLE001 - an entry that no longer builds (an op gone): export again
+        return None, f"an entry was found but did not build ({type(e).__name__}: {e}); exported again"
+    info.details["export_cache"] = f"read ({key[:12]}); export's input guards are not kept"
+    info.details["summary"] += " -- read from the export cache"
+    return (gm, info), ""
 
 
 def _store(cache: ExportCache, key: str, gm: fx.GraphModule, info: TransformInfo, made, note: str) -> str:
