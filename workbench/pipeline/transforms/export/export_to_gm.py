@@ -282,6 +282,8 @@ def _store(cache: ExportCache, key: str, gm: fx.GraphModule, info: TransformInfo
         record = checked_record(gm, info)
     except Uncacheable as e:
         return f"{note}; not kept: {e}"
+    except Exception as e:  # noqa: BLE001 - a cache that cannot build its record never fails the export
+        return f"{note}; not kept: building the record failed ({type(e).__name__}: {str(e)[:200]})"
     why = cache.put(key, record)
     return f"{note}; {why}" if why else f"{note}; written ({key[:12]})"
 
