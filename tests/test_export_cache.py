@@ -122,3 +122,15 @@ def test_fake_values_are_rebuilt_symbolic_with_export_ranges(cache_dir):
     fresh_ids = next(n for n in fresh.module.graph.nodes if n.op == "placeholder").meta["val"]
     want = [fresh_ids.fake_mode.shape_env.var_to_range[s.node.expr] for s in fresh_ids.shape]
     assert [(r.lower, r.upper) for r in ranges] == [(r.lower, r.upper) for r in want]
+
+
+def test_a_record_that_cannot_be_built_never_fails_the_export(cache_dir, monkeypatch):
+    def broken(record):
+        raise RuntimeError("this torch's shape environment lacks something")
+
+    monkeypatch.setattr(ec, "module_of", broken)
+    wb, snap = _exported("tiny:llama", export_cache=True)
+    note = snap.info.details["export_cache"]
+    assert "not kept: building the record failed (RuntimeError: this torch's" in note, note
+    assert not list(cache_dir.glob("exports/*.pkl"))
+    assert wb.module is not None and snap.status == "done"
