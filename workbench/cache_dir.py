@@ -6,6 +6,7 @@ results (``pipeline/probe_cache.py``)."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -40,3 +41,18 @@ def usable_cache_root() -> Tuple[Optional[Path], Optional[str]]:
     if not os.access(nearest, os.W_OK | os.X_OK):
         return None, f"{where} is not writable (no write permission on {nearest}): {remedy}"
     return root, None
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and an atomic rename, so a concurrent
+    reader (another process sharing the cache) sees the whole file or none. Raises ``OSError``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -28,13 +28,12 @@ import hashlib
 import inspect
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
-from ..cache_dir import cache_root
+from ..cache_dir import cache_root, write_atomically
 from .numerics import Numerics
 
 _SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".yaml")
@@ -153,11 +152,7 @@ class ProbeCache:
             "top1_agreement": numerics.top1_agreement,
         }
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f)
-            os.replace(tmp, self.dir / f"{key}.json")
+            write_atomically(self.dir / f"{key}.json", json.dumps(data).encode())
         except OSError:
             pass  # a read-only cache only costs the probes
 

@@ -20,13 +20,11 @@ import functools
 import hashlib
 import inspect
 import json
-import os
-import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ...cache_dir import cache_root
+from ...cache_dir import cache_root, write_atomically
 
 _FILE = ("patterns", "ops.json")
 
@@ -111,11 +109,7 @@ class PatternOpsCache:
         if self.path is None:
             return
         try:  # atomic replace: concurrent processes see a whole file
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(table, f, indent=0, sort_keys=True)
-            os.replace(tmp, self.path)
+            write_atomically(self.path, json.dumps(table, indent=0, sort_keys=True).encode())
         except OSError:
             pass  # a read-only cache only costs the traces
 

@@ -4,7 +4,8 @@
 of the model cut to three layers, then the layer stamping); a second process exporting the same
 model with the same code and config gets the same graph. The graph is meta-traced
 (``trace_device: meta``): it holds no weight values, so what is kept is its structure, as a record
-(``graph_record.py``); reading one back costs ~0.15 s.
+(``graph_record.py``); building the graph back from one took 0.10-0.36 s on smollm2 (5 runs
+in one process), against 1.6-2.1 s to export.
 
 Safety: an entry is written only after the graph built back from its record is checked against
 the exported one -- node for node, meta for meta, fake value for fake value (sizes compared with the
@@ -20,15 +21,13 @@ directory is trusted as the C++ kernels built into it are.
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
-import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 
-from ....cache_dir import cache_root
+from ....cache_dir import cache_root, write_atomically
 from ...interface import TransformInfo
 from ...probe_cache import workbench_source_hash
 from .graph_record import FORMAT, Uncacheable, describe, module_of, record_of
@@ -118,30 +117,28 @@ class ExportCache:
             return None  # absent, unreadable or from a code version whose classes are gone: export again
         return record if isinstance(record, dict) and record.get("format") == FORMAT else None
 
-    def put(self, key: str, record: Dict[str, Any]) -> Optional[str]:
-        """Write ``record``; returns why not when it cannot be written (a read-only cache only costs the trace)."""
+    def put(self, key: str, data: bytes) -> Optional[str]:
+        """Write a pickled record (``checked_record``); returns why not when it cannot be written (a
+        read-only cache only costs the trace)."""
         if self.dir is None:
             return "the cache is off"
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, self.dir / f"{key}.pkl")
+            write_atomically(self.dir / f"{key}.pkl", data)
         except OSError as e:
             return f"not written: {e}"
         return None
 
 
-def checked_record(gm: fx.GraphModule, info: TransformInfo) -> Dict[str, Any]:
-    """``record_of(gm, info)``, after checking that the graph built back from it is ``gm``'s."""
-    record = record_of(gm, info)
-    back, _ = module_of(pickle.loads(pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)))
+def checked_record(gm: fx.GraphModule, info: TransformInfo) -> bytes:
+    """``record_of(gm, info)`` pickled, after checking that the graph built back from those bytes
+    is ``gm``'s."""
+    data = pickle.dumps(record_of(gm, info), protocol=pickle.HIGHEST_PROTOCOL)
+    back, _ = module_of(pickle.loads(data))
     want, got = describe(gm), describe(back)
     if want != got:
         first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
         raise Uncacheable(f"the graph built back from the record differs at entry {first}")
-    return record
+    return data
 
 
 __all__ = ["ExportCache", "Uncacheable", "checked_record", "describe", "export_key", "module_of", "record_of"]

@@ -279,12 +279,12 @@ def _store(cache: ExportCache, key: str, gm: fx.GraphModule, info: TransformInfo
     if made:
         return f"{note}; not kept: tensors made in the forward ({len(made)})"
     try:
-        record = checked_record(gm, info)
+        data = checked_record(gm, info)
     except Uncacheable as e:
         return f"{note}; not kept: {e}"
     except Exception as e:  # noqa: BLE001 - a cache that cannot build its record never fails the export
         return f"{note}; not kept: building the record failed ({type(e).__name__}: {str(e)[:200]})"
-    why = cache.put(key, record)
+    why = cache.put(key, data)
     return f"{note}; {why}" if why else f"{note}; written ({key[:12]})"
 
 

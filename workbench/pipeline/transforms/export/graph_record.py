@@ -27,9 +27,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import sympy
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
-from ...graph.utils import lazy_graph_module
+from ...graph.utils import lazy_graph_module, placeholder_values
+from ...graph.weights import fetch_attr
 from ...interface import TransformInfo
 
 FORMAT = 1  # bump when the record's layout changes: older entries are then not read
@@ -106,13 +108,12 @@ def record_of(gm: fx.GraphModule, info: TransformInfo) -> Dict[str, Any]:
     info_ = getattr(codegen, "pytree_info", None)
     if info_ is None:
         raise Uncacheable("the graph has no pytree calling convention")
-    buffers = {name for name, _ in gm.named_buffers()}
-    tensors = [
-        (name, tuple(t.shape), t.dtype, name in buffers, isinstance(t, torch.nn.Parameter))
-        for name, t in [*gm.named_parameters(), *gm.named_buffers()]
-    ]
-    if any(not t.is_meta for _, t in [*gm.named_parameters(), *gm.named_buffers()]):
-        raise Uncacheable("the graph holds tensors with values (traced off meta)")
+    tensors = []
+    for is_buffer, items in ((False, gm.named_parameters()), (True, gm.named_buffers())):
+        for name, t in items:
+            if not t.is_meta:
+                raise Uncacheable("the graph holds tensors with values (traced off meta)")
+            tensors.append((name, tuple(t.shape), t.dtype, is_buffer, isinstance(t, torch.nn.Parameter)))
     gm_meta = dict(gm.meta)
     _check_picklable(gm_meta, "the graph module's meta")
     shape_env = _shape_env(gm)
@@ -155,10 +156,7 @@ def _input_symbols(gm: fx.GraphModule) -> List[sympy.Symbol]:
 
 
 def _shape_env(gm: fx.GraphModule) -> Any:
-    from torch._guards import detect_fake_mode
-
-    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    mode = detect_fake_mode([v for v in placeholder_values(gm) if isinstance(v, torch.Tensor)])
     if mode is None or mode.shape_env is None:
         raise Uncacheable("the graph's inputs carry no shape environment")
     return mode.shape_env
@@ -340,7 +338,7 @@ def module_of(record: Dict[str, Any]) -> Tuple[fx.GraphModule, TransformInfo]:
     gm.meta.update(record["gm_meta"])
     for node in graph.nodes:
         if node.op == "get_attr" and "val" not in node.meta:
-            node.meta["val"] = mode.from_tensor(_fetch(gm, node.target), static_shapes=True)
+            node.meta["val"] = mode.from_tensor(fetch_attr(gm, node.target), static_shapes=True)
     return gm, TransformInfo(**record["info"])
 
 
@@ -391,16 +389,10 @@ def _assign(root: torch.nn.Module, name: str, t: torch.Tensor, is_buffer: bool, 
 
 def _has(root: torch.nn.Module, name: str) -> bool:
     try:
-        _fetch(root, name)
+        fetch_attr(root, name)
         return True
     except AttributeError:
         return False
-
-
-def _fetch(root: Any, name: str) -> Any:
-    for part in name.split("."):
-        root = getattr(root, part)
-    return root
 
 
 # ----------------------------------------------------------------------------------- the check
