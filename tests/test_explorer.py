@@ -124,6 +124,20 @@ def test_server_serves_the_graph_files(wb, tmp_path):
     assert "Model Explorer" in urllib.request.urlopen(server.url, timeout=5).read().decode()
 
 
+def test_default_files_are_removed_when_the_process_exits(wb, monkeypatch):
+    import workbench.viz.explorer.serve as serve
+
+    at_exit = []
+    monkeypatch.setattr(serve.atexit, "register", lambda fn, *args, **kw: at_exit.append((fn, args, kw)))
+    server = serve_snapshots(wb.snapshots, wb.keys, "fuse_gemms")
+    graph_file = server.files[0][0]
+    assert graph_file.exists() and graph_file.parent.name.startswith("workbench-explorer-")
+    assert len(at_exit) == 1
+    fn, args, kw = at_exit[0]
+    fn(*args, **kw)
+    assert not graph_file.parent.exists()
+
+
 def test_workbench_explore_returns_the_url_outside_a_notebook(wb):
     url = wb.explore("fuse_gemms", compare="load_weights")
     assert url.startswith("http://127.0.0.1:") and "39_fuse_gemms" in urllib.parse.unquote(url)

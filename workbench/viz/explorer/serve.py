@@ -11,9 +11,11 @@ the later one painted with what changed since the earlier one and the earlier on
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import socket
 import tempfile
 import threading
@@ -219,10 +221,16 @@ def serve_snapshots(
     select: str = "",
 ) -> ExplorerServer:
     """Convert the snapshot at ``at`` (and ``compare``), write the files (``out_dir``, default a
-    fresh temporary directory) and serve them, with the groups in ``expand`` open (namespaces such as
-    ``layers.0/self_attn``) and node ``select`` selected; see ``start_server``."""
+    fresh temporary directory, removed when the process exits) and serve them, with the groups in
+    ``expand`` open (namespaces such as ``layers.0/self_attn``) and node ``select`` selected; see
+    ``start_server``."""
     require_model_explorer()
     snap, other = pick_snapshots(snapshots, keys, at, compare)
     graphs = explorer_graphs(snapshots, snap, other, overlays)
-    files = write_explorer_files(graphs, out_dir or tempfile.mkdtemp(prefix="workbench-explorer-"))
+    if out_dir is None:
+        # the server reads these files for as long as this process lives (its thread is a daemon),
+        # so they go when the process exits, not when the returned object is dropped
+        out_dir = tempfile.mkdtemp(prefix="workbench-explorer-")
+        atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
+    files = write_explorer_files(graphs, out_dir)
     return start_server(files, host=host, port=port, block=block, expand=expand, select=select)
