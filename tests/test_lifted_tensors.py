@@ -31,7 +31,7 @@ from workbench import Workbench
 from workbench.models import load_model
 from workbench.models.tiny import TINY_ARCHS
 from workbench.pipeline.graph.weights import fetch_attr
-from workbench.pipeline.transforms.export.export_to_gm import _constant_values
+from workbench.pipeline.transforms.export.forward_constants import constant_values
 from workbench.pipeline.weights import FORWARD_CONSTANTS_KEY
 
 NEW = 16
@@ -156,9 +156,9 @@ def test_a_cpu_trace_that_differs_is_an_error_naming_the_tensors():
     made = {"m.lifted_tensor_0": torch.empty(2, device="meta"), "m.lifted_tensor_1": torch.empty(3, device="meta")}
     cpu_ep = SimpleNamespace(constants={"m.lifted_tensor_0": torch.ones(2)})
     with pytest.raises(RuntimeError) as err:
-        _constant_values(made, cpu_ep)
+        constant_values(made, cpu_ep)
     msg = str(err.value)
     assert "m.lifted_tensor_1 ((3,) torch.float32; on cpu: nothing)" in msg
     assert "trace_device=model" in msg
     cpu_ep.constants["m.lifted_tensor_1"] = torch.ones(3)
-    assert set(_constant_values(made, cpu_ep)) == set(made)
+    assert set(constant_values(made, cpu_ep)) == set(made)

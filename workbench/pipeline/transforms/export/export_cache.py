@@ -141,4 +141,42 @@ def checked_record(gm: fx.GraphModule, info: TransformInfo) -> bytes:
     return data
 
 
-__all__ = ["ExportCache", "Uncacheable", "checked_record", "describe", "export_key", "module_of", "record_of"]
+def read_graph(cache: Optional[ExportCache], key: str) -> Tuple[Optional[Tuple[fx.GraphModule, TransformInfo]], str]:
+    """(the graph and report kept under ``key``, "") on a hit, else (None, what the details will say)."""
+    record = cache.get(key) if cache is not None else None
+    if record is None:
+        return None, "off" if cache is None else "no entry: exported"
+    try:
+        gm, info = module_of(record)
+    except Exception as e:  # noqa: BLE001 - an entry that no longer builds (an op gone): export again
+        return None, f"an entry was found but did not build ({type(e).__name__}: {e}); exported again"
+    info.details["export_cache"] = f"read ({key[:12]}); export's input guards are not kept"
+    info.details["summary"] += " -- read from the export cache"
+    return (gm, info), ""
+
+
+def store_graph(cache: ExportCache, key: str, gm: fx.GraphModule, info: TransformInfo, made, note: str) -> str:
+    """Write ``gm`` to the export cache (after checking it builds back the same); says what happened."""
+    if made:
+        return f"{note}; not kept: tensors made in the forward ({len(made)})"
+    try:
+        data = checked_record(gm, info)
+    except Uncacheable as e:
+        return f"{note}; not kept: {e}"
+    except Exception as e:  # noqa: BLE001 - a cache that cannot build its record never fails the export
+        return f"{note}; not kept: building the record failed ({type(e).__name__}: {str(e)[:200]})"
+    why = cache.put(key, data)
+    return f"{note}; {why}" if why else f"{note}; written ({key[:12]})"
+
+
+__all__ = [
+    "ExportCache",
+    "Uncacheable",
+    "checked_record",
+    "describe",
+    "export_key",
+    "module_of",
+    "read_graph",
+    "record_of",
+    "store_graph",
+]

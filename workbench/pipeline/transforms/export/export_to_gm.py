@@ -17,35 +17,10 @@ size); ``Dim.DYNAMIC`` lets export keep such guards as facts, and works on 2.11 
 price is that export assumes sizes >= 2 (its 0/1 specialisation) and reports ranges from 2; the
 graph is checked to have kept both dims symbolic, and tests run it at batch 1 and sequence 1.
 
-One stride fact is device-dependent and is normalised away: HF attention ends in
-``attn_output.transpose(1, 2).contiguous().reshape(...)``. Whether ``contiguous`` is a no-op (and so
-absent from the trace) depends on the strides the trace device's SDPA kernel returns: on CPU it is
-absent, on ``meta`` it is a real node. ``reshape`` copies when it must, so a ``contiguous`` whose
-only users are reshapes changes no value; it is dropped (``drop_contiguous_before_reshape``) and
-the meta and CPU traces have the same op histogram. The second is HF's own device branch in the
-grouped-MoE forward (histc on int ids off CPU): see ``histc_on_float``.
-
-Tensors made inside ``forward`` from Python data -- ``torch.tensor([...], device=x.device)``, or an
-index list (Falcon's multi-query split ``fused_qkv[..., [-2], :]`` makes an index tensor on the
-input's device inside ``Tensor.__getitem__``) -- are constants to export, which lifts them into the
-graph as attributes (``<module>.lifted_tensor_<n>``). Made on ``meta``, they have no values, and
-nothing in the eager model holds them. Their values cannot depend on the weights (export would
-have traced the computation instead), only on the code path, so they are recovered from a second
-export of the same (truncated) module on ``cpu`` with uninitialised weights (``torch.empty``: never
-read, as export fakes them; the pages are never touched), matched by name, shape and dtype, and
-recorded (``weights.record_forward_constant``); ``load_weights`` binds them like weights. The
-second export runs only when the first lifted such tensors (most models lift none). Why not
-intercept the creation calls while tracing on meta: the index tensor of ``x[..., [i]]`` is made in
-C++ with Python dispatch excluded, so no mode sees it -- re-tracing on a device that keeps data
-covers every way a forward can make a constant.
-
-``num_moe_experts_for_export: N`` traces every stacked-experts module (transformers'
-``@use_experts_implementation`` experts) with its stacked tensors cut to their first N experts, then
-gives the graph's expert tensors back their full size (still on ``meta``) and re-derives the fake
-values: ``load_weights`` binds all experts. The traced ops are the same for any expert count -- the
-experts' forward reads the count from ``num_experts`` (kept whole, like the router), never from the
-weights' shape -- so the graph equals a full export's. Experts that read the count from their
-weights (Llama-4's ``view(gate_up_proj.shape[0], ...)``) are refused.
+The parts: ``device_branches.py`` (the rewrites that make a meta trace match a CPU trace),
+``forward_constants.py`` (tensors made inside the forward, recovered from a CPU trace),
+``few_experts.py`` (``num_moe_experts_for_export``), ``stamp.py`` (layer stamping),
+``export_cache.py`` (a repeat run reads the graph instead of tracing it).
 """
 
 from __future__ import annotations
@@ -61,15 +36,15 @@ from ....models.export_contract import CausalLMLogits, make_batch
 from ....models.loaded import describe_model_class
 from ...context import PipelineContext
 from ...graph.copy import GraphCopy
-from ...graph.utils import remove_tensor_metadata_asserts, run_shape_prop
-from ...graph.weights import fake_value, fetch_attr
+from ...graph.utils import remove_tensor_metadata_asserts
 from ...interface import Transform, TransformConfig, TransformInfo, register
 from ...weights import TRACE_DEVICE_KEY, record_forward_constant
-from .export_cache import ExportCache, Uncacheable, checked_record, export_key, module_of
+from .device_branches import normalize_device_branches
+from .export_cache import ExportCache, export_key, read_graph, store_graph
+from .few_experts import cut_experts, restore_experts
+from .forward_constants import constant_values, forget_meta_constants, meta_constants
 from .patches import EXPORT_PATCHES, apply_patches, resolve_patches
 from .stamp import TRACED, stamp_layers, truncated, why_not_stampable
-
-aten = torch.ops.aten
 
 
 class ExportToGMConfig(TransformConfig):
@@ -164,11 +139,13 @@ class ExportToGM(Transform[ExportToGMConfig]):
                 )
         mod, model_class = _model_to_export(mod, ctx)
         cache, key = _export_cache_for(mod, cfg, ctx, (max_b, max_s))
-        read, cache_note = _read_cached(cache, key)
+        read, cache_note = read_graph(cache, key)
         if read is not None:
             return read
         traced, trace_device = _module_to_trace(mod, cfg.trace_device)
-        few_experts = _cut_experts(traced, cfg)  # {} unless num_moe_experts_for_export
+        few_experts = cut_experts(
+            traced, cfg.num_moe_experts_for_export, cfg.trace_device
+        )  # {} unless num_moe_experts_for_export
         example = make_batch(ctx.vocab_size, cfg.example_batch_size, cfg.example_seq_len, seed=0, device=trace_device)
         batch = torch.export.Dim.DYNAMIC(min=1, max=max_b)
         seq = torch.export.Dim.DYNAMIC(min=1, max=max_s)
@@ -193,12 +170,12 @@ class ExportToGM(Transform[ExportToGMConfig]):
                 stamping = f"full export: {e}"
                 ep = gm = None
                 traced, _ = _module_to_trace(mod, cfg.trace_device)
-                few_experts = _cut_experts(traced, cfg)
+                few_experts = cut_experts(traced, cfg.num_moe_experts_for_export, cfg.trace_device)
         if gm is None:
             ep = export(traced)
             gm = ep.module()
         assert ep is not None  # exported with gm
-        made = _meta_constants(gm, ep)
+        made = meta_constants(gm, ep)
         if made:  # tensors made in forward, lifted without values: recover them (module docstring)
             cpu_twin = to_empty_keep_ties(meta_twin(mod), torch.device("cpu"))
             if stamped_path is not None:
@@ -206,9 +183,9 @@ class ExportToGM(Transform[ExportToGMConfig]):
             cpu_example = make_batch(ctx.vocab_size, cfg.example_batch_size, cfg.example_seq_len, seed=0, device="cpu")
             with apply_patches(patches, cpu_twin), torch.inference_mode(False), torch.no_grad():
                 cpu_ep = torch.export.export(cpu_twin, cpu_example.args, dynamic_shapes=dyn, strict=cfg.strict)
-            for target, value in _constant_values(made, cpu_ep).items():
+            for target, value in constant_values(made, cpu_ep).items():
                 record_forward_constant(gm, target, value)
-            _forget_meta_constants(gm, made)
+            forget_meta_constants(gm, made)
         ranges = _check_dynamic(gm, ep)
         removed = remove_tensor_metadata_asserts(gm) if cfg.remove_tensor_metadata_asserts else 0
         normalized = normalize_device_branches(gm) if cfg.normalize_device_branches else {}
@@ -217,7 +194,7 @@ class ExportToGM(Transform[ExportToGMConfig]):
         gm.meta["dynamic_dims"] = {"batch": (1, max_b), "seq": (1, max_s)}
         gm.meta[TRACE_DEVICE_KEY] = str(trace_device)
         if few_experts:
-            _restore_experts(gm, few_experts)
+            restore_experts(gm, few_experts)
         gm.graph.eliminate_dead_code()
         # A lazily recompiled copy (graph/utils.py: lazy_graph_module): later rewrites regenerate the
         # code only when it runs. Same graph, tensors, buffers, meta and hooks.
@@ -247,7 +224,7 @@ class ExportToGM(Transform[ExportToGMConfig]):
             },
         )
         if cache is not None:
-            info.details["export_cache"] = _store(cache, key, gm, info, made, cache_note)
+            info.details["export_cache"] = store_graph(cache, key, gm, info, made, cache_note)
         return gm, info
 
 
@@ -258,163 +235,6 @@ def _export_cache_for(mod: torch.nn.Module, cfg: ExportToGMConfig, ctx, bounds) 
     if cache is None or cfg.trace_device != "meta":
         return None, ""
     return cache, export_key(mod, cfg, bounds, ctx.vocab_size)
-
-
-def _read_cached(cache: Optional[ExportCache], key: str) -> Tuple[Optional[Tuple[fx.GraphModule, TransformInfo]], str]:
-    """(the graph and report kept under ``key``, "") on a hit, else (None, what the details will say)."""
-    record = cache.get(key) if cache is not None else None
-    if record is None:
-        return None, "off" if cache is None else "no entry: exported"
-    try:
-        gm, info = module_of(record)
-    except Exception as e:  # noqa: BLE001 - an entry that no longer builds (an op gone): export again
-        return None, f"an entry was found but did not build ({type(e).__name__}: {e}); exported again"
-    info.details["export_cache"] = f"read ({key[:12]}); export's input guards are not kept"
-    info.details["summary"] += " -- read from the export cache"
-    return (gm, info), ""
-
-
-def _store(cache: ExportCache, key: str, gm: fx.GraphModule, info: TransformInfo, made, note: str) -> str:
-    """Write ``gm`` to the export cache (after checking it builds back the same); says what happened."""
-    if made:
-        return f"{note}; not kept: tensors made in the forward ({len(made)})"
-    try:
-        data = checked_record(gm, info)
-    except Uncacheable as e:
-        return f"{note}; not kept: {e}"
-    except Exception as e:  # noqa: BLE001 - a cache that cannot build its record never fails the export
-        return f"{note}; not kept: building the record failed ({type(e).__name__}: {str(e)[:200]})"
-    why = cache.put(key, data)
-    return f"{note}; {why}" if why else f"{note}; written ({key[:12]})"
-
-
-def _cut_experts(traced: torch.nn.Module, cfg: ExportToGMConfig) -> Dict[str, Any]:
-    """Cut the stacked experts of ``traced`` (a meta twin) to N = ``cfg.num_moe_experts_for_export``.
-
-    Each experts module's ``num_experts`` is set to N too (transformers' grouped GEMM checks that the
-    histogram of routed ids has one bin per stacked expert). Returns ``{"shapes": parameter name ->
-    full shape, "counts": experts class name -> full count}``, empty when nothing is cut."""
-    n = cfg.num_moe_experts_for_export
-    if n is None:
-        return {}
-    if cfg.trace_device != "meta":
-        raise ValueError("export_to_gm.num_moe_experts_for_export needs trace_device=meta (it cuts a meta twin)")
-    shapes: Dict[str, torch.Size] = {}
-    counts: Dict[str, int] = {}
-    for path, m in traced.named_modules():
-        count = getattr(m, "num_experts", None)
-        # transformers' stacked experts: @use_experts_implementation sets _is_expert_parallel
-        if not hasattr(m, "_is_expert_parallel") or not isinstance(count, int) or count <= n:
-            continue
-        cls = f"{type(m).__module__}.{type(m).__qualname__}"
-        if counts.setdefault(cls, count) != count:
-            raise ValueError(f"export_to_gm.num_moe_experts_for_export: {cls} modules differ in expert count")
-        for name, p in list(m.named_parameters(recurse=False)):
-            if p.dim() >= 2 and p.shape[0] == count:  # [E, ...] stacked weights and biases
-                shapes[f"{path}.{name}" if path else name] = p.shape
-                setattr(m, name, torch.nn.Parameter(p.detach()[:n], requires_grad=False))
-        m.num_experts = n
-    if not shapes:
-        raise ValueError(
-            f"export_to_gm.num_moe_experts_for_export={n}: the model has no stacked experts module "
-            "(transformers' @use_experts_implementation experts) with more than that many experts"
-        )
-    return {"n": n, "shapes": shapes, "counts": counts}
-
-
-# Where transformers' experts forwards put the expert count E in the graph (argument index, offset
-# from E): histc(ids, bins=E, min=0, max=E-1); the expert-parallel sentinel test ids >= E and clamps
-# to E-1 (no-ops with all experts local).
-_EXPERT_COUNT_ARGS = {
-    aten.histc.default: ((1, 0), (3, -1)),
-    aten.ge.Scalar: ((1, 0),),
-    aten.clamp_.default: ((2, -1),),
-    aten.clamp.default: ((2, -1),),
-}
-
-
-def _restore_experts(gm: fx.GraphModule, cut: Dict[str, Any]) -> None:
-    """Undo ``_cut_experts`` in the graph: the cut expert tensors get their full shape (meta), the
-    experts' count literals their full count, and every fake value is re-derived. A graph whose ops
-    depended on the cut count elsewhere fails here (or differs from a full export: tests compare)."""
-    n, shapes, counts = cut["n"], cut["shapes"], cut["counts"]
-    restored = 0
-    for name, p in list(gm.named_parameters()):
-        shape = shapes.get(name)
-        if shape is None or p.shape == shape:
-            continue
-        owner, _, leaf = name.rpartition(".")
-        module = gm.get_submodule(owner) if owner else gm
-        setattr(module, leaf, torch.nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"), requires_grad=False))
-        restored += 1
-    if restored == 0:
-        raise RuntimeError("export_to_gm.num_moe_experts_for_export: no traced expert tensor was found to restore")
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.target in shapes:
-            node.meta["val"] = fake_value(gm, fetch_attr(gm, node.target))
-        stack = node.meta.get("nn_module_stack") or {}
-        owner_cls = list(stack.values())[-1][1] if stack else None
-        full = counts.get(owner_cls) if isinstance(owner_cls, str) else None
-        if full is None or node.target not in _EXPERT_COUNT_ARGS:
-            continue
-        args = list(node.args)
-        for i, off in _EXPERT_COUNT_ARGS[node.target]:
-            if i < len(args) and args[i] == n + off:
-                args[i] = full + off
-        node.args = tuple(args)
-    try:
-        run_shape_prop(gm)
-    except Exception as e:  # the traced ops read the cut count (e.g. from a weight's shape)
-        raise RuntimeError(
-            "export_to_gm.num_moe_experts_for_export: the graph traced with fewer experts does not run "
-            f"with all of them ({type(e).__name__}: {str(e).splitlines()[0][:200]}); this model's experts "
-            "read the expert count from their weights: export with all experts (leave it None)"
-        ) from e
-
-
-def _meta_constants(gm: fx.GraphModule, ep: Any) -> Dict[str, torch.Tensor]:
-    """The tensors export lifted from the forward (``lifted_tensor_constants``) that hold no values:
-    made on ``meta``. Target name -> the graph module's meta tensor."""
-    out: Dict[str, torch.Tensor] = {}
-    for target in ep.graph_signature.lifted_tensor_constants:
-        try:
-            value = fetch_attr(gm, target)
-        except AttributeError:  # not read by the unlifted module
-            continue
-        if isinstance(value, torch.Tensor) and value.is_meta:
-            out[target] = value
-    return out
-
-
-def _constant_values(made: Dict[str, torch.Tensor], cpu_ep: Any) -> Dict[str, torch.Tensor]:
-    """Each meta constant's value from the CPU export, matched by name, shape and dtype; raises
-    naming those the CPU trace did not make the same way (its code path differed)."""
-    values, differ = {}, []
-    for target, meta in made.items():
-        real = cpu_ep.constants.get(target)
-        if not isinstance(real, torch.Tensor) or real.is_meta or real.shape != meta.shape or real.dtype != meta.dtype:
-            got = f"{tuple(real.shape)} {real.dtype}" if isinstance(real, torch.Tensor) else "nothing"
-            differ.append(f"{target} ({tuple(meta.shape)} {meta.dtype}; on cpu: {got})")
-            continue
-        values[target] = real.detach().clone()
-    if differ:
-        raise RuntimeError(
-            f"export_to_gm: {len(differ)} tensor(s) made inside the model's forward were lifted by export on meta "
-            f"without values, and a trace on cpu did not make them the same way: {'; '.join(differ[:4])}. "
-            "Export on the model's device instead (export_to_gm.trace_device=model)."
-        )
-    return values
-
-
-def _forget_meta_constants(gm: fx.GraphModule, made: Dict[str, torch.Tensor]) -> None:
-    """The fake values of the ``get_attr`` nodes reading ``made`` carry their meta tensor as the fake
-    tensor's ``constant`` (what fake mode propagates through ops): a constant without data, which
-    moving the fake value to the device (``load_weights``) would try to copy. Dropped; the real values
-    are recorded."""
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if node.op == "get_attr" and node.target in made and getattr(val, "constant", None) is not None:
-            val.constant = None
 
 
 def _model_to_export(mod: torch.nn.Module, ctx) -> Tuple[torch.nn.Module, str]:
@@ -479,80 +299,3 @@ def _check_dynamic(gm: fx.GraphModule, ep: Any) -> Dict[str, str]:
         expr = size.node.expr
         out[name] = str(ep.range_constraints.get(expr, "unbounded"))
     return out
-
-
-def normalize_device_branches(gm: fx.GraphModule) -> Dict[str, int]:
-    """The device-neutralising rewrites (see the module docstring); counts per rewrite."""
-    return {
-        "contiguous_before_reshape": drop_contiguous_before_reshape(gm),
-        "histc_on_float": histc_on_float(gm),
-        "lift_fresh_copy": drop_lift_fresh_copy(gm),
-    }
-
-
-def drop_lift_fresh_copy(gm: fx.GraphModule) -> int:
-    """Remove ``aten.lift_fresh_copy`` of a lifted constant when nothing mutates the copy.
-
-    A tensor made in forward from Python data (``torch.tensor([...])``, a list index) is read
-    through ``lift_fresh_copy`` (a copy, guarding the constant against in-place use) when traced on
-    a device with data, and directly when traced on meta. The copy changes no value unless a user
-    writes to it; dropped, the meta and CPU traces have the same ops.
-    """
-    n = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.lift_fresh_copy.default:
-            continue
-        src = node.args[0]
-        if not isinstance(src, fx.Node) or src.op != "get_attr":
-            continue
-        schemas = [getattr(u.target, "_schema", None) for u in node.users]
-        if any(s is None or s.is_mutable for s in schemas):
-            continue  # a user that may write to the copy (or that we cannot tell)
-        node.replace_all_uses_with(src)
-        gm.graph.erase_node(node)
-        n += 1
-    return n
-
-
-def histc_on_float(gm: fx.GraphModule) -> int:
-    """Make ``histc`` count integer ids cast to float32, not to an integer dtype.
-
-    transformers' grouped-MoE forward casts the sorted expert ids to float on CPU/MPS and to int32
-    elsewhere (CUDA's deterministic histc takes ints; CPU histc rejects them). Traced on meta it
-    takes the int branch, and that graph cannot run on CPU. Float ids count the same (they are small
-    integers, exact in fp32) and run on both, except on CUDA under
-    ``torch.use_deterministic_algorithms(True)``.
-    """
-    n = 0
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not aten.histc.default:
-            continue
-        src = node.args[0]
-        if (
-            isinstance(src, fx.Node)
-            and src.target is aten.to.dtype
-            and len(src.args) >= 2
-            and not src.args[1].is_floating_point
-            and len(src.users) == 1
-        ):
-            src.args = (src.args[0], torch.float32, *src.args[2:])
-            val = src.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                src.meta["val"] = val.to(torch.float32)
-            n += 1
-    return n
-
-
-def drop_contiguous_before_reshape(gm: fx.GraphModule) -> int:
-    """Remove ``aten.contiguous`` nodes whose users are all ``aten.reshape`` (see module docstring)."""
-    n = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.contiguous.default:
-            continue
-        if len(node.args) > 1 or node.kwargs.get("memory_format", torch.contiguous_format) != torch.contiguous_format:
-            continue  # channels-last and friends: a real layout request
-        if node.users and all(u.target is aten.reshape.default for u in node.users):
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-            n += 1
-    return n
