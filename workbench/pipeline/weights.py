@@ -20,7 +20,7 @@ are recorded with ``record_weight_view`` and rebuilt from their base when the ba
 Tensors the model makes inside ``forward`` from Python data (``torch.tensor([...], device=x.device)``,
 an index list such as Falcon's ``fused_qkv[..., [-2], :]``) are constants to ``torch.export``, which
 lifts them into the graph as attributes; made on ``meta`` they hold no values. ``export_to_gm``
-recovers their values (a trace on CPU, see ``export/export_to_gm.py``) and records them with
+recovers their values (a trace on CPU, see ``export/forward_constants.py``) and records them with
 ``record_forward_constant``; they are bound here like weights (the attribute stays ``meta`` until
 ``load_weights``, so the unloaded graph is uniformly weightless).
 
