@@ -17,6 +17,30 @@ def test_transforms_lists_keys_stages_and_fields(capsys):
     out = capsys.readouterr().out
     assert "export_to_gm" in out and "export" in out and "example_seq_len" in out
 
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`workbench transforms | head`: the output's reader closes the pipe; exit 141 as a shell tool
+    would, with no 'error:' line (it was one, as an unexpected BrokenPipeError)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "transforms"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the child has imported torch, so before it writes
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""
+
+
+def test_a_broken_pipe_elsewhere_is_still_an_error(capsys, monkeypatch):
+    import workbench.cli as cli
+
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setitem(cli.COMMANDS, "transforms", broken)
+    assert main(["transforms"]) == 1  # stdout is fine: some other pipe broke
+    assert "error: unexpected BrokenPipeError" in capsys.readouterr().err
+
 def test_bad_override_is_a_clear_error(capsys):
     assert main(["run", "--model", "tiny:llama", "--set", "export_to_gm.strct=true"]) == 2
     err = capsys.readouterr().err

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import sys
 import traceback
 from typing import Any, Optional
@@ -31,6 +32,7 @@ from typing import Any, Optional
 from .errors import InputError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_READER_GONE = 128 + 13  # as a shell tool killed by SIGPIPE: the output's reader went away
 TRACEBACK_ENV = "WORKBENCH_TRACEBACK"
 
 EXIT_STATUSES = (
@@ -38,7 +40,7 @@ EXIT_STATUSES = (
     "1 on a run failure (a transform or a rank failed; a --report or --debug-visualize-dir output failed "
     "after the answer was printed); 2 on a usage or config error (bad flag value, YAML, model spec, device, "
     "directory: said before anything runs); 130 when interrupted (Ctrl-C: the finished transforms are "
-    "printed, then where it stopped). Every failure is one 'error:' line; --traceback (or "
+    "printed, then where it stopped); 141 when the output's reader went away (| head), silently. Every failure is one 'error:' line; --traceback (or "
     f"{TRACEBACK_ENV}=1) adds the whole trace. Without graphviz's dot binary the report leaves its pictures "
     "out and the renders are .dot sources (said up front; exit 0)."
 )
@@ -134,6 +136,26 @@ def say_error(e: BaseException, args: Optional[argparse.Namespace]) -> int:
     return code
 
 
+def stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it (``workbench transforms | head``).
+
+    A ``BrokenPipeError`` says only that *some* pipe broke; a pipe's write end with no reader polls
+    as ``POLLERR``, which tells the CLI's own output apart from, say, a worker's socket. When it is
+    gone, standard output is pointed at ``/dev/null`` so the interpreter's final flush stays quiet."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no real file behind sys.stdout, or no poll here
+        return False
+    if gone:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    return gone
+
+
 def say_interrupted(wb: Any, before_run: str = "while loading the model: nothing was computed yet") -> int:
     """Ctrl-C: where the run stopped (the finished transforms were printed as the table above);
     ``before_run`` when there is no Workbench (yet)."""
@@ -156,6 +178,7 @@ __all__ = [
     "EXIT_FAILED",
     "EXIT_USAGE",
     "EXIT_INTERRUPTED",
+    "EXIT_READER_GONE",
     "EXIT_STATUSES",
     "TRACEBACK_ENV",
     "check_run_args",
@@ -163,5 +186,6 @@ __all__ = [
     "note_flags_that_do_not_apply",
     "say_error",
     "say_interrupted",
+    "stdout_reader_gone",
     "wants_traceback",
 ]
