@@ -1,14 +1,19 @@
 """The workbench's on-disk cache: ``$WORKBENCH_CACHE_DIR`` (default ``~/.cache/workbench``; ``off``,
 ``0``, ``none`` or empty switch it off). It holds what is derived once and keyed by its inputs:
 converted GGUF copies, the built C++ kernels, the ops of each traced pattern, numerics probe
-results (``pipeline/probe_cache.py``)."""
+results (``pipeline/probe_cache.py``), exported graphs (``pipeline/transforms/export/export_cache.py``).
+
+The probe and export caches are keyed by the workbench's own source among other things, so every
+update of the code starts new entries and the old ones are never read again. Those two directories
+are kept within a size (``keep_within``): the least recently used entries (written or read: a read
+``touch``es its file) go first, once per cache object, which is once per run."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 _VAR = "WORKBENCH_CACHE_DIR"
 
@@ -56,3 +61,48 @@ def write_atomically(path: Path, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def touch(path: Path) -> None:
+    """Mark ``path`` as just used (its mtime), for ``keep_within``; a read-only cache stays as it is."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _entries(directory: Path, suffix: str) -> Iterator[Tuple[float, int, Path]]:
+    """(mtime, bytes on disk, path) of each ``*suffix`` file; files that vanish meanwhile are skipped."""
+    try:
+        scan = list(os.scandir(directory))
+    except OSError:
+        return
+    for entry in scan:
+        if not entry.name.endswith(suffix):
+            continue
+        try:
+            st = entry.stat()
+        except OSError:
+            continue
+        yield st.st_mtime, st.st_blocks * 512, Path(entry.path)
+
+
+def keep_within(directory: Optional[Path], max_bytes: int, suffix: str) -> int:
+    """Remove the least recently used ``*suffix`` files of ``directory`` (oldest mtime first) until
+    the rest take at most ``max_bytes`` of disk; returns how many went. Another process sharing the
+    cache may remove the same files or read one being removed: a missing entry is recomputed."""
+    if directory is None:
+        return 0
+    entries = sorted(_entries(directory, suffix))
+    total = sum(size for _, size, _ in entries)
+    removed = 0
+    for _, size, path in entries:
+        if total <= max_bytes:
+            break
+        try:
+            path.unlink()
+            removed += 1
+        except OSError:
+            pass
+        total -= size
+    return removed

@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..cache_dir import cache_root, write_atomically
+from ..cache_dir import cache_root, keep_within, touch, write_atomically
 from .numerics import Numerics
 
 _SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".yaml")
@@ -123,17 +123,23 @@ def step_key(base: str, configs: Sequence[Any], sources: str, module: torch.nn.M
 
 
 class ProbeCache:
-    """``$WORKBENCH_CACHE_DIR/probes/<key>.json``: one probe result per file (written atomically)."""
+    """``$WORKBENCH_CACHE_DIR/probes/<key>.json``: one probe result per file (written atomically),
+    the directory kept within ``MAX_BYTES`` (least recently used first, ``cache_dir.keep_within``)."""
+
+    MAX_BYTES = 64 << 20  # ~16,000 results of one 4 KiB block each; a smollm2 run writes 19-20
 
     def __init__(self) -> None:
         root = cache_root()
         self.dir = root / "probes" if root is not None else None
+        self._kept_within = False
 
     def get(self, key: str) -> Optional[Numerics]:
         if self.dir is None:
             return None
+        path = self.dir / f"{key}.json"
         try:
-            data = json.loads((self.dir / f"{key}.json").read_text())
+            data = json.loads(path.read_text())
+            touch(path)
             return Numerics(
                 max_abs=float(data["max_abs"]),
                 rmse_ratio=float(data["rmse_ratio"]),
@@ -154,7 +160,10 @@ class ProbeCache:
         try:
             write_atomically(self.dir / f"{key}.json", json.dumps(data).encode())
         except OSError:
-            pass  # a read-only cache only costs the probes
+            return  # a read-only cache only costs the probes
+        if not self._kept_within:  # one scan of the directory per run
+            self._kept_within = True
+            keep_within(self.dir, self.MAX_BYTES, ".json")
 
 
 __all__ = ["ProbeCache", "run_key", "step_key", "transform_source_key", "workbench_source_hash"]
