@@ -1,7 +1,7 @@
 """What a `workbench run` process loads before it needs it.
 
-Importing the workbench must not import Dynamo (with Inductor and Triton: ~0.7 s, ~110 MB); a CLI
-program run on a machine where no Triton kernel can run keeps triton unloaded (~72 MB, ~0.3 s),
+Importing the workbench must not import Dynamo (with Inductor and Triton: ~1 s, ~140 MB); a CLI
+program run on a machine where no Triton kernel can run keeps triton unloaded (~72 MB),
 and still answers. Each case runs in a fresh interpreter: what is imported is per process.
 """
 

@@ -5,8 +5,8 @@ results (``pipeline/probe_cache.py``), exported graphs (``pipeline/transforms/ex
 
 The probe and export caches are keyed by the workbench's own source among other things, so every
 update of the code starts new entries and the old ones are never read again. Those two directories
-are kept within a size (``keep_within``): the least recently used entries (written or read: a read
-``touch``es its file) go first, once per cache object, which is once per run."""
+are ``KeyedFiles`` kept within a size (``keep_within``): the least recently used entries (written or
+read: a read ``touch``es its file) go first, once per cache object, which is once per run."""
 
 from __future__ import annotations
 
@@ -61,6 +61,45 @@ def write_atomically(path: Path, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+class KeyedFiles:
+    """``$WORKBENCH_CACHE_DIR/<subdir>/<key><suffix>``: one entry per file, written atomically, the
+    directory kept within ``max_bytes`` (``keep_within``, at the first write of this object: one
+    scan per run). ``dir`` is None when the cache is switched off."""
+
+    def __init__(self, subdir: str, suffix: str, max_bytes: int) -> None:
+        root = cache_root()
+        self.dir = root / subdir if root is not None else None
+        self.suffix, self.max_bytes = suffix, max_bytes
+        self._kept_within = False
+
+    def read(self, key: str) -> Optional[bytes]:
+        """The entry's bytes, or None (absent, unreadable, or the cache off). A caller that finds
+        them valid marks the entry ``used``."""
+        if self.dir is None:
+            return None
+        try:
+            return (self.dir / f"{key}{self.suffix}").read_bytes()
+        except OSError:
+            return None
+
+    def used(self, key: str) -> None:
+        if self.dir is not None:
+            touch(self.dir / f"{key}{self.suffix}")
+
+    def write(self, key: str, data: bytes) -> Optional[str]:
+        """Write the entry; returns why not when it cannot be (a read-only cache only costs the work)."""
+        if self.dir is None:
+            return "the cache is off"
+        try:
+            write_atomically(self.dir / f"{key}{self.suffix}", data)
+        except OSError as e:
+            return f"not written: {e}"
+        if not self._kept_within:
+            self._kept_within = True
+            keep_within(self.dir, self.max_bytes, self.suffix)
+        return None
 
 
 def touch(path: Path) -> None:

@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..cache_dir import cache_root, keep_within, touch, write_atomically
+from ..cache_dir import KeyedFiles
 from .numerics import Numerics
 
 _SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".yaml")
@@ -123,47 +123,40 @@ def step_key(base: str, configs: Sequence[Any], sources: str, module: torch.nn.M
 
 
 class ProbeCache:
-    """``$WORKBENCH_CACHE_DIR/probes/<key>.json``: one probe result per file (written atomically),
-    the directory kept within ``MAX_BYTES`` (least recently used first, ``cache_dir.keep_within``)."""
+    """``$WORKBENCH_CACHE_DIR/probes/<key>.json``: one probe result per file (``cache_dir.KeyedFiles``:
+    written atomically, the directory kept within ``MAX_BYTES``, least recently used first)."""
 
     MAX_BYTES = 64 << 20  # ~16,000 results of one 4 KiB block each; a smollm2 run writes 19-20
 
     def __init__(self) -> None:
-        root = cache_root()
-        self.dir = root / "probes" if root is not None else None
-        self._kept_within = False
+        self.files = KeyedFiles("probes", ".json", self.MAX_BYTES)
 
     def get(self, key: str) -> Optional[Numerics]:
-        if self.dir is None:
+        data = self.files.read(key)
+        if data is None:
             return None
-        path = self.dir / f"{key}.json"
         try:
-            data = json.loads(path.read_text())
-            touch(path)
-            return Numerics(
-                max_abs=float(data["max_abs"]),
-                rmse_ratio=float(data["rmse_ratio"]),
-                top1_agreement=float(data["top1_agreement"]),
+            parsed = json.loads(data)
+            numerics = Numerics(
+                max_abs=float(parsed["max_abs"]),
+                rmse_ratio=float(parsed["rmse_ratio"]),
+                top1_agreement=float(parsed["top1_agreement"]),
                 from_cache=True,
             )
-        except (OSError, ValueError, KeyError, TypeError):
-            return None  # absent or unreadable: the probe runs
+        except (ValueError, KeyError, TypeError):
+            return None  # unreadable: the probe runs
+        self.files.used(key)
+        return numerics
 
     def put(self, key: str, numerics: Numerics) -> None:
-        if self.dir is None or not numerics.ok or numerics.from_cache:
+        if not numerics.ok or numerics.from_cache:
             return
         data = {
             "max_abs": numerics.max_abs,
             "rmse_ratio": numerics.rmse_ratio,
             "top1_agreement": numerics.top1_agreement,
         }
-        try:
-            write_atomically(self.dir / f"{key}.json", json.dumps(data).encode())
-        except OSError:
-            return  # a read-only cache only costs the probes
-        if not self._kept_within:  # one scan of the directory per run
-            self._kept_within = True
-            keep_within(self.dir, self.MAX_BYTES, ".json")
+        self.files.write(key, json.dumps(data).encode())  # a read-only cache only costs the probes
 
 
 __all__ = ["ProbeCache", "run_key", "step_key", "transform_source_key", "workbench_source_hash"]

@@ -204,14 +204,14 @@ def inductor_options(device: torch.device) -> Dict[str, Any]:
         "cpp_wrapper": True,
         "size_asserts": False,
         "alignment_asserts": False,
-        "post_grad_custom_pre_pass": _workbench_ops_key(),
+        "post_grad_custom_pre_pass": _workbench_ops_key_class()(),
     }
 
 
 @functools.lru_cache(maxsize=None)
 def _workbench_ops_key_class() -> type:
-    """``_WorkbenchOpsKey``, made on first use: ``torch._inductor`` imports Dynamo and Triton (~0.7 s,
-    ~110 MB), which a run that never compiles should not pay at import time."""
+    """``_WorkbenchOpsKey``, made on first use: ``torch._inductor`` imports Dynamo and Triton (~1 s,
+    ~140 MB after ``import torch``), which a run that never compiles should not pay at import time."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class _WorkbenchOpsKey(CustomGraphPass):
@@ -227,10 +227,6 @@ def _workbench_ops_key_class() -> type:
             return _ops_schema_hash()
 
     return _WorkbenchOpsKey
-
-
-def _workbench_ops_key() -> Any:
-    return _workbench_ops_key_class()()
 
 
 def _ops_schema_hash() -> str:

@@ -73,7 +73,7 @@ def _compiler_disabled_forward(cls: type) -> None:
     """Make ``cls.forward`` opaque to ``torch.compile`` (``torch.compiler.disable``), once per class.
 
     Done when the first marker is made rather than with a decorator at import: the decorator imports
-    Dynamo (with Inductor and Triton, ~0.7 s and ~110 MB), which every process importing the
+    Dynamo (with Inductor and Triton, ~1 s and ~140 MB), which every process importing the
     transforms would pay, while markers exist only in multi-stream CUDA graphs."""
     if "forward" in cls.__dict__ and getattr(cls.__dict__["forward"], "_torchdynamo_disable", False):
         return

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from ....cache_dir import cache_root, keep_within, touch, write_atomically
+from ....cache_dir import KeyedFiles
 from ...interface import TransformInfo
 from ...probe_cache import workbench_source_hash
 from .graph_record import FORMAT, Uncacheable, describe, module_of, record_of
@@ -101,43 +101,31 @@ def _module_attributes(module: torch.nn.Module) -> List[str]:
 
 
 class ExportCache:
-    """``$WORKBENCH_CACHE_DIR/exports/<key>.pkl``: one exported graph per file, written atomically,
-    the directory kept within ``MAX_BYTES`` (least recently used first, ``cache_dir.keep_within``)."""
+    """``$WORKBENCH_CACHE_DIR/exports/<key>.pkl``: one exported graph per file (``cache_dir.KeyedFiles``:
+    written atomically, the directory kept within ``MAX_BYTES``, least recently used first)."""
 
     MAX_BYTES = 512 << 20  # smollm2's entry is ~0.5 MB
 
     def __init__(self) -> None:
-        root = cache_root()
-        self.dir = root / "exports" if root is not None else None
-        self._kept_within = False
+        self.files = KeyedFiles("exports", ".pkl", self.MAX_BYTES)
 
     def get(self, key: str) -> Optional[Dict[str, Any]]:
-        if self.dir is None:
+        data = self.files.read(key)
+        if data is None:
             return None
-        path = self.dir / f"{key}.pkl"
         try:
-            with open(path, "rb") as f:
-                record = pickle.load(f)
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError):
-            return None  # absent, unreadable or from a code version whose classes are gone: export again
+            record = pickle.loads(data)
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError):
+            return None  # unreadable or from a code version whose classes are gone: export again
         if not (isinstance(record, dict) and record.get("format") == FORMAT):
             return None
-        touch(path)
+        self.files.used(key)
         return record
 
     def put(self, key: str, data: bytes) -> Optional[str]:
         """Write a pickled record (``checked_record``); returns why not when it cannot be written (a
         read-only cache only costs the trace)."""
-        if self.dir is None:
-            return "the cache is off"
-        try:
-            write_atomically(self.dir / f"{key}.pkl", data)
-        except OSError as e:
-            return f"not written: {e}"
-        if not self._kept_within:  # one scan of the directory per run
-            self._kept_within = True
-            keep_within(self.dir, self.MAX_BYTES, ".pkl")
-        return None
+        return self.files.write(key, data)
 
 
 def checked_record(gm: fx.GraphModule, info: TransformInfo) -> bytes:

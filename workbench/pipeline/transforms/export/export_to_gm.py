@@ -143,9 +143,8 @@ class ExportToGM(Transform[ExportToGMConfig]):
         if read is not None:
             return read
         traced, trace_device = _module_to_trace(mod, cfg.trace_device)
-        few_experts = cut_experts(
-            traced, cfg.num_moe_experts_for_export, cfg.trace_device
-        )  # {} unless num_moe_experts_for_export
+        # {} unless num_moe_experts_for_export
+        few_experts = cut_experts(traced, cfg.num_moe_experts_for_export, cfg.trace_device)
         example = make_batch(ctx.vocab_size, cfg.example_batch_size, cfg.example_seq_len, seed=0, device=trace_device)
         batch = torch.export.Dim.DYNAMIC(min=1, max=max_b)
         seq = torch.export.Dim.DYNAMIC(min=1, max=max_s)
@@ -176,7 +175,7 @@ class ExportToGM(Transform[ExportToGMConfig]):
             gm = ep.module()
         assert ep is not None  # exported with gm
         made = meta_constants(gm, ep)
-        if made:  # tensors made in forward, lifted without values: recover them (module docstring)
+        if made:  # tensors made in forward, lifted without values: recover them (forward_constants.py)
             cpu_twin = to_empty_keep_ties(meta_twin(mod), torch.device("cpu"))
             if stamped_path is not None:
                 cpu_twin = truncated(cpu_twin, stamped_path, TRACED)

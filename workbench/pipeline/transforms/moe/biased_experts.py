@@ -46,7 +46,7 @@ def grouped_mm_op():
     """``torch.ops.transformers.grouped_mm_fallback``, or None while transformers' MoE integration
     is not imported (or lacks it). The op is registered when ``transformers.integrations.moe`` is
     imported, which every model whose experts use it does when it loads: a graph holding the op
-    implies the module is loaded. Importing it only to look would import Dynamo (~0.7 s, ~110 MB)
+    implies the module is loaded. Importing it only to look would import Dynamo (~1 s, ~140 MB)
     into every run."""
     if "transformers.integrations.moe" not in sys.modules:
         return None
