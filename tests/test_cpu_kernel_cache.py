@@ -21,16 +21,20 @@ from workbench.ops import cpu_kernels
 
 @pytest.fixture
 def fresh_load(monkeypatch):
-    """``load()`` computed again under this test's environment, on any CPU, and forgotten after it."""
-    monkeypatch.setattr(cpu_kernels, "_missing_prerequisite", lambda: None)
+    """``load()`` computed again under this test's environment, on any CPU (the avx2 build chosen, its
+    library reporting itself as that once loaded), and forgotten after it."""
+    avx2 = cpu_kernels.isa.BY_NAME["avx2"]
+    monkeypatch.setattr(cpu_kernels.isa, "choose", lambda: (avx2, ""))
+    monkeypatch.setattr(cpu_kernels.build, "missing_tools", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "loaded_variant", lambda: "avx2")
     cpu_kernels.load.cache_clear()
     yield
     cpu_kernels.load.cache_clear()
 
 
 def _copy_sources(dest):
-    dest.mkdir()
     for name in cpu_kernels.SOURCES:
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(cpu_kernels.HERE / name, dest / name)
     return dest
 
@@ -40,6 +44,9 @@ def test_build_dir_is_stable_and_under_the_cache_root(tmp_path, monkeypatch):
     first = cpu_kernels.build_dir()
     assert first == cpu_kernels.build_dir()
     assert first.parent == tmp_path / "kernels" and first.name.startswith("cpu-")
+    # one directory per variant: the same sources under other flags and another ISA header
+    names = {cpu_kernels.build_dir(v).name.rsplit("-", 1)[0] for v in cpu_kernels.isa.VARIANTS}
+    assert names == {f"cpu-{v.name}" for v in cpu_kernels.isa.VARIANTS}
 
 
 @pytest.mark.parametrize(

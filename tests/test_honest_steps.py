@@ -139,8 +139,10 @@ def test_the_cache_check_passes_a_working_cache():
     check_cache_carries_past(wb.module, wb.ctx.cache.config, wb.ctx.device, wb.ctx.vocab_size, wb.ctx.dtype)
     assert cache_check_tolerance(torch.float32) == 1e-3
     assert 0.08 < cache_check_tolerance(torch.float32, torch.bfloat16) < 0.09
-    # a graph that rounds activations to int8 blocks (the Q4 model's a8 kernel) drifts by that grid
-    assert 0.08 < cache_check_tolerance(torch.float32, activation_steps=[2.0**-7]) < 0.09
+    # a graph that rounds activations to int8 blocks (the Q4 model's a8 kernel) drifts by that grid,
+    # as far as 0.097 on smollm2 (runner.cache_check_tolerance)
+    assert 0.17 < cache_check_tolerance(torch.float32, activation_steps=[2.0**-7]) < 0.18
+    assert cache_check_tolerance(torch.float32, activation_steps=[0.5]) == 0.71
 
 
 def test_activation_steps_reads_the_quantized_ops_of_a_graph():

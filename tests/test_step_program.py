@@ -14,8 +14,8 @@ from workbench.ops import cpu_kernels
 from workbench.runtime.runner import plain_step, runner_for
 from workbench.runtime.step_program import StepProgramFn, build
 
-WHY = cpu_kernels.load()
-pytestmark = pytest.mark.skipif(WHY is not None, reason=f"the step program is built with the CPU kernels: {WHY}")
+WHY = cpu_kernels.load_step_program()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"the step program's library: {WHY}")
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42]]
 
 
@@ -97,12 +97,13 @@ def test_a_graph_it_cannot_express_is_stepped_from_python_with_the_reason():
     assert build(torch.nn.Linear(2, 2)) == (None, "Linear is not a graph")
 
 
-def test_without_the_kernels_library_the_runner_steps_the_lean_copy_and_says_why(tiny_llama_done, monkeypatch):
-    # a machine with no AVX-512 or no compiler: the library that holds the program is not there
-    monkeypatch.setattr(cpu_kernels, "load", lambda: "this CPU has no AVX-512 (torch reports DEFAULT)")
+def test_without_the_step_program_library_the_runner_steps_the_lean_copy_and_says_why(tiny_llama_done, monkeypatch):
+    # a machine with no compiler: the library that holds the program is not there
+    why = "`g++` is not installed (the Makefile's install step installs it)"
+    monkeypatch.setattr(cpu_kernels, "load_step_program", lambda: why)
     graph = tiny_llama_done.module
     fn, form = plain_step(graph, torch.device("cpu"))
     assert isinstance(fn, fx.GraphModule) and fn is not graph  # the lean copy
-    assert form == "Python graph (this CPU has no AVX-512 (torch reports DEFAULT))"
+    assert form == f"Python graph ({why})"
     fn, form = plain_step(graph, torch.device("cuda"))  # not built for a CUDA graph: its runners replace it
     assert isinstance(fn, fx.GraphModule) and form.startswith("Python graph (runs on CUDA")

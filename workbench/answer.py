@@ -13,8 +13,13 @@ from .runtime.generate import text_prompt_ids
 
 def backends_line(wb: Any, where: str) -> str:
     """``where`` (device, dtype, ranks), then the cached-attention and compile backends of the
-    finished pipeline with the reason each was chosen (as their snapshots recorded it)."""
+    finished pipeline with the reason each was chosen (as their snapshots recorded it). On a CPU
+    also which build of the C++ kernels runs ("C++ kernels, AVX2 build") or why none does."""
     parts = [where]
+    if where.startswith("cpu"):
+        from .ops import cpu_kernels
+
+        parts.append(cpu_kernels.describe())
     for key, what in (("insert_cached_attention", "attention"), ("compile_model", "compile")):
         if key in wb.keys and wb.status(key) == "done":
             details = wb.snapshot(key).info.details

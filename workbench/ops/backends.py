@@ -5,7 +5,7 @@ and the ``post_load_fusion`` transforms swap them for the backend op picked here
 
     table        backend      op (torch.ops.workbench.*)            needs
     attention    torch        torch_cached_attention                nothing (reads lengths on the host)
-    attention    cpu          cpu_cached_attention                  x86 CPU with AVX-512 + g++ (C++ kernel, decode)
+    attention    cpu          cpu_cached_attention                  an x86-64 (AVX2+) or ARM64 CPU + g++ (C++ kernel, decode)
     attention    triton       triton_cached_attention               triton + CUDA (or TRITON_INTERPRET=1)
     attention    flashinfer   flashinfer_cached_attention           flashinfer + CUDA; head_dim 64/128/256
     mla          torch        torch_cached_mla                      nothing (reads lengths on the host)
@@ -17,7 +17,7 @@ and the ``post_load_fusion`` transforms swap them for the backend op picked here
     rope         triton       triton_rope_with_explicit_cos_sin     triton + CUDA (or TRITON_INTERPRET=1)
     silu_mul     torch        torch_silu_and_mul                    nothing
     silu_mul     triton       triton_silu_and_mul                   triton + CUDA (or TRITON_INTERPRET=1)
-    rmsnorm/rope/silu_mul  cpu  cpu_rmsnorm, cpu_rope_with_explicit_cos_sin, cpu_silu_and_mul  AVX-512 + g++
+    rmsnorm/rope/silu_mul  cpu  cpu_rmsnorm, cpu_rope_with_explicit_cos_sin, cpu_silu_and_mul  AVX2+ or NEON + g++
 
 Every table chooses the same way (``BackendRegistry.choose``: an explicit name, or ``auto`` -- the first
 of the table's ``auto_order`` for the device type that runs there and serves the model). Attention
@@ -45,7 +45,10 @@ _ATT, _NORM, _ROPE, _MLP = (
 )
 TRITON_NEEDS = "triton and a CUDA GPU (or TRITON_INTERPRET=1 for CPU tensors)"
 FLASHINFER_NEEDS = "a CUDA GPU and the flashinfer package (pip install flashinfer-python)"
-CPU_KERNELS_NEED = "an x86 CPU with AVX-512, g++ and ninja (the workbench's C++ CPU kernels, built on first use)"
+CPU_KERNELS_NEED = (
+    "an x86-64 CPU with AVX2 (or AVX-512) or an ARM64 CPU, g++ and ninja "
+    "(the workbench's C++ CPU kernels, built on first use)"
+)
 # What an unset (``auto``) ``insert_cached_attention.backend`` tries, in order, per device type: the
 # first that runs there and serves every layer's shape. On CUDA the two that CUDA graphs capture
 # come first (FlashInfer where installed and the shapes fit, else Triton); the host-syncing torch

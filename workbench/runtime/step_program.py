@@ -124,7 +124,7 @@ def build(module: torch.nn.Module) -> Tuple[Optional["StepProgramFn"], str]:
         return None, f"{type(module).__name__} is not a graph"
     from ..ops import cpu_kernels
 
-    why = cpu_kernels.load()
+    why = cpu_kernels.load_step_program()
     if why is not None:
         return None, why
     try:

@@ -5,7 +5,7 @@ against); its kernel is ``workbench/ops/cpu_kernels/attention.cpp``: decode-only
 tensors run there (one pass per sequence and KV head, online softmax, window/cap/sinks honoured),
 everything else (prefill, chunked prefill, other dtypes) is handed to the reference op. Backend
 ``cpu`` of ``insert_cached_attention`` (its availability is ``workbench.ops.cpu_kernels.is_available``:
-unavailable, with the reason, where the kernels cannot be built -- no AVX-512, no compiler).
+unavailable, with the reason, where the kernels cannot be built -- no variant for this CPU, no compiler).
 """
 
 from __future__ import annotations

@@ -1,21 +1,19 @@
-// CPU kernels for the small per-token ops of a decode step: RMSNorm, RoPE with explicit cos/sin,
-// SiLU*mul. Each is one pass over its rows in float32 (the reference ops take ~50-80 us a call in
+// The ops of the small per-token ops of a decode step (kernels: elementwise_kernel.h): RMSNorm, RoPE
+// with explicit cos/sin, SiLU*mul. Each is one pass over its rows in float32 (the reference ops take ~50-80 us a call in
 // Python; these take a few). Inputs the kernels do not cover (other dtypes, odd shapes) are handed
 // to the reference op through the dispatcher, so each op is a drop-in backend for every input.
 // Semantics: workbench/ops/normalization/torch_norms.py, rope/torch_rope.py, mlp/torch_silu_mul.py.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
-#include <immintrin.h>
 
 #include <cmath>
 #include <tuple>
 
-#include "vec_math.h"
+#include "elementwise_kernel.h"
 
 namespace {
 
@@ -34,34 +32,13 @@ at::Tensor cpu_rmsnorm(const at::Tensor& input, const at::Tensor& weight, double
   }
   const at::Tensor x = input.contiguous(), w = weight.contiguous();
   at::Tensor out = at::empty_like(x);
-  const int64_t rows = x.numel() / h;
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xp + r * h;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t i = 0; i < h; i += 16) {
-        const __m512 v = _mm512_loadu_ps(xr + i);
-        acc = _mm512_fmadd_ps(v, v, acc);
-      }
-      const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(h) + static_cast<float>(eps));
-      const __m512 vinv = _mm512_set1_ps(inv);
-      for (int64_t i = 0; i < h; i += 16)
-        _mm512_storeu_ps(op + r * h + i, _mm512_mul_ps(_mm512_loadu_ps(wp + i), _mm512_mul_ps(_mm512_loadu_ps(xr + i), vinv)));
-    }
+  wb::parallel_for(0, x.numel() / h, 64, [&](int64_t r0, int64_t r1) {
+    wb::rmsnorm_rows(xp, wp, op, h, static_cast<float>(eps), r0, r1);
   });
   return out;
-}
-
-// x * cos + rotate_half(x) * sin for one head vector of d values (rotate_half(x) = [-x2, x1])
-inline void rotate(const float* x, const float* c, const float* s, float* o, int64_t d) {
-  const int64_t half = d / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    o[i] = x[i] * c[i] - x[i + half] * s[i];
-    o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
-  }
 }
 
 at::Tensor rope_one(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t unsqueeze_dim) {
@@ -82,7 +59,7 @@ at::Tensor rope_one(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
     for (int64_t t = 0; t < S; ++t)
       for (int64_t n = 0; n < N; ++n) {
         const int64_t off = unsqueeze_dim == 1 ? ((b * N + n) * S + t) * d : ((b * S + t) * N + n) * d;
-        rotate(xp + b * sb + t * ss + n * sn, cp + b * cb + t * d, sp + b * cb + t * d, op + off, d);
+        wb::rotate(xp + b * sb + t * ss + n * sn, cp + b * cb + t * d, sp + b * cb + t * d, op + off, d);
       }
   return out;
 }
@@ -117,13 +94,7 @@ at::Tensor cpu_silu_and_mul(const at::Tensor& input) {
   const int64_t rows = x.numel() / two;
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t i = 0; i < inner; i += 16) {
-        const __m512 g = _mm512_loadu_ps(xp + r * two + i), u = _mm512_loadu_ps(xp + r * two + inner + i);
-        _mm512_storeu_ps(op + r * inner + i, _mm512_mul_ps(silu(g), u));
-      }
-  });
+  wb::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { wb::silu_and_mul_rows(xp, op, inner, r0, r1); });
   return out;
 }
 

@@ -19,8 +19,8 @@ for small M. Two rewrites, chosen by ``layout``:
 
 * ``kernel`` (what ``auto`` picks on CPU when the workbench's C++ kernels build there): fp32
   linears -> ``cpu_linear``, canonical ``torch_int4_linear`` / ``torch_int8_linear`` ->
-  ``cpu_int4_linear`` / ``cpu_int8_linear`` (``workbench/ops/cpu_kernels``): one AVX-512 pass over
-  the weights as loaded per 8 rows of input (up to 16 rows; larger inputs go to BLAS). Nothing is
+  ``cpu_int4_linear`` / ``cpu_int8_linear`` (``workbench/ops/cpu_kernels``, this CPU's AVX-512, AVX2 or NEON
+  build): one pass over the weights as loaded per 8 rows of input (up to 16 rows; larger inputs go to BLAS). Nothing is
   copied. Quantized linears are rewritten under every layout except ``nk``, which keeps the
   reference ops (dequantize, then ``F.linear``) -- the ground truth the numerics compare against.
 
@@ -57,8 +57,8 @@ class LinearWeightLayoutConfig(TransformConfig):
         description="What the int4 CPU kernel multiplies the 4-bit weights with in decode "
         "steps (<= 16 rows): 'fp32' (the activations as they are: equal to the reference op up to summation "
         "order) or 'int8' (activations rounded to 8 bits per block of 32, scale max|x|/127, and integer "
-        "VNNI dot products, as llama.cpp does for Q4 weights: faster, a numerics change the probe reports; "
-        "needs AVX512-VNNI, else the exact kernel runs). Prefill inputs are always exact.",
+        "integer dot products, as llama.cpp does for Q4 weights: a numerics change the probe reports; AVX512-VNNI, "
+        "AVX2 or NEON byte dot products). Prefill inputs are always exact.",
     )
     expect_mem_change: bool = Field(
         default=True, description="Transposed copies replace (or, when tied, add to) the weights."
@@ -109,8 +109,8 @@ class LinearWeightLayout(Transform[LinearWeightLayoutConfig]):
                 info.details["auto"] = note
             if quantized:
                 info.details["int4_activations"] = self.config.int4_activations
-                if self.config.int4_activations == "int8" and not cpu_kernels.has_vnni():
-                    info.details["int4_activations"] = "fp32 (int8 asked: this CPU has no AVX512-VNNI)"
+                if self.config.int4_activations == "int8":
+                    info.details["int4_activations"] = f"int8 ({cpu_kernels.int8_dot()})"
             return gm, info
         done: Dict[str, str] = {}  # original weight target -> transposed target (shared weights once)
         new_bytes = 0
@@ -215,7 +215,7 @@ def _to_quantized_kernels(gm: fx.GraphModule, device: torch.device, int4_activat
         if node.op != "call_function" or node.target not in table:
             continue
         kernel, scale_args = table[node.target]
-        if kernel == "cpu_int4_linear" and int4_activations == "int8" and cpu_kernels.has_vnni():
+        if kernel == "cpu_int4_linear" and int4_activations == "int8":
             kernel = "cpu_int4_linear_a8"
         x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
         if getattr(x, "dtype", None) != torch.float32:
