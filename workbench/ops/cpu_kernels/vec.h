@@ -90,6 +90,7 @@ constexpr const char* kIsa = "neon";
 
 WB_INLINE void prefetch_t0(const void* p) { __builtin_prefetch(p, 0, 3); }
 WB_INLINE void prefetch_t1(const void* p) { __builtin_prefetch(p, 0, 2); }
+WB_INLINE void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 1); }  // x86: prefetcht2
 
 // exp(x) for x <= 0 (softmax after subtracting the maximum): x = n ln2 + r, |r| <= ln2/2, exp(r) by
 // a degree-6 polynomial (relative error ~2e-7, below fp32 rounding of the sum), times 2^n.

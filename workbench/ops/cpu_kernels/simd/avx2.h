@@ -69,13 +69,13 @@ WB_INLINE Vec vtranspose_sum(const Vec* a) {
 
 // The 32 codes of a Q4 block (16 bytes: byte j = weight j | weight j+16 << 4) as floats, in weight order.
 WB_INLINE void q4_block(const uint8_t* p, Vec* out) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i low4 = _mm_set1_epi8(0x0f);
-  const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-  out[0].v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  out[1].v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo)));
-  out[2].v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  out[3].v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi)));
+  const __m256i w0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i w1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  const __m256i low4 = _mm256_set1_epi32(15);
+  out[0].v = _mm256_cvtepi32_ps(_mm256_and_si256(w0, low4));
+  out[1].v = _mm256_cvtepi32_ps(_mm256_and_si256(w1, low4));
+  out[2].v = _mm256_cvtepi32_ps(_mm256_srli_epi32(w0, 4));
+  out[3].v = _mm256_cvtepi32_ps(_mm256_srli_epi32(w1, 4));
 }
 
 // The 32 codes of a Q8 block (32 signed bytes) as floats.
