@@ -20,6 +20,10 @@ def backends_line(wb: Any, where: str) -> str:
         from .ops import cpu_kernels
 
         parts.append(cpu_kernels.describe())
+    if "linear_weight_layout" in wb.keys and wb.status("linear_weight_layout") == "done":
+        summary = wb.snapshot("linear_weight_layout").info.details.get("summary")
+        if summary:
+            parts.append(f"linears: {summary}")
     for key, what in (("insert_cached_attention", "attention"), ("compile_model", "compile")):
         if key in wb.keys and wb.status(key) == "done":
             details = wb.snapshot(key).info.details

@@ -140,20 +140,24 @@ class BackendRegistry(Generic[B]):
         device: torch.device,
         field: str,
         refuse: Callable[[B], Optional[str]] = lambda backend: None,
+        measured: Optional[Tuple[Tuple[str, ...], str]] = None,
     ) -> Choice[B]:
         """The backend ``name`` asks for on ``device`` (``auto``/None: ``auto_order``'s first that
         runs and is not refused) and why. ``refuse(backend)``: why a backend cannot serve this
-        model (None: it can). An explicit name that cannot run or is refused is an error naming the
-        backends that would do."""
+        model (None: it can). ``measured``: (an order, fastest first, and how it was measured) that
+        replaces ``auto_order`` for this device. An explicit name that cannot run or is refused is an
+        error naming the backends that would do."""
         device = torch.device(device)
         if name in (None, "auto"):
             skipped: List[str] = []
-            for candidate in self.auto_order.get(device.type, (self.default,)):
+            order = measured[0] if measured is not None else self.auto_order.get(device.type, (self.default,))
+            for candidate in order:
                 backend = self.get(candidate)
                 why = backend.unavailable_reason(device) or refuse(backend)
                 if why is None:
                     note = f" (passed over: {'; '.join(skipped)})" if skipped else ""
-                    return Choice(backend, f"auto on {device.type}: {backend.name}{note}")
+                    how = f", {measured[1]}" if measured is not None else ""
+                    return Choice(backend, f"auto on {device.type}: {backend.name}{note}{how}")
                 skipped.append(f"{candidate}: {why}")
             name = None  # nothing in the order serves: the default explains itself below
         backend = self.pick(name, device, field)

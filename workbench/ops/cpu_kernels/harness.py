@@ -40,9 +40,9 @@ def _tools(variant: isa.Variant) -> tuple:
         if missing:  # an x86 variant this CPU cannot run: it can still be compiled
             return "g++", None, f"this CPU lacks {' '.join(missing)}"
         return "g++", [], None
-    compiler, emulator, cpkg, epkg = CROSS.get(variant.arch, (None, None, None, None))
-    if compiler is None or isa.machine_arch() != "x86_64":
+    if variant.arch not in CROSS or isa.machine_arch() != "x86_64":
         return None, None, f"no cross toolchain for {variant.arch} on {isa.machine_arch()}"
+    compiler, emulator, cpkg, epkg = CROSS[variant.arch]
     if shutil.which(compiler) is None:
         return None, None, f"`{compiler}` is not installed (Debian package {cpkg})"
     if shutil.which(emulator) is None:
@@ -85,7 +85,16 @@ def compile_ops(name: str, timeout: float = 600) -> Optional[str]:
     for path in cpp_extension.include_paths():
         includes += ["-isystem", path]
     for source in KERNEL_SOURCES:
-        cmd = [compiler, "-std=c++20", "-fsyntax-only", "-O2", "-fopenmp", *variant.flags, *includes, str(HERE / source)]
+        cmd = [
+            compiler,
+            "-std=c++20",
+            "-fsyntax-only",
+            "-O2",
+            "-fopenmp",
+            *variant.flags,
+            *includes,
+            str(HERE / source),
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
             errors = [ln for ln in done.stderr.splitlines() if "error" in ln]

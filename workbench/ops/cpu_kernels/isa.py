@@ -51,11 +51,7 @@ VARIANTS: Tuple[Variant, ...] = (
     Variant("avx512", "x86_64", ("avx512f", "avx512bw", "avx512vl", "avx512dq"), _AVX512, "AVX-512"),
     Variant("avx2", "x86_64", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", "-DWB_ISA_AVX2"), "AVX2"),
     Variant(
-        "neon_dotprod",
-        "aarch64",
-        ("asimd", "asimddp"),
-        ("-march=armv8.2-a+dotprod", "-DWB_ISA_NEON"),
-        "NEON + dotprod",
+        "neon_dotprod", "aarch64", ("asimd", "asimddp"), ("-march=armv8.2-a+dotprod", "-DWB_ISA_NEON"), "NEON + dotprod"
     ),
     Variant("neon", "aarch64", ("asimd",), ("-march=armv8-a", "-DWB_ISA_NEON"), "NEON"),
 )

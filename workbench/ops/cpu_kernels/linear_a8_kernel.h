@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "linear_kernel.h"  // kPrefetchBytes
 #include "vec.h"
 
 namespace wb {
@@ -92,6 +93,10 @@ void a8_tile(const uint8_t* qw, const fp16* sc, const fp16* of, const QuantizedR
     const int64_t r1 = std::min(n + 1, n1 - 1);  // an odd last row is computed twice, stored once
     const uint8_t* row0 = qw + n * (K / 2);
     const uint8_t* row1 = qw + r1 * (K / 2);
+    // the rows about kPrefetchBytes ahead, into L2 (as linear_kernel.h's rows_pass): two rows read
+    // interleaved are followed worse by the hardware prefetchers than one row after another
+    const int64_t ahead = std::max<int64_t>(2, kPrefetchBytes / K) & ~int64_t{1};
+    for (int64_t o = 0; o < K; o += 64) prefetch_l2(qw + (n + ahead) * (K / 2) + o);
     block_scales(sc + n * groups, xd0, ds0, T, blocks, per_group);
     block_scales(sc + r1 * groups, xd0, ds1, T, blocks, per_group);
     // even / odd block accumulators per row: four independent FMA chains at T = 1

@@ -62,9 +62,17 @@ def resolve_backend(
     """The attention backend for ``name`` on ``device`` and why (``BackendRegistry.choose``): an
     explicit name that cannot run or serve a layer of ``layers`` is a clear error naming what it
     needs and what to use instead; ``None``/``auto``: the first backend of ``ATTENTION_AUTO`` that
-    runs here and serves every layer."""
+    runs here and serves every layer; on a CPU in the order this CPU measured them
+    (``ops/cpu_kernels/calibrate.py``)."""
+    measured = None
+    if name in (None, "auto") and torch.device(device).type == "cpu":
+        from ....ops.cpu_kernels.calibrate import ATTENTION_CHOICES, calibration
+
+        cal = calibration()
+        fastest = sorted(ATTENTION_CHOICES, key=lambda c: cal.times.get(f"attention {c}", float("inf")))
+        measured = (tuple(fastest), cal.evidence("attention"))
     return ATTENTION_BACKENDS.choose(
-        name, device, FIELD, refuse=lambda b: describe_refusal(unsupported_layers(b, layers)) or None
+        name, device, FIELD, refuse=lambda b: describe_refusal(unsupported_layers(b, layers)) or None, measured=measured
     )
 
 

@@ -4,7 +4,7 @@ A decode step is a chain of small-M GEMMs (``x [M, K] @ W.T``, ``W [N, K]``, M =
 step). ``aten.linear`` hands MKL that product as is, and MKL streams the row-major weight slowly
 for small M. Two rewrites, chosen by ``layout``:
 
-* ``wxt`` (what ``auto`` picks on CPU for fp32 weights): ``cpu_linear_wxt(x, W, b)`` computes
+* ``wxt``: ``cpu_linear_wxt(x, W, b)`` computes
   ``(W @ x.T).T`` on the weights as loaded -- the orientation in which MKL streams a row-major
   weight fastest at every decode batch size (one row padded to two; ``workbench/ops/mlp/
   cpu_linear_wxt.py`` has the measurements). Nothing is copied. SmolLM2 decode on this project's
@@ -17,14 +17,20 @@ for small M. Two rewrites, chosen by ``layout``:
   original is dropped when nothing else reads it, so memory moves by ``new_bytes - freed_bytes``
   (a tied LM head keeps its embedding table: one extra copy).
 
-* ``kernel`` (what ``auto`` picks on CPU when the workbench's C++ kernels build there): fp32
-  linears -> ``cpu_linear``, canonical ``torch_int4_linear`` / ``torch_int8_linear`` ->
+* ``kernel``: fp32 linears -> ``cpu_linear``, canonical ``torch_int4_linear`` / ``torch_int8_linear`` ->
   ``cpu_int4_linear`` / ``cpu_int8_linear`` (``workbench/ops/cpu_kernels``, this CPU's AVX-512, AVX2 or NEON
   build): one pass over the weights as loaded per 8 rows of input (up to 16 rows; larger inputs go to BLAS). Nothing is
   copied. Quantized linears are rewritten under every layout except ``nk``, which keeps the
   reference ops (dequantize, then ``F.linear``) -- the ground truth the numerics compare against.
 
-On CUDA cuBLAS reads either layout at full speed, so ``layout: auto`` leaves the graph alone there.
+``auto`` on CPU takes what this CPU measured fastest (``workbench/ops/cpu_kernels/calibrate.py``: a
+short calibration once per machine and kernel build, cached): for fp32 linears ``kernel``, ``wxt``
+or ``nk``; quantized linears go to the C++ kernels where they load, with the int4 activations the
+calibration picked (``int4_activations: auto``: int8 only where it measured at least 10 % faster).
+Where the kernels do not load (no variant for this CPU, no compiler, ``WORKBENCH_CPU_ISA=none``) the
+quantized weights are dequantized once, here, to fp32 linears (the reference op would dequantize
+them on every call), and the fp32 choice applies to them too. On CUDA cuBLAS reads either layout at
+full speed, so ``layout: auto`` leaves the graph alone there.
 """
 
 from __future__ import annotations
@@ -48,17 +54,19 @@ class LinearWeightLayoutConfig(TransformConfig):
         default="auto",
         description="How linears read their weights: 'nk' (aten.linear on the weight as "
         "loaded, [out, in]), 'kn' (matmul on a transposed copy [in, out]), 'wxt' (the weight as loaded, "
-        "computed as (W @ x.T).T by workbench.cpu_linear_wxt: MKL's fastest orientation for decode "
-        "batches), 'kernel' (the workbench's C++ CPU kernels, fp32 and int4/int8), 'auto' (kernel on CPU where it "
-        "builds, else wxt for fp32 weights; nk on other devices).",
+        "computed as (W @ x.T).T by workbench.cpu_linear_wxt), 'kernel' (the workbench's C++ CPU kernels, "
+        "fp32 and int4/int8), 'auto' (on CPU what this CPU measured fastest, cached per machine and kernel "
+        "build: the C++ kernels for quantized weights where they load, else the weights dequantized once; "
+        "kernel, wxt or nk for fp32 ones; nk on other devices).",
     )
-    int4_activations: Literal["fp32", "int8"] = Field(
-        default="fp32",
+    int4_activations: Literal["auto", "fp32", "int8"] = Field(
+        default="auto",
         description="What the int4 CPU kernel multiplies the 4-bit weights with in decode "
         "steps (<= 16 rows): 'fp32' (the activations as they are: equal to the reference op up to summation "
-        "order) or 'int8' (activations rounded to 8 bits per block of 32, scale max|x|/127, and integer "
-        "integer dot products, as llama.cpp does for Q4 weights: a numerics change the probe reports; AVX512-VNNI, "
-        "AVX2 or NEON byte dot products). Prefill inputs are always exact.",
+        "order), 'int8' (activations rounded to 8 bits per block of 32, scale max|x|/127, and integer "
+        "dot products, as llama.cpp does for Q4 weights: a numerics change; AVX512-VNNI, AVX2 or NEON byte "
+        "dot products) or 'auto' (int8 where this CPU measured it at least 10 % faster than fp32, else fp32; "
+        "the details say which and the times). Prefill inputs are always exact.",
     )
     expect_mem_change: bool = Field(
         default=True, description="Transposed copies replace (or, when tied, add to) the weights."
@@ -86,31 +94,64 @@ class LinearWeightLayout(Transform[LinearWeightLayoutConfig]):
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[fx.GraphModule, TransformInfo]:
         from ....ops import cpu_kernels
+        from ....ops.cpu_kernels.calibrate import calibration
 
         device = torch.device(ctx.device)
-        layout = self.config.layout
+        layout: str = self.config.layout
+        act: str = self.config.int4_activations
         auto = layout == "auto"
-        note = ""
-        if auto and device.type == "cpu":
-            ok, why = cpu_kernels.is_available(device)
-            layout, note = ("kernel", "") if ok else ("wxt", f"CPU kernels unavailable: {why}")
-        elif auto:
-            layout = "nk"
-        if layout == "nk":
+        if auto and device.type != "cpu":
             return gm, TransformInfo(num_matches=0, details={"layout": "nk (weights left as loaded)"})
-        quantized = _to_quantized_kernels(gm, device, self.config.int4_activations)
-        if layout == "kernel":
-            gm, info = _to_kernels(gm, device)
-        elif layout == "wxt":
-            gm, info = _to_wxt(gm, fp32_only=auto)
-        if layout in ("kernel", "wxt"):
-            info.num_matches += quantized
-            if note:
-                info.details["auto"] = note
+        if layout == "nk":  # the reference ops stay: the ground truth the numerics compare against
+            return gm, TransformInfo(num_matches=0, details={"layout": "nk (weights left as loaded)"})
+        kernels = device.type == "cpu" and cpu_kernels.is_available(device)[0]
+        cal = calibration() if device.type == "cpu" and (auto or act == "auto") else None
+        notes: Dict[str, Any] = {}
+        if auto:
+            assert cal is not None
+            layout = cal.fp32_linear
+            notes["auto"] = f"fp32 linears: {cal.why('fp32_linear')}"
+        if act == "auto":
+            act = cal.int4_activations if cal is not None and kernels else "fp32"
+            if cal is not None and kernels:
+                notes["int4_activations_auto"] = cal.why("int4_activations")
+        summary = []  # one line for the run's summary (Workbench.backends_line)
+        if kernels:
+            quantized = _to_quantized_kernels(gm, device, act)
             if quantized:
-                info.details["int4_activations"] = self.config.int4_activations
-                if self.config.int4_activations == "int8":
-                    info.details["int4_activations"] = f"int8 ({cpu_kernels.int8_dot()})"
+                notes["int4_activations"] = "fp32" if act == "fp32" else f"int8 ({cpu_kernels.int8_dot()})"
+                how = (
+                    f" [auto, {cal.evidence('int4_activations')}]"
+                    if cal is not None and "int4_activations_auto" in notes
+                    else ""
+                )
+                exact = "exact fp32 activations" if act == "fp32" else "int8 activations"
+                summary.append(f"{quantized} quantized on the C++ kernels, {exact}{how}")
+        elif auto:  # no C++ kernels here: the quantized weights once to fp32, not on every call
+            quantized, nbytes = _dequantize_once(gm)
+            if quantized:
+                notes["dequantized"] = (
+                    f"{quantized} quantized linears dequantized once to fp32 linears (+{nbytes / 2**20:.1f} MiB): "
+                    f"no C++ kernels here ({cpu_kernels.load()})"
+                )
+                summary.append(f"{quantized} quantized dequantized once to fp32 (+{nbytes / 2**20:.0f} MiB)")
+        else:
+            quantized = 0
+        fp32 = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is LINEAR)
+        if auto and cal is not None and fp32:
+            summary.append(f"{fp32} fp32 as {layout} [auto, {cal.evidence('fp32_linear')}]")
+        if summary:
+            notes["summary"] = "; ".join(summary)
+        if layout in ("kernel", "wxt", "nk"):
+            if layout == "kernel":
+                gm, info = _to_kernels(gm, device)
+            elif layout == "wxt":
+                gm, info = _to_wxt(gm, fp32_only=auto)
+            else:  # auto measured aten.linear fastest for fp32 weights: they stay as loaded
+                info = TransformInfo(num_matches=0, details={"layout": "nk (weights left as loaded)"})
+            info.num_matches += quantized
+            info.is_clean = info.is_clean and not quantized
+            info.details.update(notes)
             return gm, info
         done: Dict[str, str] = {}  # original weight target -> transposed target (shared weights once)
         new_bytes = 0
@@ -129,6 +170,7 @@ class LinearWeightLayout(Transform[LinearWeightLayoutConfig]):
         rewritten = _rewrite_linears(gm, matmul_kn) + quantized
         released = release_weights(gm, list(done))
         details = {
+            **notes,
             "layout": layout,
             "weights": len(done),
             "new_bytes": new_bytes,
@@ -226,6 +268,65 @@ def _to_quantized_kernels(gm: fx.GraphModule, device: torch.device, int4_activat
     if n:
         gm.recompile()
     return n
+
+
+# canonical quantized linear -> (positions of the weight tensors, position of group_size)
+QUANTIZED_WEIGHTS = {"torch_int4_linear": ((1, 2, 3), 4), "torch_int8_linear": ((1, 2), 3)}
+
+
+def _dequantize_once(gm: fx.GraphModule) -> Tuple[int, int]:
+    """Canonical int4/int8 linears with fp32 activations -> ``aten.linear`` on an fp32 copy of the
+    weight, dequantized here once by the op's own reference function (so the values are the ones
+    the reference computes on every call). The packed tensors go when nothing else reads them (a
+    tied int8 embedding keeps its table). Returns (linears rewritten, bytes of the new weights)."""
+    import workbench.ops.quant  # noqa: F401  (registers the canonical ops)
+
+    from ....ops.quant import dequantize_int4, dequantize_int8
+
+    dequantize: Dict[str, Callable[..., torch.Tensor]] = {
+        "torch_int4_linear": dequantize_int4,
+        "torch_int8_linear": dequantize_int8,
+    }
+    table = {getattr(torch.ops.workbench, name).default: name for name in QUANTIZED_WEIGHTS}
+    g, n, new_bytes = gm.graph, 0, 0
+    made: Dict[Tuple[str, ...], str] = {}  # the packed tensors' targets -> the fp32 weight's target
+    packed: list = []
+    for node in [x for x in g.nodes if x.op == "call_function" and x.target in table]:
+        name = table[node.target]
+        positions, group_at = QUANTIZED_WEIGHTS[name]
+        x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        tensors = [param_of(gm, node.args[i]) for i in positions]
+        if getattr(x, "dtype", None) != torch.float32 or any(t is None for t in tensors):
+            continue
+        key = tuple(node.args[i].target for i in positions)
+        if key not in made:
+            with torch.no_grad():
+                weight = dequantize[name](*tensors, node.args[group_at]).float()
+            owner_path, _, base = key[0].rpartition(".")
+            owner = gm.get_submodule(owner_path) if owner_path else gm
+            attr, i = f"{base}_dequantized", 1
+            while hasattr(owner, attr):
+                attr, i = f"{base}_dequantized{i}", i + 1
+            owner.register_parameter(attr, torch.nn.Parameter(weight, requires_grad=False))
+            made[key] = f"{owner_path}.{attr}" if owner_path else attr
+            new_bytes += weight.numel() * weight.element_size()
+            packed += list(key)
+        bias = node.args[group_at + 1] if len(node.args) > group_at + 1 else node.kwargs.get("bias")
+        before = set(g.nodes)
+        with g.inserting_before(node):
+            w = g.get_attr(made[key])
+            w.meta["val"] = fake_value(gm, fetch_attr(gm, made[key]))
+            out = g.call_function(LINEAR, (node.args[0], w, bias))
+            out.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")})
+        annotate_new_nodes(gm, [m for m in g.nodes if m not in before], [node.name], anchor=node)
+        node.replace_all_uses_with(out)
+        g.erase_node(node)
+        n += 1
+    if n:
+        g.lint()
+        gm.recompile()
+        release_weights(gm, packed)
+    return n, new_bytes
 
 
 def _to_kernels(gm: fx.GraphModule, device: torch.device) -> Tuple[fx.GraphModule, TransformInfo]:
