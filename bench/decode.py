@@ -248,9 +248,10 @@ def main() -> None:
                     "on CUDA auto first)")
     ap.add_argument("--attention", default=None,
                     help="insert_cached_attention.backend for the workbench rows (default: the pipeline's auto)")
-    ap.add_argument("--q4-activations", nargs="+", choices=["fp32", "int8"], default=["fp32", "int8"],
-                    help="Q4_1 rows: linear_weight_layout.int4_activations values to run (fp32: exact; "
-                    "int8: activations rounded per block of 32, as llama.cpp)")
+    ap.add_argument("--q4-activations", nargs="+", choices=["auto", "fp32", "int8"], default=["auto", "fp32", "int8"],
+                    help="Q4_1 rows and rounds: linear_weight_layout.int4_activations values to run (auto: the "
+                    "default, what this CPU's calibration picks; fp32: exact; int8: activations rounded per block "
+                    "of 32, as llama.cpp)")
     ap.add_argument("--no-hf-eager", action="store_true", help="skip HF generate eager")
     ap.add_argument("--no-hf-compile", action="store_true", help="skip HF static cache + torch.compile")
     ap.add_argument("--hf-graph-loop", action=argparse.BooleanOptionalAction, default=None,
@@ -326,8 +327,8 @@ def main() -> None:
         del model
         gc.collect()
         q4 = load_model(spec, device=device)  # the file's own Q4_1/Q8_0 weights, kept quantized
-        for act in args.q4_activations:  # linear_weight_layout.int4_activations: exact, or llama.cpp's int8
-            label = "workbench int4 (Q4_1)" + (", int8 act" if act == "int8" else "")
+        for act in args.q4_activations:  # linear_weight_layout.int4_activations: the default, exact, or int8
+            label = "workbench int4 (Q4_1)" + {"auto": ", default act", "fp32": "", "int8": ", int8 act"}[act]
             log.add_all(workbench_rates(q4, device, args.batch_sizes, prompts, args.new_tokens, backends,
                                         label=label, step_bytes=q4.parameter_bytes, peer_dtype=False,
                                         extra_overrides={**attention, "linear_weight_layout.int4_activations": act}))
@@ -337,7 +338,7 @@ def main() -> None:
     if (args.paired_rounds and q4 is not None and not args.no_llama_cpp
             and llama_cpp_unavailable(spec, one, device) is None):
         print_paired_rounds(gguf, loaded, q4, one, args.new_tokens, args.paired_rounds, device, args.paired_dynamo,
-                            args.paired_backends)
+                            args.paired_backends, args.q4_activations)
     print("command: " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]))
 
 
@@ -380,7 +381,8 @@ def llama_cpp_rows(spec: str, gguf: Optional[Path], dtype: torch.dtype, prompts:
 
 def print_paired_rounds(src: Path, fp32, q4, prompts: List[List[int]], new: int, rounds: int,
                         device: torch.device, dynamo_too: bool = False,
-                        backends: Sequence[str] = ("auto", "torch-compile")) -> None:
+                        backends: Sequence[str] = ("auto", "torch-compile"),
+                        activations: Sequence[str] = ("auto", "fp32", "int8")) -> None:
     """bs 1 head to head, alternated: each round times llama.cpp F32, the workbench fp32 rows,
     llama.cpp Q4_1 and the workbench Q4_1 rows (one per compile backend of ``backends``: ``auto`` is
     what a user gets by default) one after the other (best of 2 each), and the ratios are taken
@@ -393,8 +395,9 @@ def print_paired_rounds(src: Path, fp32, q4, prompts: List[List[int]], new: int,
     for backend in backends:
         overrides = {**base, "compile_model.backend": backend}
         runs[f"fp32 {backend}"] = Workbench(fp32, device=device, numerics=False, overrides=overrides)
-        for act in ("fp32", "int8"):
-            runs[f"Q4_1 {'exact' if act == 'fp32' else 'int8 act'} {backend}"] = Workbench(
+        for act in activations:
+            name = {"auto": "default act", "fp32": "exact", "int8": "int8 act"}[act]
+            runs[f"Q4_1 {name} {backend}"] = Workbench(
                 q4, device=device, numerics=False, overrides={**overrides, "linear_weight_layout.int4_activations": act})
     if dynamo_too:  # the same pipelines with no static decode graph: every step through Dynamo
         no_static = {**base, "compile_model.backend": "torch-compile", "compile_model.static_decode_batch_sizes": []}

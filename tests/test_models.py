@@ -112,10 +112,13 @@ def test_tiny_does_not_touch_global_rng():
 
 
 # Archs whose HF forward hands a strided activation to a linear (RecurrentGemma's ``linear_out``
-# reads the transposed conv output): for such inputs the CPU GEMM's last bit depends on the weight
-# tensor's address, so two models with bitwise-equal weights differ by ~6e-7 in the logits (equal
-# with contiguous inputs, also single-threaded).
-STRIDED_GEMM_ARCHS = {"recurrent_gemma"}
+# reads the transposed conv output; the Mamba mixers' ``out_proj`` and ``x_proj`` the transposed
+# scan/conv output): for such inputs the CPU GEMM's last bits depend on the weight tensor's address,
+# so two models with bitwise-equal weights differ in the logits by fp32 round-off (equal with
+# contiguous inputs, also single-threaded). The Mamba family shows it where MKL runs its AVX2 code
+# (an AMD Zen 3 machine; ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 on an AVX-512 one:
+# rms ratios 1e-7 recurrent_gemma, 4e-7 falcon_mamba, 1.7e-6 jamba, 4.0e-6 mamba), not its AVX-512 code.
+STRIDED_GEMM_ARCHS = {"recurrent_gemma", "mamba", "falcon_mamba", "jamba"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -136,8 +139,10 @@ def test_tiny_matches_normally_built_model(arch):
     assert _sd_equal(lm.model, ref)
     for (name, buf), (_, rbuf) in zip(lm.model.named_buffers(), ref.named_buffers()):
         assert torch.equal(buf, rbuf), name
-    if arch in STRIDED_GEMM_ARCHS:  # weights bit-identical (above); the GEMM's last bit is not
-        torch.testing.assert_close(_logits(lm.model), _logits(ref), rtol=0, atol=1e-6)
+    if arch in STRIDED_GEMM_ARCHS:  # weights bit-identical (above); the GEMM's last bits are not
+        got, want = _logits(lm.model), _logits(ref)
+        rel = ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
+        assert rel < 1e-5, rel  # fp32 round-off carried through the layers, not a different model
     else:
         assert torch.equal(_logits(lm.model), _logits(ref))
 

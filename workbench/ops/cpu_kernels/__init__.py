@@ -27,10 +27,11 @@ A second library holds ``torch.classes.workbench.StepProgram`` (``step_program.c
 graph as a list of boxed dispatcher calls, which the plain CPU runner steps with no Python per node
 (``workbench/runtime/step_program.py``). It uses no SIMD and builds wherever a C++ compiler is.
 
-Why our own: at batch 1 a decode step is a chain of matrix-vector products over every weight. MKL's
-fp32 GEMV streams well below the copy bandwidth (``bench/cpu_kernels.py``); ATen's int4 kernel wants
-bf16 activations; and the reference cached attention spends ~200 us per layer in Python and SDPA
-set-up for a few hundred keys. Where no variant runs (another ISA, no compiler, an unusable cache
+Why our own: at batch 1 a decode step is a chain of matrix-vector products over every weight at 4
+or 8 bits, which torch has no fp32-activation kernel for (ATen's int4 kernel wants bf16
+activations); and the reference cached attention spends ~100-200 us per layer in Python and SDPA
+set-up for a few hundred keys. ``bench/cpu_kernels.py`` times every build against torch's ops;
+which of them ``auto`` uses on a CPU is measured there (``calibrate.py``). Where no variant runs (another ISA, no compiler, an unusable cache
 directory, ``WORKBENCH_CPU_ISA=none``) every op's backend reports itself unavailable with the
 reason, and the transforms keep torch's ops (``build.py``: where and how the libraries are built).
 """
@@ -38,6 +39,7 @@ reason, and the transforms keep torch's ops (``build.py``: where and how the lib
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -47,6 +49,8 @@ from ..library import declare_op
 from ..quant.codecs import INT8_BLOCK_STEP
 from . import build, isa
 from .build import HERE
+
+logger = logging.getLogger("workbench")
 
 
 def _linear_fake(input, *args, **kwargs):
@@ -132,6 +136,8 @@ def load() -> Optional[str]:
     else why not. One variant per process: the ops are registered once."""
     why = _missing_prerequisite()
     if why is not None:
+        if isa.requested() not in ("auto", "none"):  # asked for by name: say so now, not only in the summary
+            logger.warning("workbench CPU kernels: %s", why)
         return why
     variant = isa.choose()[0]
     assert variant is not None

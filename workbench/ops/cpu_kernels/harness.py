@@ -71,10 +71,10 @@ def run_harness(name: str, timeout: float = 300) -> HarnessRun:
         return HarnessRun(name, done.returncode == 0, done.stdout + done.stderr)
 
 
-def compile_ops(name: str, timeout: float = 600) -> Optional[str]:
-    """Compile (syntax and types: ``-fsyntax-only``) the ops' ``.cpp`` files for variant ``name``
-    against torch's headers, with the cross compiler for another architecture. None when they
-    compile, else the first error; raises FileNotFoundError when the compiler is missing."""
+def compile_ops(name: str, sources: Sequence[str] = KERNEL_SOURCES, timeout: float = 600) -> Optional[str]:
+    """Compile (syntax and types: ``-fsyntax-only``) the ops' ``.cpp`` files (``sources``) for variant
+    ``name`` against torch's headers, with the cross compiler for another architecture. None when
+    they compile, else the first error; raises FileNotFoundError when the compiler is missing."""
     from torch.utils import cpp_extension
 
     variant = isa.BY_NAME[name]
@@ -84,7 +84,7 @@ def compile_ops(name: str, timeout: float = 600) -> Optional[str]:
     includes: List[str] = []
     for path in cpp_extension.include_paths():
         includes += ["-isystem", path]
-    for source in KERNEL_SOURCES:
+    for source in sources:
         cmd = [
             compiler,
             "-std=c++20",

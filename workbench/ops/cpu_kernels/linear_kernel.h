@@ -30,8 +30,9 @@ constexpr int kMaxTile = 8;  // rows of x per pass over W (accumulators live in 
 // so per 32 weights a pass issues the conversions and one FMA per vector plus one for the scale,
 // where decoding each weight (q * d + m) first cost two per vector.
 // Rows of W interleaved per pass at one row of x: independent FMA chains, and more rows per load of
-// x. Measured (bench/cpu_linear_kernels.py, SmolLM2's 120 int4 linears, one thread, Xeon): AVX2
-// 2 -> 4 -> 8 rows 9.28 -> 8.97 -> 8.43 ms; AVX-512 4 -> 8 rows 6.40 -> 6.46 ms.
+// x. Measured (an ad-hoc loop over SmolLM2's 120 int4 linear shapes, one thread, the Xeon of
+// docs/benchmarks.md, best of 5): AVX2 2 -> 4 -> 8 rows 9.28 -> 8.97 -> 8.43 ms; AVX-512 4 -> 8
+// rows 6.40 -> 6.46 ms.
 constexpr int kPackedRowsPerPass = kL >= 16 ? 4 : 8;
 
 struct Q4 {
