@@ -96,9 +96,8 @@ def test_torch_compile_generates_the_same_tokens_as_torch_simple(wb):
             assert details["inlined_ops"] == {}
             assert any("cpu_rmsnorm" in str(n.target) for n in wb.module.graph.nodes)
         else:
-            from workbench.ops.cpu_kernels.calibrate import calibration
-
-            wxt = {"workbench.cpu_linear_wxt.default": 9} if calibration().fp32_linear == "wxt" else {}
+            layout = wb.snapshot("linear_weight_layout").info.details["auto"]  # "fp32 linears: <picked> (...)"
+            wxt = {"workbench.cpu_linear_wxt.default": 9} if layout.startswith("fp32 linears: wxt ") else {}
             assert details["inlined_ops"] == {"workbench.torch_rmsnorm.default": 5,
                                               "workbench.torch_silu_and_mul.default": 2,
                                               "workbench.torch_rope_with_explicit_cos_sin.default": 2, **wxt}

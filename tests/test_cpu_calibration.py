@@ -1,5 +1,6 @@
 """The CPU calibration behind ``auto`` (workbench/ops/cpu_kernels/calibrate.py): the rules that turn
-times into choices, the cache, and what a bad cache entry gets (measured again, never believed)."""
+times into choices, the cache and its keys, and what a bad cache entry gets (measured again, never
+believed)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from workbench.ops.cpu_kernels import calibrate
 def fresh(tmp_path, monkeypatch):
     """An empty cache directory and no calibration remembered in this process."""
     monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path))
-    calibrate._calibration.cache_clear()
+    calibrate._attention.cache_clear()
     yield tmp_path
-    calibrate._calibration.cache_clear()
+    calibrate._attention.cache_clear()
 
 
 def fake_times(monkeypatch, times):
-    """Every workload "measures" ``times`` (seconds per pass, by candidate) and counts the calls."""
+    """Every workload "measures" ``times`` (seconds per pass, by candidate); returns the candidate
+    sets timed, one list per measurement."""
     calls = []
 
     def best_of(fns, rounds=calibrate.ROUNDS):
@@ -32,80 +34,99 @@ def fake_times(monkeypatch, times):
     return calls
 
 
-TIMES = {"fp32 kernel": 2e-3, "fp32 wxt": 3e-3, "fp32 nk": 1e-3, "int4 fp32": 2e-3, "int4 int8": 1.5e-3,
-         "attention cpu": 1e-4, "attention torch": 4e-3}  # fmt: skip
+def weights(n=3):
+    return [torch.randn(64, 32) for _ in range(n)]
 
 
-def test_the_fastest_candidate_wins_and_int8_needs_a_margin(monkeypatch):
-    fake_times(monkeypatch, TIMES)
-    cal = calibrate.measure(kernels=True)
-    assert (cal.fp32_linear, cal.int4_activations, cal.attention) == ("nk", "int8", "cpu")
-    assert cal.why("fp32_linear") == "nk (calibrated on this CPU: nk 1.00 ms, kernel 2.00 ms, wxt 3.00 ms)"
-    # int8 activations change the numerics: 5 % faster is not enough, 10 % is
-    fake_times(monkeypatch, {**TIMES, "int4 int8": 2e-3 / 1.05})
-    assert calibrate.measure(kernels=True).int4_activations == "fp32"
-    fake_times(monkeypatch, {**TIMES, "int4 int8": 2e-3 / 1.10})
-    assert calibrate.measure(kernels=True).int4_activations == "int8"
+def int4(n=2):
+    return [(torch.zeros(64, 16, dtype=torch.uint8), torch.ones(64, 1).half(), torch.zeros(64, 1).half(), 32)] * n
 
 
-def test_without_kernels_only_the_torch_spellings_are_timed(monkeypatch):
-    calls = fake_times(monkeypatch, TIMES)
-    cal = calibrate.measure(kernels=False)
-    assert calls == [["fp32 nk", "fp32 wxt"], ["attention torch"]]
-    assert (cal.fp32_linear, cal.int4_activations, cal.attention) == ("nk", "fp32", "torch")
-    assert cal.why("attention") == "torch (the only candidate here)"
+def test_the_fastest_fp32_spelling_wins(fresh, monkeypatch):
+    calls = fake_times(monkeypatch, {"kernel": 2e-3, "wxt": 3e-3, "nk": 1e-3})
+    m = calibrate.fp32_linear_choice(weights())
+    assert m.choice == "nk" and calls == [["kernel", "nk", "wxt"]]
+    assert m.why() == "nk (calibrated on this CPU, 3 fp32 linears, 0 MiB: nk 1.00 ms, kernel 2.00 ms, wxt 3.00 ms)"
+
+
+@pytest.mark.parametrize("speedup, expected", [(1.05, "fp32"), (1.10, "int8"), (1.5, "int8")])
+def test_int8_activations_need_a_margin(fresh, monkeypatch, speedup, expected):
+    """int8 activations change the numerics: 5 % faster is not enough, 10 % is."""
+    fake_times(monkeypatch, {"fp32": 2e-3, "int8": 2e-3 / speedup})
+    assert calibrate.int4_activation_choice(int4()).choice == expected
+
+
+def test_without_kernels_only_the_torch_spellings_are_timed(fresh, monkeypatch):
+    from workbench.ops import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "load", lambda: "switched off (WORKBENCH_CPU_ISA=none)")
+    calls = fake_times(monkeypatch, {"wxt": 3e-3, "nk": 1e-3, "torch": 4e-3})
+    assert calibrate.fp32_linear_choice(weights()).choice == "nk"
+    m = calibrate.attention_choice()
+    assert calls == [["nk", "wxt"], ["torch"]]
+    assert m.choice == "torch" and m.why() == "torch (the only candidate here)"
 
 
 def test_measured_once_then_read_from_the_cache(fresh, monkeypatch):
-    calls = fake_times(monkeypatch, TIMES)
-    first = calibrate.calibration()
-    assert not first.cached and calls
+    calls = fake_times(monkeypatch, {"kernel": 2e-3, "wxt": 3e-3, "nk": 1e-3})
+    w = weights()
+    first = calibrate.fp32_linear_choice(w)
+    assert not first.cached and len(calls) == 1
     (entry,) = (fresh / "calibration").iterdir()
-    calibrate._calibration.cache_clear()  # a new process: the file answers
-    calls.clear()
-    again = calibrate.calibration()
-    assert again.cached and not calls
-    assert (again.fp32_linear, again.int4_activations, again.attention) == (first.fp32_linear, first.int4_activations,
-                                                                            first.attention)
-    assert "calibration cached for this CPU" in again.why("fp32_linear")
+    again = calibrate.fp32_linear_choice(w)  # as in a new process: the file answers
+    assert again.cached and len(calls) == 1 and again.choice == first.choice and again.times == first.times
+    assert "calibration cached for this CPU" in again.why()
     assert json.loads(entry.read_text())["times"] == first.times
+    calibrate.fp32_linear_choice(weights(4))  # other shapes: another workload, measured on its own
+    assert len(calls) == 2 and len(list((fresh / "calibration").iterdir())) == 2
 
 
 @pytest.mark.parametrize("edit", [
     lambda d: "not json at all",
-    lambda d: json.dumps({**d, "fp32_linear": "mkl"}),  # a choice that is no candidate
-    lambda d: json.dumps({**d, "attention": "torch", "times": {"fp32 nk": 0.001}}),  # a choice no time backs
-    lambda d: json.dumps({**d, "times": {**d["times"], "fp32 nk": -1.0}}),  # a negative time
-    lambda d: json.dumps({k: v for k, v in d.items() if k != "int4_activations"}),  # a field missing
+    lambda d: json.dumps({**d, "choice": "mkl"}),  # a choice that is no candidate
+    lambda d: json.dumps({**d, "choice": "wxt", "times": {"nk": 0.001}}),  # a choice no time backs
+    lambda d: json.dumps({**d, "times": {**d["times"], "nk": -1.0}}),  # a negative time
+    lambda d: json.dumps({**d, "kind": "attention"}),  # another kind's entry
+    lambda d: json.dumps({k: v for k, v in d.items() if k != "workload"}),  # a field missing
 ])
 def test_a_bad_cache_entry_is_measured_again_and_rewritten(fresh, monkeypatch, edit):
-    calls = fake_times(monkeypatch, TIMES)
-    calibrate.calibration()
+    calls = fake_times(monkeypatch, {"kernel": 2e-3, "wxt": 3e-3, "nk": 1e-3})
+    w = weights()
+    calibrate.fp32_linear_choice(w)
     (entry,) = (fresh / "calibration").iterdir()
     entry.write_text(edit(json.loads(entry.read_text())))
-    calibrate._calibration.cache_clear()
-    calls.clear()
-    cal = calibrate.calibration()
-    assert calls and not cal.cached and cal.fp32_linear == "nk"
-    assert json.loads(entry.read_text())["fp32_linear"] == "nk"  # rewritten
+    m = calibrate.fp32_linear_choice(w)
+    assert len(calls) == 2 and not m.cached and m.choice == "nk"
+    assert json.loads(entry.read_text())["choice"] == "nk"  # rewritten
 
 
 def test_each_thread_count_is_calibrated_on_its_own(fresh, monkeypatch):
-    calls = fake_times(monkeypatch, TIMES)
+    calls = fake_times(monkeypatch, {"kernel": 2e-3, "wxt": 3e-3, "nk": 1e-3})
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        calibrate.calibration()
-        n = len(calls)
+        calibrate.fp32_linear_choice(weights())
         torch.set_num_threads(2)
-        calibrate.calibration()
-        assert len(calls) == 2 * n and len(list((fresh / "calibration").iterdir())) == 2
+        calibrate.fp32_linear_choice(weights())
+        assert len(calls) == 2 and len(list((fresh / "calibration").iterdir())) == 2
     finally:
         torch.set_num_threads(before)
 
 
-def test_a_real_calibration_gives_valid_choices_and_times():
-    cal = calibrate.calibration()
-    assert cal.fp32_linear in calibrate.FP32_CHOICES and cal.attention in calibrate.ATTENTION_CHOICES
-    assert cal.int4_activations in calibrate.ACT_CHOICES
-    assert all(0 < t < 1 for t in cal.times.values()), cal.times
+def test_a_linear_choice_times_at_most_max_bytes_of_weights(fresh, monkeypatch):
+    monkeypatch.setattr(calibrate, "MAX_BYTES", 2 * 64 * 32 * 4)
+    fake_times(monkeypatch, {"kernel": 2e-3, "wxt": 3e-3, "nk": 1e-3})
+    assert calibrate.fp32_linear_choice(weights(5)).workload.startswith("2 fp32 linears")
+
+
+def test_real_calibrations_give_valid_choices_and_times():
+    from workbench.ops import cpu_kernels
+
+    for m in (calibrate.fp32_linear_choice(weights()), calibrate.attention_choice()):
+        assert m.choice in calibrate.CANDIDATES[m.kind] and m.choice in m.times
+        assert all(0 < t < 1 for t in m.times.values()), m.times
+    if cpu_kernels.load() is None:
+        q = torch.randint(0, 256, (256, 64), dtype=torch.uint8)
+        s, o = torch.rand(256, 4).half() * 0.01, torch.zeros(256, 4).half()
+        m = calibrate.int4_activation_choice([(q, s, o, 32)] * 4)
+        assert m.choice in ("fp32", "int8") and set(m.times) == {"fp32", "int8"}

@@ -1,25 +1,30 @@
-"""What ``auto`` picks on a CPU, measured on that CPU: a short calibration once per machine, kernel
-build, torch and thread count, cached in ``$WORKBENCH_CACHE_DIR/calibration``.
+"""What ``auto`` picks on a CPU, measured on that CPU: short timings once per machine, kernel build,
+torch, thread count and workload, cached in ``$WORKBENCH_CACHE_DIR/calibration``.
 
-Which kernel streams a decode step's weights fastest depends on the CPU more than on the model:
-MKL's fp32 GEMV reaches well below the copy bandwidth on some CPUs and not on others; the int4
-kernel with exact fp32 activations is bound by its instruction count on AVX2 and by memory on
-AVX-512, so rounding the activations to int8 (llama.cpp's Q8_1) pays on one and not the other. So
-each choice is timed here, on weights streamed from memory as in a decode step:
+Which spelling streams a decode step's weights fastest depends on the CPU, its caches and its BLAS
+more than on anything a table could hold: on this project's Xeon MKL's ``aten.linear`` at batch 1
+reads fp32 weights as fast as the C++ kernel while ``(W @ x.T).T`` (the fixed fallback of earlier
+versions) takes 2.7x as long; the int4 kernel with exact fp32 activations is bound by its
+instruction count on the AVX2 build, so int8 activations (llama.cpp's Q8_1) pay more there. So each
+choice is timed where it is made, on the workload it is for:
 
-    choice              candidates                                       workload (batch 1)
-    fp32 linears        kernel (cpu_linear) | wxt (MKL, W @ x.T) | nk     12 x [1024, 1024] fp32, 48 MiB
-    int4 activations    fp32 (cpu_int4_linear) | int8 (cpu_int4_linear_a8)  32 x [2048, 1024] Q4_1, 36 MiB
-    attention           cpu (cpu_cached_attention) | torch (reference)   30 layers, 9 / 3 heads, d 64, 512 keys
+    choice              candidates                                            timed on
+    fp32 linears        kernel (cpu_linear) | wxt (MKL, W @ x.T) | nk (aten)  the model's fp32 linears
+    int4 activations    fp32 (cpu_int4_linear) | int8 (cpu_int4_linear_a8)    the model's int4 linears
+    attention           cpu (cpu_cached_attention) | torch (reference)        a decode step: 30 layers, 9 / 3
+                                                                              heads, head dim 64, 512 keys
 
-Each workload is larger than a core's L2 and alive only while it is timed (a first run's peak memory
-rises by the largest, 48 MiB). Each candidate runs a warm-up pass, then ``ROUNDS`` alternated passes
-(best kept), ~0.3 s in all. int8 activations are a numerics change (the activations of decode steps rounded to 8 bits per
-block of 32), so they are picked only when at least ``INT8_MARGIN`` faster than the exact kernel.
-Where the C++ kernels are unavailable only the torch spellings are timed (fp32: wxt | nk).
+A linear choice reads one batch-1 row through every linear of the model (up to ``MAX_BYTES`` of
+weights, in graph order: the weights stream from memory as in a decode step, and no copy of them is
+made); each candidate gets a warm-up pass, then ``ROUNDS`` alternated passes (the best kept):
+~0.2-0.5 s for SmolLM2. int8 activations are a numerics change (the activations of decode steps
+rounded to 8 bits per block of 32), so they are picked only when at least ``INT8_MARGIN`` faster.
+Where the C++ kernels are unavailable only the torch spellings are timed.
 
-A cached entry is read back only if it is well-formed and its choices are among the candidates;
-anything else is measured again (and rewritten).
+The cache key holds the CPU (model name and features), the kernels' build, torch's version, the
+thread count, this file and, for a linear choice, the shapes timed. An entry is read back only if it
+is well-formed and its choice is among the candidates and backed by a time; anything else is
+measured again (and rewritten).
 """
 
 from __future__ import annotations
@@ -29,9 +34,9 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -41,42 +46,35 @@ logger = logging.getLogger("workbench")
 
 ROUNDS = 3
 INT8_MARGIN = 1.10  # int8 activations must measure this much faster than exact to be picked
-FP32_CHOICES = ("kernel", "wxt", "nk")
-ACT_CHOICES = ("fp32", "int8")
-ATTENTION_CHOICES = ("cpu", "torch")
+MAX_BYTES = 512 * 2**20  # weights one pass of a linear choice reads at most
+CANDIDATES = {
+    "fp32 linears": ("kernel", "wxt", "nk"),
+    "int4 activations": ("fp32", "int8"),
+    "attention": ("cpu", "torch"),
+}
 _STORE_BYTES = 1 << 20
 
 
 @dataclass
-class Calibration:
-    """The measured choices and the times behind them (seconds per pass over the workload)."""
+class Measured:
+    """One choice: the candidate taken, the seconds per pass of each candidate timed, and on what."""
 
-    fp32_linear: str  # "kernel" | "wxt" | "nk"
-    int4_activations: str  # "fp32" | "int8"
-    attention: str  # "cpu" | "torch"
+    kind: str  # a key of CANDIDATES
+    choice: str
     times: Dict[str, float] = field(default_factory=dict)
-    seconds: float = 0.0  # how long the calibration took
+    workload: str = ""  # what was timed ("121 linears, 513 MiB")
     cached: bool = False  # read from the cache, not measured in this process
 
-    def speedup(self, slow: str, fast: str) -> Optional[float]:
-        """``times[slow] / times[fast]``, None when either was not measured."""
-        a, b = self.times.get(slow), self.times.get(fast)
-        return a / b if a and b else None
-
-    def evidence(self, choice: str) -> str:
-        """How ``choice`` ("fp32_linear", "int4_activations", "attention") was decided: the
-        candidates' times, fastest first, or that there was only one."""
-        prefix = {"fp32_linear": "fp32 ", "int4_activations": "int4 ", "attention": "attention "}[choice]
-        timed = {k[len(prefix) :]: v for k, v in self.times.items() if k.startswith(prefix)}
-        if len(timed) < 2:
+    def evidence(self) -> str:
+        """The candidates' times, fastest first, and on what ("the only candidate here" when one)."""
+        if len(self.times) < 2:
             return "the only candidate here"
-        ranked = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(timed.items(), key=lambda kv: kv[1]))
+        ranked = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(self.times.items(), key=lambda kv: kv[1]))
         where = "calibration cached for this CPU" if self.cached else "calibrated on this CPU"
-        return f"{where}: {ranked}"
+        return f"{where}, {self.workload}: {ranked}"
 
-    def why(self, choice: str) -> str:
-        """``"<value> (<evidence>)"`` for one choice."""
-        return f"{getattr(self, choice)} ({self.evidence(choice)})"
+    def why(self) -> str:
+        return f"{self.choice} ({self.evidence()})"
 
 
 def _best_of(fns: Dict[str, Callable[[], object]], rounds: int = ROUNDS) -> Dict[str, float]:
@@ -92,35 +90,134 @@ def _best_of(fns: Dict[str, Callable[[], object]], rounds: int = ROUNDS) -> Dict
     return best
 
 
-def _fp32_workload(kernels: bool) -> Dict[str, Callable[[], object]]:
+def _kernels() -> bool:
+    from . import load
+
+    return load() is None
+
+
+def _key(kind: str, workload: str) -> str:
+    from . import build_dir, isa, loaded_variant
+
+    kernels = _kernels()
+    parts: List[str] = [
+        kind,
+        workload,
+        isa.cpu_model(),
+        " ".join(sorted(isa.cpu_features())),
+        str(loaded_variant()) if kernels else "no kernels",
+        build_dir().name if kernels else "",
+        torch.__version__,
+        str(torch.get_num_threads()),
+        hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),  # the workloads and the rules
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def _parse(data: bytes, kind: str) -> Optional[Measured]:
+    """A cached entry, or None when it is not one this module wrote (junk, edited, other fields)."""
+    try:
+        raw = json.loads(data)
+        m = Measured(kind, raw["choice"], raw["times"], raw["workload"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    valid = (
+        raw.get("kind") == kind
+        and m.choice in CANDIDATES[kind]
+        and isinstance(m.times, dict)
+        and all(k in CANDIDATES[kind] and isinstance(v, float) and 0 < v < 60 for k, v in m.times.items())
+        and m.choice in m.times
+        and isinstance(m.workload, str)
+    )
+    return m if valid else None
+
+
+def _cached_or_measured(kind: str, signature: str, measure: Callable[[], Measured]) -> Measured:
+    """The cached entry for (``kind``, ``signature``) on this machine, else ``measure()`` written."""
+    store = cache_dir.KeyedFiles("calibration", ".json", _STORE_BYTES)
+    key = _key(kind, signature)
+    data = store.read(key)
+    found = _parse(data, kind) if data is not None else None
+    if found is not None:
+        store.used(key)
+        found.cached = True
+        return found
+    start = time.perf_counter()
+    m = measure()
+    logger.info("calibrated %s on this CPU in %.2f s: %s", kind, time.perf_counter() - start, m.why())
+    record = {"kind": kind, "choice": m.choice, "times": m.times, "workload": m.workload}
+    store.write(key, json.dumps(record, indent=1).encode())
+    return m
+
+
+T = TypeVar("T")
+
+
+def _subset(items: Sequence[T], nbytes: Callable[[T], int]) -> List[T]:
+    """The first items whose bytes add up to at most MAX_BYTES (at least one)."""
+    out: List[T] = []
+    total = 0
+    for item in items:
+        total += nbytes(item)
+        if out and total > MAX_BYTES:
+            break
+        out.append(item)
+    return out
+
+
+def fp32_linear_choice(weights: Sequence[torch.Tensor]) -> Measured:
+    """The fastest spelling of a batch-1 fp32 linear on these weights ([N, K] each, in the order a
+    step reads them): kernel (where the C++ kernels load), wxt or nk."""
     from ..mlp.cpu_linear_wxt import cpu_linear_wxt
 
-    g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(1024, 1024, generator=g) * 0.02 for _ in range(12)]
-    x = torch.randn(1, 1024, generator=g)
-    fns: Dict[str, Callable[[], object]] = {
-        "fp32 wxt": lambda: [cpu_linear_wxt(x, w) for w in weights],
-        "fp32 nk": lambda: [torch.nn.functional.linear(x, w) for w in weights],
-    }
-    if kernels:
-        op = torch.ops.workbench.cpu_linear
-        fns["fp32 kernel"] = lambda: [op(x, w) for w in weights]
-    return fns
+    timed = _subset(weights, lambda w: w.numel() * w.element_size())
+    mib = sum(w.numel() * w.element_size() for w in timed) / 2**20
+    workload = f"{len(timed)} fp32 linears, {mib:.0f} MiB"
+    signature = workload + " " + " ".join(f"{tuple(w.shape)}" for w in timed)
+
+    def measure() -> Measured:
+        xs = {k: torch.randn(1, k, generator=torch.Generator().manual_seed(k)) for k in {w.shape[1] for w in timed}}
+        fns: Dict[str, Callable[[], object]] = {
+            "wxt": lambda: [cpu_linear_wxt(xs[w.shape[1]], w) for w in timed],
+            "nk": lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in timed],
+        }
+        if _kernels():
+            op = torch.ops.workbench.cpu_linear
+            fns["kernel"] = lambda: [op(xs[w.shape[1]], w) for w in timed]
+        with torch.no_grad():
+            times = _best_of(fns)
+        return Measured("fp32 linears", min(times, key=lambda c: times[c]), times, workload)
+
+    return _cached_or_measured("fp32 linears", signature, measure)
 
 
-def _int4_workload() -> Dict[str, Callable[[], object]]:
-    g = torch.Generator().manual_seed(1)
-    n, k, layers = 2048, 1024, 32
-    one = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
-    codes = [one.clone() for _ in range(layers)]  # distinct memory: streamed, not cache-resident
-    scales = [(torch.rand(n, k // 32, generator=g) * 0.02).half() for _ in range(layers)]
-    offsets = [((torch.rand(n, k // 32, generator=g) - 0.5) * 0.1).half() for _ in range(layers)]
-    x = torch.randn(1, k, generator=g)
-    exact, a8 = torch.ops.workbench.cpu_int4_linear, torch.ops.workbench.cpu_int4_linear_a8
-    return {
-        "int4 fp32": lambda: [exact(x, q, s, o, 32) for q, s, o in zip(codes, scales, offsets)],
-        "int4 int8": lambda: [a8(x, q, s, o, 32) for q, s, o in zip(codes, scales, offsets)],
-    }
+Int4Weights = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]  # qweight, scales, offsets, group_size
+
+
+def int4_activation_choice(linears: Sequence[Int4Weights]) -> Measured:
+    """Exact fp32 or int8 activations for the int4 kernel on these weights (the C++ kernels must be
+    loaded): int8 only when at least INT8_MARGIN faster."""
+
+    def size(w: Int4Weights) -> int:
+        return sum(t.numel() * t.element_size() for t in w[:3])
+
+    timed = _subset(linears, size)
+    workload = f"{len(timed)} int4 linears, {sum(size(w) for w in timed) / 2**20:.0f} MiB"
+    signature = workload + " " + " ".join(f"{tuple(w[0].shape)}/{w[3]}" for w in timed)
+
+    def measure() -> Measured:
+        xs = {w[0].shape[1] * 2: torch.randn(1, w[0].shape[1] * 2) for w in timed}
+        exact, a8 = torch.ops.workbench.cpu_int4_linear, torch.ops.workbench.cpu_int4_linear_a8
+        fns: Dict[str, Callable[[], object]] = {
+            "fp32": lambda: [exact(xs[q.shape[1] * 2], q, s, o, g) for q, s, o, g in timed],
+            "int8": lambda: [a8(xs[q.shape[1] * 2], q, s, o, g) for q, s, o, g in timed],
+        }
+        with torch.no_grad():
+            times = _best_of(fns)
+        choice = "int8" if times["fp32"] >= INT8_MARGIN * times["int8"] else "fp32"
+        return Measured("int4 activations", choice, times, f"{workload} (int8 needs {INT8_MARGIN:.2f}x)")
+
+    return _cached_or_measured("int4 activations", signature, measure)
 
 
 def _attention_workload(kernels: bool) -> Dict[str, Callable[[], object]]:
@@ -134,9 +231,9 @@ def _attention_workload(kernels: bool) -> Dict[str, Callable[[], object]]:
     q, kn, vn = (torch.randn(1, 1, h, d, generator=g) for h in (hq, hkv, hkv))
     meta = (torch.ones(1, dtype=torch.int32), torch.tensor([keys], dtype=torch.int32),
             torch.arange(pages, dtype=torch.int32)[None], 0, d**-0.5)  # fmt: skip
-    ops = {"attention torch": torch.ops.workbench.torch_cached_attention}
+    ops = {"torch": torch.ops.workbench.torch_cached_attention}
     if kernels:
-        ops["attention cpu"] = torch.ops.workbench.cpu_cached_attention
+        ops["cpu"] = torch.ops.workbench.cpu_cached_attention
 
     def run(op: Callable[..., torch.Tensor]) -> Callable[[], object]:
         return lambda: [op(q, kn, vn, kc, vc, *meta) for kc, vc in caches]
@@ -144,86 +241,21 @@ def _attention_workload(kernels: bool) -> Dict[str, Callable[[], object]]:
     return {name: run(op) for name, op in ops.items()}
 
 
-def measure(kernels: bool) -> Calibration:
-    """Time every candidate here (``kernels``: the C++ kernels are loaded) and pick."""
-    start = time.perf_counter()
-    times: Dict[str, float] = {}
-    with torch.no_grad():
-        times.update(_best_of(_fp32_workload(kernels)))
-        if kernels:
-            times.update(_best_of(_int4_workload()))
-        times.update(_best_of(_attention_workload(kernels)))
-    fp32 = min(FP32_CHOICES, key=lambda c: times.get(f"fp32 {c}", float("inf")))
-    act = "fp32"
-    if kernels and times["int4 fp32"] >= INT8_MARGIN * times["int4 int8"]:
-        act = "int8"
-    attention = min(ATTENTION_CHOICES, key=lambda c: times.get(f"attention {c}", float("inf")))
-    return Calibration(fp32, act, attention, times, time.perf_counter() - start)
-
-
-def _key(kernels: bool) -> str:
-    from . import build_dir, isa, loaded_variant
-
-    parts: List[str] = [
-        isa.cpu_model(),
-        " ".join(sorted(isa.cpu_features())),
-        str(loaded_variant()) if kernels else "no kernels",
-        build_dir().name if kernels else "",
-        torch.__version__,
-        str(torch.get_num_threads()),
-        hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),  # the workloads and the rules
-    ]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
-
-
-def _parse(data: bytes) -> Optional[Calibration]:
-    """A cached entry, or None when it is not one this module wrote (junk, edited, other fields)."""
-    try:
-        raw = json.loads(data)
-        cal = Calibration(**{k: raw[k] for k in ("fp32_linear", "int4_activations", "attention", "times", "seconds")})
-    except (ValueError, KeyError, TypeError):
-        return None
-    valid = (
-        cal.fp32_linear in FP32_CHOICES
-        and cal.int4_activations in ACT_CHOICES
-        and cal.attention in ATTENTION_CHOICES
-        and isinstance(cal.times, dict)
-        and all(isinstance(v, float) and 0 < v < 60 for v in cal.times.values())
-        and f"fp32 {cal.fp32_linear}" in cal.times
-        and f"attention {cal.attention}" in cal.times
-    )
-    return cal if valid else None
-
-
 @functools.lru_cache(maxsize=None)
-def _calibration(kernels: bool, threads: int) -> Calibration:
-    store = cache_dir.KeyedFiles("calibration", ".json", _STORE_BYTES)
-    key = _key(kernels)
-    data = store.read(key)
-    cached = _parse(data) if data is not None else None
-    if cached is not None:
-        store.used(key)
-        cached.cached = True
-        return cached
-    cal = measure(kernels)
-    logger.info(
-        "calibrated the CPU's auto choices in %.2f s: fp32 linears %s, int4 activations %s, attention %s",
-        cal.seconds,
-        cal.fp32_linear,
-        cal.int4_activations,
-        cal.attention,
-    )
-    record = {k: v for k, v in asdict(cal).items() if k != "cached"}
-    store.write(key, json.dumps(record, indent=1).encode())
-    return cal
+def _attention(kernels: bool, threads: int) -> Measured:
+    workload = "30 layers x 512 keys"
+
+    def measure() -> Measured:
+        with torch.no_grad():
+            times = _best_of(_attention_workload(kernels))
+        return Measured("attention", min(times, key=lambda c: times[c]), times, workload)
+
+    return _cached_or_measured("attention", workload, measure)
 
 
-def calibration() -> Calibration:
-    """This CPU's calibrated ``auto`` choices for the kernels this process loaded (or none), at the
-    current thread count: measured once, then read from the cache."""
-    from . import load
-
-    return _calibration(load() is None, torch.get_num_threads())
+def attention_choice() -> Measured:
+    """The faster cached attention for decode steps on this CPU (cpu where the kernels load, or torch)."""
+    return _attention(_kernels(), torch.get_num_threads())
 
 
-__all__ = ["Calibration", "calibration", "measure", "INT8_MARGIN"]
+__all__ = ["Measured", "attention_choice", "fp32_linear_choice", "int4_activation_choice", "INT8_MARGIN"]

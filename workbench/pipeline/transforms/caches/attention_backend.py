@@ -66,11 +66,10 @@ def resolve_backend(
     (``ops/cpu_kernels/calibrate.py``)."""
     measured = None
     if name in (None, "auto") and torch.device(device).type == "cpu":
-        from ....ops.cpu_kernels.calibrate import ATTENTION_CHOICES, calibration
+        from ....ops.cpu_kernels.calibrate import attention_choice
 
-        cal = calibration()
-        fastest = sorted(ATTENTION_CHOICES, key=lambda c: cal.times.get(f"attention {c}", float("inf")))
-        measured = (tuple(fastest), cal.evidence("attention"))
+        m = attention_choice()
+        measured = (tuple(sorted(m.times, key=lambda c: m.times[c])), m.evidence())
     return ATTENTION_BACKENDS.choose(
         name, device, FIELD, refuse=lambda b: describe_refusal(unsupported_layers(b, layers)) or None, measured=measured
     )

@@ -94,40 +94,34 @@ class LinearWeightLayout(Transform[LinearWeightLayoutConfig]):
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[fx.GraphModule, TransformInfo]:
         from ....ops import cpu_kernels
-        from ....ops.cpu_kernels.calibrate import calibration
+        from ....ops.cpu_kernels import calibrate
 
         device = torch.device(ctx.device)
         layout: str = self.config.layout
         act: str = self.config.int4_activations
         auto = layout == "auto"
-        if auto and device.type != "cpu":
-            return gm, TransformInfo(num_matches=0, details={"layout": "nk (weights left as loaded)"})
-        if layout == "nk":  # the reference ops stay: the ground truth the numerics compare against
+        if (auto and device.type != "cpu") or layout == "nk":  # nk: the reference ops stay (the ground truth)
             return gm, TransformInfo(num_matches=0, details={"layout": "nk (weights left as loaded)"})
         kernels = device.type == "cpu" and cpu_kernels.is_available(device)[0]
-        cal = calibration() if device.type == "cpu" and (auto or act == "auto") else None
         notes: Dict[str, Any] = {}
-        if auto:
-            assert cal is not None
-            layout = cal.fp32_linear
-            notes["auto"] = f"fp32 linears: {cal.why('fp32_linear')}"
-        if act == "auto":
-            act = cal.int4_activations if cal is not None and kernels else "fp32"
-            if cal is not None and kernels:
-                notes["int4_activations_auto"] = cal.why("int4_activations")
         summary = []  # one line for the run's summary (Workbench.backends_line)
         if kernels:
+            if act == "auto":
+                measured = calibrate.int4_activation_choice(_int4_linears(gm)) if _int4_linears(gm) else None
+                act = measured.choice if measured is not None else "fp32"
+                if measured is not None:
+                    notes["int4_activations_auto"] = measured.why()
             quantized = _to_quantized_kernels(gm, device, act)
             if quantized:
                 notes["int4_activations"] = "fp32" if act == "fp32" else f"int8 ({cpu_kernels.int8_dot()})"
                 how = (
-                    f" [auto, {cal.evidence('int4_activations')}]"
-                    if cal is not None and "int4_activations_auto" in notes
+                    f" [auto, {notes['int4_activations_auto'].split(' (', 1)[1][:-1]}]"
+                    if "int4_activations_auto" in notes
                     else ""
                 )
                 exact = "exact fp32 activations" if act == "fp32" else "int8 activations"
                 summary.append(f"{quantized} quantized on the C++ kernels, {exact}{how}")
-        elif auto:  # no C++ kernels here: the quantized weights once to fp32, not on every call
+        elif auto and device.type == "cpu":  # no C++ kernels here: the quantized weights once to fp32, not per call
             quantized, nbytes = _dequantize_once(gm)
             if quantized:
                 notes["dequantized"] = (
@@ -137,9 +131,13 @@ class LinearWeightLayout(Transform[LinearWeightLayoutConfig]):
                 summary.append(f"{quantized} quantized dequantized once to fp32 (+{nbytes / 2**20:.0f} MiB)")
         else:
             quantized = 0
-        fp32 = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is LINEAR)
-        if auto and cal is not None and fp32:
-            summary.append(f"{fp32} fp32 as {layout} [auto, {cal.evidence('fp32_linear')}]")
+        if auto:
+            weights = _fp32_linear_weights(gm)
+            measured = calibrate.fp32_linear_choice(weights) if weights else None
+            layout = measured.choice if measured is not None else "nk"
+            if measured is not None:
+                notes["auto"] = f"fp32 linears: {measured.why()}"
+                summary.append(f"{len(weights)} fp32 as {layout} [auto, {measured.evidence()}]")
         if summary:
             notes["summary"] = "; ".join(summary)
         if layout in ("kernel", "wxt", "nk"):
@@ -268,6 +266,35 @@ def _to_quantized_kernels(gm: fx.GraphModule, device: torch.device, int4_activat
     if n:
         gm.recompile()
     return n
+
+
+def _fp32_linear_weights(gm: fx.GraphModule) -> list:
+    """The 2-D fp32 weights of the graph's ``aten.linear`` nodes, in graph order (each once)."""
+    out, seen = [], set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is LINEAR:
+            w = param_of(gm, node.args[1])
+            if w is not None and w.dim() == 2 and w.dtype == torch.float32 and id(w) not in seen:
+                seen.add(id(w))
+                out.append(w)
+    return out
+
+
+def _int4_linears(gm: fx.GraphModule) -> list:
+    """(qweight, scales, offsets, group_size) of the canonical int4 linears the C++ kernels take (fp32
+    activations, fp16 scales), in graph order: what the int4 activations are calibrated on."""
+    import workbench.ops.quant  # noqa: F401  (registers the canonical ops)
+
+    op, out = torch.ops.workbench.torch_int4_linear.default, []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not op:
+            continue
+        x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        q, s, o = (param_of(gm, node.args[i]) for i in (1, 2, 3))
+        if getattr(x, "dtype", None) == torch.float32 and q is not None and s is not None and o is not None:
+            if s.dtype == o.dtype == torch.float16 and int(node.args[4]) % 32 == 0:
+                out.append((q, s, o, int(node.args[4])))
+    return out
 
 
 # canonical quantized linear -> (positions of the weight tensors, position of group_size)
