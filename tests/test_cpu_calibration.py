@@ -46,7 +46,14 @@ def test_the_fastest_fp32_spelling_wins(fresh, monkeypatch):
     calls = fake_times(monkeypatch, {"kernel": 2e-3, "wxt": 3e-3, "nk": 1e-3})
     m = calibrate.fp32_linear_choice(weights())
     assert m.choice == "nk" and calls == [["kernel", "nk", "wxt"]]
-    assert m.why() == "nk (calibrated on this CPU, 3 fp32 linears, 0 MiB: nk 1.00 ms, kernel 2.00 ms, wxt 3.00 ms)"
+    assert m.why() == ("nk (calibrated on this CPU, 3 fp32 linears, 0 MiB (others need 1.10x the kernel): "
+                       "nk 1.00 ms, kernel 2.00 ms, wxt 3.00 ms)")
+
+
+@pytest.mark.parametrize("speedup, expected", [(1.05, "kernel"), (1.10, "nk")])
+def test_another_fp32_spelling_must_beat_the_kernel_by_a_margin(fresh, monkeypatch, speedup, expected):
+    fake_times(monkeypatch, {"kernel": 2e-3, "wxt": 3e-3, "nk": 2e-3 / speedup})
+    assert calibrate.fp32_linear_choice(weights()).choice == expected
 
 
 @pytest.mark.parametrize("speedup, expected", [(1.05, "fp32"), (1.10, "int8"), (1.5, "int8")])

@@ -18,7 +18,8 @@ A linear choice reads one batch-1 row through every linear of the model (up to `
 weights, in graph order: the weights stream from memory as in a decode step, and no copy of them is
 made); each candidate gets a warm-up pass, then ``ROUNDS`` alternated passes (the best kept):
 ~0.2-0.5 s for SmolLM2. int8 activations are a numerics change (the activations of decode steps
-rounded to 8 bits per block of 32), so they are picked only when at least ``INT8_MARGIN`` faster.
+rounded to 8 bits per block of 32), so they are picked only when at least ``INT8_MARGIN`` faster;
+an fp32 spelling replaces the C++ kernel only when ``KERNEL_MARGIN`` faster (see there).
 Where the C++ kernels are unavailable only the torch spellings are timed.
 
 The cache key holds the CPU (model name and features), the kernels' build, torch's version, the
@@ -46,6 +47,11 @@ logger = logging.getLogger("workbench")
 
 ROUNDS = 3
 INT8_MARGIN = 1.10  # int8 activations must measure this much faster than exact to be picked
+# Another fp32 spelling must measure this much faster than the C++ kernel to replace it. Linears timed
+# back to back flatter BLAS: SmolLM2's fp32 linears on the Xeon of docs/benchmarks.md, AVX-512 build,
+# timed here nk 18.2 ms vs kernel 19.6 (nk 8 % faster), while whole decode steps, alternated in
+# fresh processes, ran 2-7 % faster on the kernel (3 of 3 pairs).
+KERNEL_MARGIN = 1.10
 MAX_BYTES = 512 * 2**20  # weights one pass of a linear choice reads at most
 CANDIDATES = {
     "fp32 linears": ("kernel", "wxt", "nk"),
@@ -186,7 +192,11 @@ def fp32_linear_choice(weights: Sequence[torch.Tensor]) -> Measured:
             fns["kernel"] = lambda: [op(xs[w.shape[1]], w) for w in timed]
         with torch.no_grad():
             times = _best_of(fns)
-        return Measured("fp32 linears", min(times, key=lambda c: times[c]), times, workload)
+        choice = min(times, key=lambda c: times[c])
+        if "kernel" in times and times[choice] * KERNEL_MARGIN > times["kernel"]:
+            choice = "kernel"
+        note = f" (others need {KERNEL_MARGIN:.2f}x the kernel)" if "kernel" in times else ""
+        return Measured("fp32 linears", choice, times, workload + note)
 
     return _cached_or_measured("fp32 linears", signature, measure)
 
@@ -258,4 +268,11 @@ def attention_choice() -> Measured:
     return _attention(_kernels(), torch.get_num_threads())
 
 
-__all__ = ["Measured", "attention_choice", "fp32_linear_choice", "int4_activation_choice", "INT8_MARGIN"]
+__all__ = [
+    "Measured",
+    "attention_choice",
+    "fp32_linear_choice",
+    "int4_activation_choice",
+    "INT8_MARGIN",
+    "KERNEL_MARGIN",
+]
