@@ -190,17 +190,28 @@ def _rewrite_linears(
         w = param_of(gm, node.args[1])
         if w is None or w.dim() != 2 or (fp32_only and w.dtype != torch.float32):
             continue
-        before = set(g.nodes)
-        with g.inserting_before(node):
-            out = build(g, node, linear_bias(node))
-        annotate_new_nodes(gm, [n for n in g.nodes if n not in before], [node.name], anchor=node)
-        node.replace_all_uses_with(out)
-        g.erase_node(node)
+        bias = linear_bias(node)
+
+        def rewrite(g: fx.Graph, node: fx.Node = node, bias: Any = bias) -> fx.Node:
+            return build(g, node, bias)
+
+        _replace(gm, node, rewrite)
         rewritten += 1
     if rewritten:
         g.lint()
         gm.recompile()
     return rewritten
+
+
+def _replace(gm: fx.GraphModule, node: fx.Node, build: Callable[[fx.Graph], fx.Node]) -> None:
+    """``node`` -> what ``build(graph)`` inserts before it (annotated as coming from it), its uses moved."""
+    g = gm.graph
+    before = set(g.nodes)
+    with g.inserting_before(node):
+        out = build(g)
+    annotate_new_nodes(gm, [n for n in g.nodes if n not in before], [node.name], anchor=node)
+    node.replace_all_uses_with(out)
+    g.erase_node(node)
 
 
 def _to_wxt(gm: fx.GraphModule, fp32_only: bool) -> Tuple[fx.GraphModule, TransformInfo]:
@@ -339,15 +350,15 @@ def _dequantize_once(gm: fx.GraphModule) -> Tuple[int, int]:
             new_bytes += weight.numel() * weight.element_size()
             packed += list(key)
         bias = node.args[group_at + 1] if len(node.args) > group_at + 1 else node.kwargs.get("bias")
-        before = set(g.nodes)
-        with g.inserting_before(node):
-            w = g.get_attr(made[key])
-            w.meta["val"] = fake_value(gm, fetch_attr(gm, made[key]))
+
+        def linear(g: fx.Graph, node: fx.Node = node, target: str = made[key], bias: Any = bias) -> fx.Node:
+            w = g.get_attr(target)
+            w.meta["val"] = fake_value(gm, fetch_attr(gm, target))
             out = g.call_function(LINEAR, (node.args[0], w, bias))
             out.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")})
-        annotate_new_nodes(gm, [m for m in g.nodes if m not in before], [node.name], anchor=node)
-        node.replace_all_uses_with(out)
-        g.erase_node(node)
+            return out
+
+        _replace(gm, node, linear)
         n += 1
     if n:
         g.lint()
