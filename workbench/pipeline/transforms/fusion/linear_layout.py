@@ -145,8 +145,14 @@ class LinearWeightLayout(Transform[LinearWeightLayoutConfig]):
                 gm, info = _to_kernels(gm, device)
             elif layout == "wxt":
                 gm, info = _to_wxt(gm, fp32_only=auto)
-            else:  # auto measured aten.linear fastest for fp32 weights: they stay as loaded
-                info = TransformInfo(num_matches=0, details={"layout": "nk (weights left as loaded)"})
+            else:  # auto measured aten.linear fastest for fp32 weights (or there are none): they stay
+                info = TransformInfo(
+                    num_matches=0,
+                    is_clean=True,
+                    has_valid_shapes=True,
+                    details={"layout": "nk (weights left as loaded)"},
+                )
+            # the quantized linears were retargeted or rewritten with their values: shapes stay valid
             info.num_matches += quantized
             info.is_clean = info.is_clean and not quantized
             info.details.update(notes)
