@@ -3,8 +3,9 @@
     .venv/bin/python bench/q4_tokens.py [--new-tokens 32]
 
 The three paths run the same default pipeline: fp32 (the GGUF dequantized), Q4_1 kept 4-bit with
-exact fp32 activations (the default), and Q4_1 with activations rounded to 8 bits per block of 32
-(``linear_weight_layout.int4_activations: int8``, llama.cpp's Q4_1 x Q8_1 arithmetic). Where a Q4
+exact fp32 activations, and Q4_1 with activations rounded to 8 bits per block of 32
+(``linear_weight_layout.int4_activations: int8``, llama.cpp's Q4_1 x Q8_1 arithmetic); the default,
+``auto``, is one of the two, whichever this CPU's calibration picked (the run's summary says which). Where a Q4
 path's tokens part from fp32's, the fp32 HF model is run on the prompt plus fp32's tokens up to that
 point and prints its top-2 logit margin there: a parting at a near-tie of the fp32 model itself is
 rounding, not a broken kernel.
