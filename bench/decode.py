@@ -146,6 +146,9 @@ def pipeline_choices(wb, backend: str) -> str:
     if backend == "auto":
         compiled = wb.snapshot("compile_model").info.details
         notes.append(f"compile {compiled['backend']} [{compiled['chosen']}]")
+    layout = wb.snapshot("linear_weight_layout").info.details if "linear_weight_layout" in wb.keys else {}
+    if layout.get("summary"):  # on CPU: the calibrated linear choices and the times behind them
+        notes.append(f"linears: {layout['summary']}")
     return "; ".join(notes)
 
 
