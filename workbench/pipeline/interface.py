@@ -217,6 +217,10 @@ class Transform(Generic[ConfigT]):
     # changed something left what it provides.
     provides: ClassVar[Tuple["Fact", ...]] = ()
     needs: ClassVar[Tuple["Fact", ...]] = ()
+    # A rewrite meant to change the logits (quantizing weights or activations). The stepper holds
+    # every other transform of the post_export and pattern_matcher stages to the eager model's
+    # answer (``pipeline.numerics.MatcherGuard``): one that moves the probe's logits fails its step.
+    changes_numerics: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -26,9 +26,18 @@ from .graph.copy import GraphCopy
 from .graph.utils import graph_modules, num_nodes, op_histogram
 from .interface import TRANSFORMS, GraphState, Stages, TransformError, TransformInfo, TransformRegistry, check_order
 from .memory import EXPECTED_MEM_CHANGE, measure, unexpected_change
-from .numerics import Numerics, ProbeError, compare_logits, exceeds
+from .numerics import (
+    GUARDED_STAGES,
+    Numerics,
+    NumericsMoved,
+    ProbeError,
+    compare_logits,
+    exceeds,
+    moved_beyond,
+    rewrite_tolerance,
+)
 from .probe_cache import ProbeCache, run_key, step_key, transform_source_key
-from .snapshot import PROVENANCE_KEY, Snapshot, snapshot_of, transform_index
+from .snapshot import PROVENANCE_KEY, REPLACES_KEY, Snapshot, snapshot_of, transform_index
 from .weights import WeightSource, run_unloaded, unloaded_targets
 
 logger = logging.getLogger("workbench.pipeline")
@@ -267,6 +276,10 @@ class PipelineStepper:
         snap = self._record(i, entry, info, times, mem_before, prev_names)
         if snap.numerics is not None and not snap.numerics.ok:
             snap = self._probe_failed(i, entry, snap, mem_before, prev_names)
+        else:
+            moved = self._moved_answer(entry, transform, snap)
+            if moved is not None:
+                snap = self._step_failed(i, entry, snap, mem_before, prev_names, moved)
         self.snapshots.append(snap)
         for hook in self.on_snapshot:
             hook(snap)
@@ -336,6 +349,36 @@ class PipelineStepper:
             f"(the eager model runs the probe batch input_ids [{b}, {s}]). Numerics off "
             "(Workbench(numerics=False), --no-numerics) skips the probe, not the problem"
         )
+        return self._step_failed(i, entry, snap, mem_before, prev_names, cause)
+
+    def _moved_answer(self, entry: PipelineEntry, transform: Any, snap: Snapshot) -> Optional[NumericsMoved]:
+        """Why this step changed the answer it should have kept (None: it kept it, or it may change
+        it): a cleanup or matcher whose probe moved beyond ``rewrite_tolerance`` from the previous
+        snapshot's. The message names the first node the rewrite made and what it replaced."""
+        if entry.config.stage.value not in GUARDED_STAGES or transform.changes_numerics or not self.snapshots:
+            return None
+        tol = rewrite_tolerance(self.ctx.dtype)
+        how = moved_beyond(self.snapshots[-1].numerics, snap.numerics, tol)
+        if how is None:
+            return None
+        first, added = "", set(snap.added_nodes)
+        for gm in graph_modules(self._live):
+            node = next((n for n in gm.graph.nodes if n.name in added), None)
+            if node is not None:
+                replaced = node.meta.get(REPLACES_KEY) or []
+                first = f"; the first node it rewrote: {node.name} ({node.target}"
+                first += f", replacing {', '.join(replaced[:4])}{' ...' if len(replaced) > 4 else ''})" if replaced else ")"
+                break
+        return NumericsMoved(
+            f"{entry.key} changed the model's answer: {how}{first}. A {entry.config.stage.value} "
+            f"transform only re-spells the computation, so this rewrite is wrong for this model: "
+            f"run without it (--set {entry.key}.enabled=false) and report the spelling"
+        )
+
+    def _step_failed(self, i, entry, snap: Snapshot, mem_before, prev_names, cause: Exception) -> Snapshot:
+        """Fail the step that left ``snap`` with ``cause`` (never "done"): the live graph returns to
+        the previous snapshot's. With ``skip_on_error`` the transform is undone and recorded as
+        failed, as for any error."""
         self._probed = None
         self._restore_live()
         if not entry.config.skip_on_error:

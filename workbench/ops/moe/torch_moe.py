@@ -171,12 +171,15 @@ def torch_moe_dense_mlp(
     w2_stacked: torch.Tensor,
     act_fn: str = "silu",
     apply_routing_on_input: bool = False,
+    up_first: bool = False,
 ) -> torch.Tensor:
     """The dense/BMM form: every expert runs on every token, weighted by a dense routing matrix.
 
     x [..., H]; routing_weights [T, E] (zero where an expert was not selected); w1_w3_stacked
-    [E, 2I, H]; w2_stacked [E, H, I] -> [..., H]. With ``apply_routing_on_input`` (Llama-4 style,
-    top-1) the weight scales the expert's *input* instead of its output.
+    [E, 2I, H] (gate rows first, then up; ``up_first``: up rows first, as models that write
+    ``up, gate = h.chunk(2)`` store them); w2_stacked [E, H, I] -> [..., H]. With
+    ``apply_routing_on_input`` (Llama-4 style, top-1) the weight scales the expert's *input*
+    instead of its output.
     """
     act = _act(act_fn)
     hidden = x.shape[-1]
@@ -186,6 +189,8 @@ def torch_moe_dense_mlp(
     if apply_routing_on_input:
         xe = xe * r
     gate, up = torch.bmm(xe.to(w1_w3_stacked.dtype), w1_w3_stacked.transpose(1, 2)).chunk(2, dim=-1)
+    if up_first:
+        gate, up = up, gate
     y = torch.bmm(act(gate) * up, w2_stacked.transpose(1, 2))  # [E, T, H]
     if not apply_routing_on_input:
         y = y * r
@@ -194,6 +199,6 @@ def torch_moe_dense_mlp(
 
 @torch_moe_dense_mlp.register_fake
 def _torch_moe_dense_mlp_fake(
-    x, routing_weights, w1_w3_stacked, w2_stacked, act_fn="silu", apply_routing_on_input=False
+    x, routing_weights, w1_w3_stacked, w2_stacked, act_fn="silu", apply_routing_on_input=False, up_first=False
 ):
     return torch.empty_like(x)

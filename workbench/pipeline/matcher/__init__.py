@@ -8,6 +8,7 @@ fake values) for the matcher and for transforms that rewrite by hand;
 
 from .engine import (
     COMMUTATIVE,
+    EVAL_DROPOUT,
     Match,
     Pattern,
     PatternMatcher,
@@ -21,6 +22,7 @@ from .rewrite import (
     erase_dead,
     match_info,
     propagate_fake_values,
+    refresh_after_rewrite,
     repropagate_users,
     same_shape,
     same_size,
@@ -29,6 +31,7 @@ from .trace import automatic_dims, export_graph_module
 
 __all__ = [
     "COMMUTATIVE",
+    "EVAL_DROPOUT",
     "Match",
     "Pattern",
     "PatternMatcher",
@@ -39,6 +42,7 @@ __all__ = [
     "erase_dead",
     "match_info",
     "propagate_fake_values",
+    "refresh_after_rewrite",
     "replace_match",
     "repropagate_users",
     "same_shape",

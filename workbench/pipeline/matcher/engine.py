@@ -35,8 +35,9 @@ import torch.fx as fx
 
 from ...ops.library import MISSING, schema_arguments
 from ..interface import Transform, TransformInfo
+from .aliasing import writes_between
 from .anchors import PatternOpsCache
-from .rewrite import annotate_new_nodes, erase_dead, match_info
+from .rewrite import annotate_new_nodes, erase_dead, match_info, refresh_after_rewrite
 from .trace import export_graph_module
 
 if TYPE_CHECKING:
@@ -45,6 +46,12 @@ if TYPE_CHECKING:
 aten = torch.ops.aten
 
 COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
+
+# ``ignore`` entry for patterns that contain dropout: in eval mode (``F.dropout(w, p,
+# training=False)``, exported as ``aten.dropout(w, p, False)``) it is the identity whatever ``p``,
+# so a pattern traced with p=0.0 accepts any. The ``train`` flag is still compared: training-mode
+# dropout never matches.
+EVAL_DROPOUT = ((aten.dropout.default, "p"),)
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: patterns are module constants, traced once
@@ -153,31 +160,43 @@ class Match:
 def replace_match(match: Match) -> bool:
     """Record ``pattern.replace`` into the graph and reroute the outputs' users to it.
 
-    Returns False (graph untouched) if the replacement cannot be placed: it goes right after the
-    last input, which must come before every user of the match's outputs.
+    Returns False (graph untouched) if the replacement cannot be placed. It goes where the match's
+    first output was computed (or right after the last input, if that comes later), which must come
+    before every user of the outputs. Placing it there, not right after the inputs, keeps the reads
+    after the in-place writes that came before them (``m[:, 1::2] = True`` into a mask); a match
+    whose inputs are written between its first node and that place is not replaced at all (the
+    original nodes read the memory before the write, the replacement would read it after).
     """
     gm, graph = match.gm, match.gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     input_nodes = [n for n in match.inputs.values() if isinstance(n, fx.Node)]
     last = max(input_nodes, key=order.__getitem__) if input_nodes else next(iter(graph.nodes))
+    first_output = min(match.outputs, key=order.__getitem__)
+    at = first_output if order[first_output] > order[last] else last.next
     first_user = min((order[u] for o in match.outputs for u in o.users), default=len(order))
-    if order[last] >= first_user:
+    if order[at] > first_user or order[last] >= first_user:
+        return False
+    if writes_between(min(match.graph_nodes, key=order.__getitem__), at, input_nodes):
         return False
     tracer = fx.proxy.GraphAppendingTracer(graph)
     args = [fx.Proxy(match.inputs[name], tracer) for name in match.pattern.input_names]
     before = set(graph.nodes)
-    with graph.inserting_before(last.next):
+    with graph.inserting_before(at):
         result = match.pattern.replace(*args, **match.literals)
     results = list(result) if isinstance(result, (list, tuple)) else [result]
     if len(results) != len(match.outputs):
         raise ValueError(f"pattern {match.pattern.name}: replace returned {len(results)} outputs")
     new_nodes = [n for n in graph.nodes if n not in before]
+    pairs = []
     for old, new in zip(match.outputs, results):
-        old.replace_all_uses_with(new.node if isinstance(new, fx.Proxy) else new)
+        new = new.node if isinstance(new, fx.Proxy) else new
+        old.replace_all_uses_with(new)
+        pairs.append((old.meta.get("val"), new))
     names = {n: n.name for n in match.graph_nodes}
     erase_dead(graph, match.graph_nodes)
     replaced = [name for n, name in names.items() if n._erased]  # shared nodes stay: not replaced
     annotate_new_nodes(gm, new_nodes, replaced, anchor=match.outputs[0])
+    refresh_after_rewrite(gm, pairs)  # e.g. a contiguous output where the old one was strided
     return True
 
 
@@ -381,6 +400,7 @@ class PatternTransform(Transform):
 
 
 __all__ = [
+    "EVAL_DROPOUT",
     "Pattern",
     "PatternMatcher",
     "PatternTransform",

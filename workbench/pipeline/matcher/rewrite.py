@@ -104,13 +104,40 @@ def repropagate_users(
         old = node.meta.get("val")
         if node in known:
             node.meta["val"] = known[node]
-        elif not propagate_fake_values(gm, [node]):
+        elif not _propagate_keeping_views_valid(gm, node):
             return False
         if _same_value(old, node.meta.get("val")):
             continue
         for user in node.users:
             heapq.heappush(heap, (index[user], user.name, user))
     return True
+
+
+def _propagate_keeping_views_valid(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """``propagate_fake_values`` of one node; a ``view`` its new input's strides no longer allow
+    becomes a ``reshape`` (the same values: a view where the strides allow it, else a copy).
+
+    Export drops a ``.contiguous()`` that was a no-op when traced: CPU SDPA returns its [b, n, s, d]
+    output laid out as [b, s, n, d], so ``o.transpose(1, 2).contiguous().view(b, s, -1)`` is
+    recorded as ``transpose -> view``. A rewrite that returns another layout (``torch_attention``'s
+    contiguous output, a layout change, a cancelled transpose pair) leaves that ``view`` on memory
+    it cannot view: a run-time error, found here at rewrite time instead."""
+    try:
+        return propagate_fake_values(gm, [node])
+    except Exception:  # noqa: BLE001 - the fake view's stride complaint (RuntimeError or a guard)
+        if node.target is not torch.ops.aten.view.default:
+            raise
+    node.target = torch.ops.aten.reshape.default
+    return propagate_fake_values(gm, [node])
+
+
+def refresh_after_rewrite(gm: fx.GraphModule, pairs: Sequence[tuple]) -> bool:
+    """After ``old`` nodes were replaced by ``new`` ones (``pairs`` of (old value, new node)):
+    re-derive the fake values downstream of every ``new`` whose value differs from the ``old`` one
+    in shape or strides (views it broke become reshapes). Free where nothing changed. Returns False
+    when a value cannot be derived."""
+    changed = [new for old, new in pairs if isinstance(new, fx.Node) and not _same_value(old, new.meta.get("val"))]
+    return repropagate_users(gm, changed) if changed else True
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -163,4 +190,4 @@ def match_info(gm: fx.GraphModule, counts: Mapping[str, int], **details: Any):
     return rewrite_info(gm, sum(counts.values()), {"matches": dict(counts), **details})
 
 
-__all__ = ["annotate_new_nodes", "propagate_fake_values", "erase_dead", "same_size", "same_shape", "match_info"]
+__all__ = ["annotate_new_nodes", "propagate_fake_values", "refresh_after_rewrite", "erase_dead", "same_size", "same_shape", "match_info"]

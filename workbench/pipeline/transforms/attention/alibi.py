@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...graph.weights import fake_value, fetch_attr
-from ...matcher import Match, Pattern, named_args, same_size
+from ...matcher import EVAL_DROPOUT, Match, Pattern, named_args, same_size
 from ...weights import TensorBinding, record_tensor_binding, tensor_bindings
 from .masks import evaluate_on_sizes
 
@@ -267,7 +267,7 @@ def _bloom_pattern(with_dropout: bool) -> Pattern:
         replacement,
         _examples("bloom"),
         literals={"scale": _SCALE},
-        ignore=((aten.reshape.default, "shape"), (aten.view.default, "size"), (aten.to.dtype, "dtype")),
+        ignore=((aten.reshape.default, "shape"), (aten.view.default, "size"), (aten.to.dtype, "dtype"), *EVAL_DROPOUT),
         check=check,
         inputs=("q", "k", "v", "bias", "mask"),
     )
@@ -304,7 +304,7 @@ def _mpt_pattern(with_dropout: bool) -> Pattern:
         replacement,
         _examples("mpt"),
         literals={"scale": _SCALE, "fill": _FILL},
-        ignore=((aten.to.dtype, "dtype"),),
+        ignore=((aten.to.dtype, "dtype"), *EVAL_DROPOUT),
         check=check,
         inputs=("q", "k", "v", "bias", "mask"),
     )
@@ -347,7 +347,7 @@ def _falcon_eager_pattern(with_dropout: bool, with_cast: bool) -> Pattern:
         replacement,
         _examples("falcon"),
         literals={"scale": _SCALE},
-        ignore=((aten.view.default, "size"), (aten.softmax.int, "dtype"), (aten.to.dtype, "dtype")),
+        ignore=((aten.view.default, "size"), (aten.softmax.int, "dtype"), (aten.to.dtype, "dtype"), *EVAL_DROPOUT),
         check=check,
         inputs=("q", "k", "v", "bias", "mask"),
     )

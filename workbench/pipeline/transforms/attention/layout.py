@@ -4,7 +4,8 @@ then drop the transposes that cancel out.
 * ``match_attention_layout``: ``torch_attention`` in the other layout -> transposes around it.
 * ``match_rope_layout``: RoPE ops in the other layout -> transposes around them.
 * ``eliminate_redundant_transposes``: ``transpose(transpose(x, a, b), a, b) -> x``, also across a
-  reshape/view that does not change the shape (HF reshapes the attention output to its own shape).
+  reshape/view that does not change the shape (HF reshapes the attention output to its own shape)
+  and across ``.contiguous()`` / ``clone`` copies.
 
 The first two only *add* transposes; the model's own ``view -> transpose(1, 2)`` into bnsd then
 meets the new ``transpose(1, 2)`` back to bsnd and the pair disappears, leaving
@@ -24,7 +25,7 @@ from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...context import PipelineContext
 from ...graph.utils import call_nodes, tensor_meta
 from ...interface import Transform, TransformConfig, TransformInfo, register
-from ...matcher import annotate_new_nodes, match_info, named_args, same_shape
+from ...matcher import annotate_new_nodes, match_info, named_args, refresh_after_rewrite, same_shape
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
@@ -70,6 +71,7 @@ class MatchAttentionLayout(Transform[MatchAttentionLayoutConfig]):
             node.replace_all_uses_with(out)
             graph.erase_node(node)
             annotate_new_nodes(gm, [*qkv, new, out], [node.name], anchor=node)
+            refresh_after_rewrite(gm, [(node.meta.get("val"), out)])  # a view of the output may need a reshape
             n += 1
         return match_info(gm, {"attention": n}, attn_layout=target)
 
@@ -119,15 +121,18 @@ class MatchRopeLayout(Transform[MatchRopeLayoutConfig]):
                 new_dim = 2 if dim == 1 else 1
                 new = graph.call_function(node.target, (q, k, *tensors[2:], new_dim))
                 created += [q, k, new]
+            pairs = []
             for g in getitems:
                 with graph.inserting_before(g):
                     item = graph.call_function(operator.getitem, (new, g.args[1]))
                     back = _transpose(graph, item)
                 created += [item, back]
+                pairs.append((g.meta.get("val"), back))
                 g.replace_all_uses_with(back)
                 graph.erase_node(g)
             graph.erase_node(node)
             annotate_new_nodes(gm, created, [node.name, *(g.name for g in getitems)], anchor=node)
+            refresh_after_rewrite(gm, pairs)
             n += 1
         return match_info(gm, {"rope": n}, expected_layout=target)
 
@@ -140,10 +145,19 @@ def _dims(node: fx.Node) -> Any:
     return frozenset((a, b))
 
 
+_COPIES = (aten.contiguous.default, aten.clone.default)  # the same values in other memory
+
+
 def _skip_identity_reshapes(node: fx.Node) -> fx.Node:
-    """Follow reshape/view nodes that keep their input's shape (value-wise identities)."""
-    while node.op == "call_function" and node.target in (aten.reshape.default, aten.view.default):
+    """Follow nodes that return their input's values in the same shape: reshape/view nodes that
+    keep the shape, and copies (``.contiguous()``, ``clone``: ``transpose -> contiguous ->
+    transpose`` is ``x`` too; a view after it that needed the copy's strides becomes a reshape,
+    ``refresh_after_rewrite``)."""
+    while node.op == "call_function" and node.target in (aten.reshape.default, aten.view.default, *_COPIES):
         src = node.args[0]
+        if node.target in _COPIES:
+            node = src
+            continue
         a, b = tensor_meta(node), tensor_meta(src)
         if a is None or b is None or not same_shape(a.shape, b.shape):
             break
@@ -156,7 +170,7 @@ class EliminateRedundantTransposes(Transform):
     """Remove pairs of transposes over the same two dims: ``transpose(transpose(x, a, b), a, b) = x``."""
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
-        n = 0
+        n, pairs = 0, []
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target is not aten.transpose.int or node._erased:
                 continue
@@ -166,8 +180,10 @@ class EliminateRedundantTransposes(Transform):
             dims = _dims(node)
             if dims is None or dims != _dims(inner):
                 continue
+            pairs.append((node.meta.get("val"), inner.args[0]))
             node.replace_all_uses_with(inner.args[0])
             n += 1
         if n:
             gm.graph.eliminate_dead_code()
+            refresh_after_rewrite(gm, pairs)  # the users now read the source's strides
         return match_info(gm, {"transpose_pairs": n})

@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from ...graph.weights import fetch_attr
 from ...matcher import same_size
+from ...matcher.aliasing import is_view, storage_root, writes_by_root
 
 aten = torch.ops.aten
 
@@ -33,15 +34,39 @@ class MaskKind:
     chunk_size: Optional[int] = None
 
 
-def _ancestors(node: fx.Node) -> List[fx.Node]:
-    seen, stack = set(), [node]
+def _closure(starts: List[fx.Node], seen: set) -> None:
+    stack = list(starts)
     while stack:
         n = stack.pop()
         if n in seen:
             continue
         seen.add(n)
         stack.extend(n.all_input_nodes)
-    return [n for n in node.graph.nodes if n in seen]
+
+
+def _ancestors(node: fx.Node) -> Optional[List[fx.Node]]:
+    """The nodes ``node``'s value is computed from, in graph order -- including the in-place writes
+    into any of them (``m[:, 1::2] = True`` is a ``fill_`` into a view of ``m`` that is nobody's
+    input) and what those writes read. None when a write into that memory comes after the mask is
+    first read: its value then depends on where it is read, and nothing is proven."""
+    seen: set = set()
+    _closure([node], seen)
+    by_root = writes_by_root(node.graph)
+    while True:
+        more = {w for n in seen for w in by_root.get(storage_root(n), [])} - seen
+        if not more:
+            break
+        _closure(list(more), seen)
+    writes = {w for n in seen for w in by_root.get(storage_root(n), [])}
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    if writes:
+        written = {storage_root(n) for n in seen} & set(by_root)
+        readers = [
+            u for n in seen if storage_root(n) in written for u in n.users if u not in seen and not is_view(u)
+        ]
+        if readers and max(order[w] for w in writes) > min(order[u] for u in readers):
+            return None  # written after it is first read
+    return sorted(seen, key=order.__getitem__)
 
 
 def _int_literals(nodes: List[fx.Node]) -> List[int]:
@@ -57,16 +82,24 @@ def _on_cpu(a: Any) -> Any:
     return torch.device("cpu") if isinstance(a, torch.device) else a
 
 
+# An additive mask entry at or below this hides its key: its softmax weight exp(logit + HIDDEN -
+# max) underflows to exactly 0 in every float dtype (fp32 underflows below exp(-104)) for any
+# logit spread short of ~65,000, so dropping it for is_causal changes no bit. It covers -inf, every
+# dtype's finfo.min (HF's eager masks; Llama 3.1's bf16 min kept in an fp32 mask), fp16's -65504
+# and -1e9. Smaller fills (-1e4, -5000) are kept as the biases they may be meant as.
+HIDDEN = -65504.0
+
+
 def _visible(m: torch.Tensor) -> Optional[torch.Tensor]:
     """Boolean "may attend" of an evaluated mask: a bool mask as is; an additive float mask when
-    every entry is 0 (visible) or hidden (-inf, or ``finfo(dtype).min`` as HF's eager masks use:
-    adding it to a finite logit leaves a logit whose softmax weight is exactly 0, like -inf,
-    provided a row keeps one visible key, which causal rows do). Anything else: None."""
+    every entry is 0 (visible) or hidden (<= ``HIDDEN``: adding it to a finite logit leaves a logit
+    whose softmax weight is exactly 0, like -inf, provided a row keeps one visible key, which causal
+    rows do). Anything else: None."""
     if m.dtype == torch.bool:
         return m
     if not m.is_floating_point():
         return None
-    hidden = (m == float("-inf")) | (m == torch.finfo(m.dtype).min)
+    hidden = m <= HIDDEN
     if not bool(((m == 0) | hidden).all()):
         return None
     return m == 0
@@ -128,7 +161,7 @@ def evaluate_on_sizes(
 
 
 def classify_mask(mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
-    """Decide whether ``mask`` ([b|1, h|1, s, s]) only encodes causality, by probing it.
+    """Decide whether ``mask`` ([b|1, h|1, s, s], [h|1, s, s] or [s, s]) only encodes causality, by probing it.
 
     The mask must depend on nothing but the sequence length (``sym_size`` of the inputs): no input
     values, no parameters. Its sub-graph is then evaluated with both position aranges replaced
@@ -138,6 +171,8 @@ def classify_mask(mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
     literals). Anything else (padding masks, prefix-LM) -> None.
     """
     nodes = _ancestors(mask)
+    if nodes is None:
+        return None
     literals = _int_literals(nodes)
     probe = set(range(10)) | {3_000_000}
     for w in literals:
@@ -145,7 +180,7 @@ def classify_mask(mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
     positions = torch.tensor(sorted(probe), dtype=torch.int64)
     n_pos = len(positions)
     m = evaluate_on_sizes(nodes, mask, seq_len, n_pos, positions)
-    if not isinstance(m, torch.Tensor) or m.dim() != 4 or tuple(m.shape[-2:]) != (n_pos, n_pos):
+    if not isinstance(m, torch.Tensor) or not 2 <= m.dim() <= 4 or tuple(m.shape[-2:]) != (n_pos, n_pos):
         return None
     m = _visible(m)
     if m is None:

@@ -34,7 +34,7 @@ from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...context import PipelineContext
 from ...graph.utils import call_nodes, tensor_meta
 from ...interface import Transform, TransformInfo, register
-from ...matcher import Match, Pattern, PatternMatcher, PatternTransform, match_info, named_args, same_shape, same_size
+from ...matcher import EVAL_DROPOUT, Match, Pattern, PatternMatcher, PatternTransform, match_info, named_args, same_shape, same_size
 from .alibi import ALIBI_EAGER_PATTERNS, ALIBI_SDPA_PATTERNS
 from .masks import MaskKind, attention_mask_arguments, classify_mask
 
@@ -89,8 +89,63 @@ REPEAT_KV_PATTERN = Pattern(
 )
 
 
+def _repeat_kv_bsnd(x):
+    # The same repeat in the bsnd layout: [b, s, n_kv, d] -> [b, s, n_kv * n_rep, d] (custom code
+    # that keeps heads third). The sizes are again re-derived in the check.
+    b, s, n_kv, d = x.shape
+    return x[:, :, :, None, :].expand(b, s, n_kv, _N_REP, d).reshape(b, s, n_kv * _N_REP, d)
+
+
+def _repeat_kv_bsnd_replacement(x, *, n_rep):
+    # Our op repeats bnsd heads: around it, transposes that the bnsd attention's own transpose
+    # cancels (match_grouped_attention looks through such pairs; eliminate_redundant_transposes
+    # removes them).
+    return aten.transpose.int(wb.torch_attention_repeat_kv.default(aten.transpose.int(x, 1, 2), n_rep), 1, 2)
+
+
+def _repeat_kv_bsnd_check(m: Match) -> Optional[Dict[str, Any]]:
+    x = m.val("x")
+    (expand,), (reshape,) = m.matched(aten.expand.default), m.matched(aten.reshape.default)
+    e, r = tensor_meta(expand), tensor_meta(reshape)
+    if x is None or e is None or r is None or x.dim() != 4 or e.dim() != 5:
+        return None
+    n_rep = e.shape[3]
+    if not isinstance(n_rep, int):
+        return None
+    b, s, n_kv, d = x.shape
+    if not same_shape(e.shape, (b, s, n_kv, n_rep, d)) or not same_shape(r.shape, (b, s, n_kv * n_rep, d)):
+        return None
+    return {"n_rep": n_rep}
+
+
+REPEAT_KV_BSND_PATTERN = Pattern(
+    "repeat_kv_bsnd",
+    _repeat_kv_bsnd,
+    _repeat_kv_bsnd_replacement,
+    lambda: (torch.randn(1, 4, 2, 8),),
+    ignore=((aten.expand.default, "size"), (aten.reshape.default, "shape")),
+    check=_repeat_kv_bsnd_check,
+)
+
+
+def _through_transpose_pairs(node: Any) -> Any:
+    """``y`` for ``transpose(transpose(y, 1, 2), 1, 2)`` (repeatedly), else ``node``."""
+    while (
+        isinstance(node, fx.Node)
+        and node.target is aten.transpose.int
+        and sorted(node.args[1:3]) == [1, 2]
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].target is aten.transpose.int
+        and sorted(node.args[0].args[1:3]) == [1, 2]
+    ):
+        node = node.args[0].args[0]
+    return node
+
+
 def repeat_kv_source(gm: fx.GraphModule, node: Any) -> Optional[Tuple[fx.Node, int]]:
-    """``(x, n_rep)`` if ``node`` repeats KV heads of ``x`` (our op, or the raw HF chain)."""
+    """``(x, n_rep)`` if ``node`` repeats KV heads of ``x`` (our op, or the raw HF chain), also
+    behind a pair of transposes that cancel (a repeat in the bsnd layout, transposed to bnsd)."""
+    node = _through_transpose_pairs(node)
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
     if node.target is wb.torch_attention_repeat_kv.default:
@@ -104,48 +159,57 @@ def repeat_kv_source(gm: fx.GraphModule, node: Any) -> Optional[Tuple[fx.Node, i
 
 @register("match_repeat_kv")
 class MatchRepeatKV(PatternTransform):
-    """Replace HF's repeat_kv chain by ``torch_attention_repeat_kv(x, n_rep)``."""
+    """Replace HF's repeat_kv chain (and its bsnd spelling) by ``torch_attention_repeat_kv(x, n_rep)``."""
 
-    patterns = (REPEAT_KV_PATTERN,)
+    patterns = (REPEAT_KV_PATTERN, REPEAT_KV_BSND_PATTERN)
 
 
 # ------------------------------------------------------------------------------ eager attention
 
 
-def _masked_softmax_times_v(w, q, v, mask, with_dropout: bool):
+def _masked_softmax_times_v(w, q, v, mask, with_dropout: bool, upcast: bool = False):
     """The end of HF's eager attention after the logits ``w``: the mask added, softmax in fp32 cast
-    back to q's dtype, dropout (inference: p=0 / training=False), times v."""
+    back to q's dtype, dropout (inference: p=0 / training=False), times v. ``upcast``: the logits
+    cast to fp32 first and the softmax left without a dtype (``w.float().softmax(-1).to(q.dtype)``,
+    the spelling of older HF models and much custom code) -- the same numbers."""
     if mask:
         w = w + mask[0]
-    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    if upcast:
+        w = F.softmax(w.to(torch.float32), dim=-1).to(q.dtype)
+    else:
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
     if with_dropout:
         w = F.dropout(w, p=0.0, training=False)
     return torch.matmul(w, v)
 
 
-def _eager_attention(scale_op: str, with_mask: bool, with_dropout: bool) -> Pattern:
-    """HF ``eager_attention_forward`` (after repeat_kv): softmax in fp32, cast back, dropout
-    (inference: p=0 / training=False; other models skip it)."""
+def _eager_attention(scale_op: str, with_mask: bool, with_dropout: bool, upcast: bool = False) -> Pattern:
+    """HF ``eager_attention_forward`` (after repeat_kv): softmax in fp32 (``upcast``: of logits
+    cast to fp32), cast back, dropout (inference: p=0 / training=False; other models skip it)."""
 
     def search(q, k, v, *mask, scale):
         w = torch.matmul(q, k.transpose(2, 3))
         w = w * scale if scale_op == "mul" else w / scale
-        return _masked_softmax_times_v(w, q, v, mask, with_dropout)
+        return _masked_softmax_times_v(w, q, v, mask, with_dropout, upcast)
 
     def replacement(q, k, v, *mask, scale):
         s = scale if scale_op == "mul" else 1.0 / scale
         return wb.torch_attention_sdpa.default(q, k, v, attn_mask=mask[0] if mask else None, scale=s)
 
     def check(m: Match) -> Optional[Dict[str, Any]]:
-        # The cast after the softmax (dtype ignored in the trace) must return to q's dtype.
-        (cast,) = m.matched(aten.to.dtype)
+        # The cast after the softmax (dtype ignored in the trace) must return to q's dtype; an
+        # upcast before it must go to fp32 (a softmax in bf16 is another computation).
+        (softmax,) = m.matched(aten.softmax.int)
+        back = next(c for c in m.matched(aten.to.dtype) if c.args[0] is softmax)
         q = m.val("q")
-        if q is None or q.dim() != 4 or cast.args[1] != q.dtype:
+        if q is None or q.dim() != 4 or back.args[1] != q.dtype:
+            return None
+        if upcast and softmax.args[0].args[1] != torch.float32:
             return None
         return {}
 
     return _eager_pattern(
-        f"eager_attention_{scale_op}{_suffix(with_mask, with_dropout)}",
+        f"eager_attention_{scale_op}{_suffix(with_mask, with_dropout)}{'_upcast' if upcast else ''}",
         search,
         replacement,
         check,
@@ -176,7 +240,7 @@ def _eager_pattern(
         replacement,
         examples,
         literals=literals,
-        ignore=ignore,
+        ignore=(*ignore, *EVAL_DROPOUT),
         check=check,
         inputs=("q", "k", "v", *sinks, *mask),
     )
@@ -304,8 +368,8 @@ EAGER_VARIANT_PATTERNS = (
     *(_sink_eager_attention(*flags) for flags in itertools.product((True, False), repeat=3)),
 )
 EAGER_ATTENTION_PATTERNS = tuple(
-    _eager_attention(op, mask, dropout)
-    for mask, op, dropout in itertools.product((True, False), ("mul", "div"), (True, False))
+    _eager_attention(op, mask, dropout, upcast)
+    for mask, op, dropout, upcast in itertools.product((True, False), ("mul", "div"), (True, False), (False, True))
 )
 
 

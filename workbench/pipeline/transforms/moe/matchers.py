@@ -1,7 +1,9 @@
 """Mixture-of-experts patterns (stage ``pattern_matcher``).
 
 * ``match_moe_pattern``: HF transformers>=5 stacked experts -> ``torch_moe_fused`` (gpt-oss's biased,
-  transposed, interleaved clamped-SwiGLU experts too: ``biased_experts.py``). Export spells the
+  transposed, interleaved clamped-SwiGLU experts too: ``biased_experts.py``); Mixtral's classic
+  loop over ``nn.Linear`` experts (``one_hot`` mask, ``torch.where``, ``index_add_``) ->
+  ``torch_moe`` (``expert_loop.py``). Export spells the
   experts' forward by ``config._experts_implementation``: ``grouped_mm`` (sort tokens by expert,
   ``transformers::grouped_mm_fallback`` twice, un-permute, sum over top-k) or ``batched_mm``
   (gather each token's expert weights, ``bmm``). ``eager`` loops over the experts that received
@@ -49,6 +51,7 @@ from ...matcher import (
 )
 from ...weights import record_weight_view
 from .biased_experts import EXPERT_SIZE_ARGS, biased_expert_patterns, grouped_mm_op
+from .expert_loop import replace_expert_loops
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
@@ -203,11 +206,17 @@ def _stacked_expert_patterns(with_grouped_mm: bool) -> Tuple[Pattern, ...]:
 @register("match_moe_pattern")
 class MatchMoePattern(PatternTransform):
     """Replace transformers' stacked-experts MoE (grouped_mm / batched_mm; plain or gpt-oss's biased,
-    clamped-SwiGLU experts) by ``torch_moe_fused``."""
+    clamped-SwiGLU experts) by ``torch_moe_fused``, and an unrolled loop over experts by ``torch_moe``."""
 
     def active_patterns(self) -> Sequence[Pattern]:
         # the grouped_mm forms only once transformers' MoE integration is loaded (grouped_mm_op)
         return _stacked_expert_patterns(grouped_mm_op() is not None)
+
+    def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
+        counts = PatternMatcher(self.active_patterns()).apply(gm)
+        if any(n.target is aten.index_add_.default for n in gm.graph.nodes):  # an unrolled expert loop?
+            counts["moe_expert_loop"] = replace_expert_loops(gm)
+        return match_info(gm, counts)
 
 
 # ------------------------------------------------------------------------------ dense / BMM forms
@@ -217,32 +226,46 @@ def _dense_examples():
     return (torch.randn(_T, _H), torch.rand(_T, _E), torch.randn(_E, _H, 2 * _I), torch.randn(_E, _I, _H))
 
 
-def _bmm_moe_routed_input(x, scores, gate_up, down):
-    # Llama-4 TextMoe + TextExperts: every expert sees every token, pre-scaled by its score.
-    n_exp = gate_up.shape[0]
-    routed = x.repeat(n_exp, 1) * scores.transpose(0, 1).reshape(-1, 1)
-    h = torch.bmm(routed.view(n_exp, -1, x.shape[-1]), gate_up)
-    gate, up = h.chunk(2, dim=-1)
-    y = torch.bmm(up * F.silu(gate), down).view(-1, x.shape[-1])
-    return y.reshape(n_exp, -1, x.shape[-1]).sum(dim=0)
+def _halves(h, up_first: bool):
+    # (gate, up) of the stacked projection's output: HF writes ``gate, up = h.chunk(2)``; other
+    # model code stores the up rows first (``up, gate = h.chunk(2)``).
+    first, second = h.chunk(2, dim=-1)
+    return (second, first) if up_first else (first, second)
 
 
-def _dense_moe(x, scores, gate_up, down):
-    # The dense all-experts form weighted on the output (e.g. older gpt-oss CPU experts).
-    n_exp = gate_up.shape[0]
-    h = torch.bmm(x.repeat(n_exp, 1).view(n_exp, -1, x.shape[-1]), gate_up)
-    gate, up = h.chunk(2, dim=-1)
-    y = torch.bmm(F.silu(gate) * up, down)
-    y = y * scores.transpose(0, 1).reshape(n_exp, -1)[..., None]
-    return y.sum(dim=0)
+def _bmm_moe_routed_input(up_first: bool):
+    def search(x, scores, gate_up, down):
+        # Llama-4 TextMoe + TextExperts: every expert sees every token, pre-scaled by its score.
+        n_exp = gate_up.shape[0]
+        routed = x.repeat(n_exp, 1) * scores.transpose(0, 1).reshape(-1, 1)
+        h = torch.bmm(routed.view(n_exp, -1, x.shape[-1]), gate_up)
+        gate, up = _halves(h, up_first)
+        y = torch.bmm(up * F.silu(gate), down).view(-1, x.shape[-1])
+        return y.reshape(n_exp, -1, x.shape[-1]).sum(dim=0)
+
+    return search
 
 
-def _dense_replacement(on_input: bool):
+def _dense_moe(up_first: bool):
+    def search(x, scores, gate_up, down):
+        # The dense all-experts form weighted on the output (e.g. older gpt-oss CPU experts).
+        n_exp = gate_up.shape[0]
+        h = torch.bmm(x.repeat(n_exp, 1).view(n_exp, -1, x.shape[-1]), gate_up)
+        gate, up = _halves(h, up_first)
+        y = torch.bmm(F.silu(gate) * up, down)
+        y = y * scores.transpose(0, 1).reshape(n_exp, -1)[..., None]
+        return y.sum(dim=0)
+
+    return search
+
+
+def _dense_replacement(on_input: bool, up_first: bool):
     def replacement(x, scores, gate_up, down):
         # Weights are stored [E, in, out]; the op takes nn.Linear layout [E, out, in] (views).
         w13 = aten.transpose.int(gate_up, 1, 2)
         w2 = aten.transpose.int(down, 1, 2)
-        return wb.torch_moe_dense_mlp.default(x, scores, w13, w2, apply_routing_on_input=on_input)
+        flags = {"up_first": True} if up_first else {}
+        return wb.torch_moe_dense_mlp.default(x, scores, w13, w2, apply_routing_on_input=on_input, **flags)
 
     return replacement
 
@@ -267,20 +290,27 @@ def _dense_check(m: Match) -> Optional[Dict[str, Any]]:
 
 _DENSE_IGNORE = ((aten.repeat.default, "repeats"), (aten.view.default, "size"), (aten.reshape.default, "shape"))
 
-BMM_MOE_PATTERNS = (
+BMM_MOE_PATTERNS = tuple(
     Pattern(
-        "bmm_moe_routed_input",
-        _bmm_moe_routed_input,
-        _dense_replacement(True),
+        f"bmm_moe_routed_input{'_up_first' if up_first else ''}",
+        _bmm_moe_routed_input(up_first),
+        _dense_replacement(True, up_first),
         _dense_examples,
         ignore=_DENSE_IGNORE,
         check=_dense_check,
-    ),
+    )
+    for up_first in (False, True)
 )
-DENSE_MOE_PATTERNS = (
+DENSE_MOE_PATTERNS = tuple(
     Pattern(
-        "dense_moe", _dense_moe, _dense_replacement(False), _dense_examples, ignore=_DENSE_IGNORE, check=_dense_check
-    ),
+        f"dense_moe{'_up_first' if up_first else ''}",
+        _dense_moe(up_first),
+        _dense_replacement(False, up_first),
+        _dense_examples,
+        ignore=_DENSE_IGNORE,
+        check=_dense_check,
+    )
+    for up_first in (False, True)
 )
 
 

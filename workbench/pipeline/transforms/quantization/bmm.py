@@ -42,6 +42,8 @@ class QuantizeFp8BmmFromConfig(Transform[QuantizeFromConfigConfig]):
     """FP8 checkpoints: ``bmm(x [B, M, K], W [B, K, N])`` on a weight stored in fp8 (with per-tensor
     ``weight_scale`` and ``input_scale``) -> ``torch_fp8_bmm``."""
 
+    changes_numerics = True  # quantizes: meant to move the logits
+
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[fx.GraphModule, TransformInfo]:
         reason = checkpoint_skip_reason(ctx, self.key, ("FP8",))
         if reason:

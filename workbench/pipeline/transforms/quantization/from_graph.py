@@ -162,6 +162,8 @@ class _NVFP4Fold:
 class QuantizeFp8FromGraph(Transform):
     """``linear(fake_quant_fp8(x), fake_quant_fp8(W))`` -> ``torch_fp8_linear`` (weight quantized at load)."""
 
+    changes_numerics = True  # quantizes: meant to move the logits
+
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return _fold(gm, ctx, self.key, wb.torch_fake_quant_fp8.default, _FP8Fold(), "FP8")
 
@@ -169,6 +171,8 @@ class QuantizeFp8FromGraph(Transform):
 @register("quantize_nvfp4_from_graph")
 class QuantizeNvfp4FromGraph(Transform):
     """``linear(fake_quant_nvfp4(x), fake_quant_nvfp4(W))`` -> ``torch_nvfp4_linear`` (weight quantized at load)."""
+
+    changes_numerics = True  # quantizes: meant to move the logits
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return _fold(gm, ctx, self.key, wb.torch_fake_quant_nvfp4.default, _NVFP4Fold(), "NVFP4")

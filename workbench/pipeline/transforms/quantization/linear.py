@@ -358,6 +358,7 @@ def _linear_transform(key: str, algos: Tuple[str, ...], fmt: LinearFormat, doc: 
     class LinearQuantization(Transform[QuantizeFromConfigConfig]):
         __doc__ = doc
         config_class = QuantizeAtLoadConfig if at_load else QuantizeFromConfigConfig
+        changes_numerics = True
 
         def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
             return quantize_linears(

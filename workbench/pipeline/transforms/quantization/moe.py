@@ -263,6 +263,8 @@ def quantize_moe(
 class QuantizeFp8Moe(Transform[QuantizeFromConfigConfig]):
     """FP8 checkpoints: ``torch_moe_fused`` -> ``torch_fp8_moe`` (per-expert tensors stacked at load)."""
 
+    changes_numerics = True  # quantizes: meant to move the logits
+
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return quantize_moe(gm, ctx, self.key, "FP8", _FP8(), self.config.exclude_modules)
 
@@ -270,6 +272,8 @@ class QuantizeFp8Moe(Transform[QuantizeFromConfigConfig]):
 @register("quantize_finegrained_fp8_moe")
 class QuantizeFinegrainedFp8Moe(Transform[QuantizeFromConfigConfig]):
     """Fine-grained FP8 checkpoints: ``torch_moe_fused`` -> ``torch_finegrained_fp8_moe``."""
+
+    changes_numerics = True  # quantizes: meant to move the logits
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         cfg = ctx.quant_config
@@ -280,6 +284,8 @@ class QuantizeFinegrainedFp8Moe(Transform[QuantizeFromConfigConfig]):
 @register("quantize_nvfp4_moe")
 class QuantizeNvfp4Moe(Transform[QuantizeFromConfigConfig]):
     """NVFP4 checkpoints: ``torch_moe_fused`` -> ``torch_nvfp4_moe`` (per-expert tensors stacked at load)."""
+
+    changes_numerics = True  # quantizes: meant to move the logits
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return quantize_moe(gm, ctx, self.key, "NVFP4", _NVFP4(), self.config.exclude_modules)
@@ -359,6 +365,8 @@ class QuantizeMxfp4Moe(Transform[QuantizeMxfp4MoeConfig]):
     the stacked fp32 experts are dropped from the graph. Expert biases, interleaved gate/up rows and
     the clamped SwiGLU of gpt-oss are carried over (the biases stay the twin's tensors: transformers
     keeps them unquantized)."""
+
+    changes_numerics = True  # quantizes: meant to move the logits
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         reason = checkpoint_skip_reason(ctx, self.key, ("MXFP4",))

@@ -105,6 +105,8 @@ def match_quantized_swiglu(gm, patterns, linear_op, quantize_key: str, checkpoin
 class MatchNvfp4SwigluPattern(Transform):
     """Three NVFP4 linears around silu-and-multiply -> ``torch_nvfp4_swiglu_mlp``."""
 
+    changes_numerics = True  # quantizes: meant to move the logits
+
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return match_quantized_swiglu(
             gm, NVFP4_SWIGLU_PATTERNS, wb.torch_nvfp4_linear.default, "quantize_nvfp4_linear_from_config", "NVFP4"
@@ -114,6 +116,8 @@ class MatchNvfp4SwigluPattern(Transform):
 @register("match_finegrained_fp8_swiglu_pattern")
 class MatchFinegrainedFp8SwigluPattern(Transform):
     """Three fine-grained FP8 linears around silu-and-multiply -> ``torch_finegrained_fp8_swiglu_mlp``."""
+
+    changes_numerics = True  # quantizes: meant to move the logits
 
     def _apply(self, gm: fx.GraphModule, ctx: PipelineContext) -> Tuple[torch.nn.Module, TransformInfo]:
         return match_quantized_swiglu(

@@ -1,0 +1,88 @@
+"""Which nodes of an exported graph write into memory another node reads.
+
+Export's training IR keeps in-place ops: ``m = zeros(s, s); m[:, 1::2] = True`` is a ``zeros``
+node, a ``slice`` view of it and a ``fill_`` into that view -- and the ``fill_`` is nobody's input.
+A rewrite that follows only ``all_input_nodes`` therefore sees ``m`` as all zeros, and a
+replacement placed right after ``zeros`` reads it before the write. These helpers let the matcher
+and the mask classifier see the writes: a node's storage root (through view ops), and the in-place
+ops that write into a root.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Set
+
+import torch
+import torch.fx as fx
+
+
+def _schema(node: fx.Node) -> Optional[torch.FunctionSchema]:
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    return node.target._schema
+
+
+def is_view(node: fx.Node) -> bool:
+    """``node`` returns an alias of its first tensor argument (``slice``, ``view``, ``select``,
+    ``transpose``, ...) without writing to it."""
+    schema = _schema(node)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def written_arguments(node: fx.Node) -> List[fx.Node]:
+    """The graph nodes ``node`` writes into (the ``self`` of ``fill_``, ``index_put_``, ``copy_``,
+    ``out=`` arguments ...): empty for functional ops."""
+    schema = _schema(node)
+    if schema is None:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(value, fx.Node):
+            written.append(value)
+    return written
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The node whose memory ``node`` is a view of (``node`` itself when it is not a view)."""
+    while is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def writes_by_root(graph: fx.Graph) -> Dict[fx.Node, List[fx.Node]]:
+    """Storage root -> the in-place nodes writing into it, in graph order."""
+    found: Dict[fx.Node, List[fx.Node]] = {}
+    for node in graph.nodes:
+        for target in written_arguments(node):
+            found.setdefault(storage_root(target), []).append(node)
+    return found
+
+
+def writes_into(nodes: Iterable[fx.Node], graph: fx.Graph) -> Set[fx.Node]:
+    """The in-place nodes writing into the memory of any of ``nodes`` (or of a view of them)."""
+    roots = {storage_root(n) for n in nodes}
+    by_root = writes_by_root(graph)
+    return {w for r in roots for w in by_root.get(r, [])}
+
+
+def writes_between(start: fx.Node, stop: fx.Node, nodes: Iterable[fx.Node]) -> bool:
+    """Whether a node after ``start`` and before ``stop`` (graph order) writes into the memory of
+    one of ``nodes``. Walks only that stretch: matchers call it once per match."""
+    if start is stop:
+        return False
+    roots = {storage_root(n) for n in nodes}
+    node = start.next
+    while node is not stop and node.op != "root":
+        if any(storage_root(t) in roots for t in written_arguments(node)):
+            return True
+        node = node.next
+    return False
+
+
+__all__ = ["is_view", "written_arguments", "storage_root", "writes_by_root", "writes_into", "writes_between"]
