@@ -63,7 +63,11 @@ def test_repeat_kv_near_miss_repeats_along_the_sequence():
         b, n, s, d = k.shape
         return k[:, :, :, None, :].expand(b, n, s, 2, d).reshape(b, n, s * 2, d)
 
-    check("match_repeat_kv", along_seq, qkv()[1:2], matches=0, dynamic={0: {0: "batch", 2: "seq"}})
+    # Not a bnsd repeat of heads. The same ops are the bsnd spelling of one (dim 2 is heads there),
+    # which match_repeat_kv takes -- exactly: transpose, repeat dim 1, transpose back.
+    gm = export(along_seq, qkv()[1:2], {0: {0: "batch", 2: "seq"}})
+    _, info = run("match_repeat_kv", gm)
+    assert info.details["matches"] == {"repeat_kv": 0, "repeat_kv_bsnd": 1}
 
 
 # ------------------------------------------------------------------------------ eager attention

@@ -147,6 +147,10 @@ def load() -> Optional[str]:
             f"this process already runs the {loaded} build of the CPU kernels; one variant per process "
             f"(set {isa.ENV}={variant.name} before it starts)"
         )
+    if loaded is not None:
+        # Already loaded (a cleared cache of this function, another WORKBENCH_CACHE_DIR): loading a
+        # second copy would register the same ops twice, which aborts the process.
+        return None
     why = build.build_and_load(kernel_library(variant), HERE, "CPU kernels")
     if why is None and loaded_variant() != variant.name:
         return f"the CPU kernels' library loaded but reports the {loaded_variant()} build, not {variant.name}"
@@ -156,7 +160,17 @@ def load() -> Optional[str]:
 @functools.lru_cache(maxsize=None)
 def load_step_program() -> Optional[str]:
     """Build (first time) and load the step program's library; None when loaded, else why not."""
+    if _step_program_loaded():
+        return None  # registered already: a second copy would abort the process (see load())
     return build.missing_tools() or build.build_and_load(STEP_PROGRAM, HERE, "step program")
+
+
+def _step_program_loaded() -> bool:
+    try:
+        torch.classes.workbench.StepProgram  # noqa: B018 - raises until the library is loaded
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def loaded_variant() -> Optional[str]:

@@ -10,39 +10,46 @@ ops that write into a root.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Set
+import functools
+from typing import Any, Dict, Iterable, List, Set, Tuple
 
 import torch
 import torch.fx as fx
 
 
-def _schema(node: fx.Node) -> Optional[torch.FunctionSchema]:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return None
-    return node.target._schema
-
-
 def is_view(node: fx.Node) -> bool:
     """``node`` returns an alias of its first tensor argument (``slice``, ``view``, ``select``,
     ``transpose``, ...) without writing to it."""
-    schema = _schema(node)
-    if schema is None or not schema.returns:
+    return node.op == "call_function" and _is_view_op(node.target)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_view_op(target: Any) -> bool:
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.returns:
         return False
-    alias = schema.returns[0].alias_info
+    alias = target._schema.returns[0].alias_info
     return alias is not None and not alias.is_write
+
+
+@functools.lru_cache(maxsize=None)  # a fact of the op's schema; asked for every node of a graph
+def _written_positions(target: Any) -> Tuple[Tuple[int, str], ...]:
+    if not isinstance(target, torch._ops.OpOverload):
+        return ()
+    return tuple(
+        (i, arg.name)
+        for i, arg in enumerate(target._schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    )
 
 
 def written_arguments(node: fx.Node) -> List[fx.Node]:
     """The graph nodes ``node`` writes into (the ``self`` of ``fill_``, ``index_put_``, ``copy_``,
     ``out=`` arguments ...): empty for functional ops."""
-    schema = _schema(node)
-    if schema is None:
+    if node.op != "call_function":
         return []
     written = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+    for i, name in _written_positions(node.target):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
         if isinstance(value, fx.Node):
             written.append(value)
     return written
