@@ -367,7 +367,9 @@ class PipelineStepper:
             if node is not None:
                 replaced = node.meta.get(REPLACES_KEY) or []
                 first = f"; the first node it rewrote: {node.name} ({node.target}"
-                first += f", replacing {', '.join(replaced[:4])}{' ...' if len(replaced) > 4 else ''})" if replaced else ")"
+                first += (
+                    f", replacing {', '.join(replaced[:4])}{' ...' if len(replaced) > 4 else ''})" if replaced else ")"
+                )
                 break
         return NumericsMoved(
             f"{entry.key} changed the model's answer: {how}{first}. A {entry.config.stage.value} "

@@ -218,4 +218,12 @@ def match_info(gm: fx.GraphModule, counts: Mapping[str, int], **details: Any):
     return rewrite_info(gm, sum(counts.values()), {"matches": dict(counts), **details})
 
 
-__all__ = ["annotate_new_nodes", "propagate_fake_values", "refresh_after_rewrite", "erase_dead", "same_size", "same_shape", "match_info"]
+__all__ = [
+    "annotate_new_nodes",
+    "propagate_fake_values",
+    "refresh_after_rewrite",
+    "erase_dead",
+    "same_size",
+    "same_shape",
+    "match_info",
+]

@@ -61,9 +61,7 @@ def _ancestors(node: fx.Node) -> Optional[List[fx.Node]]:
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     if writes:
         written = {storage_root(n) for n in seen} & set(by_root)
-        readers = [
-            u for n in seen if storage_root(n) in written for u in n.users if u not in seen and not is_view(u)
-        ]
+        readers = [u for n in seen if storage_root(n) in written for u in n.users if u not in seen and not is_view(u)]
         if readers and max(order[w] for w in writes) > min(order[u] for u in readers):
             return None  # written after it is first read
     return sorted(seen, key=order.__getitem__)

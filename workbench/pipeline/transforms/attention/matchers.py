@@ -34,7 +34,17 @@ from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...context import PipelineContext
 from ...graph.utils import call_nodes, tensor_meta
 from ...interface import Transform, TransformInfo, register
-from ...matcher import EVAL_DROPOUT, Match, Pattern, PatternMatcher, PatternTransform, match_info, named_args, same_shape, same_size
+from ...matcher import (
+    EVAL_DROPOUT,
+    Match,
+    Pattern,
+    PatternMatcher,
+    PatternTransform,
+    match_info,
+    named_args,
+    same_shape,
+    same_size,
+)
 from .alibi import ALIBI_EAGER_PATTERNS, ALIBI_SDPA_PATTERNS
 from .masks import MaskKind, attention_mask_arguments, classify_mask
 

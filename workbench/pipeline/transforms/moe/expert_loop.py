@@ -105,7 +105,7 @@ def _one_hot_source(mask: fx.Node) -> Optional[fx.Node]:
     return one_hot.args[0]
 
 
-def _chain(matcher: PatternMatcher, gm: fx.GraphModule, first: Match) -> Optional[List[Match]]:
+def _chain(matcher: PatternMatcher, gm: fx.GraphModule, first: Match) -> List[Match]:
     """The steps that follow ``first`` (each one's accumulator the previous ``index_add_``,
     read by nothing else), in graph order."""
     steps = [first]
@@ -151,7 +151,7 @@ def replace_expert_loops(gm: fx.GraphModule) -> int:
         if first is None or first.inputs["acc"].target is not aten.zeros.default:
             continue
         steps = _chain(matcher, gm, first)
-        selected = _replaceable(steps) if steps else None
+        selected = _replaceable(steps)
         if selected is None:
             continue
         by_expert = sorted(steps, key=lambda s: s.literals["e"])
