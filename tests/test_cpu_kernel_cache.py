@@ -21,12 +21,23 @@ from workbench.ops import cpu_kernels
 
 @pytest.fixture
 def fresh_load(monkeypatch):
-    """``load()`` computed again under this test's environment, on any CPU (the avx2 build chosen, its
-    library reporting itself as that once loaded), and forgotten after it."""
+    """``load()`` computed again under this test's environment as in a fresh process, on any CPU
+    (the avx2 build chosen, its library reporting itself as that once built and loaded here), and
+    forgotten after it. (A process that has loaded the library answers ``load()`` without building:
+    a second copy would register its ops twice.)"""
     avx2 = cpu_kernels.isa.BY_NAME["avx2"]
     monkeypatch.setattr(cpu_kernels.isa, "choose", lambda: (avx2, ""))
     monkeypatch.setattr(cpu_kernels.build, "missing_tools", lambda: None)
-    monkeypatch.setattr(cpu_kernels, "loaded_variant", lambda: "avx2")
+    loaded = {"variant": None}
+    real = cpu_kernels.build.build_and_load
+
+    def build_and_load(*args, **kwargs):
+        why = real(*args, **kwargs)
+        loaded["variant"] = "avx2" if why is None else loaded["variant"]
+        return why
+
+    monkeypatch.setattr(cpu_kernels.build, "build_and_load", build_and_load)
+    monkeypatch.setattr(cpu_kernels, "loaded_variant", lambda: loaded["variant"])
     cpu_kernels.load.cache_clear()
     yield
     cpu_kernels.load.cache_clear()

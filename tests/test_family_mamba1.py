@@ -127,7 +127,10 @@ def test_export_traces_one_scan_per_mamba_layer_and_matches_hf(arch, families):
         with torch.no_grad():
             ref, out = eager(*batch.args), bench.forward(*batch.args)
         assert out.shape == (b, s, loaded.config.vocab_size)
-        assert (out - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+        # fp32 round-off: the scan's sums run in another order than HF's loop, and the CPU's GEMM
+        # kernels (AVX2 vs AVX-512) move the last bits of the strided conv output -- up to 1.2e-5 of
+        # the logits' range on an AVX2 build; a wrong scan moves them by a good part of it
+        assert (out - ref).abs().max().item() <= 3e-5 * max(1.0, ref.abs().max().item())
 
 
 def _prompts(vocab):

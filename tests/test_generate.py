@@ -71,8 +71,9 @@ def test_tiny_arch_greedy_equals_hf(arch):
     assert res["probe_rmse"] is not None and res["probe_rmse"] <= 1e-5
     worst, compared, _ = decode_vs_reforward(res["bench"], prompts_for(512)[3:6], steps=4, join_at=1)
     # fp32 round-off, which the tiny models' init (gain ~2.4 per layer, models/tiny.py) amplifies to
-    # ~3e-5 in the deepest hybrids; a missing cache moves the logits by a good part of their RMS
-    assert compared == 12 and worst <= 5e-5, worst
+    # ~3e-5 in the deepest hybrids (6e-5 for qwen3_next with torch's AVX2 kernels); a missing cache
+    # moves the logits by a good part of their RMS
+    assert compared == 12 and worst <= 1e-4, worst
 
 
 def _triton_archs():

@@ -71,7 +71,9 @@ def test_sharding_aware_model_gives_hf_logits(spec):
     with torch.no_grad():
         want = lm.model(input_ids=ids, position_ids=pos).logits
         got = lm.export_model(ids, pos).logits
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # the same computation in another order (hint ops, a fused MoE): fp32 round-off, 3.3e-6 with
+    # torch's AVX2 kernels
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- world size 2

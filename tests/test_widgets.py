@@ -227,15 +227,24 @@ def _broken_registry():
     """The pipeline plus a transform that scales the first RMSNorm output (a numerics bug)."""
     registry = TRANSFORMS.copy()
 
-    @registry.register("scale_first_norm")
-    class ScaleFirstNorm(Transform):
-        def _apply(self, gm, ctx):
-            node = next(n for n in gm.graph.nodes if n.target == torch.ops.workbench.torch_rmsnorm.default)
-            with gm.graph.inserting_after(node):
-                scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.5))
-            node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
-            gm.recompile()
-            return gm, TransformInfo(num_matches=1)
+    def scale_first_norm(declared):
+        class ScaleFirstNorm(Transform):
+            # declared: the stepper's guard on re-spelling steps lets it through; undeclared, a
+            # pattern matcher that changes the answer fails its own step
+            changes_numerics = declared
+
+            def _apply(self, gm, ctx):
+                node = next(n for n in gm.graph.nodes if n.target == torch.ops.workbench.torch_rmsnorm.default)
+                with gm.graph.inserting_after(node):
+                    scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.5))
+                node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+                gm.recompile()
+                return gm, TransformInfo(num_matches=1)
+
+        return ScaleFirstNorm
+
+    registry.register("scale_first_norm")(scale_first_norm(True))
+    registry.register("scale_first_norm_undeclared")(scale_first_norm(False))
 
     @registry.register("always_fails")
     class AlwaysFails(Transform):
@@ -263,6 +272,15 @@ def test_numerics_column_highlights_the_first_divergent_transform(tiny_llama):
     assert "first transform past" in panel.numerics.value and "scale_first_norm" in panel.numerics.value
     panel.toggle("scale_first_norm", False)  # and the fix: nothing diverges any more
     assert wb.done and not any(r.divergent for r in panel.rows(panel.tol.value))
+
+
+def test_a_matcher_that_moves_the_logits_is_shown_failed_in_red(tiny_llama):
+    registry = _broken_registry()
+    wb = Workbench(tiny_llama, registry=registry, entries=_with(registry, "scale_first_norm_undeclared", "pattern_matcher"))
+    panel = WorkbenchPanel(wb, background=False)
+    panel.run_all()
+    assert statuses(panel)["scale_first_norm_undeclared"] == "failed"
+    assert "changed the model" in panel.message.value and panel.progress.bar_style == "danger"
 
 
 def test_a_failing_transform_is_shown_failed_with_its_error(tiny_llama):

@@ -106,7 +106,14 @@ class LinearWeightLayout(Transform[LinearWeightLayoutConfig]):
         notes: Dict[str, Any] = {}
         summary = []  # one line for the run's summary (Workbench.backends_line)
         if kernels:
-            if act == "auto":
+            if act == "auto" and ctx.dist.world_size > 1:
+                # Each rank would calibrate on its own (one thread, its own shard, its own noise) and
+                # could pick the other rounding: int8 rounding on one rank reaches every rank's logits
+                # through the all-reduce, which the cache check of a rank that chose exact does not
+                # expect. Sharded runs take the exact activations on every rank.
+                act = "fp32"
+                notes["int4_activations_auto"] = "fp32 (sharded: every rank the same numerics, not calibrated)"
+            elif act == "auto":
                 measured = calibrate.int4_activation_choice(_int4_linears(gm)) if _int4_linears(gm) else None
                 act = measured.choice if measured is not None else "fp32"
                 if measured is not None:
