@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from workbench.cache_dir import sealed, unsealed
 from workbench.ops.cpu_kernels import calibrate
 
 
@@ -83,9 +84,29 @@ def test_measured_once_then_read_from_the_cache(fresh, monkeypatch):
     again = calibrate.fp32_linear_choice(w)  # as in a new process: the file answers
     assert again.cached and len(calls) == 1 and again.choice == first.choice and again.times == first.times
     assert "calibration cached for this CPU" in again.why()
-    assert json.loads(entry.read_text())["times"] == first.times
+    assert read_entry(entry)["times"] == first.times
     calibrate.fp32_linear_choice(weights(4))  # other shapes: another workload, measured on its own
     assert len(calls) == 2 and len(list((fresh / "calibration").iterdir())) == 2
+
+
+def read_entry(path):
+    """A cache entry's JSON (entries are sealed with a checksum of key and bytes: cache_dir.sealed)."""
+    return json.loads(unsealed(path.stem, path.read_bytes()))
+
+
+def write_entry(path, text):
+    """Write ``text`` as a valid sealed entry: what the checks behind the checksum then see."""
+    path.write_bytes(sealed(path.stem, text.encode()))
+
+
+def test_an_edited_entry_fails_its_checksum_and_is_measured_again(fresh, monkeypatch, caplog):
+    calls = fake_times(monkeypatch, {"kernel": 2e-3, "wxt": 3e-3, "nk": 1e-3})
+    calibrate.fp32_linear_choice(weights())
+    (entry,) = (fresh / "calibration").iterdir()
+    entry.write_bytes(entry.read_bytes().replace(b'"nk"', b'"wxt"', 1))  # plausible JSON, not the measured one
+    m = calibrate.fp32_linear_choice(weights())
+    assert len(calls) == 2 and not m.cached and m.choice == "nk"
+    assert "does not match its checksum" in caplog.text and entry.name in caplog.text
 
 
 @pytest.mark.parametrize("edit", [
@@ -101,10 +122,10 @@ def test_a_bad_cache_entry_is_measured_again_and_rewritten(fresh, monkeypatch, e
     w = weights()
     calibrate.fp32_linear_choice(w)
     (entry,) = (fresh / "calibration").iterdir()
-    entry.write_text(edit(json.loads(entry.read_text())))
+    write_entry(entry, edit(read_entry(entry)))
     m = calibrate.fp32_linear_choice(w)
     assert len(calls) == 2 and not m.cached and m.choice == "nk"
-    assert json.loads(entry.read_text())["choice"] == "nk"  # rewritten
+    assert read_entry(entry)["choice"] == "nk"  # rewritten
 
 
 def test_each_thread_count_is_calibrated_on_its_own(fresh, monkeypatch):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from workbench.api import Workbench
+from workbench.cache_dir import sealed, unsealed
 from workbench.models import load_model
 from workbench.pipeline.probe_cache import graph_structure
 from workbench.pipeline.transforms.export import export_cache as ec
@@ -68,16 +69,16 @@ def test_an_unreadable_entry_means_exporting_again(cache_dir):
     loaded = load_model("tiny:llama", dtype="float32")
     _exported(loaded, export_cache=True)
     (entry,) = (cache_dir / "exports").glob("*.pkl")
-    entry.write_bytes(b"not a pickle")
+    entry.write_bytes(sealed(entry.stem, b"not a pickle"))
     _, snap = _exported(loaded, export_cache=True)
     assert snap.info.details["export_cache"].startswith("no entry: exported; written")
     # an entry that unpickles but no longer builds (an operator that is gone): exported again, said why
-    record = pickle.loads(entry.read_bytes())
+    record = pickle.loads(unsealed(entry.stem, entry.read_bytes()))
     i = next(i for i, n in enumerate(record["nodes"]) if n[2][0] == "op")
     node = list(record["nodes"][i])
     node[2] = ("op", "aten", "no_such_op_xyz", "default")
     record["nodes"][i] = tuple(node)
-    entry.write_bytes(pickle.dumps(record))
+    entry.write_bytes(sealed(entry.stem, pickle.dumps(record)))
     _, snap = _exported(loaded, export_cache=True)
     note = snap.info.details["export_cache"]
     assert note.startswith("an entry was found but did not build") and "no_such_op_xyz" in note, note

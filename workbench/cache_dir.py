@@ -10,12 +10,17 @@ read: a read ``touch``es its file) go first, once per cache object, which is onc
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import stat
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, Optional, Set, Tuple
 
 _VAR = "WORKBENCH_CACHE_DIR"
+logger = logging.getLogger("workbench.cache")
+_said: Set[str] = set()  # notices already given in this process: one line each, not one per cache object
 
 
 def cache_root() -> Optional[Path]:
@@ -31,6 +36,9 @@ def usable_cache_root() -> Tuple[Optional[Path], Optional[str]]:
     when the cache is switched off, ``(None, reason)`` when it is set to something unusable. The reason
     names the variable, the path and the remedy, for users whose output would otherwise be a bare
     ``NotADirectoryError`` from deep inside a build. Nothing is created here: a check must not litter."""
+    value = os.environ.get(_VAR)
+    if value is not None and value and not value.strip():
+        return None, f"{_VAR} is set to blanks ({value!r}): the cache is off; set it to a directory (or to off)"
     root = cache_root()
     if root is None:
         return None, None
@@ -46,6 +54,57 @@ def usable_cache_root() -> Tuple[Optional[Path], Optional[str]]:
     if not os.access(nearest, os.W_OK | os.X_OK):
         return None, f"{where} is not writable (no write permission on {nearest}): {remedy}"
     return root, None
+
+
+def say_once(text: str) -> None:
+    """Log a cache notice once per process (every cache object of a run would repeat it)."""
+    if text not in _said:
+        _said.add(text)
+        logger.warning("workbench cache: %s", text)
+
+
+def untrusted(path: Path, top: Optional[Path] = None) -> Optional[str]:
+    """Why code must not be loaded from ``path`` (a pickle, a shared library), or None: ``path`` and
+    every directory above it up to ``top`` (default: the cache root) must belong to this user (or
+    root) and be writable by nobody else -- as ssh refuses a group-writable ``~/.ssh``. Anyone who
+    can write there could otherwise run code in the next run. Directories not yet made are fine."""
+    if not hasattr(os, "getuid"):
+        return None  # no POSIX ownership to check
+    top = top or cache_root()
+    chain = [path, *path.parents]
+    if top is not None and top in chain:
+        chain = chain[: chain.index(top) + 1]
+    for d in chain:
+        try:
+            st = d.stat()
+        except OSError:
+            continue
+        if st.st_uid not in (os.getuid(), 0):
+            return f"{d} belongs to another user (uid {st.st_uid}): use a cache directory of your own ({_VAR})"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return (
+                f"{d} is writable by {'everyone' if st.st_mode & stat.S_IWOTH else 'its group'} "
+                f"(mode {stat.S_IMODE(st.st_mode):o}), so another user could put code there: chmod go-w {d}"
+            )
+    return None
+
+
+_MAGIC = b"workbench-cache-entry sha256="
+
+
+def sealed(key: str, data: bytes) -> bytes:
+    """``data`` with a first line carrying the sha256 of its key and bytes (``unsealed`` checks it)."""
+    return _MAGIC + hashlib.sha256(key.encode() + b"\0" + data).hexdigest().encode() + b"\n" + data
+
+
+def unsealed(key: str, blob: bytes) -> Optional[bytes]:
+    """The data of a ``sealed`` entry, or None when its checksum does not match (edited, damaged,
+    another key's entry copied over, or written before entries were sealed)."""
+    head, sep, data = blob.partition(b"\n")
+    if not sep or not head.startswith(_MAGIC):
+        return None
+    want = hashlib.sha256(key.encode() + b"\0" + data).hexdigest().encode()
+    return data if head[len(_MAGIC) :] == want else None
 
 
 def write_atomically(path: Path, data: bytes) -> None:
@@ -64,25 +123,41 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 
 class KeyedFiles:
-    """``$WORKBENCH_CACHE_DIR/<subdir>/<key><suffix>``: one entry per file, written atomically, the
-    directory kept within ``max_bytes`` (``keep_within``, at the first write of this object: one
-    scan per run). ``dir`` is None when the cache is switched off."""
+    """``$WORKBENCH_CACHE_DIR/<subdir>/<key><suffix>``: one entry per file, written atomically and
+    sealed with a checksum of its key and bytes (``sealed``), the directory kept within ``max_bytes``
+    (``keep_within``, at the first write of this object: one scan per run). ``dir`` is None when
+    the cache is switched off or cannot be used (said once, with why). ``code``: the entries are
+    loaded as code (pickles), so the directory must also pass ``untrusted``."""
 
-    def __init__(self, subdir: str, suffix: str, max_bytes: int) -> None:
-        root = cache_root()
+    def __init__(self, subdir: str, suffix: str, max_bytes: int, code: bool = False) -> None:
+        root, why = usable_cache_root()
         self.dir = root / subdir if root is not None else None
+        if why is None and self.dir is not None and code:
+            why = untrusted(self.dir)
+            if why is not None:
+                why = f"not reading or writing {subdir} entries (they are loaded as code): {why}"
+                self.dir = None
+        if why is not None:
+            say_once(why)
         self.suffix, self.max_bytes = suffix, max_bytes
         self._kept_within = False
 
     def read(self, key: str) -> Optional[bytes]:
-        """The entry's bytes, or None (absent, unreadable, or the cache off). A caller that finds
-        them valid marks the entry ``used``."""
+        """The entry's bytes, or None (absent, unreadable, failing its checksum, or the cache off).
+        A caller that finds them valid marks the entry ``used``."""
         if self.dir is None:
             return None
+        path = self.dir / f"{key}{self.suffix}"
         try:
-            return (self.dir / f"{key}{self.suffix}").read_bytes()
+            blob = path.read_bytes()
         except OSError:
             return None
+        data = unsealed(key, blob)
+        if data is None:
+            say_once(
+                f"{path} does not match its checksum (edited, damaged or from an older version): ignored, recomputed"
+            )
+        return data
 
     def used(self, key: str) -> None:
         if self.dir is not None:
@@ -93,8 +168,9 @@ class KeyedFiles:
         if self.dir is None:
             return "the cache is off"
         try:
-            write_atomically(self.dir / f"{key}{self.suffix}", data)
+            write_atomically(self.dir / f"{key}{self.suffix}", sealed(key, data))
         except OSError as e:
+            say_once(f"cannot write to {self.dir} ({e}): every run repeats the work it would keep")
             return f"not written: {e}"
         if not self._kept_within:
             self._kept_within = True

@@ -6,9 +6,11 @@ import argparse
 import gc
 import logging
 import os
+import re
+import signal
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .cli_errors import (
     EXIT_READER_GONE,
@@ -189,7 +191,7 @@ def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
         # (a sharded run whose ranks were brought down keeps its table; its reports died with the
         # ranks). Its own error comes first and whole; an output that failed too is a line after it.
         failures = _table_and_report(wb, args, say, rank)
-        code = say_interrupted(wb) if isinstance(e, KeyboardInterrupt) else say_error(e, args)
+        code = say_interrupted(wb, how=_how(e)) if isinstance(e, KeyboardInterrupt) else say_error(e, args)
         _say_failures(failures)
         return code
     wall_s = time.perf_counter() - t0
@@ -216,7 +218,7 @@ def _run_and_print(wb, args: argparse.Namespace, say, rank: int = 0) -> int:
     try:
         out = _generate(wb, args.prompt, args.max_new_tokens, say) if args.max_new_tokens > 0 else None
     except (Exception, KeyboardInterrupt) as e:  # the pipeline's report is still written, after the error
-        code = say_interrupted(wb) if isinstance(e, KeyboardInterrupt) else say_error(e, args)
+        code = say_interrupted(wb, how=_how(e)) if isinstance(e, KeyboardInterrupt) else say_error(e, args)
         _say_failures(_write_reports(wb, args, say, rank))
         return code
     failures = _write_reports(wb, args, say, rank)  # after the answer: the report's summary holds it
@@ -319,16 +321,27 @@ def _generate(wb, prompt: str, max_new_tokens: int, say=print):
         say(f"prompt: {prompt!r} as token ids {ids} ({_spec_of(wb)} has no tokenizer: UTF-8 bytes mod vocab)")
         out = wb.generate([ids], max_new_tokens=max_new_tokens)
     else:
-        say(f"prompt: {prompt}")
+        say(f"prompt: {terminal_safe(prompt)}")
         out = wb.generate(prompt, max_new_tokens=max_new_tokens)
     result = out.results[0]
     if result.error is not None:
-        say(f"output: error: {result.error}")
+        say(f"output: error: {terminal_safe(result.error)}")
     elif result.text is not None:
-        say(f"output: {result.text}")
+        say(f"output: {terminal_safe(result.text)}")
     say(f"tokens: {result.token_ids}")
     say(f"generate: {out.stats}")
     return out
+
+
+# Characters a terminal acts on instead of showing: C0/C1 controls (ESC starts colour and cursor
+# sequences) and the bidirectional overrides and isolates (U+202E reverses the rest of the line).
+_UNSHOWN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` as the terminal should show it: those characters as ``\\x1b`` / ``\\u202e`` escapes
+    (newlines and tabs kept), so a prompt or an answer cannot recolour or reorder the output."""
+    return _UNSHOWN.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def _spec_of(wb) -> str:
@@ -419,6 +432,19 @@ def leave_triton_unloaded() -> bool:
     return True
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is, so it stops as a Ctrl-C does: the finished steps' table,
+    where it stopped, the report of what finished."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _how(e: BaseException) -> str:
+    return "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+
+
 COMMANDS: Dict[str, Callable[[argparse.Namespace], int]] = {
     "run": cmd_run,
     "transforms": cmd_transforms,
@@ -435,15 +461,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     if argv is None:
         leave_triton_unloaded()
+        try:
+            signal.signal(signal.SIGTERM, _terminated)  # `kill`, a job scheduler: ends like a Ctrl-C
+        except ValueError:
+            pass  # not the main thread: signals stay as they are
     args = build_parser().parse_args(argv)  # a usage error: argparse's message and exit status 2
     try:
         status = COMMANDS[args.cmd](args)
         sys.stdout.flush()  # a reader that went away (`| head`) shows here, not at interpreter exit
         return status
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        how = _how(e)
         if args.cmd == "check":
-            return say_interrupted(None, "during the check: the rows finished so far are above (and in --out)")
-        return say_interrupted(getattr(args, "workbench", None))
+            return say_interrupted(None, "during the check: the rows finished so far are above (and in --out)", how=how)
+        return say_interrupted(getattr(args, "workbench", None), how=how)
     except BrokenPipeError as e:
         return EXIT_READER_GONE if stdout_reader_gone() else say_error(e, args)
     except Exception as e:  # noqa: BLE001 - the CLI prints one clear line, not a traceback

@@ -33,6 +33,7 @@ from .errors import InputError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_READER_GONE = 128 + 13  # as a shell tool killed by SIGPIPE: the output's reader went away
+EXIT_TERMINATED = 128 + 15  # SIGTERM: handled as a Ctrl-C, with the status a shell shows for it
 TRACEBACK_ENV = "WORKBENCH_TRACEBACK"
 
 EXIT_STATUSES = (
@@ -40,7 +41,7 @@ EXIT_STATUSES = (
     "1 on a run failure (a transform or a rank failed; a --report or --debug-visualize-dir output failed "
     "after the answer was printed); 2 on a usage or config error (bad flag value, YAML, model spec, device, "
     "directory: said before anything runs); 130 when interrupted (Ctrl-C: the finished transforms are "
-    "printed, then where it stopped); 141 when the output's reader went away (| head), silently. Every failure is one 'error:' line; --traceback (or "
+    "printed, then where it stopped); 143 on SIGTERM (the same, said as terminated); 141 when the output's reader went away (| head), silently. Every failure is one 'error:' line; --traceback (or "
     f"{TRACEBACK_ENV}=1) adds the whole trace. Without graphviz's dot binary the report leaves its pictures "
     "out and the renders are .dot sources (said up front; exit 0)."
 )
@@ -156,9 +157,11 @@ def stdout_reader_gone() -> bool:
     return gone
 
 
-def say_interrupted(wb: Any, before_run: str = "while loading the model: nothing was computed yet") -> int:
-    """Ctrl-C: where the run stopped (the finished transforms were printed as the table above);
-    ``before_run`` when there is no Workbench (yet)."""
+def say_interrupted(
+    wb: Any, before_run: str = "while loading the model: nothing was computed yet", how: str = "interrupted"
+) -> int:
+    """Ctrl-C (or SIGTERM: ``how``): where the run stopped (the finished transforms were printed as
+    the table above); ``before_run`` when there is no Workbench (yet). Status 130, 143 for SIGTERM."""
     if wb is None:
         where = before_run
     elif not wb.done:
@@ -169,8 +172,8 @@ def say_interrupted(wb: Any, before_run: str = "while loading the model: nothing
         )
     else:
         where = "while generating: the pipeline had finished (table above)"
-    print(f"interrupted {where}", file=sys.stderr, flush=True)
-    return EXIT_INTERRUPTED
+    print(f"{how} {where}", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED if how == "interrupted" else EXIT_TERMINATED
 
 
 __all__ = [
@@ -179,6 +182,7 @@ __all__ = [
     "EXIT_USAGE",
     "EXIT_INTERRUPTED",
     "EXIT_READER_GONE",
+    "EXIT_TERMINATED",
     "EXIT_STATUSES",
     "TRACEBACK_ENV",
     "check_run_args",

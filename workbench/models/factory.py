@@ -36,6 +36,7 @@ from ..cache_dir import cache_root
 from .build import auto_class_for, build_random_model
 from .devices import resolve_device
 from .dtypes import resolve_dtype
+from .load_checks import check_config, check_finite, check_tokenizer_fits, read_json_files
 from .loaded import LoadedModel
 from .spec import WEIGHT_PATTERNS, ModelSpecError, ResolvedSpec, resolve_spec
 from .tiny import build_tiny_config
@@ -133,7 +134,11 @@ def _load_gguf_cached(path: Path, dtype: torch.dtype, device: torch.device):
 def _load_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device):
     from transformers import AutoConfig, AutoTokenizer
 
-    auto = auto_class_for(AutoConfig.from_pretrained(directory, local_files_only=True))
+    raw = read_json_files(directory, ("config.json",))
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    if "config.json" in raw:
+        check_config(directory, raw["config.json"], config)
+    auto = auto_class_for(config)
     # Mismatched sizes are let through and the loading info kept, so that a config.json that
     # disagrees with the weights is reported below by file, tensor and shapes (HF raises "You set
     # `ignore_mismatched_sizes` to `False`" for a wrong size, and loads a missing or extra layer
@@ -341,6 +346,8 @@ def load_model(
         else:
             assert resolved.path is not None  # every other kind names a file or directory
             try:
+                if resolved.path.is_dir():  # a JSON file that does not parse: named, with line and column
+                    read_json_files(resolved.path)
                 if resolved.kind == "gguf":
                     model, tokenizer, source = _load_gguf_file(resolved.path, gguf_weights, dtype, device)
                 elif (quantized := _load_quantized_hf_dir(resolved.path, dtype, device)) is not None:
@@ -356,6 +363,8 @@ def load_model(
                 if isinstance(exc, ModelSpecError):
                     raise
                 raise ModelSpecError(_load_failure(spec, resolved.path, exc)) from exc
+            check_tokenizer_fits(tokenizer, model, f"{spec!r} ({resolved.path})")
+            check_finite(model, f"{spec!r} ({resolved.path})")
     model = _finalise(model)
     export_model = _custom_export_model(spec, model, custom_models)
     return LoadedModel(

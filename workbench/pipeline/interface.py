@@ -153,9 +153,10 @@ class TransformError(RuntimeError):
         self.key, self.stage, self.cause = key, stage, cause
         super().__init__(
             f"[stage={stage.value}, transform={key}] failed: {type(cause).__name__}: {cause}\n"
-            f"Earlier snapshots are kept. Fix the config (Workbench.configure('{key}', ...)) or "
+            f"The steps before it are kept. Fix the config (Workbench.configure('{key}', ...)) or "
             f"disable the transform (Workbench.enable('{key}', False)), or set "
-            f"skip_on_error=true for it, then run again."
+            f"skip_on_error=true for it, then run again: it resumes after them (with snapshots "
+            f"off, by repeating them from the export)."
         )
 
 
@@ -353,6 +354,13 @@ def check_order(entries: List[Any], registry: "TransformRegistry") -> Optional[s
     (None when it does not). A need with no enabled provider at all is not an order problem: the
     transform then reports itself skipped with the reason, as it always has."""
     enabled = [(i, e.key) for i, e in enumerate(entries) if e.config.enabled]
+    exporters = [e for e in entries if e.config.stage == Stages.EXPORT]
+    if exporters and not any(e.config.enabled for e in exporters) and enabled:
+        names = ", ".join(e.key for e in exporters)
+        return (
+            f"{names} is disabled, but every later transform rewrites the graph it exports: enable it "
+            f"(--set {exporters[0].key}.enabled=true), or disable the whole pipeline to run the eager model"
+        )
     for i, key in enabled:
         for fact in registry.get(key).needs:
             providers = [(j, k) for j, k in enabled if any(fact is p for p in registry.get(k).provides)]

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, T
 import torch
 from pydantic import ValidationError
 
+from ..errors import InputError
 from ..models.devices import model_device
 from ..models.export_contract import CausalLMLogits, ProbeBatch, make_batch
 from . import transforms as _transforms  # noqa: F401  (registers every transform)
@@ -118,6 +119,10 @@ class PipelineStepper:
             self.ctx.export_cache = ExportCache()
         self._probe_run_key: Optional[str] = None
         self.last_error: Optional[TransformError] = None
+        # Snapshots off (no graph copies): the graph before a skip_on_error step, and whether the
+        # live graph is lost (a failed or rewound step) so the next step starts from the export.
+        self._checkpoint: Optional[GraphCopy] = None
+        self._rerun_from_start = False
         self._live: torch.nn.Module = self._eager
         self._state = GraphState()
 
@@ -160,8 +165,28 @@ class PipelineStepper:
             where = model_device(self._eager)
             with torch.no_grad():
                 ref = self._eager(*(a.to(where) for a in self.probe.args))
+            if not bool(torch.isfinite(ref).all()):
+                raise self._non_finite_reference(ref)
             self._reference = ref.to(self.ctx.device)
         return self._reference
+
+    def _non_finite_reference(self, ref: torch.Tensor) -> InputError:
+        """The eager model's own logits hold NaN/Inf: no transform can be checked against them.
+        Names the parameters that hold them, if any (else the forward overflows)."""
+        from ..models.load_checks import non_finite_parameters
+
+        bad = non_finite_parameters(self.loaded.model)
+        n = int((~torch.isfinite(ref)).sum())
+        where = (
+            f"its weights hold NaN or Inf ({'; '.join(bad)})"
+            if bad
+            else f"its forward overflows in {str(self.ctx.dtype).replace('torch.', '')} (no weight is NaN or Inf)"
+        )
+        return InputError(
+            f"the eager model's logits on the probe batch hold {n:,} NaN/Inf values: {where}. Every numerics "
+            "check would read nan: fix the weights (re-download or re-save them), or run with numerics off "
+            "(Workbench(numerics=False), --no-numerics) to look at the graphs anyway"
+        )
 
     def forward(self, *args: Any, at: Optional[str] = None) -> Any:
         """Run the live graph (or the snapshot ``at``) on ``args``: ``(input_ids, position_ids)``
@@ -171,8 +196,36 @@ class PipelineStepper:
         weights bound by name (``pipeline.weights.run_unloaded``), without changing the graph.
         """
         mod = self.snapshot(at).module if at is not None else self._live
-        assert mod is not None, "the snapshot kept no graph copy (snapshots=False)"
+        if mod is None:
+            raise InputError(f"the snapshot of {at} kept no graph copy: create the Workbench with snapshots=True")
+        cached = any(
+            s.stage.order >= Stages.CACHE_INIT.order for s in self.snapshots[: self.index(at) + 1 if at else None]
+        )
+        self._check_forward_args(args, positions=not cached)
         return self._call(mod, args)
+
+    def _check_forward_args(self, args: Sequence[Any], positions: bool) -> None:
+        """``input_ids`` [batch, seq] of token ids below the vocabulary size, and (before the cache
+        stage) ``position_ids`` of the same shape: named here, not as an indexing error from inside
+        an op of the graph."""
+        if not args or not isinstance(args[0], torch.Tensor):
+            return
+        ids = args[0]
+        if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise InputError(
+                f"forward: input_ids must be a 2-D integer tensor [batch, seq], got {ids.dtype} of shape "
+                f"{tuple(ids.shape)} (one sequence: ids[None])"
+            )
+        vocab = self.ctx.vocab_size
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise InputError(
+                f"forward: input_ids hold ids outside the vocabulary 0..{vocab - 1} (min {int(ids.min())}, "
+                f"max {int(ids.max())})"
+            )
+        if positions and len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].shape != ids.shape:
+            raise InputError(
+                f"forward: position_ids {tuple(args[1].shape)} must have input_ids' shape {tuple(ids.shape)}"
+            )
 
     def _call(self, mod: torch.nn.Module, args: Sequence[Any]) -> Any:
         with torch.no_grad():
@@ -224,9 +277,14 @@ class PipelineStepper:
         self.invalidate(0)
 
     def _restore_live(self) -> None:
+        if self._checkpoint is not None:  # snapshots off, skip_on_error: the copy taken before the step
+            self._live, self._checkpoint = self._checkpoint.materialize(), None
+            return
         if self.snapshots and self.snapshots[-1].graph_copy is None:
-            # Graph copies were not kept (snapshots=False): the only way back is a fresh start.
-            self.snapshots.clear()
+            # Graph copies were not kept (snapshots=False): the finished steps keep their rows (the
+            # table, status()), and the next step repeats them from the export first.
+            self._rerun_from_start = True
+            return
         if self.snapshots:
             last = self.snapshots[-1]
             assert last.graph_copy is not None  # cleared above otherwise
@@ -237,6 +295,16 @@ class PipelineStepper:
             self._live = self._eager
             self.ctx.restore(None, self.limits)
             self._state = GraphState()
+
+    def _start_over(self) -> None:
+        """Snapshots off and the live graph lost: drop the finished steps' rows and start from the
+        eager model (the export cache, where on, makes the export quick)."""
+        logger.info("snapshots are off: repeating the %d finished steps from the export", len(self.snapshots))
+        self.snapshots.clear()
+        self._rerun_from_start = False
+        self._live = self._eager
+        self.ctx.restore(None, self.limits)
+        self._state = GraphState()
 
     def _check_unique(self) -> None:
         seen = set()
@@ -253,9 +321,14 @@ class PipelineStepper:
         """Run the next transform and record its snapshot."""
         if self.done:
             raise StopIteration("the pipeline has run to the end; rewind() or reset() to re-run")
+        if self._rerun_from_start:
+            self._start_over()
         i = self.position
         entry = self.entries[i]
         transform = self.registry.get(entry.key)(entry.config)
+        if entry.config.skip_on_error and not self.record_graphs and graph_modules(self._live):
+            # No snapshot to go back to if it fails: one copy of the graph before it (shares the weights).
+            self._checkpoint = GraphCopy(self._live)
         prev_names = self.snapshots[-1].node_names if self.snapshots else frozenset()
         # Before the first transform there is no graph yet: it starts from zero bytes (the eager
         # model's tensors are the reference's, not the pipeline's).
@@ -274,12 +347,15 @@ class PipelineStepper:
         self.last_error = None
         self._live, self._state = mod, state
         snap = self._record(i, entry, info, times, mem_before, prev_names)
+        checkpoint = self._checkpoint
         if snap.numerics is not None and not snap.numerics.ok:
             snap = self._probe_failed(i, entry, snap, mem_before, prev_names)
         else:
             moved = self._moved_answer(entry, transform, snap)
             if moved is not None:
                 snap = self._step_failed(i, entry, snap, mem_before, prev_names, moved)
+        if self._checkpoint is checkpoint:
+            self._checkpoint = None  # the step stands (or was undone from it already)
         self.snapshots.append(snap)
         for hook in self.on_snapshot:
             hook(snap)

@@ -7,6 +7,8 @@ for token with ``transformers.generate(do_sample=False)``. Sampling draws from o
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -22,11 +24,14 @@ class SamplingParams:
     top_p: Optional[float] = None  # keep the smallest set whose probability reaches p
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InputError(
+                f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature}: "
+                "NaN or infinity makes every token's probability NaN or equal"
+            )
         if self.top_k is not None and self.top_k < 1:
             raise InputError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:  # NaN fails this too
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property

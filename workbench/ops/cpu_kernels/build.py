@@ -28,7 +28,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ...cache_dir import cache_root, usable_cache_root
+from ...cache_dir import cache_root, untrusted, usable_cache_root
 
 HERE = Path(__file__).resolve().parent
 logger = logging.getLogger("workbench")
@@ -133,6 +133,9 @@ def build_and_load(lib: Library, here: Path, what: str) -> Optional[str]:
     from torch.utils import cpp_extension
 
     directory = build_dir(lib, here)
+    unsafe = untrusted(directory, top=cache_root() or directory.parent)
+    if unsafe is not None:  # a shared library is code: only from a directory nobody else can write
+        return f"not building or loading the {what} in {directory}: {unsafe}"
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:

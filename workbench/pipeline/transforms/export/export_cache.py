@@ -107,7 +107,7 @@ class ExportCache:
     MAX_BYTES = 512 << 20  # smollm2's entry is ~0.5 MB
 
     def __init__(self) -> None:
-        self.files = KeyedFiles("exports", ".pkl", self.MAX_BYTES)
+        self.files = KeyedFiles("exports", ".pkl", self.MAX_BYTES, code=True)  # pickles: a trusted directory only
 
     def get(self, key: str) -> Optional[Dict[str, Any]]:
         data = self.files.read(key)
