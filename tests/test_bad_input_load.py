@@ -28,8 +28,6 @@ ONE_THREAD = True
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     """tiny:llama (vocabulary 512) as save_pretrained writes it, with a 300-token tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     out = tmp_path_factory.mktemp("tiny_llama")
     load_model("tiny:llama", device="cpu").model.save_pretrained(out)

@@ -8,7 +8,6 @@ for token with ``transformers.generate(do_sample=False)``. Sampling draws from o
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
