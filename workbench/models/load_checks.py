@@ -73,7 +73,8 @@ def check_tokenizer_fits(tokenizer: Any, model: torch.nn.Module, where: str) -> 
     """A tokenizer whose ids reach past the model's embedding rows cannot feed it."""
     if tokenizer is None:
         return
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
     rows = getattr(embedding, "num_embeddings", None)
     if rows is None:
         return
