@@ -246,7 +246,7 @@ def wb(tiny_llama):
         ([[1, 2]], {"max_new_tokens": 2.5}, "max_new_tokens must be a whole number >= 1, got 2.5"),
         ([[1, 2]], {"max_new_tokens": 0}, "max_new_tokens must be a whole number >= 1, got 0"),
         ([[1, 2]], {"stop_token_ids": "3"}, "stop_token_ids: expected a list of int token ids"),
-        ([[1, 2]], {"temperature": -1.0}, "temperature must be >= 0"),
+        ([[1, 2]], {"temperature": -1.0}, "temperature must be a finite number >= 0"),
         ([[1, 2]], {"top_p": 2.0, "temperature": 1.0}, "top_p must be in (0, 1]"),
         ([[1, 2]], {"top_k": -3, "temperature": 1.0}, "top_k must be >= 1"),
     ],
