@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from match_support import check, count, export, run
+from test_match_moe import Llama4StyleMoe
+
 from workbench.pipeline.transforms.attention.masks import MaskKind, classify_mask
 
 wb = torch.ops.workbench
@@ -258,13 +259,13 @@ def test_transpose_contiguous_transpose_cancels():
 
 # ------------------------------------------------------------------------------ MoE spellings
 
-H, I, E, K = 16, 8, 4, 2
+H, INTER, E, K = 16, 8, 4, 2
 
 
 class Expert(nn.Module):
     def __init__(self):
         super().__init__()
-        self.w1, self.w2, self.w3 = nn.Linear(H, I, bias=False), nn.Linear(I, H, bias=False), nn.Linear(H, I, bias=False)
+        self.w1, self.w2, self.w3 = nn.Linear(H, INTER, bias=False), nn.Linear(INTER, H, bias=False), nn.Linear(H, INTER, bias=False)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -317,35 +318,10 @@ def test_moe_expert_loop_near_miss_an_expert_left_out():
           dynamic={0: {0: "batch", 1: "seq"}})
 
 
-class UpFirstBmmMoe(nn.Module):
-    """Stacked BMM experts whose projection stores the up rows first: ``up, gate = h.chunk(2)``."""
-
-    def __init__(self, on_input):
-        super().__init__()
-        torch.manual_seed(0)
-        self.on_input = on_input
-        self.router = nn.Linear(H, E, bias=False)
-        self.gate_up_proj = nn.Parameter(torch.randn(E, H, 2 * I) * 0.2)
-        self.down_proj = nn.Parameter(torch.randn(E, I, H) * 0.2)
-
-    def forward(self, x):
-        x = x.reshape(-1, H)
-        logits = self.router(x)
-        top, idx = torch.topk(logits, 1, dim=1)
-        scores = torch.sigmoid(torch.full_like(logits, float("-inf")).scatter_(1, idx, top))
-        if self.on_input:
-            routed = x.repeat(E, 1) * scores.transpose(0, 1).reshape(-1, 1)
-            up, gate = torch.bmm(routed.view(E, -1, H), self.gate_up_proj).chunk(2, dim=-1)
-            y = torch.bmm(up * F.silu(gate), self.down_proj).view(-1, H)
-            return y.reshape(E, -1, H).sum(dim=0)
-        up, gate = torch.bmm(x.repeat(E, 1).view(E, -1, H), self.gate_up_proj).chunk(2, dim=-1)
-        y = torch.bmm(F.silu(gate) * up, self.down_proj)
-        return (y * scores.transpose(0, 1).reshape(E, -1)[..., None]).sum(dim=0)
-
-
 @pytest.mark.parametrize("key, on_input", [("match_bmm_moe_pattern", True), ("match_dense_moe_pattern", False)])
 def test_bmm_moe_with_up_rows_first(key, on_input):
-    gm = check(key, UpFirstBmmMoe(on_input), (torch.randn(2, 3, H),), matches=1, dynamic={0: {0: "batch", 1: "seq"}},
+    torch.manual_seed(0)
+    gm = check(key, Llama4StyleMoe(on_input, up_first=True), (torch.randn(2, 3, H),), matches=1, dynamic={0: {0: "batch", 1: "seq"}},
                other_args=(torch.randn(3, 2, H),), atol=1e-5)
     (node,) = [n for n in gm.graph.nodes if n.target is wb.torch_moe_dense_mlp.default]
     assert node.kwargs["up_first"] is True and count(gm, "aten.bmm.default") == 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from match_support import check, count, export, run
 
 wb = torch.ops.workbench
@@ -119,11 +118,13 @@ def test_routing_near_miss_sigmoid():
 
 
 class Llama4StyleMoe(torch.nn.Module):
-    """Llama-4 TextMoe without the shared expert: dense top-1 scores scale the experts' input."""
+    """Llama-4 TextMoe without the shared expert: dense top-1 scores scale the experts' input
+    (``on_input``) or its output; ``up_first``: the projection stores the up rows first
+    (``up, gate = h.chunk(2)``)."""
 
-    def __init__(self, on_input=True, inter=8):
+    def __init__(self, on_input=True, inter=8, up_first=False):
         super().__init__()
-        self.on_input = on_input
+        self.on_input, self.up_first = on_input, up_first
         self.router = torch.nn.Linear(H, E, bias=False)
         self.gate_up_proj = torch.nn.Parameter(torch.randn(E, H, 2 * inter) * 0.2)
         self.down_proj = torch.nn.Parameter(torch.randn(E, inter, H) * 0.2)
@@ -136,11 +137,11 @@ class Llama4StyleMoe(torch.nn.Module):
         if self.on_input:
             routed = x.repeat(E, 1) * scores.transpose(0, 1).reshape(-1, 1)
             h = torch.bmm(routed.view(E, -1, H), self.gate_up_proj)
-            gate, up = h.chunk(2, dim=-1)
+            gate, up = h.chunk(2, dim=-1)[::-1] if self.up_first else h.chunk(2, dim=-1)
             y = torch.bmm(up * F.silu(gate), self.down_proj).view(-1, H)
             return y.reshape(E, -1, H).sum(dim=0)
         h = torch.bmm(x.repeat(E, 1).view(E, -1, H), self.gate_up_proj)
-        gate, up = h.chunk(2, dim=-1)
+        gate, up = h.chunk(2, dim=-1)[::-1] if self.up_first else h.chunk(2, dim=-1)
         y = torch.bmm(F.silu(gate) * up, self.down_proj)
         return (y * scores.transpose(0, 1).reshape(E, -1)[..., None]).sum(dim=0)
 

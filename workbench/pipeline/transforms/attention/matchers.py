@@ -71,22 +71,28 @@ def _repeat_kv_replacement(x, *, n_rep):
     return wb.torch_attention_repeat_kv.default(x, n_rep)
 
 
-def _repeat_kv_check(m: Match) -> Optional[Dict[str, Any]]:
-    """The expand really repeats each KV head ``n_rep`` times and the reshape merges exactly that."""
-    x = m.val("x")
-    (expand,), (reshape,) = m.matched(aten.expand.default), m.matched(aten.reshape.default)
-    e, r = tensor_meta(expand), tensor_meta(reshape)
-    if x is None or e is None or r is None or x.dim() != 4 or e.dim() != 5:
-        return None
-    n_rep = e.shape[2]
-    if not isinstance(n_rep, int):
-        return None
-    b, n_kv, s, d = x.shape
-    if not same_shape(e.shape, (b, n_kv, n_rep, s, d)):
-        return None
-    if not same_shape(r.shape, (b, n_kv * n_rep, s, d)):
-        return None
-    return {"n_rep": n_rep}
+def _repeat_check(heads_dim: int):
+    """The check of a repeat whose heads are dim ``heads_dim`` of x (1: bnsd, 2: bsnd): the expand
+    really repeats each KV head ``n_rep`` times (a new dim right after the heads) and the reshape
+    merges exactly that."""
+
+    def check(m: Match) -> Optional[Dict[str, Any]]:
+        x = m.val("x")
+        (expand,), (reshape,) = m.matched(aten.expand.default), m.matched(aten.reshape.default)
+        e, r = tensor_meta(expand), tensor_meta(reshape)
+        if x is None or e is None or r is None or x.dim() != 4 or e.dim() != 5:
+            return None
+        n_rep = e.shape[heads_dim + 1]
+        if not isinstance(n_rep, int):
+            return None
+        shape = list(x.shape)
+        repeated = shape[: heads_dim + 1] + [n_rep] + shape[heads_dim + 1 :]
+        merged = shape[:heads_dim] + [shape[heads_dim] * n_rep] + shape[heads_dim + 1 :]
+        if not same_shape(e.shape, repeated) or not same_shape(r.shape, merged):
+            return None
+        return {"n_rep": n_rep}
+
+    return check
 
 
 REPEAT_KV_PATTERN = Pattern(
@@ -95,7 +101,7 @@ REPEAT_KV_PATTERN = Pattern(
     _repeat_kv_replacement,
     lambda: (torch.randn(1, 2, 4, 8),),
     ignore=((aten.expand.default, "size"), (aten.reshape.default, "shape")),
-    check=_repeat_kv_check,
+    check=_repeat_check(1),
 )
 
 
@@ -113,28 +119,13 @@ def _repeat_kv_bsnd_replacement(x, *, n_rep):
     return aten.transpose.int(wb.torch_attention_repeat_kv.default(aten.transpose.int(x, 1, 2), n_rep), 1, 2)
 
 
-def _repeat_kv_bsnd_check(m: Match) -> Optional[Dict[str, Any]]:
-    x = m.val("x")
-    (expand,), (reshape,) = m.matched(aten.expand.default), m.matched(aten.reshape.default)
-    e, r = tensor_meta(expand), tensor_meta(reshape)
-    if x is None or e is None or r is None or x.dim() != 4 or e.dim() != 5:
-        return None
-    n_rep = e.shape[3]
-    if not isinstance(n_rep, int):
-        return None
-    b, s, n_kv, d = x.shape
-    if not same_shape(e.shape, (b, s, n_kv, n_rep, d)) or not same_shape(r.shape, (b, s, n_kv * n_rep, d)):
-        return None
-    return {"n_rep": n_rep}
-
-
 REPEAT_KV_BSND_PATTERN = Pattern(
     "repeat_kv_bsnd",
     _repeat_kv_bsnd,
     _repeat_kv_bsnd_replacement,
     lambda: (torch.randn(1, 4, 2, 8),),
     ignore=((aten.expand.default, "size"), (aten.reshape.default, "shape")),
-    check=_repeat_kv_bsnd_check,
+    check=_repeat_check(2),
 )
 
 
