@@ -313,3 +313,12 @@ def test_sigterm_of_a_real_process_ends_it_like_a_ctrl_c(tmp_path):
     lines = [ln for ln in err.splitlines() if not ln.startswith(("WARNING", "INFO"))]
     assert proc.returncode == 143, (out, err)
     assert "Traceback" not in err and lines[-1].startswith("terminated (SIGTERM) "), err
+
+
+def test_an_entry_from_before_sealing_is_recomputed_quietly(tmp_path, monkeypatch, notices):
+    from workbench.pipeline.probe_cache import ProbeCache
+
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path))
+    (tmp_path / "probes").mkdir()
+    (tmp_path / "probes" / "k1.json").write_text('{"max_abs": 0.5, "rmse_ratio": 0.25, "top1_agreement": 0.75}')
+    assert ProbeCache().get("k1") is None and notices() == []

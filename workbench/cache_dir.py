@@ -153,10 +153,10 @@ class KeyedFiles:
         except OSError:
             return None
         data = unsealed(key, blob)
-        if data is None:
-            say_once(
-                f"{path} does not match its checksum (edited, damaged or from an older version): ignored, recomputed"
-            )
+        if data is None and blob.startswith(_MAGIC):
+            say_once(f"{path} does not match its checksum (edited or damaged): ignored, recomputed")
+        elif data is None:  # written before entries were sealed: replaced by the next write, quietly
+            logger.info("%s predates sealed cache entries: recomputed", path)
         return data
 
     def used(self, key: str) -> None:
