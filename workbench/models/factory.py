@@ -346,8 +346,6 @@ def load_model(
         else:
             assert resolved.path is not None  # every other kind names a file or directory
             try:
-                if resolved.path.is_dir():  # a JSON file that does not parse: named, with line and column
-                    read_json_files(resolved.path)
                 if resolved.kind == "gguf":
                     model, tokenizer, source = _load_gguf_file(resolved.path, gguf_weights, dtype, device)
                 elif (quantized := _load_quantized_hf_dir(resolved.path, dtype, device)) is not None:
@@ -362,6 +360,8 @@ def load_model(
             except Exception as exc:  # noqa: BLE001 - any loader failure: name the model, the file and what to do
                 if isinstance(exc, ModelSpecError):
                     raise
+                if resolved.path.is_dir():  # a JSON file that does not parse: named, with line and column
+                    read_json_files(resolved.path)
                 raise ModelSpecError(_load_failure(spec, resolved.path, exc)) from exc
             check_tokenizer_fits(tokenizer, model, f"{spec!r} ({resolved.path})")
             check_finite(model, f"{spec!r} ({resolved.path})")

@@ -347,15 +347,13 @@ class PipelineStepper:
         self.last_error = None
         self._live, self._state = mod, state
         snap = self._record(i, entry, info, times, mem_before, prev_names)
-        checkpoint = self._checkpoint
         if snap.numerics is not None and not snap.numerics.ok:
             snap = self._probe_failed(i, entry, snap, mem_before, prev_names)
         else:
             moved = self._moved_answer(entry, transform, snap)
             if moved is not None:
                 snap = self._step_failed(i, entry, snap, mem_before, prev_names, moved)
-        if self._checkpoint is checkpoint:
-            self._checkpoint = None  # the step stands (or was undone from it already)
+        self._checkpoint = None  # the step stands, or was undone from it already
         self.snapshots.append(snap)
         for hook in self.on_snapshot:
             hook(snap)

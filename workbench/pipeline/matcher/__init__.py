@@ -20,6 +20,7 @@ from .engine import (
 from .rewrite import (
     annotate_new_nodes,
     erase_dead,
+    inserted_between,
     match_info,
     propagate_fake_values,
     refresh_after_rewrite,
@@ -40,6 +41,7 @@ __all__ = [
     "traced_pattern",
     "annotate_new_nodes",
     "erase_dead",
+    "inserted_between",
     "match_info",
     "propagate_fake_values",
     "refresh_after_rewrite",

@@ -11,7 +11,7 @@ ops that write into a root.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Iterable, List, Set, Tuple
+from typing import Any, Iterable, List, Tuple
 
 import torch
 import torch.fx as fx
@@ -62,20 +62,19 @@ def storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def writes_by_root(graph: fx.Graph) -> Dict[fx.Node, List[fx.Node]]:
-    """Storage root -> the in-place nodes writing into it, in graph order."""
-    found: Dict[fx.Node, List[fx.Node]] = {}
-    for node in graph.nodes:
-        for target in written_arguments(node):
-            found.setdefault(storage_root(target), []).append(node)
-    return found
-
-
-def writes_into(nodes: Iterable[fx.Node], graph: fx.Graph) -> Set[fx.Node]:
-    """The in-place nodes writing into the memory of any of ``nodes`` (or of a view of them)."""
-    roots = {storage_root(n) for n in nodes}
-    by_root = writes_by_root(graph)
-    return {w for r in roots for w in by_root.get(r, [])}
+def writes_into(root: fx.Node) -> List[fx.Node]:
+    """The in-place nodes writing into ``root``'s memory, directly or through views of it, in graph
+    order. Follows ``root``'s users (and its views' users) only: no walk over the whole graph."""
+    found, stack, seen = [], [root], {root}
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if any(t is node for t in written_arguments(user)):
+                found.append(user)
+            if is_view(user) and user.args and user.args[0] is node and user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return sorted(set(found))
 
 
 def writes_between(start: fx.Node, stop: fx.Node, nodes: Iterable[fx.Node]) -> bool:
@@ -92,4 +91,4 @@ def writes_between(start: fx.Node, stop: fx.Node, nodes: Iterable[fx.Node]) -> b
     return False
 
 
-__all__ = ["is_view", "written_arguments", "storage_root", "writes_by_root", "writes_into", "writes_between"]
+__all__ = ["is_view", "written_arguments", "storage_root", "writes_into", "writes_between"]

@@ -37,7 +37,7 @@ from ...ops.library import MISSING, schema_arguments
 from ..interface import Transform, TransformInfo
 from .aliasing import writes_between
 from .anchors import PatternOpsCache
-from .rewrite import annotate_new_nodes, erase_dead, match_info, refresh_after_rewrite
+from .rewrite import annotate_new_nodes, erase_dead, inserted_between, match_info, refresh_after_rewrite
 from .trace import export_graph_module
 
 if TYPE_CHECKING:
@@ -180,13 +180,13 @@ def replace_match(match: Match) -> bool:
         return False
     tracer = fx.proxy.GraphAppendingTracer(graph)
     args = [fx.Proxy(match.inputs[name], tracer) for name in match.pattern.input_names]
-    before = set(graph.nodes)
+    prev = at.prev
     with graph.inserting_before(at):
         result = match.pattern.replace(*args, **match.literals)
     results = list(result) if isinstance(result, (list, tuple)) else [result]
     if len(results) != len(match.outputs):
         raise ValueError(f"pattern {match.pattern.name}: replace returned {len(results)} outputs")
-    new_nodes = [n for n in graph.nodes if n not in before]
+    new_nodes = inserted_between(prev, at)
     pairs = []
     for old, new in zip(match.outputs, results):
         new = new.node if isinstance(new, fx.Proxy) else new

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import heapq
 import operator
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -34,6 +34,16 @@ def annotate_new_nodes(
                 if key in anchor.meta and key not in node.meta:
                     node.meta[key] = anchor.meta[key]
     propagate_fake_values(gm, nodes)
+
+
+def inserted_between(prev: fx.Node, stop: fx.Node) -> List[fx.Node]:
+    """The nodes after ``prev`` and before ``stop``: what ``graph.inserting_before(stop)`` added,
+    when ``prev`` was ``stop.prev`` before inserting (no scan of the whole graph per rewrite)."""
+    out, node = [], prev.next
+    while node is not stop:
+        out.append(node)
+        node = node.next
+    return out
 
 
 def propagate_fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> bool:
@@ -220,6 +230,7 @@ def match_info(gm: fx.GraphModule, counts: Mapping[str, int], **details: Any):
 
 __all__ = [
     "annotate_new_nodes",
+    "inserted_between",
     "propagate_fake_values",
     "refresh_after_rewrite",
     "erase_dead",

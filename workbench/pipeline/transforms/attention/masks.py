@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from ...graph.weights import fetch_attr
 from ...matcher import same_size
-from ...matcher.aliasing import is_view, storage_root, writes_by_root
+from ...matcher.aliasing import is_view, storage_root, writes_into
 
 aten = torch.ops.aten
 
@@ -48,23 +48,26 @@ def _ancestors(node: fx.Node) -> Optional[List[fx.Node]]:
     """The nodes ``node``'s value is computed from, in graph order -- including the in-place writes
     into any of them (``m[:, 1::2] = True`` is a ``fill_`` into a view of ``m`` that is nobody's
     input) and what those writes read. None when a write into that memory comes after the mask is
-    first read: its value then depends on where it is read, and nothing is proven."""
+    first read: its value then depends on where it is read, and nothing is proven. Walks the
+    mask's own sub-graph and the users of its memory, never the whole graph (one call per
+    attention layer)."""
     seen: set = set()
     _closure([node], seen)
-    by_root = writes_by_root(node.graph)
+    writes_of: Dict[fx.Node, List[fx.Node]] = {}  # storage root -> its writes, found once each
     while True:
-        more = {w for n in seen for w in by_root.get(storage_root(n), [])} - seen
+        for root in {storage_root(n) for n in seen} - set(writes_of):
+            writes_of[root] = writes_into(root)
+        more = {w for ws in writes_of.values() for w in ws} - seen
         if not more:
             break
         _closure(list(more), seen)
-    writes = {w for n in seen for w in by_root.get(storage_root(n), [])}
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    writes = [w for ws in writes_of.values() for w in ws]
     if writes:
-        written = {storage_root(n) for n in seen} & set(by_root)
+        written = {r for r, ws in writes_of.items() if ws}
         readers = [u for n in seen if storage_root(n) in written for u in n.users if u not in seen and not is_view(u)]
-        if readers and max(order[w] for w in writes) > min(order[u] for u in readers):
+        if readers and max(writes) > min(readers):  # fx nodes compare by graph order
             return None  # written after it is first read
-    return sorted(seen, key=order.__getitem__)
+    return sorted(seen)
 
 
 def _int_literals(nodes: List[fx.Node]) -> List[int]:

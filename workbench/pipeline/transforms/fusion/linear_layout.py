@@ -44,7 +44,7 @@ from pydantic import Field
 from ...context import PipelineContext
 from ...graph.weights import LINEAR, fake_value, fetch_attr, linear_bias, param_of, release_weights
 from ...interface import Transform, TransformConfig, TransformInfo, register
-from ...matcher import annotate_new_nodes
+from ...matcher import annotate_new_nodes, inserted_between
 
 aten = torch.ops.aten
 
@@ -218,11 +218,10 @@ def _rewrite_linears(
 
 def _replace(gm: fx.GraphModule, node: fx.Node, build: Callable[[fx.Graph], fx.Node]) -> None:
     """``node`` -> what ``build(graph)`` inserts before it (annotated as coming from it), its uses moved."""
-    g = gm.graph
-    before = set(g.nodes)
+    g, prev = gm.graph, node.prev
     with g.inserting_before(node):
         out = build(g)
-    annotate_new_nodes(gm, [n for n in g.nodes if n not in before], [node.name], anchor=node)
+    annotate_new_nodes(gm, inserted_between(prev, node), [node.name], anchor=node)
     node.replace_all_uses_with(out)
     g.erase_node(node)
 

@@ -175,8 +175,9 @@ def replace_expert_loops(gm: fx.GraphModule) -> int:
         for g in step_nodes:  # users first; by hand: the in-place index_add_ nodes look impure
             if not g.users:
                 gm.graph.erase_node(g)
-        gm.graph.eliminate_dead_code()  # the accumulator, the mask
         n += 1
+    if n:
+        gm.graph.eliminate_dead_code()  # the accumulators and masks, once for every loop replaced
     return n
 
 

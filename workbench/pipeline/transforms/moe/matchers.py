@@ -290,28 +290,24 @@ def _dense_check(m: Match) -> Optional[Dict[str, Any]]:
 
 _DENSE_IGNORE = ((aten.repeat.default, "repeats"), (aten.view.default, "size"), (aten.reshape.default, "shape"))
 
-BMM_MOE_PATTERNS = tuple(
-    Pattern(
-        f"bmm_moe_routed_input{'_up_first' if up_first else ''}",
-        _bmm_moe_routed_input(up_first),
-        _dense_replacement(True, up_first),
-        _dense_examples,
-        ignore=_DENSE_IGNORE,
-        check=_dense_check,
+
+def _dense_patterns(name: str, search_of, on_input: bool) -> Tuple[Pattern, ...]:
+    """The patterns of one dense form, in either order of the gate and up halves."""
+    return tuple(
+        Pattern(
+            f"{name}{'_up_first' if up_first else ''}",
+            search_of(up_first),
+            _dense_replacement(on_input, up_first),
+            _dense_examples,
+            ignore=_DENSE_IGNORE,
+            check=_dense_check,
+        )
+        for up_first in (False, True)
     )
-    for up_first in (False, True)
-)
-DENSE_MOE_PATTERNS = tuple(
-    Pattern(
-        f"dense_moe{'_up_first' if up_first else ''}",
-        _dense_moe(up_first),
-        _dense_replacement(False, up_first),
-        _dense_examples,
-        ignore=_DENSE_IGNORE,
-        check=_dense_check,
-    )
-    for up_first in (False, True)
-)
+
+
+BMM_MOE_PATTERNS = _dense_patterns("bmm_moe_routed_input", _bmm_moe_routed_input, on_input=True)
+DENSE_MOE_PATTERNS = _dense_patterns("dense_moe", _dense_moe, on_input=False)
 
 
 def fp8_bmm_weights(gm: fx.GraphModule, ctx: PipelineContext) -> Set[str]:
