@@ -89,9 +89,12 @@ lint: install-dev
 	$(VENV)/bin/mypy
 	$(PY) tools/clean_notebooks.py  # committed notebooks carry no outputs (--strip removes them)
 
-# pytest exits 5 when it collected nothing: that must never pass silently.
+# pytest exits 5 when it collected nothing: that must never pass silently. A worker that dies
+# (a native abort) is not replaced: pytest-xdist 3.8's loadfile scheduler then either stops with an
+# INTERNALERROR or waits forever for the replacement, so the run ends there, naming the test; the
+# per-test timeout (pyproject.toml) ends a hung test the same way, with every thread's stack.
 test: install-dev bytecode lint
-	@set +e; $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(NBVAL_ARGS) $(TEST_PATHS) $(PYTEST_ARGS); rc=$$?; \
+	@set +e; $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --max-worker-restart 0 $(NBVAL_ARGS) $(TEST_PATHS) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests"; exit 1; fi; exit $$rc
 
 # ---------------------------------------------------------------------------------- GPU machines

@@ -118,6 +118,21 @@ def test_missing_config_fields_are_named(saved, tmp_path):
     assert "config.json does not set hidden_size, vocab_size" in msg and "add them to config.json" in msg
 
 
+
+def test_fields_under_the_class_own_names_count(tmp_path):
+    # GPT-2's config.json holds n_embd / n_layer (its attribute_map's stored names), never hidden_size
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from workbench.models.load_checks import missing_config_fields
+
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert "n_embd" in raw and "hidden_size" not in raw
+    assert missing_config_fields(raw, config) == []
+    del raw["n_layer"]
+    assert missing_config_fields(raw, config) == ["num_hidden_layers"]
+
 # ------------------------------------------------------------------------------ nothing finished lost
 
 

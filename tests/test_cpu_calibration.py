@@ -147,12 +147,15 @@ def test_a_linear_choice_times_at_most_max_bytes_of_weights(fresh, monkeypatch):
     assert calibrate.fp32_linear_choice(weights(5)).workload.startswith("2 fp32 linears")
 
 
-def test_real_calibrations_give_valid_choices_and_times():
+def test_real_calibrations_give_valid_choices_and_times(fresh):
+    # measured here, not read from the user's cache; times only have to be plausible (a loaded
+    # machine makes them long): what a cache entry must hold to be believed again
     from workbench.ops import cpu_kernels
 
     for m in (calibrate.fp32_linear_choice(weights()), calibrate.attention_choice()):
         assert m.choice in calibrate.CANDIDATES[m.kind] and m.choice in m.times
-        assert all(0 < t < 1 for t in m.times.values()), m.times
+        assert all(0 < t < 60 for t in m.times.values()), m.times
+        assert not m.cached
     if cpu_kernels.load() is None:
         q = torch.randint(0, 256, (256, 64), dtype=torch.uint8)
         s, o = torch.rand(256, 4).half() * 0.01, torch.zeros(256, 4).half()

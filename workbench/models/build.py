@@ -86,6 +86,20 @@ def to_empty_keep_ties(model: torch.nn.Module, device: torch.device) -> torch.nn
     return model
 
 
+def _init_conv1d_left(model: torch.nn.Module) -> None:
+    """HF's ``Conv1D`` (GPT-2 style transposed linear) initialises itself in its constructor, which
+    the meta build skips; GPT-2's ``_init_weights`` covers it, OpenAI GPT's does not. Those left
+    poisoned get what the constructor gives: normal(0, initializer_range) weights, zero bias."""
+    from transformers.pytorch_utils import Conv1D
+
+    std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
+    for module in model.modules():
+        if isinstance(module, Conv1D) and torch.isnan(module.weight).any():
+            module.weight.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.zero_()
+
+
 @torch.no_grad()
 def materialise(model: torch.nn.Module, device: torch.device, seed: int) -> torch.nn.Module:
     """Allocate ``model``'s meta tensors on ``device`` and initialise them deterministically."""
@@ -95,6 +109,7 @@ def materialise(model: torch.nn.Module, device: torch.device, seed: int) -> torc
     with _fork_rng(device):
         torch.manual_seed(seed)
         model.initialize_weights()  # type: ignore[operator]  # nn.Module's __getattr__ stub: an HF model's method
+        _init_conv1d_left(model)
     model.tie_weights()  # type: ignore[operator]  # (same)
     if device.type != "meta":
         bad = [

@@ -47,9 +47,12 @@ def read_json_files(directory: Path, names: Sequence[str] = JSON_FILES) -> Dict[
 def missing_config_fields(raw: Dict[str, Any], config: Any) -> List[str]:
     """The ``REQUIRED_CONFIG_FIELDS`` that ``raw`` (config.json as stored) does not set -- transformers
     would fill them with the class's defaults."""
+    # attribute_map maps the standard name to the one the class stores and config.json holds
+    # (GPT-2: hidden_size -> n_embd); either spelling counts
     aliases: Dict[str, List[str]] = {}
-    for alias, name in dict(getattr(type(config), "attribute_map", {}) or {}).items():
-        aliases.setdefault(name, []).append(alias)
+    for name, stored in dict(getattr(type(config), "attribute_map", {}) or {}).items():
+        aliases.setdefault(name, []).append(stored)
+        aliases.setdefault(stored, []).append(name)
     scopes = [raw] + [v for k, v in raw.items() if k.endswith("_config") and isinstance(v, dict)]
     missing = []
     for name in REQUIRED_CONFIG_FIELDS:

@@ -10,6 +10,7 @@ from . import (
     conv,
     custom,
     delta_rule,
+    legacy_attention,
     linear_attention,
     mamba1,
     mamba2_more,
@@ -29,5 +30,6 @@ FAMILY_ARCHS.update(linear_attention.ARCHS)  # decayed linear attention (MiniMax
 FAMILY_ARCHS.update(rglru.ARCHS)  # RG-LRU recurrence + local attention (RecurrentGemma)
 FAMILY_ARCHS.update(mamba2_more.ARCHS)  # Mamba-2 mixers under other names (Granite 4 hybrid, Zamba2)
 FAMILY_ARCHS.update(mamba1.ARCHS)  # Mamba-1 selective scan (Mamba, FalconMamba, Jamba)
+FAMILY_ARCHS.update(legacy_attention.ARCHS)  # logits replaced through a registered causal table (GPT-Neo, GPT)
 
 __all__ = ["FAMILY_ARCHS"]

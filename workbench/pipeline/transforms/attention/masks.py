@@ -106,19 +106,32 @@ def _visible(m: torch.Tensor) -> Optional[torch.Tensor]:
     return m == 0
 
 
-def _literal(node: fx.Node) -> Optional[torch.Tensor]:
-    """The value of a ``get_attr`` that reads a real 0-dim tensor that is not a parameter, else
-    None. Export registers the literals it lifts as buffers; traced on meta, the model's own
-    buffers are meta (value unknown: None), so what is real there is a literal the trace made."""
+# The largest constant table a mask may be evaluated from (a [1, 1, 2048, 2048] causal table: 4 M).
+_TABLE_ELEMENTS = 1 << 24
+
+
+def constant_tensor(node: fx.Node) -> Optional[torch.Tensor]:
+    """The value of a ``get_attr`` that reads a real tensor that is not a parameter, else None.
+    Export registers the literals it lifts as buffers; traced on meta, the model's own buffers are
+    meta (value unknown: None) until ``load_weights``, after which a registered table (GPT-Neo's
+    causal ``bias``) is as constant as a literal."""
     gm = node.graph.owning_module
     if gm is None:
         return None
     value = fetch_attr(gm, node.target)
     if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
         return None
-    if value.is_meta or value.dim() != 0:
+    if value.is_meta or value.numel() > _TABLE_ELEMENTS:
         return None
     return value.cpu()
+
+
+def _table_size(nodes: List[fx.Node]) -> Optional[int]:
+    """The last dim of the largest constant table (a non-0-dim buffer with a value) the mask reads."""
+    sizes = [
+        v.shape[-1] for n in nodes if n.op == "get_attr" for v in [constant_tensor(n)] if v is not None and v.dim() >= 2
+    ]
+    return max(sizes) if sizes else None
 
 
 def evaluate_on_sizes(
@@ -138,7 +151,7 @@ def evaluate_on_sizes(
             if n.op == "placeholder":
                 continue  # read only through sym_size (anything else is rejected below)
             if n.op == "get_attr":  # a literal export lifted (transformers 5.17: torch.tensor(0.0))
-                value = _literal(n)
+                value = constant_tensor(n)
                 if value is None:
                     return None
                 env[n] = value
@@ -169,11 +182,48 @@ def classify_mask(mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
     by a probe vector of positions (0..9, and around every integer literal of the sub-graph, which
     is where a sliding window's size shows up), and compared with the full, causal and
     causal-sliding-window and causal-chunked masks (a chunk's size, like a window's, is one of the
-    literals). Anything else (padding masks, prefix-LM) -> None.
+    literals). A mask read from a constant table the model registered (known once the weights are
+    loaded) is evaluated over the whole table instead (``_classify_by_index``). Anything else
+    (padding masks, prefix-LM) -> None.
     """
     nodes = _ancestors(mask)
     if nodes is None:
         return None
+    # A mask read from a table is indexed by position (a window narrower than the table but wider
+    # than the probe would pass for causal there): it is evaluated whole instead.
+    table = _table_size(nodes)
+    if table is not None:
+        return _classify_by_index(nodes, mask, seq_len, table)
+    return _classify_by_positions(nodes, mask, seq_len)
+
+
+def _classify_by_index(nodes: List[fx.Node], mask: fx.Node, seq_len: Any, table: int) -> Optional[MaskKind]:
+    """A mask sliced from a registered table ([..., P, P], indexed by position): evaluated at the
+    table's full size P with positions 0..P-1 (a table knows no other positions, and a window as
+    wide as a smaller probe would look causal), then full, causal, or causal within the last ``w``
+    positions (``w`` read off its last row)."""
+    m = evaluate_on_sizes(nodes, mask, seq_len, table)
+    if not isinstance(m, torch.Tensor) or not 2 <= m.dim() <= 4 or tuple(m.shape[-2:]) != (table, table):
+        return None
+    m = _visible(m)
+    if m is None:
+        return None
+    m = m.reshape(-1, table, table)
+    if not bool((m == m[:1]).all()):
+        return None
+    m = m[0]
+    rel = torch.arange(table)[:, None] - torch.arange(table)[None, :]
+    if bool(m.all()):
+        return MaskKind(is_causal=False)
+    if torch.equal(m, rel >= 0):
+        return MaskKind(is_causal=True)
+    w = int(m[-1].sum())
+    if 1 <= w < table and torch.equal(m, (rel >= 0) & (rel < w)):
+        return MaskKind(is_causal=True, sliding_window=w)
+    return None
+
+
+def _classify_by_positions(nodes: List[fx.Node], mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
     literals = _int_literals(nodes)
     probe = set(range(10)) | {3_000_000}
     for w in literals:
@@ -230,4 +280,4 @@ def attention_mask_arguments(
     return out
 
 
-__all__ = ["MaskKind", "classify_mask", "attention_mask_arguments"]
+__all__ = ["MaskKind", "classify_mask", "attention_mask_arguments", "constant_tensor"]

@@ -7,7 +7,9 @@ The chain, in pipeline order:
    variants SDPA cannot express -- logit soft-capping (Gemma 2) and attention sinks (gpt-oss) --
    straight to ``torch_attention(..., logit_cap=..., sinks=...)`` (K/V still repeated: step 4
    un-repeats them), their masks classified as in step 3. ALiBi's eager spellings (BLOOM, MPT,
-   Falcon; ``alibi.py``) also go straight to ``torch_attention(..., alibi_slopes=...)``.
+   Falcon; ``alibi.py``) also go straight to ``torch_attention(..., alibi_slopes=...)``, and the
+   older spellings that replace logits through a registered causal table (GPT-Neo, OpenAI GPT;
+   ``legacy.py``) to ``torch_attention`` with an explicit mask, classified after load.
 3. ``match_sdpa_to_torch_attention``: ``aten.scaled_dot_product_attention`` and
    ``torch_attention_sdpa`` (with or without repeated K/V) -> ``torch_attention`` with native GQA.
    A mask that only encodes causality (HF passes an explicit boolean mask built from aranges) is
@@ -46,6 +48,7 @@ from ...matcher import (
     same_size,
 )
 from .alibi import ALIBI_EAGER_PATTERNS, ALIBI_SDPA_PATTERNS
+from .legacy import LEGACY_EAGER_PATTERNS
 from .masks import MaskKind, attention_mask_arguments, classify_mask
 
 aten = torch.ops.aten
@@ -379,7 +382,7 @@ class MatchEagerAttention(PatternTransform):
     """Replace eager attention (matmul, scale, mask, softmax, matmul) by ``torch_attention_sdpa``,
     and its soft-capped / sink variants by ``torch_attention`` with ``logit_cap`` / ``sinks``."""
 
-    patterns = EAGER_VARIANT_PATTERNS + ALIBI_EAGER_PATTERNS + EAGER_ATTENTION_PATTERNS
+    patterns = EAGER_VARIANT_PATTERNS + ALIBI_EAGER_PATTERNS + EAGER_ATTENTION_PATTERNS + LEGACY_EAGER_PATTERNS
 
 
 # ------------------------------------------------------------------------------ sdpa -> torch_attention

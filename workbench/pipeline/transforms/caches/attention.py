@@ -36,7 +36,8 @@ from ....runtime.interface import PAGED, CacheSpec
 from ...context import CACHE_SPECS, PipelineContext
 from ...graph.utils import call_nodes, require_tensor_meta
 from ...interface import Transform, TransformInfo, register
-from ...matcher import annotate_new_nodes, named_args
+from ...matcher import annotate_new_nodes, named_args, same_size
+from ..attention.masks import classify_mask
 from .attention_backend import InsertCachedAttentionConfig, LayerShape, resolve_backend
 from .inputs import cache_input, metadata_inputs
 
@@ -59,6 +60,36 @@ def _unsupported(args: Dict[str, Any]) -> Optional[str]:
     if args["dropout_p"]:
         return f"dropout_p={args['dropout_p']} (inference only)"
     return None
+
+
+def classify_loaded_masks(nodes: List[fx.Node]) -> int:
+    """Explicit masks that turn out causal now that the weights are loaded: a mask read from a table
+    the model registers (GPT-Neo's and OpenAI GPT's causal ``bias``, ``attention/legacy.py``) was
+    meta when the pattern matcher saw it. Each becomes ``is_causal`` (+ ``sliding_window``) as the
+    matcher would have made it; returns how many."""
+    n = 0
+    for node in nodes:
+        args = dict(named_args(node))
+        mask = args["attn_mask"]
+        if not isinstance(mask, fx.Node) or "attn_mask" not in node.kwargs or args["is_causal"]:
+            continue
+        q, k = require_tensor_meta(args["query"]), require_tensor_meta(args["key"])
+        seq = 2 if args["layout"] == "bnsd" else 1
+        if not same_size(q.shape[seq], k.shape[seq]):
+            continue  # not self-attention over the same positions
+        kind = classify_mask(mask, q.shape[seq])
+        if kind is None:
+            continue
+        kwargs = {**node.kwargs, "attn_mask": None, "is_causal": kind.is_causal}
+        if kind.sliding_window is not None:
+            kwargs["sliding_window"] = kind.sliding_window
+        if kind.chunk_size is not None:
+            kwargs["chunk_size"] = kind.chunk_size
+        node.kwargs = kwargs
+        n += 1
+    if n:
+        nodes[0].graph.eliminate_dead_code()  # the masks' sub-graphs
+    return n
 
 
 def rewrite_attention(
@@ -168,6 +199,7 @@ _ON_SCORES = (
     aten.to.dtype,
     aten._to_copy.default,
     aten.cat.default,
+    aten.where.self,
 )
 
 
@@ -182,6 +214,9 @@ def _softmax_over_scores(node: fx.Node, depth: int = 6) -> bool:
             return True
         if x.target not in _ON_SCORES:
             return False
+        if x.target is aten.where.self:  # where(visible, scores, fill): the scores are the middle one
+            x = x.args[1]
+            continue
         x = x.args[0][0] if x.target is aten.cat.default else x.args[0]  # cat([scores, sinks], -1)
     return False
 
@@ -255,6 +290,7 @@ class InsertCachedAttention(Transform[InsertCachedAttentionConfig]):
                 + ". Canonicalize them in the pattern_matcher stage, or disable insert_cached_attention "
                 "(and the cache stage) to run the model uncached."
             )
+        classified = classify_loaded_masks(nodes)
         device = ctx.device
         # every layer's shape is checked before the graph changes
         choice = resolve_backend(self.config.backend, device, layer_shapes(nodes))
@@ -273,6 +309,8 @@ class InsertCachedAttention(Transform[InsertCachedAttentionConfig]):
             "head_dim": sorted({s.shape[1] for s in specs}),
             "new_inputs": ["seq_lens", "input_pos", "page_table", "num_prefill"] + [s.name for s in specs],
         }
+        if classified:
+            details["masks_classified_after_load"] = classified
         ctx.cache.declare(specs, ctx.dtype, ctx.limits.page_size)
         ctx.cache.attention = choice
         return gm, TransformInfo(num_matches=len(nodes), is_clean=True, has_valid_shapes=True, details=details)

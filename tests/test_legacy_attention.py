@@ -1,0 +1,160 @@
+"""Older eager attention spellings (``pipeline/transforms/attention/legacy.py``): logits replaced
+through a causal table the module registers, as GPT-Neo (``torch.where``) and OpenAI GPT
+(``w * b - 1e4 * (1 - b)``) write it. Per spelling: the match keeps the numbers, the table's mask
+is classified once its values are known, fills that are not hidden values and tables that are not
+0/1 are never taken for causality; then both families end to end: every layer cached (GPT-Neo's
+local layer with its window) and greedy tokens equal to HF's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from match_support import check, export, run
+from test_match_meaning import QKV_DYN, attention_node, qkv
+from test_runtime import _hf_greedy
+
+from workbench import Workbench
+from workbench.models import load_model
+from workbench.models.tiny_families import legacy_attention
+from workbench.onboarding.check import UNCACHED_RUNNER, check_prompts, hf_greedy, uncached_attention_left
+from workbench.onboarding.registry import load_registry
+from workbench.pipeline.transforms.attention.masks import MaskKind, classify_mask
+from workbench.pipeline.transforms.caches.attention import uncached_attention
+
+ONE_THREAD = True  # see conftest.one_thread
+TABLE = 64  # the registered table's size: the longest sequence the exported graph allows (QKV_DYN)
+
+
+class WhereTable(nn.Module):
+    """GPT-Neo's ``_attn``: unscaled logits, ``where(table, w, fill)``, softmax, cast, matmul."""
+
+    def __init__(self, window=None, fill=None):
+        super().__init__()
+        table = torch.ones(TABLE, TABLE, dtype=torch.bool).tril()
+        if window is not None:
+            table = table ^ torch.tril(table, -window)  # GPT-Neo's local layers
+        self.register_buffer("bias", table.view(1, 1, TABLE, TABLE), persistent=False)
+        self.fill = fill
+
+    def forward(self, q, k, v):
+        w = torch.matmul(q.to(torch.float32), k.to(torch.float32).transpose(-1, -2))
+        s_q = s_k = q.size(-2)  # self-attention (the export gives k its own length symbol)
+        table = self.bias[:, :, s_k - s_q : s_k, :s_k]
+        fill = torch.tensor(self.fill if self.fill is not None else torch.finfo(w.dtype).min, dtype=w.dtype)
+        w = torch.where(table, w, fill)
+        p = F.softmax(w, dim=-1).to(v.dtype)
+        return torch.matmul(p, v)
+
+
+class ArithTable(nn.Module):
+    """OpenAI GPT's ``_attn``: the key permuted to [b, h, d, s], logits / sqrt(d), then
+    ``w * b + -1e4 * (1 - b)`` with a float table."""
+
+    def __init__(self, table=None):
+        super().__init__()
+        t = torch.ones(TABLE, TABLE).tril() if table is None else table
+        self.register_buffer("bias", t.view(1, 1, TABLE, TABLE), persistent=False)
+
+    def forward(self, q, k, v):
+        kt = k.permute(0, 1, 3, 2)
+        w = torch.matmul(q, kt) / math.sqrt(v.size(-1))
+        s = q.size(-2)
+        b = self.bias[:, :, :s, :s]
+        w = w * b + -1e4 * (1 - b)
+        return torch.matmul(F.softmax(w, dim=-1), v)
+
+
+def _mask_kind(gm):
+    node = attention_node(gm)
+    mask = node.kwargs["attn_mask"]
+    assert mask is not None  # the table's values are only trusted after load: classified later
+    return classify_mask(mask, node.args[0].meta["val"].shape[2])
+
+
+@pytest.mark.parametrize(
+    "module, kind",
+    [
+        (WhereTable(), MaskKind(is_causal=True)),
+        (WhereTable(window=3), MaskKind(is_causal=True, sliding_window=3)),
+        (ArithTable(), MaskKind(is_causal=True)),
+    ],
+    ids=["where", "where_banded", "arith"],
+)
+def test_table_spellings_become_attention_with_the_same_numbers(module, kind):
+    gm = check("match_eager_attention", module, qkv(), matches=1, dynamic=QKV_DYN,
+               other_args=qkv(b=3, s=9), atol=1e-5)  # fmt: skip
+    assert _mask_kind(gm) == kind
+
+
+def test_a_where_fill_that_is_not_a_hidden_value_is_not_attention_and_says_uncached():
+    # where(table, w, -1000): the replaced logit keeps weight exp(-1000 - max) only when the visible
+    # logits are near -1000 too; not provably a hidden key, so not matched (and reported uncached)
+    module = WhereTable(fill=-1000.0)
+    gm = check("match_eager_attention", module, qkv(), matches=0, dynamic=QKV_DYN)
+    left = uncached_attention(gm)
+    assert len(left) == 1 and "eager softmax over q @ k^T" in next(iter(left.values()))
+
+
+def test_a_table_that_is_not_zero_one_is_never_taken_for_causality():
+    # b * w with b = 0.5 scales logits: the replacement's mask turns NaN there (the numerics check
+    # fails loudly) and the classifier sees no causal mask
+    table = torch.ones(TABLE, TABLE).tril()
+    table[3, 1] = 0.5
+    module = ArithTable(table)
+    args = qkv()
+    gm = export(module, args, QKV_DYN)
+    out, info = run("match_eager_attention", gm)
+    assert info.num_matches == 1
+    assert _mask_kind(out) is None
+    assert torch.isnan(out(*args)).any() and not torch.isnan(module(*args)).any()
+
+
+# ------------------------------------------------------------------------------ the families
+
+
+ARCHS = sorted(legacy_attention.ARCHS)
+NEW = 8
+
+
+def test_legacy_families_are_in_the_registry():
+    listed = {e.name for e in load_registry().entries}
+    assert {f"tiny:{a}" for a in ARCHS} <= listed
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_legacy_family_cached_greedy_equals_hf(arch):
+    loaded = load_model(f"tiny:{arch}", dtype="float32")
+    with torch.no_grad():
+        distinct = [len(set(hf_greedy(loaded.model, p, 16))) for p in check_prompts(512)]
+        prompt = torch.randint(0, 512, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+        want = _hf_greedy(loaded.model, prompt, NEW)
+    assert min(distinct) >= 8, f"HF's greedy tokens on the check prompts repeat: {distinct} distinct of 16"
+
+    bench = Workbench(loaded, numerics=False)
+    bench.run()
+    matched = bench.snapshot("match_eager_attention").info.details["matches"]
+    form = "where" if arch == "gpt_neo" else "arith"
+    assert sum(n for name, n in matched.items() if name.startswith(f"legacy_{form}_")) == 2, matched
+    info = bench.snapshot("insert_cached_attention").info
+    assert info.num_matches == 2 and info.details["masks_classified_after_load"] == 2
+    assert uncached_attention_left(bench.snapshots) == {}
+    windows = [n.kwargs.get("sliding_window") for n in bench.module.graph.nodes if "cached_attention" in str(n.target)]
+    assert windows == ([4, None] if arch == "gpt_neo" else [None, None])  # GPT-Neo: local, then global
+
+    out = bench.generate([prompt], max_new_tokens=NEW, stop_token_ids=[])
+    assert not out.stats.cache.startswith(UNCACHED_RUNNER), out.stats.cache
+    assert out.results[0].token_ids == want
+
+
+def test_gpt_neo_left_unmatched_runs_uncached_and_says_so():
+    bench = Workbench("tiny:gpt_neo", numerics=False, overrides={"match_eager_attention.enabled": False})
+    bench.run()
+    info = bench.snapshot("insert_cached_attention").info
+    assert "2 attention node(s) left without a KV cache" in info.skip_reason and "uncached" in info.skip_reason
+    assert len(uncached_attention_left(bench.snapshots)) == 2
+    out = bench.generate([[5, 6, 7]], max_new_tokens=2, stop_token_ids=[])
+    assert out.stats.cache.startswith(UNCACHED_RUNNER)

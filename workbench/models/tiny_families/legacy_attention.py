@@ -1,0 +1,54 @@
+"""Tiny configs of families whose eager attention predates HF's shared ``eager_attention_forward``:
+logits replaced through a causal table the module registers (``pipeline/transforms/attention/legacy.py``).
+
+* ``gpt_neo``: GPT-Neo: unscaled logits, ``torch.where(bias, w, finfo.min)`` with a boolean table
+  (banded on local layers: window 4, shorter than the check prompts), one local and one global layer.
+* ``openai_gpt``: the first GPT: ``Conv1D`` projections, the key permuted straight to [b, h, d, s],
+  logits divided by sqrt(d) and hidden as ``w * b - 1e4 * (1 - b)`` with a float 0/1 table.
+
+Both run HF's eager attention (their only implementation). Sizes and init as ``more_dense`` (an lm
+head of its own, std 0.3), except OpenAI GPT's std 0.1: there 0.15-0.25 gives HF greedy tokens with
+6-7 distinct ids on a check prompt, 0.1 gives 13-16 (seed 0).
+"""
+
+from __future__ import annotations
+
+from .more_dense import ORACLE, SMALL_TOKEN_IDS
+
+
+def _gpt_neo():
+    from transformers import GPTNeoConfig
+
+    config = GPTNeoConfig(
+        vocab_size=512,
+        max_position_embeddings=512,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        intermediate_size=128,
+        attention_types=[[["local", "global"], 1]],
+        window_size=4,
+        **ORACLE,
+        **SMALL_TOKEN_IDS,
+    )
+    config._attn_implementation = "eager"
+    return config
+
+
+def _openai_gpt():
+    from transformers import OpenAIGPTConfig
+
+    config = OpenAIGPTConfig(
+        vocab_size=512,
+        n_positions=512,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        **{**ORACLE, "initializer_range": 0.1},
+        **SMALL_TOKEN_IDS,
+    )
+    config._attn_implementation = "eager"
+    return config
+
+
+ARCHS: dict = {"gpt_neo": _gpt_neo, "openai_gpt": _openai_gpt}
