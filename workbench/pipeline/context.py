@@ -103,6 +103,18 @@ class DistInfo:
     def sharded(self) -> bool:
         return self.world_size > 1
 
+    def agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (every rank must call it, at the same point). For choices
+        each rank measures on its own -- the CPU calibration's timings, noisy on a loaded machine:
+        ranks that chose differently build different graphs and their collectives part."""
+        if not self.sharded:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
 
 @dataclass
 class CacheState:

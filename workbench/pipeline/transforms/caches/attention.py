@@ -293,7 +293,7 @@ class InsertCachedAttention(Transform[InsertCachedAttentionConfig]):
         classified = classify_loaded_masks(nodes)
         device = ctx.device
         # every layer's shape is checked before the graph changes
-        choice = resolve_backend(self.config.backend, device, layer_shapes(nodes))
+        choice = resolve_backend(self.config.backend, device, layer_shapes(nodes), ctx.dist.agree)
         op = choice.backend.op
         meta = metadata_inputs(gm, device)
         specs: List[CacheSpec] = []

@@ -11,7 +11,7 @@ goes into the snapshot's details (``chosen``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from pydantic import Field, field_validator
@@ -57,18 +57,21 @@ def describe_refusal(refused: Dict[str, List[int]]) -> str:
 
 
 def resolve_backend(
-    name: Optional[str], device: torch.device, layers: Sequence[LayerShape] = ()
+    name: Optional[str],
+    device: torch.device,
+    layers: Sequence[LayerShape] = (),
+    agree: Callable[[Any], Any] = lambda measured: measured,
 ) -> Choice[AttentionBackend]:
     """The attention backend for ``name`` on ``device`` and why (``BackendRegistry.choose``): an
     explicit name that cannot run or serve a layer of ``layers`` is a clear error naming what it
     needs and what to use instead; ``None``/``auto``: the first backend of ``ATTENTION_AUTO`` that
     runs here and serves every layer; on a CPU in the order this CPU measured them
-    (``ops/cpu_kernels/calibrate.py``)."""
+    (``ops/cpu_kernels/calibrate.py``; ``agree``: the ranks of a sharded run take rank 0's, ``DistInfo.agree``)."""
     measured = None
     if name in (None, "auto") and torch.device(device).type == "cpu":
         from ....ops.cpu_kernels.calibrate import attention_choice
 
-        m = attention_choice()
+        m = agree(attention_choice())
         measured = (tuple(sorted(m.times, key=lambda c: m.times[c])), m.evidence())
     return ATTENTION_BACKENDS.choose(
         name, device, FIELD, refuse=lambda b: describe_refusal(unsupported_layers(b, layers)) or None, measured=measured

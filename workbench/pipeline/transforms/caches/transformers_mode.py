@@ -234,7 +234,7 @@ class HFReplaceCachedAttn(Transform[TransformersReplaceCachedAttnConfig]):
         model = _hf_model(mod)
         layers = ctx.hf_attn_layers  # a required need: the framework refused to run without them
         shapes = [LayerShape(x.index, x.head_dim, x.v_head_dim, ctx.dtype, x.has_sinks) for x in layers]
-        choice = resolve_backend(self.config.backend, ctx.device, shapes)
+        choice = resolve_backend(self.config.backend, ctx.device, shapes, ctx.dist.agree)
         _register()
         wrapper = HFCachedLM(model, layers, choice.backend.op, choice.name)
         ctx.cache.declare(cache_specs(layers), ctx.dtype, ctx.limits.page_size)

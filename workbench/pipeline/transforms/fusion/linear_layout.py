@@ -140,7 +140,8 @@ class LinearWeightLayout(Transform[LinearWeightLayoutConfig]):
             quantized = 0
         if auto:
             weights = _fp32_linear_weights(gm)
-            measured = calibrate.fp32_linear_choice(weights) if weights else None
+            # every rank of a sharded run takes rank 0's choice (DistInfo.agree)
+            measured = ctx.dist.agree(calibrate.fp32_linear_choice(weights)) if weights else None
             layout = measured.choice if measured is not None else "nk"
             if measured is not None:
                 notes["auto"] = f"fp32 linears: {measured.why()}"
