@@ -33,7 +33,7 @@ from workbench.models import load_model
 from workbench.models.tiny import TINY_ARCHS
 from workbench.models.tiny_families.chunked import CHUNK
 from workbench.pipeline.matcher import export_graph_module, named_args
-from workbench.pipeline.transforms.attention.masks import MaskKind, classify_mask
+from workbench.pipeline.matcher.masks import MaskKind, classify_mask
 
 wb = torch.ops.workbench
 TOL = dict(atol=2e-5, rtol=2e-5)

@@ -167,7 +167,7 @@ class _LiteralCausalMask(torch.nn.Module):
 
 
 def test_a_causal_mask_built_with_a_lifted_literal_is_classified_causal():
-    from workbench.pipeline.transforms.attention.masks import MaskKind, classify_mask
+    from workbench.pipeline.matcher.masks import MaskKind, classify_mask
 
     mod = _LiteralCausalMask()
     x = torch.randn(2, 6, device="meta")

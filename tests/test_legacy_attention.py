@@ -22,7 +22,7 @@ from workbench.models import load_model
 from workbench.models.tiny_families import legacy_attention
 from workbench.onboarding.check import UNCACHED_RUNNER, check_prompts, hf_greedy, uncached_attention_left
 from workbench.onboarding.registry import load_registry
-from workbench.pipeline.transforms.attention.masks import MaskKind, classify_mask
+from workbench.pipeline.matcher.masks import MaskKind, classify_mask
 from workbench.pipeline.transforms.caches.attention import uncached_attention
 
 ONE_THREAD = True  # see conftest.one_thread

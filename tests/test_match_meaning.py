@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from match_support import check, count, export, run
 from test_match_moe import Llama4StyleMoe
 
-from workbench.pipeline.transforms.attention.masks import MaskKind, classify_mask
+from workbench.pipeline.matcher.masks import MaskKind, classify_mask
 
 wb = torch.ops.workbench
 QKV_DYN = {i: {0: "batch", 2: "seq"} for i in range(3)}

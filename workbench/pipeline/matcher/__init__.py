@@ -3,7 +3,8 @@
 
 ``engine``: patterns, matching and applying a match; ``rewrite``: recording replacements (provenance,
 fake values) for the matcher and for transforms that rewrite by hand;
-``trace``: the tracer patterns and tests use (the pipeline's own).
+``trace``: the tracer patterns and tests use (the pipeline's own); ``masks``: what an attention mask
+encodes (causal, sliding window, chunked), for the attention matchers and the cache stage.
 """
 
 from .engine import (

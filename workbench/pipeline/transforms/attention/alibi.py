@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...graph.weights import fake_value, fetch_attr
 from ...matcher import EVAL_DROPOUT, Match, Pattern, named_args, same_size
+from ...matcher.masks import evaluate_on_sizes
 from ...weights import TensorBinding, record_tensor_binding, tensor_bindings
-from .masks import evaluate_on_sizes
 
 aten = torch.ops.aten
 wb = torch.ops.workbench

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ...graph.utils import tensor_meta
 from ...matcher import EVAL_DROPOUT, Match, Pattern, same_size
-from .masks import constant_tensor
+from ...matcher.masks import constant_tensor
 
 aten = torch.ops.aten
 wb = torch.ops.workbench

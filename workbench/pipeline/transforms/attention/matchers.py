@@ -47,9 +47,9 @@ from ...matcher import (
     same_shape,
     same_size,
 )
+from ...matcher.masks import MaskKind, attention_mask_arguments, classify_mask
 from .alibi import ALIBI_EAGER_PATTERNS, ALIBI_SDPA_PATTERNS
 from .legacy import LEGACY_EAGER_PATTERNS
-from .masks import MaskKind, attention_mask_arguments, classify_mask
 
 aten = torch.ops.aten
 wb = torch.ops.workbench

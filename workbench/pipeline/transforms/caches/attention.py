@@ -37,7 +37,7 @@ from ...context import CACHE_SPECS, PipelineContext
 from ...graph.utils import call_nodes, require_tensor_meta
 from ...interface import Transform, TransformInfo, register
 from ...matcher import annotate_new_nodes, named_args, same_size
-from ..attention.masks import classify_mask
+from ...matcher.masks import classify_mask
 from .attention_backend import InsertCachedAttentionConfig, LayerShape, resolve_backend
 from .inputs import cache_input, metadata_inputs
 

@@ -17,9 +17,9 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.fx as fx
 
-from ...graph.weights import fetch_attr
-from ...matcher import same_size
-from ...matcher.aliasing import is_view, storage_root, writes_into
+from ..graph.weights import fetch_attr
+from .aliasing import is_view, storage_root, writes_into
+from .rewrite import same_size
 
 aten = torch.ops.aten
 
