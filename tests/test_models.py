@@ -125,6 +125,8 @@ STRIDED_GEMM_ARCHS = {"recurrent_gemma", "mamba", "falcon_mamba", "jamba"}
 def test_tiny_matches_normally_built_model(arch):
     """Meta build + to_empty + init == eager CPU build re-initialised with the same seed:
     weights, RoPE inv_freq buffers and logits are bit-identical."""
+    from transformers.pytorch_utils import Conv1D
+
     from workbench.models.build import auto_class_for
 
     lm = load_model(f"tiny:{arch}", seed=3)
@@ -132,9 +134,14 @@ def test_tiny_matches_normally_built_model(arch):
     ref = auto_class_for(config).from_config(config)  # normal (non-meta) build
     for obj in [*ref.modules(), *ref.parameters(), *ref.buffers()]:
         obj.__dict__.pop("_is_hf_initialized", None)  # let initialize_weights run again
+    with torch.no_grad():  # poisoned as the meta build is: what init leaves, build._init_conv1d_left draws
+        for m in ref.modules():
+            if isinstance(m, Conv1D):
+                m.weight.fill_(float("nan"))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(3)
         ref.initialize_weights()
+        build_mod._init_conv1d_left(ref)  # OpenAI GPT: its Conv1D weights are drawn by the constructor only
     ref.eval()
     assert _sd_equal(lm.model, ref)
     for (name, buf), (_, rbuf) in zip(lm.model.named_buffers(), ref.named_buffers()):

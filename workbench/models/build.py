@@ -86,16 +86,17 @@ def to_empty_keep_ties(model: torch.nn.Module, device: torch.device) -> torch.nn
     return model
 
 
+@torch.no_grad()
 def _init_conv1d_left(model: torch.nn.Module) -> None:
     """HF's ``Conv1D`` (GPT-2 style transposed linear) initialises itself in its constructor, which
     the meta build skips; GPT-2's ``_init_weights`` covers it, OpenAI GPT's does not. Those left
-    poisoned get what the constructor gives: normal(0, initializer_range) weights, zero bias."""
+    poisoned get what the constructor gives: normal(0, 0.02) weights, zero bias (the same
+    distribution; not the same draws, which the constructor takes from the RNG mid-construction)."""
     from transformers.pytorch_utils import Conv1D
 
-    std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
     for module in model.modules():
         if isinstance(module, Conv1D) and torch.isnan(module.weight).any():
-            module.weight.normal_(0.0, std)
+            module.weight.normal_(0.0, 0.02)
             if module.bias is not None:
                 module.bias.zero_()
 

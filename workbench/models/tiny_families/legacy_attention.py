@@ -7,8 +7,8 @@ logits replaced through a causal table the module registers (``pipeline/transfor
   logits divided by sqrt(d) and hidden as ``w * b - 1e4 * (1 - b)`` with a float 0/1 table.
 
 Both run HF's eager attention (their only implementation). Sizes and init as ``more_dense`` (an lm
-head of its own, std 0.3), except OpenAI GPT's std 0.1: there 0.15-0.25 gives HF greedy tokens with
-6-7 distinct ids on a check prompt, 0.1 gives 13-16 (seed 0).
+head of its own, std 0.3; OpenAI GPT's ``Conv1D`` projections keep their constructor's 0.02,
+``models/build.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _openai_gpt():
         n_embd=64,
         n_layer=2,
         n_head=4,
-        **{**ORACLE, "initializer_range": 0.1},
+        **ORACLE,
         **SMALL_TOKEN_IDS,
     )
     config._attn_implementation = "eager"
