@@ -29,6 +29,12 @@ def backends_line(wb: Any, where: str) -> str:
             details = wb.snapshot(key).info.details
             if "backend" in details:
                 parts.append(f"{what} {details['backend']} [{details.get('chosen', 'requested')}]")
+            left = details.get("uncached_attention") or {}
+            if left:  # said in the line a user reads, not only in the cache stage's row
+                parts.append(
+                    f"attention UNCACHED: {len(left)} layer(s) without a KV cache, every step re-runs the whole "
+                    "sequence (insert_cached_attention says which and why)"
+                )
     return "; ".join(parts)
 
 

@@ -3,10 +3,14 @@ logits replaced through a causal table the module registers (``pipeline/transfor
 
 * ``gpt_neo``: GPT-Neo: unscaled logits, ``torch.where(bias, w, finfo.min)`` with a boolean table
   (banded on local layers: window 4, shorter than the check prompts), one local and one global layer.
+* ``ctrl``: CTRL: scores scaled by sqrt(d) with a ``triu`` mask made in forward added times -1e4,
+  sinusoidal positions.
+* ``biogpt``: BioGPT: SDPA over a causal mask and an all-ones padding mask made in forward, indexed
+  by key position (classified on plain positions: the probe's large ones index out of range).
 * ``openai_gpt``: the first GPT: ``Conv1D`` projections, the key permuted straight to [b, h, d, s],
   logits divided by sqrt(d) and hidden as ``w * b - 1e4 * (1 - b)`` with a float 0/1 table.
 
-Both run HF's eager attention (their only implementation). Sizes and init as ``more_dense`` (an lm
+GPT-Neo and OpenAI GPT run HF's eager attention (their only implementation), CTRL and BioGPT SDPA. Sizes and init as ``more_dense`` (an lm
 head of its own, std 0.3; OpenAI GPT's ``Conv1D`` projections keep their constructor's 0.02,
 ``models/build.py``).
 """
@@ -39,16 +43,33 @@ def _openai_gpt():
     from transformers import OpenAIGPTConfig
 
     config = OpenAIGPTConfig(
-        vocab_size=512,
-        n_positions=512,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        **ORACLE,
-        **SMALL_TOKEN_IDS,
+        vocab_size=512, n_positions=512, n_embd=64, n_layer=2, n_head=4, **ORACLE, **SMALL_TOKEN_IDS
     )
     config._attn_implementation = "eager"
     return config
 
 
-ARCHS: dict = {"gpt_neo": _gpt_neo, "openai_gpt": _openai_gpt}
+def _ctrl():
+    from transformers import CTRLConfig
+
+    # std 0.05: at 0.3 HF's greedy tokens on one check prompt hold 3 distinct ids, at 0.05 >= 9
+    oracle = {**ORACLE, "initializer_range": 0.05}
+    return CTRLConfig(vocab_size=512, n_positions=512, n_embd=64, dff=128, n_layer=2, n_head=4, **oracle)
+
+
+def _biogpt():
+    from transformers import BioGptConfig
+
+    return BioGptConfig(
+        vocab_size=512,
+        max_position_embeddings=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        **ORACLE,
+        **SMALL_TOKEN_IDS,
+    )
+
+
+ARCHS: dict = {"gpt_neo": _gpt_neo, "openai_gpt": _openai_gpt, "ctrl": _ctrl, "biogpt": _biogpt}

@@ -203,34 +203,35 @@ def _classify_by_index(nodes: List[fx.Node], mask: fx.Node, seq_len: Any, table:
     wide as a smaller probe would look causal), then full, causal, or causal within the last ``w``
     positions (``w`` read off its last row)."""
     m = evaluate_on_sizes(nodes, mask, seq_len, table)
-    if not isinstance(m, torch.Tensor) or not 2 <= m.dim() <= 4 or tuple(m.shape[-2:]) != (table, table):
-        return None
-    m = _visible(m)
-    if m is None:
-        return None
-    m = m.reshape(-1, table, table)
-    if not bool((m == m[:1]).all()):
-        return None
-    m = m[0]
-    rel = torch.arange(table)[:, None] - torch.arange(table)[None, :]
-    if bool(m.all()):
-        return MaskKind(is_causal=False)
-    if torch.equal(m, rel >= 0):
-        return MaskKind(is_causal=True)
-    w = int(m[-1].sum())
-    if 1 <= w < table and torch.equal(m, (rel >= 0) & (rel < w)):
-        return MaskKind(is_causal=True, sliding_window=w)
-    return None
+    positions = torch.arange(table)
+    kind = _compare(m, positions, [])
+    if kind is None and isinstance(m, torch.Tensor) and (v := _visible(m)) is not None and v.dim() >= 2:
+        w = int(v.reshape(-1, table, table)[0, -1].sum())
+        kind = _compare(m, positions, [w] if 1 <= w < table else [])
+    return kind
 
 
 def _classify_by_positions(nodes: List[fx.Node], mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
+    """Evaluated on probe positions (0..9, around every integer literal, 3,000,000); where that cannot
+    evaluate -- a padding mask of ones made in forward and indexed by key position (BioGPT) reads
+    out of range at probe positions -- on positions 0..n-1 with n past twice every literal (a
+    window or chunk size is one)."""
     literals = _int_literals(nodes)
     probe = set(range(10)) | {3_000_000}
     for w in literals:
         probe |= {max(w + d, 0) for d in (-2, -1, 0, 1, 2)} | {2 * w - 1, 2 * w, 2 * w + 1}
     positions = torch.tensor(sorted(probe), dtype=torch.int64)
+    m = evaluate_on_sizes(nodes, mask, seq_len, len(positions), positions)
+    if m is not None:
+        return _compare(m, positions, literals)
+    n = min(max(16, 2 * max(literals, default=0) + 3), 4096)
+    return _compare(evaluate_on_sizes(nodes, mask, seq_len, n), torch.arange(n), literals)
+
+
+def _compare(m: Any, positions: torch.Tensor, sizes: List[int]) -> Optional[MaskKind]:
+    """``m`` (an evaluated mask over ``positions`` x ``positions``) as full, causal, causal within a
+    window, or causal within a chunk, the window or chunk one of ``sizes`` (+-1); else None."""
     n_pos = len(positions)
-    m = evaluate_on_sizes(nodes, mask, seq_len, n_pos, positions)
     if not isinstance(m, torch.Tensor) or not 2 <= m.dim() <= 4 or tuple(m.shape[-2:]) != (n_pos, n_pos):
         return None
     m = _visible(m)
@@ -245,10 +246,11 @@ def _classify_by_positions(nodes: List[fx.Node], mask: fx.Node, seq_len: Any) ->
         return MaskKind(is_causal=False)
     if torch.equal(m, rel >= 0):
         return MaskKind(is_causal=True)
-    for w in sorted({max(v + d, 1) for v in literals for d in (-1, 0, 1)}):
+    candidates = sorted({max(v + d, 1) for v in sizes for d in (-1, 0, 1)})
+    for w in candidates:
         if torch.equal(m, (rel >= 0) & (rel < w)):
             return MaskKind(is_causal=True, sliding_window=w)
-    for c in sorted({max(v + d, 1) for v in literals for d in (-1, 0, 1)}):
+    for c in candidates:
         chunk = positions // c
         if torch.equal(m, (rel >= 0) & (chunk[:, None] == chunk[None, :])):
             return MaskKind(is_causal=True, chunk_size=c)

@@ -189,7 +189,7 @@ _EAGER_LEFT = "an eager softmax over q @ k^T (matmul + softmax attention the pat
 _SOFTMAX = (aten._softmax.default, aten.softmax.int)
 _SCORES = (aten.matmul.default, aten.bmm.default, aten.einsum.default)
 # what may stand between the q @ k^T product and the softmax: scaling, masking, soft-capping, casts,
-# and for attention sinks the sink column concatenated and the row max subtracted
+# reshapes, a clamp, and for attention sinks the sink column concatenated and the row max subtracted
 _ON_SCORES = (
     aten.mul.Tensor,
     aten.div.Tensor,
@@ -200,6 +200,11 @@ _ON_SCORES = (
     aten._to_copy.default,
     aten.cat.default,
     aten.where.self,
+    # BART-style (XGLM): scores viewed [b * h, s, s] <-> [b, h, s, s] around the mask, clamped at finfo.min
+    aten.view.default,
+    aten.reshape.default,
+    aten.max.other,
+    aten.maximum.default,
 )
 
 
@@ -221,21 +226,36 @@ def _softmax_over_scores(node: fx.Node, depth: int = 6) -> bool:
     return False
 
 
+def _module_of(node: fx.Node) -> str:
+    """The HF module a node was traced in (``transformer.h.0.attn.attention``), from export's
+    ``nn_module_stack``; '' when the node carries none (made by a transform)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return str(path).removeprefix("L['self'].").removeprefix("model.")
+
+
 def uncached_attention(gm: fx.GraphModule) -> Dict[str, str]:
-    """Attention computations that no cached-attention op serves: node name -> why. A graph with any
-    of these runs without a KV cache for them: every decode step re-runs the whole sequence."""
+    """Attention computations that no cached-attention op serves: node name -> why, and the module
+    it was traced in. A graph with any of these runs without a KV cache for them: every decode step
+    re-runs the whole sequence."""
     left: Dict[str, str] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         if node.target is torch.ops.workbench.torch_attention.default:
-            left[node.name] = "canonical attention not made cached: " + (
+            why = "canonical attention not made cached: " + (
                 _unsupported(dict(named_args(node))) or "insert_cached_attention did not run on it"
             )
         elif node.target is aten.scaled_dot_product_attention.default:
-            left[node.name] = _SDPA_LEFT
+            why = _SDPA_LEFT
         elif node.target in _SOFTMAX and _softmax_over_scores(node):
-            left[node.name] = _EAGER_LEFT
+            why = _EAGER_LEFT
+        else:
+            continue
+        module = _module_of(node)
+        left[node.name] = f"{why} [in {module}]" if module else why
     return left
 
 
