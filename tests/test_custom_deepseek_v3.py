@@ -197,3 +197,39 @@ def test_opting_out_exports_the_hf_class():
     assert snap.info.details["model_class"] == \
         "DeepseekV3ForCausalLM (transformers.models.deepseek_v3.modeling_deepseek_v3)"
     assert snap.info.details["layers"].startswith("full export")
+
+
+def _gelu_mlp():
+    config = TINY_REGISTRY["deepseek_v3"]()
+    config.hidden_act = "gelu"
+    return config
+
+
+def test_a_config_the_custom_model_refuses_falls_back_to_the_hf_class_with_a_note(caplog):
+    # a GELU MLP: HF's class runs it, the custom rewrite (SwiGLU canonical ops) does not implement it.
+    # (Fewer KV heads than heads, the other refusal, HF's class cannot run either in transformers 5.23:
+    # its MLA keys have every head and repeat_kv doubles them.)
+    registry = {**TINY_REGISTRY, "deepseek_v3": _gelu_mlp}
+    with caplog.at_level("WARNING", logger="workbench"):
+        loaded = load_model("tiny:deepseek_v3", tiny_registry=registry)
+    assert loaded.export_model is None and loaded.model_to_export is loaded.model
+    assert "hidden_act='gelu'" in loaded.custom_fallback
+    assert "exporting HF's DeepseekV3ForCausalLM instead" in loaded.custom_fallback
+    assert any("exporting HF's DeepseekV3ForCausalLM instead" in r.getMessage() for r in caplog.records)
+    bench = Workbench(loaded, numerics=False)
+    snap = bench.step()
+    assert snap.info.details["model_class"].startswith(
+        "DeepseekV3ForCausalLM (transformers.models.deepseek_v3.modeling_deepseek_v3); custom DeepseekV3ForCausalLM"
+    )
+    bench.run()
+    prompt = torch.randint(0, 512, (7,), generator=torch.Generator().manual_seed(3)).tolist()
+    out = bench.generate([prompt], max_new_tokens=8, stop_token_ids=[])
+    assert out.results[0].token_ids == _hf_greedy(loaded.model, prompt, 8)
+
+
+def test_a_custom_model_asked_for_by_name_still_refuses_the_config():
+    from workbench.models.spec import ModelSpecError
+
+    registry = {**TINY_REGISTRY, "deepseek_v3": _gelu_mlp}
+    with pytest.raises(ModelSpecError, match="hidden_act='gelu'"):
+        load_model("tiny:deepseek_v3", tiny_registry=registry, custom_models={"DeepseekV3Config": DeepseekV3ForCausalLM})

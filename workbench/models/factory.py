@@ -366,7 +366,7 @@ def load_model(
             check_tokenizer_fits(tokenizer, model, f"{spec!r} ({resolved.path})")
             check_finite(model, f"{spec!r} ({resolved.path})")
     model = _finalise(model)
-    export_model = _custom_export_model(spec, model, custom_models)
+    export_model, fallback = _custom_export_model(spec, model, custom_models)
     return LoadedModel(
         spec=spec,
         model=model,
@@ -375,15 +375,19 @@ def load_model(
         source=source,
         checkpoint=checkpoint,
         export_model=export_model,
+        custom_fallback=fallback,
     )
 
 
 def _custom_export_model(
     spec: str, model: torch.nn.Module, custom_models: bool | Mapping[str, type]
-) -> Optional[torch.nn.Module]:
-    """The registered custom model for ``model``'s config (sharing its tensors), or None."""
+) -> Tuple[Optional[torch.nn.Module], Optional[str]]:
+    """(the registered custom model for ``model``'s config, sharing its tensors, or None; why the
+    default registry's model was not used, or None). A custom model that refuses the config (one it
+    does not implement, where HF's class runs it) falls back to the HF class with that note, said
+    once; a registry the caller passed refuses loudly."""
     if custom_models is False:
-        return None
+        return None, None
     if custom_models is not True and not isinstance(custom_models, Mapping):
         raise ModelSpecError(
             f"custom_models must be True, False or a mapping {{config class name: model class}}, got {custom_models!r}"
@@ -395,7 +399,12 @@ def _custom_export_model(
     try:
         custom = build_export_model(model, registry)
     except CustomModelError as e:
-        raise ModelSpecError(f"{spec!r}: {e}") from None
+        if custom_models is not True:
+            raise ModelSpecError(f"{spec!r}: {e}") from None
+        note = f"{e}; exporting HF's {type(model).__name__} instead (custom_models=False says so explicitly)"
+        note = note.replace(". Load with custom_models=False to export HF's own class", "")
+        logger.warning("%s: %s", spec, note)
+        return None, note
     if custom is not None:
         logger.info(
             "%s: exporting custom %s.%s for %s (the HF %s stays the numerics reference; "
@@ -406,4 +415,4 @@ def _custom_export_model(
             type(model.config).__name__,
             type(model).__name__,
         )
-    return custom
+    return custom, None

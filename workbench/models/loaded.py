@@ -45,6 +45,9 @@ class LoadedModel:
     # None: ``model`` itself is exported. ``model`` stays the HF class either way: the numerics
     # reference, and what ``generate`` and the tests compare tokens with.
     export_model: Optional[torch.nn.Module] = field(default=None, repr=False)
+    # Why the custom model registered for this config was not built (it refused the config) and the
+    # HF class is exported instead; None when none is registered or it was built.
+    custom_fallback: Optional[str] = None
 
     @property
     def model_to_export(self) -> torch.nn.Module:

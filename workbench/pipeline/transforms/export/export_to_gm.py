@@ -250,7 +250,9 @@ def _model_to_export(mod: torch.nn.Module, ctx) -> Tuple[torch.nn.Module, str]:
     ):
         return CausalLMLogits(loaded.export_model), loaded.export_model_class
     inner = mod.model if isinstance(mod, CausalLMLogits) else mod
-    return mod, describe_model_class(inner, custom=False)
+    described = describe_model_class(inner, custom=False)
+    fallback = getattr(loaded, "custom_fallback", None) if loaded is not None else None
+    return mod, f"{described}; {fallback}" if fallback else described
 
 
 def _stamp_plan(traced: torch.nn.Module, ctx, cfg: ExportToGMConfig):
