@@ -65,6 +65,18 @@ class CachedRunner:
                 f"cache tensors {released[:3]} were released (by resize_kv_cache on a GPU); re-run resize_kv_cache"
             )
         self.caches: Dict[str, torch.Tensor] = {n: caches[n] for n in self.input_names if n in caches}
+        # The page ids the runner hands out go up to cfg.num_pages - 1 (the scratch page): a pool
+        # tensor with fewer pages would be written past its end by a kernel that trusts them.
+        short = [
+            f"{s.name} has {self.caches[s.name].shape[0]}"
+            for s in cfg.specs
+            if s.kind == PAGED and s.name in self.caches and self.caches[s.name].shape[0] < cfg.num_pages
+        ]
+        if short:
+            raise ValueError(
+                f"cache tensors hold fewer pages than the cache config's {cfg.num_pages}: {', '.join(short[:3])}; "
+                "re-run initialize_cache (and resize_kv_cache) so tensors and config agree"
+            )
         self.fn: Callable[..., Any] = module  # what runs a forward; compiled runners swap in a compiled callable
         self.step_form = "module"  # what self.fn is, in words (runner_for says: C++ step program, Python graph)
         self.cache_mode = describe_caches(cfg)
