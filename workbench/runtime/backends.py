@@ -171,8 +171,13 @@ def compile_options(device: torch.device, cache_inputs: Iterable[str] = ()) -> D
     """Inductor options of the torch.compile backends. On CPU a decode step is a few hundred calls of
     small kernels, so the per-call cost of the generated wrapper is the step's overhead:
 
-    * ``cpp_wrapper``: the wrapper is C++ (kernels called without the Python interpreter; SmolLM2
-      Q4_1 bs=1 on 2 cores, one process, runners alternated: 14.6 -> 13.1 ms a token);
+    * not ``cpp_wrapper``: a C++ wrapper calls kernels without the Python interpreter (SmolLM2 Q4_1
+      bs=1 on 2 cores, runners alternated: 14.6 -> 13.1 ms a token), but an error raised by an op it
+      calls cannot cross it -- the process aborts instead of raising -- and in a long pytest worker
+      (``make test``, torch 2.13) its first call, which runs torch's custom-op aliasing check
+      through every workbench op it dispatches, died with "double free or corruption" on the
+      tiny-llama decode graph that runs cleanly in a fresh process. The Python wrapper raises;
+      torch-compile is not the CPU default (torch-simple is), so its steps keep that 10 %;
     * no guards on the module's own attributes (``self._modules[...]``: ~1100 type/tensor checks a
       call, on weights that this compiled copy alone owns and that no step replaces -- a pipeline that
       changes weights re-runs ``compile_model``, which compiles again) nor on ``cache_inputs``, the
@@ -197,11 +202,11 @@ def compile_options(device: torch.device, cache_inputs: Iterable[str] = ()) -> D
 
 def inductor_options(device: torch.device) -> Dict[str, Any]:
     """The Inductor config part of ``compile_options`` (what a graph compiled without Dynamo, as the
-    static decode graphs are, takes): the C++ wrapper, no size/alignment asserts; CPU only."""
+    static decode graphs are, takes): the Python wrapper, no size/alignment asserts; CPU only."""
     if torch.device(device).type != "cpu":
         return {}
     return {
-        "cpp_wrapper": True,
+        "cpp_wrapper": False,
         "size_asserts": False,
         "alignment_asserts": False,
         "post_grad_custom_pre_pass": _workbench_ops_key_class()(),
