@@ -76,8 +76,12 @@ def test_unsupported_config_names_the_way_out():
         return config
 
     registry = {**TINY_REGISTRY, "gelu_v3": gelu_v3}
+    # the default registry falls back to HF's class, saying why (test_custom_deepseek_v3 runs it end to end);
+    # a custom model asked for by name refuses
+    loaded = load_model("tiny:gelu_v3", tiny_registry=registry)
+    assert loaded.export_model is None and "hidden_act='gelu'" in loaded.custom_fallback
     with pytest.raises(ModelSpecError, match=r"hidden_act='gelu'.*custom_models=False"):
-        load_model("tiny:gelu_v3", tiny_registry=registry)
+        load_model("tiny:gelu_v3", tiny_registry=registry, custom_models={"DeepseekV3Config": DeepseekV3ForCausalLM})
     assert load_model("tiny:gelu_v3", tiny_registry=registry, custom_models=False).export_model is None
 
     config = TINY_REGISTRY["qwen3_next"]()

@@ -16,12 +16,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from match_support import check, export, run
 from test_match_meaning import QKV_DYN, attention_node, qkv
-from test_runtime import _hf_greedy
+from test_more_families import cached_greedy_equals_hf
 
 from workbench import Workbench
-from workbench.models import load_model
 from workbench.models.tiny_families import legacy_attention
-from workbench.onboarding.check import UNCACHED_RUNNER, check_prompts, hf_greedy, uncached_attention_left
+from workbench.onboarding.check import UNCACHED_RUNNER, uncached_attention_left
 from workbench.onboarding.registry import load_registry
 from workbench.pipeline.matcher.masks import MaskKind, classify_mask
 from workbench.pipeline.transforms.caches.attention import uncached_attention
@@ -119,7 +118,6 @@ def test_a_table_that_is_not_zero_one_is_never_taken_for_causality():
 
 ARCHS = sorted(legacy_attention.ARCHS)
 TABLE_FORMS = {"gpt_neo": "where", "openai_gpt": "arith"}  # ctrl, biogpt: SDPA, their masks made in forward
-NEW = 8
 
 
 def test_legacy_families_are_in_the_registry():
@@ -129,17 +127,9 @@ def test_legacy_families_are_in_the_registry():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_legacy_family_cached_greedy_equals_hf(arch):
-    loaded = load_model(f"tiny:{arch}", dtype="float32")
-    with torch.no_grad():
-        distinct = [len(set(hf_greedy(loaded.model, p, 16))) for p in check_prompts(512)]
-        prompt = torch.randint(0, 512, (9,), generator=torch.Generator().manual_seed(5)).tolist()
-        want = _hf_greedy(loaded.model, prompt, NEW)
-    assert min(distinct) >= 8, f"HF's greedy tokens on the check prompts repeat: {distinct} distinct of 16"
-
-    bench = Workbench(loaded, numerics=False)
-    bench.run()
+    bench = cached_greedy_equals_hf(arch)
     info = bench.snapshot("insert_cached_attention").info
-    assert info.num_matches == 2 and uncached_attention_left(bench.snapshots) == {}
+    assert info.num_matches == 2
     windows = [n.kwargs.get("sliding_window") for n in bench.module.graph.nodes if "cached_attention" in str(n.target)]
     assert windows == ([4, None] if arch == "gpt_neo" else [None, None])  # GPT-Neo: local, then global
     form = TABLE_FORMS.get(arch)
@@ -147,10 +137,6 @@ def test_legacy_family_cached_greedy_equals_hf(arch):
         matched = bench.snapshot("match_eager_attention").info.details["matches"]
         assert sum(n for name, n in matched.items() if name.startswith(f"legacy_{form}_")) == 2, matched
         assert info.details["masks_classified_after_load"] == 2
-
-    out = bench.generate([prompt], max_new_tokens=NEW, stop_token_ids=[])
-    assert not out.stats.cache.startswith(UNCACHED_RUNNER), out.stats.cache
-    assert out.results[0].token_ids == want
 
 
 def test_gpt_neo_left_unmatched_runs_uncached_and_says_so():

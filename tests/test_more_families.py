@@ -34,14 +34,16 @@ def test_more_families_are_registered_and_checked():
     assert {f"tiny:{a}" for a in ARCHS} <= listed
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_more_family_cached_greedy_equals_hf(arch):
+def cached_greedy_equals_hf(arch: str, new: int = NEW) -> Workbench:
+    """``tiny:<arch>`` through the default pipeline: HF's greedy tokens on the check prompts hold >= 8
+    distinct ids (a strong oracle), every attention layer is cached, and ``new`` cached greedy tokens
+    equal HF ``generate``'s on one prompt. Returns the finished workbench for family-specific checks."""
     loaded = load_model(f"tiny:{arch}", dtype="float32")
     # HF's tokens before the pipeline runs (its graph shares the eager model's weights).
     with torch.no_grad():
         distinct = [len(set(hf_greedy(loaded.model, p, 16))) for p in check_prompts(512)]
         prompt = torch.randint(0, 512, (9,), generator=torch.Generator().manual_seed(5)).tolist()
-        want = _hf_greedy(loaded.model, prompt, NEW)
+        want = _hf_greedy(loaded.model, prompt, new)
     assert min(distinct) >= 8, f"HF's greedy tokens on the check prompts repeat: {distinct} distinct of 16"
 
     bench = Workbench(loaded, numerics=False)
@@ -50,6 +52,12 @@ def test_more_family_cached_greedy_equals_hf(arch):
     assert info.num_matches > 0 and info.skip_reason is None, info
     assert uncached_attention_left(bench.snapshots) == {}
 
-    out = bench.generate([prompt], max_new_tokens=NEW, stop_token_ids=[])
+    out = bench.generate([prompt], max_new_tokens=new, stop_token_ids=[])
     assert not out.stats.cache.startswith(UNCACHED_RUNNER), out.stats.cache
     assert out.results[0].token_ids == want
+    return bench
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_more_family_cached_greedy_equals_hf(arch):
+    cached_greedy_equals_hf(arch)
