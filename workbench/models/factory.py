@@ -401,8 +401,7 @@ def _custom_export_model(
     except CustomModelError as e:
         if custom_models is not True:
             raise ModelSpecError(f"{spec!r}: {e}") from None
-        note = f"{e}; exporting HF's {type(model).__name__} instead (custom_models=False says so explicitly)"
-        note = note.replace(". Load with custom_models=False to export HF's own class", "")
+        note = f"{e} -- exporting HF's {type(model).__name__} instead"
         logger.warning("%s: %s", spec, note)
         return None, note
     if custom is not None:

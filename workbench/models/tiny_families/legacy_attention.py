@@ -10,9 +10,9 @@ logits replaced through a causal table the module registers (``pipeline/transfor
 * ``openai_gpt``: the first GPT: ``Conv1D`` projections, the key permuted straight to [b, h, d, s],
   logits divided by sqrt(d) and hidden as ``w * b - 1e4 * (1 - b)`` with a float 0/1 table.
 
-GPT-Neo and OpenAI GPT run HF's eager attention (their only implementation), CTRL and BioGPT SDPA. Sizes and init as ``more_dense`` (an lm
-head of its own, std 0.3; OpenAI GPT's ``Conv1D`` projections keep their constructor's 0.02,
-``models/build.py``).
+GPT-Neo and OpenAI GPT run HF's eager attention (their only implementation), CTRL and BioGPT SDPA.
+Sizes and init as ``more_dense`` (an lm head of its own, std 0.3; OpenAI GPT's ``Conv1D`` projections
+keep their constructor's 0.02, ``models/build.py``).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ at::Tensor cpu_cached_attention(const at::Tensor& q, const at::Tensor& k, const 
   const int32_t* pos = input_pos.data_ptr<int32_t>();
   const auto pt = page_table.contiguous();
   const int32_t* pages = pt.data_ptr<int32_t>();
-  const int64_t num_pages = k_cache.size(0);
+  const int64_t num_pages = std::min(k_cache.size(0), v_cache.size(0));
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] == 1, "num_prefill=0: every sequence must have one new token, sequence ", b, " has ", lens[b]);
     TORCH_CHECK(pos[b] >= 0 && pos[b] / page_size < max_pages, "sequence ", b, " at position ", pos[b],
@@ -84,7 +84,7 @@ at::Tensor cpu_cached_attention(const at::Tensor& q, const at::Tensor& k, const 
     // every page this step reads or writes must lie in the pool (the K/V copy below writes through it)
     for (int64_t p = 0; p <= pos[b] / page_size; ++p) {
       const int32_t page = pages[b * max_pages + p];
-      TORCH_CHECK(page >= 0 && page < num_pages && page < v_cache.size(0), "sequence ", b, " reads page ", page,
+      TORCH_CHECK(page >= 0 && page < num_pages, "sequence ", b, " reads page ", page,
                   " of a cache of ", num_pages, " pages");
     }
   }

@@ -203,12 +203,9 @@ def _classify_by_index(nodes: List[fx.Node], mask: fx.Node, seq_len: Any, table:
     wide as a smaller probe would look causal), then full, causal, or causal within the last ``w``
     positions (``w`` read off its last row)."""
     m = evaluate_on_sizes(nodes, mask, seq_len, table)
-    positions = torch.arange(table)
-    kind = _compare(m, positions, [])
-    if kind is None and isinstance(m, torch.Tensor) and (v := _visible(m)) is not None and v.dim() >= 2:
-        w = int(v.reshape(-1, table, table)[0, -1].sum())
-        kind = _compare(m, positions, [w] if 1 <= w < table else [])
-    return kind
+    visible = _visible(m) if isinstance(m, torch.Tensor) and tuple(m.shape[-2:]) == (table, table) else None
+    window = int(visible.reshape(-1, table, table)[0, -1].sum()) if visible is not None else 0
+    return _compare(m, torch.arange(table), [window] if 1 <= window < table else [])
 
 
 def _classify_by_positions(nodes: List[fx.Node], mask: fx.Node, seq_len: Any) -> Optional[MaskKind]:
