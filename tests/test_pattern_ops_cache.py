@@ -3,6 +3,7 @@ of a pattern one of whose ops the graph lacks, and still matches, and traces, ev
 match."""
 
 import json
+import shutil
 
 import torch
 import torch.fx as fx
@@ -56,10 +57,18 @@ def test_a_pattern_with_an_absent_op_is_not_traced_by_the_next_process(tmp_path,
 
     engine.traced_pattern.cache_clear()  # the next process
     traces.clear()
+    shutil.rmtree(tmp_path / "patterns" / "graphs")  # only the op table (the mul pattern's graph is stored again)
     gm = _graph()
     assert PatternMatcher([BMM, MUL]).apply(gm) == {"bmm_then_view": 0, "mul_then_view": 1}
     assert traces == [_mul_then_view]  # bmm is not in the graph: its pattern is skipped untraced
     assert aten.sub.Tensor in _targets(gm)
+
+    engine.traced_pattern.cache_clear()  # a process with the stored pattern graphs too
+    traces.clear()
+    gm = _graph()
+    assert PatternMatcher([BMM, MUL]).apply(gm) == {"bmm_then_view": 0, "mul_then_view": 1}
+    assert traces == []  # the mul pattern's graph is read from the store: nothing is exported
+    assert aten.sub.Tensor in _targets(gm) and aten.mul.Tensor not in _targets(gm)
 
 
 def test_an_unreadable_or_old_table_only_costs_the_traces(tmp_path, monkeypatch):
@@ -73,3 +82,80 @@ def test_an_unreadable_or_old_table_only_costs_the_traces(tmp_path, monkeypatch)
         assert PatternMatcher([BMM, MUL]).apply(_graph()) == {"bmm_then_view": 0, "mul_then_view": 1}
     path.write_text(json.dumps({pattern_key(BMM): ["aten::view.default", "nosuchns::op.default"]}))
     assert PatternOpsCache().ops(BMM) is None  # an op that does not exist here is not trusted
+
+
+# ------------------------------------------------------------------ stored pattern graphs (JSON)
+
+
+def _cast_scale_view(x, w):  # literals, dtypes, a list argument, a getitem of a multi-output op
+    y = x.to(torch.float32) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    a, b = torch.split(y, [2, 1], dim=-1)
+    return (w * (a.sum(-1, keepdim=True) + b)).to(torch.bfloat16).view(-1)
+
+
+CAST = Pattern(
+    "cast_scale_view", _cast_scale_view, lambda x, w: aten.view.default(aten.mul.Tensor(x, w), [-1]),
+    lambda: (torch.randn(2, 3, dtype=torch.bfloat16), torch.randn(1)),
+)
+
+
+def _structure(graph: fx.Graph):
+    return [(n.op, n.target, n.args, n.kwargs, n.meta.get("pattern_input")) for n in graph.nodes]
+
+
+def test_a_stored_pattern_graph_is_the_traced_one(tmp_path, monkeypatch):
+    from workbench.pipeline.matcher.pattern_store import PatternGraphStore
+
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path))
+    traced = engine._trace(CAST)
+    store = PatternGraphStore()
+    store.put(CAST, traced)
+    stored = PatternGraphStore().get(CAST)
+    assert stored is not None
+    # same ops, same arguments (node references by name, floats, dtypes, lists), same input names
+    assert [(op, str(t), repr(a), repr(k), i) for op, t, a, k, i in _structure(stored)] == [
+        (op, str(t), repr(a), repr(k), i) for op, t, a, k, i in _structure(traced)
+    ]
+    assert aten.split_with_sizes.default in {n.target for n in stored.nodes}
+    assert torch.bfloat16 in [v for n in stored.nodes for v in (*n.args, *n.kwargs.values())]
+
+
+def test_a_damaged_or_foreign_stored_graph_is_traced_again(tmp_path, monkeypatch):
+    from workbench.cache_dir import sealed
+    from workbench.pipeline.matcher.pattern_store import PatternGraphStore, graph_to_json
+
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path))
+    traces = []
+    real = engine.export_graph_module
+    monkeypatch.setattr(engine, "export_graph_module", lambda fn, *a, **k: traces.append(fn) or real(fn, *a, **k))
+    engine.traced_pattern.cache_clear()
+    assert PatternMatcher([MUL]).apply(_graph()) == {"mul_then_view": 1}
+    key = PatternGraphStore.key(MUL)
+    path = tmp_path / "patterns" / "graphs" / f"{key}.json"
+    good = graph_to_json(engine._trace(MUL))
+    bad_op = json.loads(json.dumps(good).replace("aten::mul.Tensor", "nosuchns::mul.Tensor"))
+    for blob in (
+        path.read_bytes().replace(b"mul.Tensor", b"add.Tensor"),  # edited: fails its checksum
+        sealed(key, json.dumps(bad_op).encode()),  # sealed, but naming an op that does not exist
+        sealed(key, b"[1, 2]"),  # sealed junk
+    ):
+        path.write_bytes(blob)
+        engine.traced_pattern.cache_clear()
+        traces.clear()
+        gm = _graph()
+        assert PatternMatcher([MUL]).apply(gm) == {"mul_then_view": 1}
+        assert traces == [_mul_then_view] and aten.sub.Tensor in _targets(gm)
+
+
+def test_a_pattern_graph_with_a_python_function_is_not_stored(tmp_path, monkeypatch):
+    import operator
+
+    from workbench.pipeline.matcher.pattern_store import PatternGraphStore
+
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path))
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(operator.neg, (x,)))
+    PatternGraphStore().put(MUL, graph)
+    assert not (tmp_path / "patterns" / "graphs").exists() or not list((tmp_path / "patterns" / "graphs").iterdir())
+    assert PatternGraphStore().get(MUL) is None

@@ -37,6 +37,7 @@ from ...ops.library import MISSING, schema_arguments
 from ..interface import Transform, TransformInfo
 from .aliasing import writes_between
 from .anchors import PatternOpsCache
+from .pattern_store import PatternGraphStore
 from .rewrite import annotate_new_nodes, erase_dead, inserted_between, match_info, refresh_after_rewrite
 from .trace import export_graph_module
 
@@ -86,7 +87,18 @@ class Pattern:
 
 @functools.lru_cache(maxsize=None)
 def traced_pattern(pattern: Pattern) -> fx.Graph:
-    """The ATen graph of ``pattern.search`` on its example inputs (cached per pattern)."""
+    """The ATen graph of ``pattern.search`` on its example inputs (cached per pattern in the
+    process, and on disk as its structure: ``pattern_store``)."""
+    store = PatternGraphStore()
+    stored = store.get(pattern)
+    if stored is not None:
+        return stored
+    graph = _trace(pattern)
+    store.put(pattern, graph)
+    return graph
+
+
+def _trace(pattern: Pattern) -> fx.Graph:
     gm = export_graph_module(pattern.search, pattern.example_inputs(), kwargs=pattern.literals)
     names = pattern.input_names
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
