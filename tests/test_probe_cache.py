@@ -4,6 +4,7 @@ a probe's result (the weights, a transform's config, code the workbench does not
 again."""
 
 import pytest
+import torch
 
 from workbench import Workbench
 from workbench.pipeline.probe_cache import transform_source_key
@@ -79,3 +80,19 @@ def test_transforms_from_outside_the_workbench_key_by_their_source_or_not_at_all
     assert transform_source_key([Here]) not in (None, own)
     made = type("Made", (), {"__module__": "nowhere"})  # no source file: nothing is reused
     assert transform_source_key([made]) is None
+
+
+def test_the_graph_text_reused_between_steps_is_the_text_made_afresh(cache_dir):
+    """``graph_structure``'s memo (each node formatted once per pipeline) gives, at every step, the
+    text a fresh formatting gives: a node a transform rewired or retargeted is formatted again."""
+    from workbench.pipeline.probe_cache import graph_structure
+
+    wb = Workbench("tiny:llama", probe_cache=True)
+    texts: dict = {}
+    checked = 0
+    while not wb.done:
+        wb.step()
+        if isinstance(wb._live, torch.fx.GraphModule):
+            assert graph_structure(wb._live, texts) == graph_structure(wb._live), wb.keys[wb.position - 1]
+            checked += 1
+    assert checked >= 40 and texts

@@ -134,13 +134,13 @@ def nothing_to_do(gm: torch.fx.GraphModule, reason: str) -> Tuple[torch.fx.Graph
 
 def rewrite_info(gm: torch.fx.GraphModule, n: int, details: Optional[Dict[str, Any]] = None):
     """The ``TransformInfo`` of a graph rewrite that made ``n`` changes (the one finisher every
-    rewriting transform uses): the graph is linted and recompiled when it changed; it is clean
-    only if unchanged; its shapes are valid when every node carries a fake value after a change
-    (replacements get theirs as they are made). With no change both flags are False, which the
+    rewriting transform uses): the graph is recompiled when it changed (the framework lints a changed
+    graph once after the transform, in its clean-up or on its own); it is clean only if unchanged;
+    its shapes are valid when every node carries a fake value after a change (replacements get
+    theirs as they are made). With no change both flags are False, which the
     framework reads as "the incoming state stands" -- never a claim about stale metadata.
     """
     if n:
-        gm.graph.lint()
         gm.recompile()
     shapes = n > 0 and all("val" in x.meta for x in gm.graph.nodes if x.op in ("call_function", "placeholder"))
     return gm, TransformInfo(num_matches=n, is_clean=n == 0, has_valid_shapes=shapes, details=dict(details or {}))
@@ -324,8 +324,11 @@ class Transform(Generic[ConfigT]):
         graphs = graph_modules(mod)
         if graphs and cfg.run_graph_cleanup and not is_clean:
             for gm in graphs:
-                canonicalize_graph(gm)
+                canonicalize_graph(gm)  # lints too
             is_clean = True
+        elif graphs and not unchanged:
+            for gm in graphs:
+                gm.graph.lint()  # a changed graph is always linted, once (rewrite_info leaves it to here)
         if graphs and cfg.run_shape_prop and not has_shapes:
             for gm in graphs:
                 run_shape_prop(gm)

@@ -37,7 +37,7 @@ from .numerics import (
     moved_beyond,
     rewrite_tolerance,
 )
-from .probe_cache import ProbeCache, run_key, step_key, transform_source_key
+from .probe_cache import NodeTexts, ProbeCache, run_key, step_key, transform_source_key
 from .snapshot import PROVENANCE_KEY, REPLACES_KEY, Snapshot, snapshot_of, transform_index
 from .weights import WeightSource, run_unloaded, unloaded_targets
 
@@ -118,6 +118,7 @@ class PipelineStepper:
 
             self.ctx.export_cache = ExportCache()
         self._probe_run_key: Optional[str] = None
+        self._node_texts: NodeTexts = {}  # graph_structure's memo: each node formatted once
         self.last_error: Optional[TransformError] = None
         # Snapshots off (no graph copies): the graph before a skip_on_error step, and whether the
         # live graph is lost (a failed or rewound step) so the next step starts from the export.
@@ -506,7 +507,7 @@ class PipelineStepper:
         if self._probe_run_key is None:
             ref = self.reference_logits()
             self._probe_run_key = run_key(ref, self.probe.args, self.ctx.device, self.ctx.dtype)
-        return step_key(self._probe_run_key, [e.config for e in entries], sources, mod)
+        return step_key(self._probe_run_key, [e.config for e in entries], sources, mod, self._node_texts)
 
     def _probe(self, mod: torch.nn.Module) -> Numerics:
         probe = self.ctx.cache.probe
