@@ -18,6 +18,7 @@ from .engine import (
     replace_match,
     traced_pattern,
 )
+from .fake_values import fake_call
 from .rewrite import (
     annotate_new_nodes,
     erase_dead,
@@ -32,6 +33,7 @@ from .rewrite import (
 from .trace import automatic_dims, export_graph_module
 
 __all__ = [
+    "fake_call",
     "COMMUTATIVE",
     "EVAL_DROPOUT",
     "Match",

@@ -24,8 +24,24 @@ from typing import Any, Dict, Hashable, Optional, Tuple
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..graph.utils import symbolic_fake_mode
+
 _Key = Tuple[Any, ...]
 _Unknown = object()  # an argument with no description: no sharing
+
+
+def fake_call(mode: Any, target: Any, args: Any, kwargs: Any, cache: bool = True) -> Any:
+    """``target(*args, **kwargs)`` on fake values under ``mode`` (``symbolic_fake_mode``), or the
+    value an earlier call with equally described inputs got (``OutputMemo``)."""
+    memo = OutputMemo.for_mode(mode)
+    key = memo_key(target, args, kwargs)
+    if key is not None and key in memo:
+        return memo[key]
+    with symbolic_fake_mode(mode, cache=cache):
+        value = target(*args, **kwargs)
+    if key is not None and shareable_output(value, args, kwargs):
+        memo[key] = value
+    return value
 
 
 class OutputMemo:

@@ -14,11 +14,10 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph.utils import symbolic_fake_mode
 from ..interface import rewrite_info
 from ..snapshot import REPLACES_KEY
 from .aliasing import is_view
-from .fake_values import OutputMemo, memo_key, shareable_output
+from .fake_values import fake_call
 
 # Meta keys copied from the match's anchor to replacement nodes (viz groups nodes by module).
 _INHERITED_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn")
@@ -69,15 +68,7 @@ def propagate_fake_values(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> bool:
                 return False
             node.meta["val"] = node.target(*args, **kwargs)
             continue
-        memo = OutputMemo.for_mode(mode)
-        key = memo_key(node.target, args, kwargs)
-        if key is not None and key in memo:
-            node.meta["val"] = memo[key]
-            continue
-        with symbolic_fake_mode(mode, cache=_cache_pays(node.target)):
-            node.meta["val"] = value = node.target(*args, **kwargs)
-        if key is not None and shareable_output(value, args, kwargs):
-            memo[key] = value
+        node.meta["val"] = fake_call(mode, node.target, args, kwargs, cache=_cache_pays(node.target))
     return True
 
 

@@ -35,10 +35,9 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from ...context import PipelineContext
-from ...graph.utils import symbolic_fake_mode
 from ...graph.weights import LINEAR, concat_weights, fake_value, fetch_attr, param_of, release_weights, storage_bytes
 from ...interface import Transform, TransformInfo, register
-from ...matcher import annotate_new_nodes, repropagate_users
+from ...matcher import annotate_new_nodes, fake_call, repropagate_users
 
 aten = torch.ops.aten
 
@@ -106,8 +105,8 @@ def _view_value(node: fx.Node) -> Optional[torch.Tensor]:
     try:
         if mode is None:
             return node.target(src, shape)
-        with symbolic_fake_mode(mode, cache=False):  # a view: cheaper uncached (matcher._cache_pays)
-            return node.target(src, shape)
+        # a view: cheaper uncached (matcher._cache_pays); equal inputs of the other layers share it
+        return fake_call(mode, node.target, (src, shape), {}, cache=False)
     except Exception:  # noqa: BLE001 - any failure means "not provably a view"
         return None
 
