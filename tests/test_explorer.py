@@ -10,6 +10,7 @@ import json
 import sys
 import urllib.parse
 import urllib.request
+import zipfile
 
 import pytest
 
@@ -163,10 +164,35 @@ def test_report_links_the_model_explorer_files(wb, tiny_llama, tmp_path):
     small = Workbench(tiny_llama, entries=[e for e in wb.entries if e.key in ("export_to_gm", "load_weights", "fuse_gemms")])
     small.run()
     index = write_report(small, tmp_path).read_text()
-    assert (tmp_path / "explorer" / "02_fuse_gemms.json").exists()
-    assert (tmp_path / "explorer" / "02_fuse_gemms.changes.nodedata.json").exists()
-    assert 'href="explorer/02_fuse_gemms.json"' in index or "explorer-links" in index  # packed blocks too
+    assert not (tmp_path / "explorer").exists()  # packed: one deflated archive, not a file per graph
+    with zipfile.ZipFile(tmp_path / "explorer.zip") as z:
+        names = set(z.namelist())
+        graph = json.loads(z.read("explorer/02_fuse_gemms.json"))
+        overlay = json.loads(z.read("explorer/02_fuse_gemms.changes.nodedata.json"))
+    assert "explorer/00_export_to_gm.json" in names and graph and overlay
+    assert 'id="explorer-archive"' in index and 'href="explorer.zip"' in index
     assert 'id="no-explorer"' not in index
+    assert not list(tmp_path.glob(".*.partial"))
+
+
+def test_a_report_that_fails_leaves_no_half_written_archive(wb, tiny_llama, tmp_path, monkeypatch):
+    from workbench.viz import report
+
+    small = Workbench(tiny_llama, entries=[e for e in wb.entries if e.key in ("export_to_gm", "load_weights", "fuse_gemms")])
+    small.run()
+    calls = []
+
+    def fail_on_the_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    real = report.explorer_links
+    monkeypatch.setattr(report, "explorer_links", fail_on_the_second)
+    with pytest.raises(OSError, match="No space left"):
+        report.write_report(small, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".", "explorer"))) == []
 
 
 def test_cli_refuses_a_bad_at_with_the_list_of_transforms(capsys):

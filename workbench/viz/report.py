@@ -9,8 +9,8 @@ One file that opens from disk with no server and no network, made to be shared:
 * an overview chart (inline PNG) that scales to the page width (click it for full size);
 * per transform a section: config, info, timing, memory, numerics, the diff against the previous
   snapshot (tables, and the diff picture when it is small enough) and the collapsed graph render,
-  linked to its Model Explorer files under ``explorer/`` (``viz.explorer.report_links``; with the
-  ``explorer`` extra installed).
+  naming its Model Explorer files, packed in ``explorer.zip`` (``viz.explorer.report_links``; with
+  the ``explorer`` extra installed).
   A transform that changed nothing is one line that opens to its details.
 
 Each render is stored once: a snapshot whose graph did not change points to the render of the one
@@ -45,7 +45,7 @@ from ..pipeline.snapshot import Snapshot
 from .charts import figure_png, memory_frame, plot_pipeline, timing_frame
 from .diff import NEW_CHANGES, GraphDiff, diff_snapshots
 from .diff_view import render_diff
-from .explorer.report_links import explorer_links, missing_note
+from .explorer.report_links import ExplorerArchive, archive_note, explorer_links, missing_note
 from .outputs import dot_available, report_notice, report_notice_html, source_name, warn_once
 from .render import DotMissingError, render_snapshot, to_svg
 from .report_page import CSS, UNPACK_JS, fmt_kv, inline_svg, packed
@@ -324,23 +324,29 @@ def write_report(
     memory = memory_frame(snaps).drop(columns=["transform"]).set_index("#")
     sections: List[Tuple[Snapshot, bool, str]] = []  # (snapshot, folded, html)
     drawn: Optional[Snapshot] = None  # the last snapshot whose graph was drawn
-    for i, snap in enumerate(snaps):
-        prev = snaps[i - 1] if i else None
-        nxt = snaps[i + 1] if i + 1 < len(snaps) else None
-        nav = _nav(snap, prev, nxt)
-        t, m = timing.loc[snap.index].to_dict(), memory.loc[snap.index].to_dict()
-        if folded[i]:
-            sections.append((snap, True, _folded_section(snap, nav, t, m)))
-            continue
-        diff = None
-        if prev is not None and prev.module is not None and snap.module is not None:
-            diff = diff_snapshots(prev, snap)
-        graph, here = _graph_html(snap, diff, drawn, pictures, out)
-        if here:
-            drawn = snap
-            probed = {s.key: s.numerics for s in snaps[: i + 1] if s.numerics is not None}
-            graph += explorer_links(snap, prev, out, probed)  # the files Model Explorer opens
-        sections.append((snap, False, _section(snap, prev, nav, diff, graph, t, m, pictures)))
+    archive = ExplorerArchive(out)  # the Model Explorer files of the drawn graphs, packed in one zip
+    try:
+        for i, snap in enumerate(snaps):
+            prev = snaps[i - 1] if i else None
+            nxt = snaps[i + 1] if i + 1 < len(snaps) else None
+            nav = _nav(snap, prev, nxt)
+            t, m = timing.loc[snap.index].to_dict(), memory.loc[snap.index].to_dict()
+            if folded[i]:
+                sections.append((snap, True, _folded_section(snap, nav, t, m)))
+                continue
+            diff = None
+            if prev is not None and prev.module is not None and snap.module is not None:
+                diff = diff_snapshots(prev, snap)
+            graph, here = _graph_html(snap, diff, drawn, pictures, out)
+            if here:
+                drawn = snap
+                probed = {s.key: s.numerics for s in snaps[: i + 1] if s.numerics is not None}
+                graph += explorer_links(snap, prev, archive, probed)  # the files Model Explorer opens
+            sections.append((snap, False, _section(snap, prev, nav, diff, graph, t, m, pictures)))
+        archive.close()
+    except BaseException:
+        archive.discard()  # no half-written zip beside an older index.html
+        raise
 
     chart = ""
     if snaps:
@@ -360,7 +366,7 @@ def write_report(
 <title>{_e(title)}</title><style>{CSS}</style></head>
 <body id="top" data-num-steps="{len(snaps)}">
 <h1>{_e(title)}</h1>
-{no_dot_html}{missing_note()}
+{no_dot_html}{missing_note()}{archive_note(archive)}
 {summary_html(summary_rows(stepper, snaps, folded))}
 <h2>Pipeline</h2>
 <div class="scroll" style="max-height:none">{pipeline_table(snaps, folded)}</div>

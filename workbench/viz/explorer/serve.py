@@ -39,21 +39,26 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "overlay"
 
 
+def explorer_file_texts(graph: ExplorerGraph) -> List[Tuple[str, str]]:
+    """[(file name, JSON text)] of ``graph`` and its overlays, the graph first. The graph file is
+    named by its label (``NN_key.json``): the web app aims overlays by that stem."""
+    files = [(f"{graph.label}.json", json.dumps(graph.to_json()))]
+    for name, data in graph.overlays.items():
+        files.append((f"{_slug(graph.label)}.{_slug(name)}.nodedata.json", data.to_json_string(indent=None)))
+    return files
+
+
 def write_explorer_files(graphs: Sequence[ExplorerGraph], out_dir: os.PathLike | str) -> List[Tuple[Path, List[Path]]]:
-    """Write each graph and its overlays under ``out_dir``; [(graph file, [overlay files])]. The
-    graph file is named by its label (``NN_key.json``): the web app aims overlays by that stem."""
+    """Write each graph and its overlays under ``out_dir``; [(graph file, [overlay files])]."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for g in graphs:
-        path = out / f"{g.label}.json"
-        path.write_text(json.dumps(g.to_json()))
-        overlays = []
-        for name, data in g.overlays.items():
-            opath = out / f"{_slug(g.label)}.{_slug(name)}.nodedata.json"
-            data.save_to_file(str(opath), indent=None)
-            overlays.append(opath)
-        written.append((path, overlays))
+        paths = []
+        for name, text in explorer_file_texts(g):
+            (path := out / name).write_text(text)
+            paths.append(path)
+        written.append((paths[0], paths[1:]))
     return written
 
 
