@@ -246,7 +246,7 @@ def test_a_group_writable_cache_is_not_read_for_code(tmp_path, monkeypatch, noti
     cache = ExportCache()
     assert cache.files.dir is None and cache.get("k") is None
     (line,) = notices()
-    assert "not reading or writing exports entries (they are loaded as code)" in line
+    assert "not reading or writing exports entries (each is a graph the model runs)" in line
     assert f"{root} is writable by its group" in line and f"chmod go-w {root}" in line
     import torch.utils.cpp_extension as cpp
 

@@ -64,9 +64,9 @@ def test_the_probe_cache_keeps_within_its_size_once_per_run(cache_root, monkeypa
 
 def test_the_export_cache_keeps_within_its_size(cache_root, monkeypatch):
     exports = cache_root / "exports"
-    _files(exports, ["a.pkl", "b.pkl", "c.pkl"])
-    each = _disk(exports / "a.pkl")
+    _files(exports, ["a.json", "b.json", "c.json"])
+    each = _disk(exports / "a.json")
     monkeypatch.setattr(ExportCache, "MAX_BYTES", 2 * each)
     cache = ExportCache()
     assert cache.put("d", b"y" * 5000) is None
-    assert sorted(p.name for p in exports.iterdir()) == ["c.pkl", "d.pkl"]
+    assert sorted(p.name for p in exports.iterdir()) == ["c.json", "d.json"]

@@ -5,8 +5,6 @@ ways: ``describe`` (every node, its kept meta and its fake value, export's guard
 exported and the read module; the finished pipeline's graph; and greedy tokens.
 """
 
-import pickle
-
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ from workbench.cache_dir import sealed, unsealed
 from workbench.models import load_model
 from workbench.pipeline.probe_cache import graph_structure
 from workbench.pipeline.transforms.export import export_cache as ec
+from workbench.pipeline.transforms.export import record_json
 
 
 @pytest.fixture
@@ -35,7 +34,7 @@ def test_a_repeat_export_is_read_and_is_the_same_graph(cache_dir, arch):
     loaded = load_model(f"tiny:{arch}", dtype="float32")
     fresh, snap = _exported(loaded, export_cache=True)
     assert "written" in snap.info.details["export_cache"], snap.info.details["export_cache"]
-    assert len(list((cache_dir / "exports").glob("*.pkl"))) == 1
+    assert len(list((cache_dir / "exports").glob("*.json"))) == 1
     again, snap2 = _exported(loaded, export_cache=True)
     assert snap2.info.details["export_cache"].startswith("read ("), snap2.info.details["export_cache"]
     assert "read from the export cache" in snap2.info.details["summary"]
@@ -62,23 +61,23 @@ def test_a_changed_config_or_model_is_a_new_entry(cache_dir):
     assert snap.info.details["export_cache"].startswith("no entry"), snap.info.details["export_cache"]
     _, snap = _exported(load_model("tiny:llama", dtype="bfloat16"), export_cache=True)
     assert snap.info.details["export_cache"].startswith("no entry"), snap.info.details["export_cache"]
-    assert len(list((cache_dir / "exports").glob("*.pkl"))) == 3
+    assert len(list((cache_dir / "exports").glob("*.json"))) == 3
 
 
 def test_an_unreadable_entry_means_exporting_again(cache_dir):
     loaded = load_model("tiny:llama", dtype="float32")
     _exported(loaded, export_cache=True)
-    (entry,) = (cache_dir / "exports").glob("*.pkl")
-    entry.write_bytes(sealed(entry.stem, b"not a pickle"))
+    (entry,) = (cache_dir / "exports").glob("*.json")
+    entry.write_bytes(sealed(entry.stem, b"not json"))
     _, snap = _exported(loaded, export_cache=True)
     assert snap.info.details["export_cache"].startswith("no entry: exported; written")
-    # an entry that unpickles but no longer builds (an operator that is gone): exported again, said why
-    record = pickle.loads(unsealed(entry.stem, entry.read_bytes()))
+    # an entry that decodes but no longer builds (an operator that is gone): exported again, said why
+    record = record_json.loads(unsealed(entry.stem, entry.read_bytes()))
     i = next(i for i, n in enumerate(record["nodes"]) if n[2][0] == "op")
     node = list(record["nodes"][i])
     node[2] = ("op", "aten", "no_such_op_xyz", "default")
     record["nodes"][i] = tuple(node)
-    entry.write_bytes(sealed(entry.stem, pickle.dumps(record)))
+    entry.write_bytes(sealed(entry.stem, record_json.dumps(record)))
     _, snap = _exported(loaded, export_cache=True)
     note = snap.info.details["export_cache"]
     assert note.startswith("an entry was found but did not build") and "no_such_op_xyz" in note, note
@@ -88,9 +87,11 @@ def test_what_the_format_cannot_keep_is_refused_with_the_reason():
     wb, snap = _exported("tiny:llama")
     gm = wb.module
     node = next(n for n in gm.graph.nodes if n.op == "call_function")
-    node.meta["source_fn_stack"] = [("fn", lambda x: x)]  # a lambda: cannot be pickled
-    with pytest.raises(ec.Uncacheable, match=rf"node {node.name}'s meta 'source_fn_stack' cannot be kept"):
-        ec.record_of(gm, snap.info)
+    node.meta["source_fn_stack"] = [("fn", lambda x: x)]  # a lambda: no name to find it by
+    with pytest.raises(ec.Uncacheable, match="the record holds a value of type function, which the cache format does not hold"):
+        ec.checked_record(gm, snap.info)
+    node.meta["source_fn_stack"] = [("linear", torch.nn.functional.linear), ("Linear", torch.nn.Linear)]
+    assert ec.checked_record(gm, snap.info)  # named functions and classes are kept by name
     del node.meta["source_fn_stack"]
     node.args = (*node.args, object())
     with pytest.raises(ec.Uncacheable, match=rf"node {node.name} has an argument of type object"):
@@ -135,3 +136,61 @@ def test_a_record_that_cannot_be_built_never_fails_the_export(cache_dir, monkeyp
     assert "not kept: building the record failed (RuntimeError: this torch's" in note, note
     assert not list(cache_dir.glob("exports/*.pkl"))
     assert wb.module is not None and snap.status == "done"
+
+
+def test_an_entry_cannot_run_code_and_a_crafted_one_is_exported_again(cache_dir, tmp_path):
+    """Reading calls nothing the file names: a sympy class fed text (which sympy would parse and
+    evaluate), a function outside the fixed tables, a tag the format lacks -- each is refused, the
+    model exported again, and the command never runs."""
+    loaded = load_model("tiny:llama", dtype="float32")
+    _exported(loaded, export_cache=True)
+    (entry,) = (cache_dir / "exports").glob("*.json")
+    good = unsealed(entry.stem, entry.read_bytes())
+    marker = tmp_path / "ran"
+    payload = f"__import__('os').system('touch {marker}')"
+    crafted = [
+        good.replace(b'"shared":[', b'"shared":[{"S":{"o":"sympy.core.add.Add","x":["%s"]}},' % payload.encode()),
+        good.replace(b'"shared":[', b'"shared":[{"S":{"o":"sympy.core.sympify.sympify","x":[]}},'),
+        good.replace(b'"record":{', b'"record":{"x":{"G":["os","system"]},"y":{"P":"%s"},' % payload.encode()),
+        good.replace(b'"format":1', b'"format":1,"__reduce__":["os.system"]'),
+    ]
+    for blob in crafted:
+        assert blob != good
+        with pytest.raises(Exception):
+            record_json.loads(blob)
+        entry.write_bytes(sealed(entry.stem, blob))
+        _, snap = _exported(loaded, export_cache=True)
+        assert snap.info.details["export_cache"].startswith("no entry: exported; written")
+    assert not marker.exists()
+    assert record_json.loads(good)["format"] == ec.FORMAT
+
+
+def test_the_record_format_keeps_what_exported_graphs_hold():
+    import math
+
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv, ModularIndexing, PythonMod
+
+    from workbench.pipeline.transforms.export.graph_record import _Fake, _Ref, _SymInt
+
+    s0, s1 = (sympy.Symbol(n, integer=True, positive=True) for n in ("s0", "s1"))
+    exprs = [FloorDiv(s0, 2), PythonMod(s0 + 1, 3), sympy.Max(s0, s1), ModularIndexing(s0 * s1, 2, 4),
+             s0**2 - 3 * s1, sympy.Rational(1, 2) * s0, sympy.Eq(s0, s1), sympy.oo]
+    fake = _Fake((s0, 8), (8, 1), 0, torch.bfloat16, "meta")
+    record = {
+        "format": ec.FORMAT,
+        "exprs": exprs,
+        "vals": [fake, fake, _SymInt(s0 * 2), _Ref("add_3")],
+        "leaves": (None, True, 3, -2.5, "x" * 100, slice(1, None, 2), Ellipsis, torch.float8_e4m3fn,
+                   torch.device("cpu"), torch.strided, torch.channels_last, {"b", "a"}, frozenset({1})),
+        "keys": {1: "int key", ("t", 2): [1, [2]], "s": {}},
+        "named": [torch.nn.Linear, torch.nn.functional.silu],
+        "nonfinite": [float("inf"), float("-inf")],
+    }
+    back = record_json.loads(record_json.dumps(record))
+    assert back == record
+    assert [type(e) for e in back["exprs"]] == [type(e) for e in exprs]
+    assert back["exprs"][0].free_symbols == {s0} and back["vals"][0] is back["vals"][1]  # shared once
+    assert math.isnan(record_json.loads(record_json.dumps({**record, "nan": float("nan")}))["nan"])
+    with pytest.raises(ec.Uncacheable, match="holds a value of type object"):
+        record_json.dumps({**record, "x": object()})

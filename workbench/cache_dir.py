@@ -126,16 +126,18 @@ class KeyedFiles:
     """``$WORKBENCH_CACHE_DIR/<subdir>/<key><suffix>``: one entry per file, written atomically and
     sealed with a checksum of its key and bytes (``sealed``), the directory kept within ``max_bytes``
     (``keep_within``, at the first write of this object: one scan per run). ``dir`` is None when
-    the cache is switched off or cannot be used (said once, with why). ``code``: the entries are
-    loaded as code (pickles), so the directory must also pass ``untrusted``."""
+    the cache is switched off or cannot be used (said once, with why). ``trusted``: why the entries
+    may come only from a directory nobody else can write (what they decide: code that is loaded, a
+    graph the model runs), so the directory must also pass ``untrusted``; None for entries that are
+    only numbers."""
 
-    def __init__(self, subdir: str, suffix: str, max_bytes: int, code: bool = False) -> None:
+    def __init__(self, subdir: str, suffix: str, max_bytes: int, trusted: Optional[str] = None) -> None:
         root, why = usable_cache_root()
         self.dir = root / subdir if root is not None else None
-        if why is None and self.dir is not None and code:
+        if why is None and self.dir is not None and trusted is not None:
             why = untrusted(self.dir)
             if why is not None:
-                why = f"not reading or writing {subdir} entries (they are loaded as code): {why}"
+                why = f"not reading or writing {subdir} entries ({trusted}): {why}"
                 self.dir = None
         if why is not None:
             say_once(why)

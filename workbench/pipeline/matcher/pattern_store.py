@@ -9,8 +9,8 @@ source, closure, literals, example shapes, torch version) and the workbench's so
 helper ``search`` calls may change without ``search`` itself changing).
 
 JSON, not pickle: reading an entry resolves op names under ``torch.ops`` and ``operator.getitem``
-and nothing else, so a tampered file can at worst make a pattern not match (a wrong graph fails the
-matcher's checks or finds nothing) -- it cannot run code. A graph with anything else in it (a
+and nothing else, so a tampered file cannot run code. It could make a pattern match something else,
+so entries are read only from a directory nobody else can write (``cache_dir.untrusted``). A graph with anything else in it (a
 Python function target, a tensor constant) is not kept; it is traced every time as before.
 """
 
@@ -43,7 +43,9 @@ class PatternGraphStore:
     MAX_BYTES = 8 << 20  # ~100 patterns of 2-20 KiB each
 
     def __init__(self) -> None:
-        self.files = KeyedFiles("patterns/graphs", ".json", self.MAX_BYTES)
+        self.files = KeyedFiles(
+            "patterns/graphs", ".json", self.MAX_BYTES, trusted="each decides what a pattern matches"
+        )
 
     @staticmethod
     def key(pattern: Any) -> Optional[str]:

@@ -14,14 +14,15 @@ format cannot hold (tensors made in the forward, weights traced off meta, see ``
 gets no entry, and the transform's details say why. The key covers the workbench's source, torch's
 and transformers' versions, the transform's config and bounds, and the traced module: its class,
 its repr, its config (private fields such as ``_attn_implementation`` included), every submodule's
-plain attributes, and the name, shape and dtype of every tensor. Entries are pickles: the cache
-directory is trusted as the C++ kernels built into it are.
+plain attributes, and the name, shape and dtype of every tensor. Entries are JSON
+(``record_json``): reading one calls nothing the file names, so it cannot run code. A graph still
+decides what the model computes, so entries are read only from a directory that nobody else can
+write (``cache_dir.untrusted``, as for the C++ kernels).
 """
 
 from __future__ import annotations
 
 import hashlib
-import pickle
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -30,6 +31,7 @@ import torch.fx as fx
 from ....cache_dir import KeyedFiles
 from ...interface import TransformInfo
 from ...probe_cache import workbench_source_hash
+from . import record_json
 from .graph_record import FORMAT, Uncacheable, describe, module_of, record_of
 
 # ------------------------------------------------------------------------------------------ key
@@ -101,38 +103,42 @@ def _module_attributes(module: torch.nn.Module) -> List[str]:
 
 
 class ExportCache:
-    """``$WORKBENCH_CACHE_DIR/exports/<key>.pkl``: one exported graph per file (``cache_dir.KeyedFiles``:
+    """``$WORKBENCH_CACHE_DIR/exports/<key>.json``: one exported graph per file (``cache_dir.KeyedFiles``:
     written atomically, the directory kept within ``MAX_BYTES``, least recently used first)."""
 
-    MAX_BYTES = 512 << 20  # smollm2's entry is ~0.5 MB
+    MAX_BYTES = 512 << 20  # smollm2's entry is ~1 MB
 
     def __init__(self) -> None:
-        self.files = KeyedFiles("exports", ".pkl", self.MAX_BYTES, code=True)  # pickles: a trusted directory only
+        self.files = KeyedFiles("exports", ".json", self.MAX_BYTES, trusted="each is a graph the model runs")
 
     def get(self, key: str) -> Optional[Dict[str, Any]]:
         data = self.files.read(key)
         if data is None:
             return None
         try:
-            record = pickle.loads(data)
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError):
-            return None  # unreadable or from a code version whose classes are gone: export again
+            record = record_json.loads(data)
+        except Exception:  # noqa: BLE001 - any malformed entry (JSON, tags, values): export again
+            return None
         if not (isinstance(record, dict) and record.get("format") == FORMAT):
             return None
         self.files.used(key)
         return record
 
     def put(self, key: str, data: bytes) -> Optional[str]:
-        """Write a pickled record (``checked_record``); returns why not when it cannot be written (a
-        read-only cache only costs the trace)."""
-        return self.files.write(key, data)
+        """Write a record (``checked_record``); returns why not when it cannot be written (a
+        read-only cache only costs the trace). Entries of the pickle format before it are removed."""
+        why = self.files.write(key, data)
+        if why is None and self.files.dir is not None:
+            for old in self.files.dir.glob("*.pkl"):
+                old.unlink(missing_ok=True)
+        return why
 
 
 def checked_record(gm: fx.GraphModule, info: TransformInfo) -> bytes:
-    """``record_of(gm, info)`` pickled, after checking that the graph built back from those bytes
-    is ``gm``'s."""
-    data = pickle.dumps(record_of(gm, info), protocol=pickle.HIGHEST_PROTOCOL)
-    back, _ = module_of(pickle.loads(data))
+    """``record_of(gm, info)`` as JSON (``record_json``), after checking that the graph built back
+    from those bytes is ``gm``'s."""
+    data = record_json.dumps(record_of(gm, info))
+    back, _ = module_of(record_json.loads(data))
     want, got = describe(gm), describe(back)
     if want != got:
         first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))

@@ -20,7 +20,6 @@ unbacked size, an argument of another type) raises ``Uncacheable`` naming it.
 from __future__ import annotations
 
 import importlib
-import pickle
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -78,7 +77,7 @@ def record_of(gm: fx.GraphModule, info: TransformInfo) -> Dict[str, Any]:
     """The cache record of ``export_to_gm``'s result; raises ``Uncacheable``."""
     inputs = _input_symbols(gm)
     allowed = set(inputs)
-    # Equal descriptions are kept as one object, so pickle writes (and reads) each once: the 30
+    # Equal descriptions are kept as one object, so the record writes (and reads) each once: the 30
     # stamped layers repeat the same few hundred shapes.
     interned: Dict[Any, Any] = {}
     nodes = []
@@ -87,9 +86,7 @@ def record_of(gm: fx.GraphModule, info: TransformInfo) -> Dict[str, Any]:
             continue  # export's generated input guards: not kept (module docstring)
         if node.op == "call_module":
             raise Uncacheable(f"node {node.name} calls a module ({node.target})")
-        meta = {k: node.meta[k] for k in KEPT_META if k in node.meta}
-        for k, v in meta.items():
-            _check_picklable(v, f"node {node.name}'s meta {k!r}")
+        meta = {k: node.meta[k] for k in KEPT_META if k in node.meta}  # record_json says what it cannot hold
         nodes.append(
             (
                 node.name,
@@ -115,7 +112,6 @@ def record_of(gm: fx.GraphModule, info: TransformInfo) -> Dict[str, Any]:
                 raise Uncacheable("the graph holds tensors with values (traced off meta)")
             tensors.append((name, tuple(t.shape), t.dtype, is_buffer, isinstance(t, torch.nn.Parameter)))
     gm_meta = dict(gm.meta)
-    _check_picklable(gm_meta, "the graph module's meta")
     shape_env = _shape_env(gm)
     symbols = [
         (sym, int(_hints(shape_env)[sym]), _bound(shape_env, sym, "lower"), _bound(shape_env, sym, "upper"))
@@ -208,13 +204,6 @@ def _encode(value: Any, where: str) -> Any:
     if isinstance(value, _LEAVES) or value is Ellipsis:
         return value
     raise Uncacheable(f"node {where} has an argument of type {type(value).__name__}")
-
-
-def _check_picklable(value: Any, what: str) -> None:
-    try:
-        pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:  # noqa: BLE001 - whatever pickle raises: not cacheable
-        raise Uncacheable(f"{what} cannot be kept ({type(e).__name__})") from e
 
 
 def _describe_value(val: Any, allowed: set, where: str, interned: Dict[Any, Any]) -> Any:
