@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import os
+
 import pytest
 import torch
 
@@ -15,8 +17,10 @@ from workbench.ops.cpu_kernels import calibrate
 
 @pytest.fixture
 def fresh(tmp_path, monkeypatch):
-    """An empty cache directory and no calibration remembered in this process."""
+    """An empty cache directory, no calibration remembered in this process, and an idle machine as
+    far as the contention check can tell (the suite's other workers keep the CPUs busy)."""
     monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibrate, "_busy_elsewhere", lambda before, after: 0.0)
     calibrate._attention.cache_clear()
     yield tmp_path
     calibrate._attention.cache_clear()
@@ -161,3 +165,46 @@ def test_real_calibrations_give_valid_choices_and_times(fresh):
         s, o = torch.rand(256, 4).half() * 0.01, torch.zeros(256, 4).half()
         m = calibrate.int4_activation_choice([(q, s, o, 32)] * 4)
         assert m.choice in ("fp32", "int8") and set(m.times) == {"fp32", "int8"}
+
+
+def test_a_measurement_taken_on_a_busy_machine_is_used_but_not_cached(fresh, monkeypatch):
+    calls = fake_times(monkeypatch, {"kernel": 2e-3, "wxt": 3e-3, "nk": 1e-3})
+    monkeypatch.setattr(calibrate, "_busy_elsewhere", lambda before, after: 0.6)
+    w = weights()
+    first = calibrate.fp32_linear_choice(w)
+    assert first.choice == "nk" and first.contended == 0.6
+    assert "while other processes used 60% of it (not cached)" in first.why()
+    assert not (fresh / "calibration").exists() or not list((fresh / "calibration").iterdir())
+    monkeypatch.setattr(calibrate, "_busy_elsewhere", lambda before, after: 0.1)
+    second = calibrate.fp32_linear_choice(w)  # measured again, on a quiet machine: kept
+    assert len(calls) == 2 and not second.cached and second.contended is None
+    assert calibrate.fp32_linear_choice(w).cached and len(calls) == 2
+
+
+def test_the_contention_meter_counts_other_processes_not_this_one(monkeypatch):
+    """``_busy_elsewhere``: the machine's busy CPU time (/proc/stat) less this process's own, over the
+    wall time of all CPUs; a real child spinning on one CPU is seen."""
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    # 1 s of wall on 4 CPUs: 3.0 CPU-s busy, 1.0 of it this process's -> others held half the machine
+    assert calibrate._busy_elsewhere((0.0, 10.0, 5.0), (1.0, 13.0, 6.0)) == 0.5
+    assert calibrate._busy_elsewhere((0.0, 10.0, 5.0), (1.0, 11.0, 6.0)) == 0.0  # only this process
+    assert calibrate._busy_elsewhere((0.0, 10.0, 5.0), (0.01, 11.0, 5.0)) is None  # too short to say
+    assert calibrate._busy_elsewhere(None, (1.0, 11.0, 6.0)) is None
+    monkeypatch.undo()
+
+    if calibrate._cpu_use() is None:
+        pytest.skip("no /proc/stat on this system: measurements are cached as before")
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 5: pass"])
+    try:
+        time.sleep(0.5)  # the child's start-up
+        before = calibrate._cpu_use()
+        time.sleep(0.6)
+        other = calibrate._busy_elsewhere(before, calibrate._cpu_use())
+    finally:
+        spin.kill()
+        spin.wait()
+    assert other is not None and other >= 0.6 / (os.cpu_count() or 1), other  # one CPU kept busy

@@ -23,7 +23,8 @@ an fp32 spelling replaces the C++ kernel only when ``KERNEL_MARGIN`` faster (see
 Where the C++ kernels are unavailable only the torch spellings are timed.
 
 The cache key holds the CPU (model name and features), the kernels' build, torch's version, the
-thread count, this file and, for a linear choice, the shapes timed. An entry is read back only if it
+thread count, this file and, for a linear choice, the shapes timed. A measurement taken while other
+processes kept more than ``BUSY_LIMIT`` of the CPUs busy is used but not cached. An entry is read back only if it
 is well-formed and its choice is among the candidates and backed by a time; anything else is
 measured again (and rewritten).
 """
@@ -34,6 +35,8 @@ import functools
 import hashlib
 import json
 import logging
+import os
+import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +62,10 @@ CANDIDATES = {
     "attention": ("cpu", "torch"),
 }
 _STORE_BYTES = 1 << 20
+# A measurement is cached only when other processes kept less than this share of the CPUs busy
+# while it ran (``_busy_elsewhere``): one taken beside a test suite or a build would fix a choice for
+# an idle machine from a loaded one.
+BUSY_LIMIT = 0.25
 
 
 @dataclass
@@ -70,6 +77,7 @@ class Measured:
     times: Dict[str, float] = field(default_factory=dict)
     workload: str = ""  # what was timed ("121 linears, 513 MiB")
     cached: bool = False  # read from the cache, not measured in this process
+    contended: Optional[float] = None  # share of the CPUs other processes used while measured (not cached then)
 
     def evidence(self) -> str:
         """The candidates' times, fastest first, and on what ("the only candidate here" when one)."""
@@ -77,6 +85,8 @@ class Measured:
             return "the only candidate here"
         ranked = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(self.times.items(), key=lambda kv: kv[1]))
         where = "calibration cached for this CPU" if self.cached else "calibrated on this CPU"
+        if self.contended is not None:
+            where += f" while other processes used {self.contended:.0%} of it (not cached)"
         return f"{where}, {self.workload}: {ranked}"
 
     def why(self) -> str:
@@ -149,11 +159,46 @@ def _cached_or_measured(kind: str, signature: str, measure: Callable[[], Measure
         found.cached = True
         return found
     start = time.perf_counter()
+    before = _cpu_use()
     m = measure()
+    others = _busy_elsewhere(before, _cpu_use())
     logger.info("calibrated %s on this CPU in %.2f s: %s", kind, time.perf_counter() - start, m.why())
+    if others is not None and others > BUSY_LIMIT:
+        # timings taken while other processes held the CPUs say little about an idle machine: used
+        # for this run, not kept (the next run measures again)
+        m.contended = others
+        logger.info("%s measured while other processes used %.0f%% of the CPUs: not cached", kind, 100 * others)
+        return m
     record = {"kind": kind, "choice": m.choice, "times": m.times, "workload": m.workload}
     store.write(key, json.dumps(record, indent=1).encode())
     return m
+
+
+def _cpu_use() -> Optional[Tuple[float, float, float]]:
+    """(wall seconds, busy CPU-seconds of the whole machine, CPU-seconds of this process), or None
+    where ``/proc/stat`` is not there (the measurement is then cached as before)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), (sum(fields[:8]) - idle) / hz, usage.ru_utime + usage.ru_stime
+
+
+def _busy_elsewhere(
+    before: Optional[Tuple[float, float, float]], after: Optional[Tuple[float, float, float]]
+) -> Optional[float]:
+    """The share of all CPUs that other processes kept busy between two ``_cpu_use`` readings."""
+    if before is None or after is None:
+        return None
+    wall = after[0] - before[0]
+    if wall <= 0.05:  # too short to say (clock ticks are 10 ms)
+        return None
+    other = (after[1] - before[1]) - (after[2] - before[2])
+    return max(0.0, other) / (wall * (os.cpu_count() or 1))
 
 
 T = TypeVar("T")
