@@ -18,6 +18,7 @@ from . import (
     more_dense,
     more_moe,
     mrope,
+    recent,
     rglru,
     ssm,
 )
@@ -31,5 +32,6 @@ FAMILY_ARCHS.update(rglru.ARCHS)  # RG-LRU recurrence + local attention (Recurre
 FAMILY_ARCHS.update(mamba2_more.ARCHS)  # Mamba-2 mixers under other names (Granite 4 hybrid, Zamba2)
 FAMILY_ARCHS.update(mamba1.ARCHS)  # Mamba-1 selective scan (Mamba, FalconMamba, Jamba)
 FAMILY_ARCHS.update(legacy_attention.ARCHS)  # logits replaced through a registered causal table (GPT-Neo, GPT)
+FAMILY_ARCHS.update(recent.ARCHS)  # recent decoder-only families (2025-26)
 
 __all__ = ["FAMILY_ARCHS"]
