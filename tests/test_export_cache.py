@@ -152,7 +152,7 @@ def test_an_entry_cannot_run_code_and_a_crafted_one_is_exported_again(cache_dir,
         good.replace(b'"shared":[', b'"shared":[{"S":{"o":"sympy.core.add.Add","x":["%s"]}},' % payload.encode()),
         good.replace(b'"shared":[', b'"shared":[{"S":{"o":"sympy.core.sympify.sympify","x":[]}},'),
         good.replace(b'"record":{', b'"record":{"x":{"G":["os","system"]},"y":{"P":"%s"},' % payload.encode()),
-        good.replace(b'"format":1', b'"format":1,"__reduce__":["os.system"]'),
+        good.replace(b'"format":%d' % record_json.FORMAT, b'"format":%d,"__reduce__":["os.system"]' % record_json.FORMAT),
     ]
     for blob in crafted:
         assert blob != good

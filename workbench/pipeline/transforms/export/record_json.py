@@ -11,8 +11,8 @@ to decode (the model is exported again) or decode to another graph, which the ca
 check (a directory only its owner can write) and the export key guard against as before.
 
 Layout: ``{"format", "shared": [...], "record": ...}``. Values are JSON scalars, lists (a Python
-list) or one-key objects tagging everything else: ``T`` tuple, ``D`` dict (as pairs), ``V``/``Z``
-set/frozenset, ``F`` a non-finite float, ``R`` a node reference, ``K`` a fake-tensor description,
+tuple: node entries and arguments are mostly tuples) or one-key objects tagging everything else:
+``l`` list, ``D`` dict (as pairs), ``V``/``Z`` set/frozenset, ``F`` a non-finite float, ``R`` a node reference, ``K`` a fake-tensor description,
 ``Y`` a SymInt, ``S`` a sympy expression, ``dt``/``dv``/``ly``/``mf`` a torch dtype/device/layout/
 memory format, ``L`` a slice, ``E`` Ellipsis, ``G`` a class or function by name, ``#`` an entry of
 ``shared``. Fake-tensor descriptions, sympy expressions and long strings (stack traces, module
@@ -34,7 +34,7 @@ import torch.utils._sympy.functions as torch_sympy
 
 from .graph_record import Uncacheable, _Fake, _Ref, _SymInt
 
-FORMAT = 1
+FORMAT = 2
 
 _SYMPY_NAMES = (
     "Add", "Mul", "Pow", "Mod", "Max", "Min", "Abs", "floor", "ceiling", "sign", "Eq", "Ne", "Lt", "Le",
@@ -110,10 +110,10 @@ def dumps(record: Dict[str, Any]) -> bytes:
             text = str(x)
             # long strings once (stack traces, module paths: every node of a layer repeats them)
             return ref(("str", text), lambda: {"s": text}) if len(text) > _SHARED_STR else text
-        if isinstance(x, list):
+        if type(x) is tuple:  # the common case (node tuples, args): a plain JSON list
             return [enc(v) for v in x]
-        if isinstance(x, tuple) and type(x) is tuple:
-            return {"T": [enc(v) for v in x]}
+        if isinstance(x, list):
+            return {"l": [enc(v) for v in x]}
         if isinstance(x, dict):
             return {"D": [[enc(k), enc(v)] for k, v in x.items()]}
         if isinstance(x, (set, frozenset)):  # in a stable order: equal sets, equal bytes
@@ -192,14 +192,14 @@ def loads(data: bytes) -> Dict[str, Any]:
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
         if isinstance(x, list):
-            return [dec(v) for v in x]
+            return tuple([dec(v) for v in x])
         if not isinstance(x, dict) or len(x) != 1:
             raise ValueError("a malformed value")
         ((tag, v),) = x.items()
         if tag == "#":
             return shared[_int(v)]
-        if tag == "T":
-            return tuple(dec(a) for a in v)
+        if tag == "l":
+            return [dec(a) for a in v]
         if tag == "D":
             return {dec(k): dec(val) for k, val in v}
         if tag in ("V", "Z"):
