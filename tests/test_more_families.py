@@ -1,4 +1,5 @@
-"""The more dense and MoE families (``tiny_families/more_dense.py`` and ``more_moe.py``), each end to end:
+"""The more dense and MoE families and the recent ones (``tiny_families/more_dense.py``, ``more_moe.py``,
+``recent.py``), each end to end:
 the whole default pipeline (numerics off), every attention layer cached, and 8 cached greedy tokens
 equal to HF ``generate``'s on one prompt. Plus, per family, what makes that comparison worth having:
 HF's greedy tokens on the ``workbench check`` prompts are not one or two repeated ids (>= 8 distinct
@@ -18,17 +19,17 @@ from test_runtime import _hf_greedy
 from workbench import Workbench
 from workbench.models import load_model
 from workbench.models.tiny import TINY_ARCHS
-from workbench.models.tiny_families import more_dense, more_moe
+from workbench.models.tiny_families import more_dense, more_moe, recent
 from workbench.onboarding.check import UNCACHED_RUNNER, check_prompts, hf_greedy, uncached_attention_left
 from workbench.onboarding.registry import load_registry
 
-ARCHS = sorted({**more_dense.ARCHS, **more_moe.ARCHS})
+ARCHS = sorted({**more_dense.ARCHS, **more_moe.ARCHS, **recent.ARCHS})
 NEW = 8
 ONE_THREAD = True  # see conftest.one_thread
 
 
 def test_more_families_are_registered_and_checked():
-    assert len(ARCHS) >= 15
+    assert len(ARCHS) >= 27
     assert set(ARCHS) <= set(TINY_ARCHS)
     listed = {e.name for e in load_registry().entries}
     assert {f"tiny:{a}" for a in ARCHS} <= listed

@@ -1,7 +1,7 @@
 """Tiny random configs of recent decoder-only families (merged into ``workbench.models.tiny.TINY_ARCHS``).
 
 Families released in 2025-26 that people deploy, each run by the default pipeline with no change to
-it: every attention layer cached, greedy tokens equal HF's (``tests/test_recent_families.py``,
+it: every attention layer cached, greedy tokens equal HF's (``tests/test_more_families.py``,
 ``workbench check``). What each puts in front of the pattern matcher:
 
 * ``ministral``: Ministral 8B: sliding-window and full layers alternating (window 4 here).

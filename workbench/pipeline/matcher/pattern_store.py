@@ -21,14 +21,15 @@ import json
 import operator
 from typing import Any, Dict, Optional
 
-import torch
 import torch.fx as fx
 
 from ...cache_dir import KeyedFiles
+from ..graph.json_values import TAGS as TORCH_TAGS
+from ..graph.json_values import decode_torch_value, encode_torch_value
 from ..probe_cache import workbench_source_hash
 from .anchors import op_from_name, op_name, pattern_key
 
-_FORMAT = 1
+_FORMAT = 2
 _GETITEM = "operator.getitem"
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -148,15 +149,10 @@ def _encode(x: Any) -> Any:
         return {"list": [_encode(y) for y in x]}
     if type(x) is tuple:
         return {"tuple": [_encode(y) for y in x]}
-    if isinstance(x, torch.dtype):
-        return {"dtype": str(x).removeprefix("torch.")}
-    if isinstance(x, torch.device):
-        return {"device": str(x)}
-    if isinstance(x, torch.layout):
-        return {"layout": str(x).removeprefix("torch.")}
-    if isinstance(x, torch.memory_format):
-        return {"memory_format": str(x).removeprefix("torch.")}
-    raise _Unstorable(type(x).__name__)
+    encoded = encode_torch_value(x)
+    if encoded is None:
+        raise _Unstorable(type(x).__name__)
+    return encoded
 
 
 def _decode(x: Any, env: Dict[str, fx.Node]) -> Any:
@@ -171,12 +167,6 @@ def _decode(x: Any, env: Dict[str, fx.Node]) -> Any:
         return [_decode(y, env) for y in value]
     if kind == "tuple":
         return tuple(_decode(y, env) for y in value)
-    if kind in ("dtype", "layout", "memory_format"):
-        out = getattr(torch, value)
-        expected = {"dtype": torch.dtype, "layout": torch.layout, "memory_format": torch.memory_format}[kind]
-        if not isinstance(out, expected):
-            raise ValueError(f"{value!r} is not a torch.{kind}")
-        return out
-    if kind == "device":
-        return torch.device(value)
+    if kind in TORCH_TAGS:
+        return decode_torch_value(kind, value)
     raise ValueError(f"unknown value kind {kind!r}")

@@ -29,9 +29,10 @@ import sys
 from typing import Any, Dict, List, cast
 
 import sympy
-import torch
 import torch.utils._sympy.functions as torch_sympy
 
+from ...graph.json_values import TAGS as TORCH_TAGS
+from ...graph.json_values import decode_torch_value, encode_torch_value
 from .graph_record import Uncacheable, _Fake, _Ref, _SymInt
 
 FORMAT = 2
@@ -67,7 +68,6 @@ _CONSTANT_NAMES = {v: k for k, v in _CONSTANTS.items()}
 # the assumption names a Symbol takes (``sympy.core`` exports a function of the module's name)
 _ASSUMPTIONS = set(importlib.import_module("sympy.core.assumptions")._assume_defined)
 _SHARED_STR = 24  # strings longer than this are written once, in ``shared``
-_TORCH_KINDS = {"dt": torch.dtype, "ly": torch.layout, "mf": torch.memory_format}
 
 
 # ------------------------------------------------------------------------------------- writing
@@ -130,14 +130,9 @@ def dumps(record: Dict[str, Any]) -> bytes:
             return {"L": [enc(x.start), enc(x.stop), enc(x.step)]}
         if x is Ellipsis:
             return {"E": 0}
-        if isinstance(x, torch.dtype):
-            return {"dt": str(x).removeprefix("torch.")}
-        if isinstance(x, torch.device):
-            return {"dv": str(x)}
-        if isinstance(x, torch.layout):
-            return {"ly": str(x).removeprefix("torch.")}
-        if isinstance(x, torch.memory_format):
-            return {"mf": str(x).removeprefix("torch.")}
+        encoded = encode_torch_value(x)
+        if encoded is not None:
+            return encoded
         if isinstance(x, type) or callable(x):
             module, name = getattr(x, "__module__", None), getattr(x, "__qualname__", None)
             if module and name and "<" not in name and _named(module, name) is x:
@@ -217,13 +212,8 @@ def loads(data: bytes) -> Dict[str, Any]:
             return slice(*(dec(a) for a in v))
         if tag == "E":
             return Ellipsis
-        if tag in _TORCH_KINDS:
-            out = getattr(torch, _str(v), None)
-            if not isinstance(out, _TORCH_KINDS[tag]):
-                raise ValueError(f"{v!r} is not a torch {tag}")
-            return out
-        if tag == "dv":
-            return torch.device(_str(v))
+        if tag in TORCH_TAGS:
+            return decode_torch_value(tag, v)
         if tag == "G":
             obj = _named(_str(v[0]), _str(v[1]))
             if obj is None:
