@@ -347,3 +347,20 @@ def test_smollm2_greedy_chat_answer(smollm2):
         out = smollm2.model.generate(**inputs, max_new_tokens=20, do_sample=False)
     answer = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
     assert answer == "The capital of France is Paris."
+
+
+def test_constants_only_a_constructor_sets_are_taken_from_an_ordinary_build():
+    """Apertus' xIELU keeps alpha_p / alpha_n (parameters) and beta / eps (buffers) that no ``_init_weights`` covers: the
+    meta build leaves them poisoned (NaN), and ``materialise`` takes them from the model built the
+    ordinary way -- the values HF's constructor gives."""
+    from transformers import AutoModelForCausalLM
+
+    model = load_model("tiny:apertus", dtype="float32").model
+    act = model.model.layers[0].mlp.act_fn
+    names = [n for n, _ in [*act.named_parameters(), *act.named_buffers()]]
+    assert {"alpha_p", "alpha_n", "beta", "eps"} <= set(names)
+    with torch.device("cpu"):
+        reference = AutoModelForCausalLM.from_config(model.config).model.layers[0].mlp.act_fn
+    for name in names:
+        mine, theirs = getattr(act, name), getattr(reference, name)
+        assert torch.isfinite(mine).all() and torch.equal(mine, theirs), name

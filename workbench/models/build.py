@@ -113,14 +113,40 @@ def materialise(model: torch.nn.Module, device: torch.device, seed: int) -> torc
         _init_conv1d_left(model)
     model.tie_weights()  # type: ignore[operator]  # (same)
     if device.type != "meta":
-        bad = [
-            n
-            for n, t in [*model.named_parameters(), *model.named_buffers()]
-            if t.is_floating_point() and not torch.isfinite(t).all()
-        ]
+        bad = _uninitialised(model)
+        if bad:
+            _from_constructor(model, bad, device, seed)
+            bad = _uninitialised(model)
         if bad:
             raise RuntimeError(f"weight init left these tensors uninitialised (transformers change?): {bad}")
     return model
+
+
+def _uninitialised(model: torch.nn.Module) -> list:
+    return [
+        n
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.is_floating_point() and not torch.isfinite(t).all()
+    ]
+
+
+@torch.no_grad()
+def _from_constructor(model: torch.nn.Module, names: list, device: torch.device, seed: int) -> None:
+    """Copy into ``names`` the values the modules' own constructors give them.
+
+    Some modules set constants in ``__init__`` that no ``_init_weights`` covers (Apertus' xIELU
+    activation: ``alpha_p``, ``alpha_n``, ``beta``, ``eps`` as parameters): after the meta build they
+    hold the poison. The model is built once more the ordinary way (constructors run on ``device``,
+    seeded) and those tensors are taken from it; a tensor the constructor leaves non-finite too stays
+    bad and is reported. Costs a second build, for such families only."""
+    with _fork_rng(device), torch.device(device):
+        torch.manual_seed(seed)
+        ref = type(model)(model.config)
+    values = dict([*ref.named_parameters(), *ref.named_buffers()])
+    mine = dict([*model.named_parameters(), *model.named_buffers()])
+    for name in names:
+        if name in values and values[name].shape == mine[name].shape:
+            mine[name].copy_(values[name])
 
 
 @torch.no_grad()

@@ -23,6 +23,9 @@ it: every attention layer cached, greedy tokens equal HF's (``tests/test_more_fa
 * ``afmoe``: Arcee Trinity (AFMoE): token-choice routing with a shared expert, a dense first layer,
   an output gate on attention (``gate_proj``), QK-norm, four norms per block, sliding and full layers.
 * ``laguna``: Poolside Laguna: a softplus output gate per attention head, routed and shared experts.
+* ``apertus``: Apertus: an ungated MLP with the xIELU activation, whose constants only its
+  constructor sets (the random build takes them from an ordinary build, ``models/build.py``),
+  QK-norm, Llama-3 RoPE scaling; 3 layers (with 2, HF's greedy tokens repeat on one check prompt).
 
 Sizes as in ``more_dense`` / ``more_moe`` (hidden 64, vocab 512, 2 layers, 4 query / 2 KV heads of
 16; 4 routed experts -- 8 for ``flex_olmo`` --, top-2, expert width 64) and the same strong-oracle weights (``ORACLE``: init std
@@ -107,6 +110,10 @@ def _laguna():
     return _config("laguna", **SMALL_MOE, shared_expert_intermediate_size=64, mlp_layer_types=["dense", "sparse"])
 
 
+def _apertus():
+    return _config("apertus", num_hidden_layers=3)
+
+
 def _afmoe():
     return _config("afmoe", **SMALL_MOE, num_shared_experts=1, num_dense_layers=1, **SLIDING_THEN_FULL)
 
@@ -124,4 +131,5 @@ ARCHS: dict = {
     "hy_v3": _hy_v3,
     "afmoe": _afmoe,
     "laguna": _laguna,
+    "apertus": _apertus,
 }
