@@ -23,6 +23,9 @@ it: every attention layer cached, greedy tokens equal HF's (``tests/test_more_fa
 * ``afmoe``: Arcee Trinity (AFMoE): token-choice routing with a shared expert, a dense first layer,
   an output gate on attention (``gate_proj``), QK-norm, four norms per block, sliding and full layers.
 * ``laguna``: Poolside Laguna: a softplus output gate per attention head, routed and shared experts.
+* ``vaultgemma``: VaultGemma: a Gemma-2 block (attention-logit and final-logit soft-capping, a query
+  pre-attention scalar, sliding and full layers with window 4 here) in eager attention only: HF has
+  no SDPA path for it, so the eager spelling is what the matcher sees.
 * ``apertus``: Apertus: an ungated MLP with the xIELU activation, whose constants only its
   constructor sets (the random build takes them from an ordinary build, ``models/build.py``),
   QK-norm, Llama-3 RoPE scaling; 3 layers (with 2, HF's greedy tokens repeat on one check prompt).
@@ -110,6 +113,12 @@ def _laguna():
     return _config("laguna", **SMALL_MOE, shared_expert_intermediate_size=64, mlp_layer_types=["dense", "sparse"])
 
 
+def _vaultgemma():
+    config = _config("vaultgemma", query_pre_attn_scalar=16, **SLIDING_THEN_FULL)
+    config._attn_implementation = "eager"  # HF refuses SDPA for this family
+    return config
+
+
 def _apertus():
     return _config("apertus", num_hidden_layers=3)
 
@@ -132,4 +141,5 @@ ARCHS: dict = {
     "afmoe": _afmoe,
     "laguna": _laguna,
     "apertus": _apertus,
+    "vaultgemma": _vaultgemma,
 }
