@@ -104,7 +104,14 @@ def test_meta_trace_has_the_same_ops_as_the_trace_on_the_weights_device(arch):
     on_cpu = Workbench(loaded, numerics=False, overrides=["export_to_gm.trace_device=model"])
     ref = on_cpu.step()
     assert snap.info.details["trace_device"] == "meta" and ref.info.details["trace_device"] == "cpu"
-    assert snap.op_histogram == ref.op_histogram
+    # One difference is the CPU's, not the graph's: CPU SDPA returns its [b, h, s, d] output laid out
+    # as [b, s, h, d], so an attention output's ``transpose(1, 2).contiguous()`` is a no-op there and
+    # export records no contiguous; meta SDPA returns it laid out as [b, h, s, d] (JetMoE, AFMoE).
+    # A contiguous of a contiguous tensor returns it: the graphs compute the same, at the same cost.
+    contiguous = "aten.contiguous.default"
+    meta_ops, cpu_ops = dict(snap.op_histogram), dict(ref.op_histogram)
+    assert meta_ops.pop(contiguous, 0) >= cpu_ops.pop(contiguous, 0)
+    assert meta_ops == cpu_ops
     # the meta graph holds no weights (0 bytes) and its factories name device=meta until loaded
     assert all(t.is_meta for t in on_meta.module.parameters())
     assert snap.mem_after.param_bytes == 0 and ref.mem_after.param_bytes > 0

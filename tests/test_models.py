@@ -188,10 +188,16 @@ def test_tiny_built_on_meta_and_allocated_once(arch):
     assert log.nbytes == lm.parameter_bytes
 
 
-def test_materialise_rejects_uninitialised_tensors(monkeypatch):
+def test_materialise_fills_what_init_skips_from_an_ordinary_build_or_refuses(monkeypatch):
     model = build_mod.build_on_meta(build_tiny_config("llama"))
     assert all(p.is_meta for p in model.parameters())
     monkeypatch.setattr(model, "initialize_weights", lambda: None)  # simulate an init that skips
+    built = build_mod.materialise(model, torch.device("cpu"), seed=0)
+    assert all(torch.isfinite(t).all() for t in built.state_dict().values())  # taken from the constructors
+
+    model = build_mod.build_on_meta(build_tiny_config("llama"))
+    monkeypatch.setattr(model, "initialize_weights", lambda: None)
+    monkeypatch.setattr(build_mod, "_from_constructor", lambda *args: None)  # constructors that leave them too
     with pytest.raises(RuntimeError, match="uninitialised"):
         build_mod.materialise(model, torch.device("cpu"), seed=0)
 
