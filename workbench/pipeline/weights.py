@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from .graph.utils import symbolic_fake_mode
+from .graph.utils import size_expr, symbolic_fake_mode
 from .graph.weights import fetch_attr
 
 WEIGHT_VIEWS_KEY = "weight_views"  # gm.meta: target -> (base target, index into the base)
@@ -287,7 +287,7 @@ def retarget_values(gm: fx.GraphModule, device: torch.device) -> int:
         # value, without its copy (``_to_copy``'s decomposition)
         if not isinstance(v, torch.Tensor) or v.device == device:
             return v
-        key = (_exprs(v.shape), _exprs(v.stride()), v.dtype)
+        key = (tuple(map(size_expr, v.shape)), tuple(map(size_expr, v.stride())), v.dtype)
         if key not in made:
             made[key] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
         return made[key]
@@ -302,10 +302,6 @@ def retarget_values(gm: fx.GraphModule, device: torch.device) -> int:
                 node.meta = {**node.meta, "val": new}
                 n += 1
     return n
-
-
-def _exprs(sizes: Any) -> Tuple[Any, ...]:
-    return tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in sizes)
 
 
 @dataclass

@@ -24,9 +24,9 @@ Where the C++ kernels are unavailable only the torch spellings are timed.
 
 The cache key holds the CPU (model name and features), the kernels' build, torch's version, the
 thread count, this file and, for a linear choice, the shapes timed. A measurement taken while other
-processes kept more than ``BUSY_LIMIT`` of the CPUs busy is used but not cached. An entry is read back only if it
-is well-formed and its choice is among the candidates and backed by a time; anything else is
-measured again (and rewritten).
+processes kept more than ``BUSY_LIMIT`` of the CPUs busy is used but not cached. An entry is read
+back only if it is well-formed and its choice is among the candidates and backed by a time;
+anything else is measured again (and rewritten).
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def _cpu_use() -> Optional[Tuple[float, float, float]]:
             fields = [int(v) for v in f.readline().split()[1:]]
     except (OSError, ValueError):
         return None
-    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    hz = os.sysconf("SC_CLK_TCK")  # where /proc/stat exists, so does sysconf
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return time.perf_counter(), (sum(fields[:8]) - idle) / hz, usage.ru_utime + usage.ru_stime

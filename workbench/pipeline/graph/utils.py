@@ -59,6 +59,11 @@ def canonicalize_graph(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def size_expr(s: Any) -> Any:
+    """A size, stride or offset as a hashable value: the sympy expression of a SymInt, else the int."""
+    return s.node.expr if isinstance(s, torch.SymInt) else int(s)
+
+
 def placeholder_values(gm: fx.GraphModule) -> List[Any]:
     return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
 

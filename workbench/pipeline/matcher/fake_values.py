@@ -24,7 +24,7 @@ from typing import Any, Dict, Hashable, Optional, Tuple
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..graph.utils import symbolic_fake_mode
+from ..graph.utils import size_expr, symbolic_fake_mode
 
 _Key = Tuple[Any, ...]
 _Unknown = object()  # an argument with no description: no sharing
@@ -98,9 +98,9 @@ def _describe(x: Any) -> Hashable:
             return _Unknown  # a real tensor's values may matter to the fake mode (constants)
         return (
             "T",
-            tuple(_expr(s) for s in x.shape),
-            tuple(_expr(s) for s in x.stride()),
-            _expr(x.storage_offset()),
+            tuple(size_expr(s) for s in x.shape),
+            tuple(size_expr(s) for s in x.stride()),
+            size_expr(x.storage_offset()),
             x.dtype,
             str(x.device),
             x.requires_grad,
@@ -118,10 +118,6 @@ def _describe(x: Any) -> Hashable:
     ):
         return (type(x).__name__, x)
     return _Unknown
-
-
-def _expr(s: Any) -> Any:
-    return s.node.expr if isinstance(s, torch.SymInt) else int(s)
 
 
 def _symbols(values: Any) -> set:

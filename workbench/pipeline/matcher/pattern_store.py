@@ -10,26 +10,28 @@ helper ``search`` calls may change without ``search`` itself changing).
 
 JSON, not pickle: reading an entry resolves op names under ``torch.ops`` and ``operator.getitem``
 and nothing else, so a tampered file cannot run code. It could make a pattern match something else,
-so entries are read only from a directory nobody else can write (``cache_dir.untrusted``). A graph with anything else in it (a
-Python function target, a tensor constant) is not kept; it is traced every time as before.
+so entries are read only from a directory nobody else can write (``cache_dir.untrusted``). A graph
+with anything else in it (a Python function target, a tensor constant) is not kept; it is traced
+every time as before.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import operator
 from typing import Any, Dict, Optional
 
 import torch.fx as fx
 
 from ...cache_dir import KeyedFiles
-from ..graph.json_values import TAGS as TORCH_TAGS
-from ..graph.json_values import decode_torch_value, encode_torch_value
+from ..graph.json_values import TAGS as LEAF_TAGS
+from ..graph.json_values import decode_leaf, encode_leaf
 from ..probe_cache import workbench_source_hash
 from .anchors import op_from_name, op_name, pattern_key
 
-_FORMAT = 2
+_FORMAT = 3
 _GETITEM = "operator.getitem"
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -39,7 +41,8 @@ class _Unstorable(Exception):
 
 
 class PatternGraphStore:
-    """Read and write traced pattern graphs (one ``KeyedFiles`` per matcher run)."""
+    """Read and write traced pattern graphs (made per pattern a process traces or reads: the
+    in-process ``traced_pattern`` cache keeps the graph after that)."""
 
     MAX_BYTES = 8 << 20  # ~100 patterns of 2-20 KiB each
 
@@ -139,17 +142,13 @@ def _target(name: str) -> Any:
 def _encode(x: Any) -> Any:
     if isinstance(x, fx.Node):
         return {"node": x.name}
-    if isinstance(x, float) and x != x:
-        return {"float": "nan"}
-    if isinstance(x, float) and x in (float("inf"), float("-inf")):
-        return {"float": repr(x)}
-    if isinstance(x, _SCALARS):
+    if isinstance(x, _SCALARS) and not (isinstance(x, float) and not math.isfinite(x)):
         return x
     if isinstance(x, list):  # fx's immutable_list included
         return {"list": [_encode(y) for y in x]}
     if type(x) is tuple:
         return {"tuple": [_encode(y) for y in x]}
-    encoded = encode_torch_value(x)
+    encoded = encode_leaf(x)
     if encoded is None:
         raise _Unstorable(type(x).__name__)
     return encoded
@@ -161,12 +160,10 @@ def _decode(x: Any, env: Dict[str, fx.Node]) -> Any:
     ((kind, value),) = x.items()
     if kind == "node":
         return env[value]
-    if kind == "float":
-        return float(value)
     if kind == "list":
         return [_decode(y, env) for y in value]
     if kind == "tuple":
         return tuple(_decode(y, env) for y in value)
-    if kind in TORCH_TAGS:
-        return decode_torch_value(kind, value)
+    if kind in LEAF_TAGS:
+        return decode_leaf(kind, value)
     raise ValueError(f"unknown value kind {kind!r}")

@@ -12,12 +12,13 @@ check (a directory only its owner can write) and the export key guard against as
 
 Layout: ``{"format", "shared": [...], "record": ...}``. Values are JSON scalars, lists (a Python
 tuple: node entries and arguments are mostly tuples) or one-key objects tagging everything else:
-``l`` list, ``D`` dict (as pairs), ``V``/``Z`` set/frozenset, ``F`` a non-finite float, ``R`` a node reference, ``K`` a fake-tensor description,
-``Y`` a SymInt, ``S`` a sympy expression, ``dt``/``dv``/``ly``/``mf`` a torch dtype/device/layout/
-memory format, ``L`` a slice, ``E`` Ellipsis, ``G`` a class or function by name, ``#`` an entry of
-``shared``. Fake-tensor descriptions, sympy expressions and long strings (stack traces, module
-paths) are written once in ``shared`` and referenced by index: the 30 stamped layers repeat a few
-hundred of them (as pickle's memo did); smollm2's entry is 1.3 MB.
+``l`` list, ``D`` dict (as pairs), ``V``/``Z`` set/frozenset, ``R`` a node reference, ``K`` a
+fake-tensor description, ``Y`` a SymInt, ``S`` a sympy expression, ``L`` a slice, ``E`` Ellipsis,
+``G`` a class or function by name, ``#`` an entry of ``shared``, and ``F`` (a non-finite float),
+``dt``/``dv``/``ly``/``mf`` (a torch dtype/device/layout/memory format) from ``graph/json_values``.
+Fake-tensor descriptions, sympy expressions and long strings (stack traces, module paths) are
+written once in ``shared`` and referenced by index: the 30 stamped layers repeat a few hundred of
+them (as pickle's memo did); smollm2's entry is 1.15 MB.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from typing import Any, Dict, List, cast
 import sympy
 import torch.utils._sympy.functions as torch_sympy
 
-from ...graph.json_values import TAGS as TORCH_TAGS
-from ...graph.json_values import decode_torch_value, encode_torch_value
+from ...graph.json_values import TAGS as LEAF_TAGS
+from ...graph.json_values import decode_leaf, encode_leaf
 from .graph_record import Uncacheable, _Fake, _Ref, _SymInt
 
 FORMAT = 2
@@ -104,8 +105,8 @@ def dumps(record: Dict[str, Any]) -> bytes:
             return x
         if isinstance(x, int):
             return int(x)
-        if isinstance(x, float):
-            return x if math.isfinite(x) else {"F": repr(x)}
+        if isinstance(x, float) and math.isfinite(x):
+            return x
         if isinstance(x, str):  # str subclasses too (torch's TorchVersion)
             text = str(x)
             # long strings once (stack traces, module paths: every node of a layer repeats them)
@@ -130,7 +131,7 @@ def dumps(record: Dict[str, Any]) -> bytes:
             return {"L": [enc(x.start), enc(x.stop), enc(x.step)]}
         if x is Ellipsis:
             return {"E": 0}
-        encoded = encode_torch_value(x)
+        encoded = encode_leaf(x)
         if encoded is not None:
             return encoded
         if isinstance(x, type) or callable(x):
@@ -200,10 +201,6 @@ def loads(data: bytes) -> Dict[str, Any]:
         if tag in ("V", "Z"):
             items = [dec(a) for a in v]
             return frozenset(items) if tag == "Z" else set(items)
-        if tag == "F":
-            if v not in ("inf", "-inf", "nan"):
-                raise ValueError("a malformed float")
-            return float(v)
         if tag == "R":
             return _Ref(_str(v))
         if tag == "Y":
@@ -212,8 +209,8 @@ def loads(data: bytes) -> Dict[str, Any]:
             return slice(*(dec(a) for a in v))
         if tag == "E":
             return Ellipsis
-        if tag in TORCH_TAGS:
-            return decode_torch_value(tag, v)
+        if tag in LEAF_TAGS:
+            return decode_leaf(tag, v)
         if tag == "G":
             obj = _named(_str(v[0]), _str(v[1]))
             if obj is None:
