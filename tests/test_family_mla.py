@@ -26,7 +26,7 @@ from test_runtime import _hf_greedy, decode_vs_reforward
 import workbench.pipeline.transforms.caches.mla  # noqa: F401  (until transforms/__init__ imports it)
 from workbench import Workbench
 from workbench.models import load_model
-from workbench.models.canonical.mla import deepseek_v3_attention_forward
+from workbench.models.canonical.mla import COS_SIN_ROPE, cos_sin_mla_forward, deepseek_v3_attention_forward
 from workbench.models.export_contract import CausalLMLogits, make_batch
 from workbench.pipeline.transforms.caches.attention_backend import InsertCachedAttentionConfig
 from workbench.pipeline.config import load_default_yaml, resolve_pipeline
@@ -86,6 +86,52 @@ def test_deepseek_v3_canonical_forward_matches_hf(interleave):
             layer.self_attn.forward = types.MethodType(deepseek_v3_attention_forward, layer.self_attn)
         out = eager(*batch.args)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+#: The families that copy DeepSeek-V3's MLA (tiny configs: models/tiny_families/mla.py), each at
+#: another point of MLA's shape space, and the rope_interleave settings their HF forward honours.
+COS_SIN_FAMILIES = [("glm4_moe_lite", True), ("glm4_moe_lite", False), ("minicpm3", None), ("youtu", False),
+                    ("youtu", True)]
+
+
+@pytest.mark.parametrize("arch,interleave", COS_SIN_FAMILIES)
+def test_cos_sin_mla_canonical_forward_matches_hf(arch, interleave):
+    """The canonical forward on each family's own HF attention modules, inside the whole model, equals
+    HF's logits; MiniCPM3 rotates halves whatever its config says (``COS_SIN_ROPE``), which the
+    same check proves by setting ``rope_interleave`` on its config."""
+    from workbench.models.tiny import TINY_ARCHS
+
+    cfg = TINY_ARCHS[arch]()
+    cfg.rope_interleave = bool(interleave)  # MiniCPM3: set too, and ignored (its HF forward never reads it)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    attn = [layer.self_attn for layer in model.model.layers]
+    assert {type(a).__name__ for a in attn} <= set(COS_SIN_ROPE)
+    eager = CausalLMLogits(model)
+    batch = make_batch(cfg.vocab_size, 2, 9, seed=3)
+    with torch.no_grad():
+        ref = eager(*batch.args)
+        for a in attn:
+            a.forward = types.MethodType(cos_sin_mla_forward, a)
+        out = eager(*batch.args)
+    assert ref.abs().mean() > 0.05
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", sorted({a for a, _ in COS_SIN_FAMILIES}))
+def test_cos_sin_mla_families_export_torch_mla(arch):
+    """Export routes every attention layer of these families through ``torch_mla`` (no SDPA): the
+    latent is what the cache stage then caches (the cached greedy tokens: test_generate's sweep,
+    which also checks the latent cache took every layer)."""
+    loaded = load_model(f"tiny:{arch}")
+    snap = Workbench(loaded, numerics=False).step()
+    hist = snap.op_histogram
+    assert hist.get(MLA) == loaded.config.num_hidden_layers
+    assert hist.get("aten.scaled_dot_product_attention.default", 0) == 0
+    assert "canonical_cos_sin_mla" in snap.info.details["patches"]
 
 
 @pytest.fixture(scope="module")

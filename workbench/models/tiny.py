@@ -72,12 +72,10 @@ from .tiny_families import FAMILY_ARCHS  # noqa: E402  (builders only: no transf
 
 #: Sizes shared by every tiny arch (see module docstring for the reasoning; the table lives in
 #: ``tiny_families/sizes.py`` so the family modules share it too).
-from .tiny_families.sizes import COMMON  # noqa: E402
+from .tiny_families.sizes import COMMON, SMALL_TOKEN_IDS  # noqa: E402
 
 #: Extra sizes for mixture-of-experts families.
 MOE: dict = dict(num_experts_per_tok=2)
-#: Special tokens inside the tiny vocabulary, for families whose defaults lie outside it.
-SMALL_TOKEN_IDS: dict = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 #: Sliding-window size: shorter than the test prompts, so a window layer differs from a full one.
 WINDOW = 4
 #: One sliding-window layer then one full-attention layer (families with ``layer_types``).

@@ -1,6 +1,7 @@
-"""Canonical forwards for multi-head latent attention (DeepSeek-V2 / V3 MLA).
+"""Canonical forwards for multi-head latent attention (DeepSeek-V2 / V3 MLA and the families that
+copy V3's: GLM-4-MoE-Lite, Youtu, MiniCPM3).
 
-HF's ``DeepseekV2Attention`` / ``DeepseekV3Attention`` compute, per layer::
+HF's ``DeepseekV2Attention`` / ``DeepseekV3Attention`` (and the copies) compute, per layer::
 
     q = q_proj(h)  or  q_b_proj(q_a_layernorm(q_a_proj(h)))     -> [b, s, n, dn + dr]: q_nope | q_pe
     kv_nope | k_pe = kv_a_proj_with_mqa(h)                       -> latent [b, s, r], rope key [b, s, dr]
@@ -25,7 +26,8 @@ define are read: ``q_lora_rank``, ``q_proj`` / ``q_a_proj`` / ``q_a_layernorm`` 
 RoPE, as each family spells it:
 * V2: complex multiplication by ``freqs_cis [b, s, dr/2]`` (what the model's rotary embedding
   returns), on interleaved pairs -- HF's ``apply_rotary_emb``, with the head axis at 2;
-* V3: cos/sin ``[b, s, dr]``; ``config.rope_interleave`` (DeepSeek-V3 checkpoints): the pairs are
+* V3 and its copies: cos/sin ``[b, s, dr]``; ``config.rope_interleave`` (DeepSeek-V3 checkpoints; MiniCPM3
+  never interleaves, ``COS_SIN_ROPE``): the pairs are
   de-interleaved first (``[x0, x2, ..] | [x1, x3, ..]``, the same for q and k, so the scores are
   unchanged) then rotate-half -- bit-identical to HF 5.23's even/odd-slice spelling, and the
   spelling ``match_rope_pattern`` knows; otherwise plain rotate-half.
@@ -164,7 +166,23 @@ def rope_cos_sin_bsnd(
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def deepseek_v3_attention_forward(
+#: How each cos/sin MLA family pairs the rope dims, by HF attention class: "config" -- interleaved
+#: iff ``config.rope_interleave`` (HF's forward branches on it); "half" -- always rotate-half (MiniCPM3
+#: keeps the original RoPE whatever its config says).
+COS_SIN_ROPE: dict = {
+    "DeepseekV3Attention": "config",
+    "Glm4MoeLiteAttention": "config",
+    "YoutuAttention": "config",
+    "MiniCPM3Attention": "half",
+}
+
+
+def _rope_interleaved(module: Any) -> bool:
+    rule = COS_SIN_ROPE.get(type(module).__name__, "config")
+    return rule == "config" and bool(getattr(module.config, "rope_interleave", False))
+
+
+def cos_sin_mla_forward(
     module: Any,
     hidden_states: torch.Tensor,
     position_embeddings: Tuple[torch.Tensor, torch.Tensor],
@@ -172,14 +190,21 @@ def deepseek_v3_attention_forward(
     past_key_values=None,
     **kwargs,
 ):
-    """``DeepseekV3Attention.forward`` through ``torch_mla``: [b, s, hidden] -> ([b, s, hidden], None)."""
-    _require_uncached(module, past_key_values)
+    """The MLA forward of DeepSeek-V3 and the families that copy it with cos/sin RoPE (GLM-4-MoE-Lite,
+    Youtu, MiniCPM3) through ``torch_mla``: [b, s, hidden] -> ([b, s, hidden], None). Any q-LoRA rank
+    (or none), rope/nope split and value head dim: the sizes come from the module."""
+    # HF 5.23 renamed the cache argument (``cache``; ``past_key_values`` deprecated): refuse either.
+    _require_uncached(module, past_key_values if past_key_values is not None else kwargs.get("cache"))
     _require_causal(module, hidden_states, attention_mask)
     q_nope, q_pe = _queries(module, hidden_states)
     latent, k_pe = _latent(module, hidden_states)
     cos, sin = position_embeddings
-    q_pe, k_pe = rope_cos_sin_bsnd(q_pe, k_pe, cos, sin, bool(getattr(module.config, "rope_interleave", False)))
+    q_pe, k_pe = rope_cos_sin_bsnd(q_pe, k_pe, cos, sin, _rope_interleaved(module))
     return _attend(module, hidden_states, q_nope, q_pe, latent, k_pe), None
+
+
+#: The DeepSeek-V3 name of the same forward (tests and the custom model refer to it).
+deepseek_v3_attention_forward = cos_sin_mla_forward
 
 
 PATCHES: tuple = (
@@ -196,6 +221,14 @@ PATCHES: tuple = (
         "Export DeepSeek-V3's attention (DeepseekV3Attention) with its latent attention core as "
         "workbench::torch_mla, so the cache stage caches the latent instead of per-head K/V.",
         ("DeepseekV3Attention",),
-        deepseek_v3_attention_forward,
+        cos_sin_mla_forward,
+    ),
+    ModulePatch(
+        "canonical_cos_sin_mla",
+        "Export the MLA attention of the families that copy DeepSeek-V3's with cos/sin RoPE "
+        "(Glm4MoeLiteAttention, YoutuAttention, MiniCPM3Attention) with its latent attention core as "
+        "workbench::torch_mla, so the cache stage caches the latent instead of per-head K/V.",
+        tuple(c for c in COS_SIN_ROPE if c != "DeepseekV3Attention"),
+        cos_sin_mla_forward,
     ),
 )

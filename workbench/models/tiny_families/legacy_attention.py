@@ -17,7 +17,8 @@ keep their constructor's 0.02, ``models/build.py``).
 
 from __future__ import annotations
 
-from .more_dense import ORACLE, SMALL_TOKEN_IDS
+from .more_dense import ORACLE
+from .sizes import SMALL_TOKEN_IDS
 
 
 def _gpt_neo():

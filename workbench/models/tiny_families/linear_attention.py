@@ -16,8 +16,8 @@ checks it): no re-drawing is needed.
 
 from __future__ import annotations
 
-from .more_dense import ORACLE, SMALL_TOKEN_IDS
-from .sizes import TRANSFORMER
+from .more_dense import ORACLE
+from .sizes import SMALL_TOKEN_IDS, TRANSFORMER
 
 #: Init std 0.1 with an untied head: at ``ORACLE``'s 0.3 the four layers and the top-2 routing amplify
 #: fp32 round-off so much that HF's own fp32 logits sit 4.4e-5 (of their largest magnitude) from HF

@@ -10,11 +10,18 @@ the latent cache 32 + 8 = 40).
 
 MoE as in DeepSeek-V2: the first layer dense (``first_k_dense_replace=1``), the second with 4
 routed experts (top-2, greedy) and 1 shared expert.
+
+The families that copy DeepSeek-V3's MLA with cos/sin RoPE each take another point of MLA's shape
+space, so the canonical forward and the latent cache are tested over it (their rotary embedding is
+``head_dim`` wide: ``head_dim = qk_rope_head_dim`` in each): GLM-4-MoE-Lite without q-LoRA, rope
+wider than nope (16 | 8), value heads 24 wide, interleaved RoPE, MoE after a dense layer; MiniCPM3
+with q-LoRA and muP-style scales (dense MLP); Youtu with q-LoRA, value heads narrower than nope (12
+against 16), plain rotate-half RoPE.
 """
 
 from __future__ import annotations
 
-from .sizes import MLA_DIMS, MLA_HEADS, MLP_WIDTH, WIDTH
+from .sizes import MLA_DIMS, MLA_HEADS, MLP_WIDTH, SMALL_TOKEN_IDS, WIDTH
 
 #: DeepSeek-V2's MoE at toy size: 4 routed experts (top-2, greedy) of width 64 and 1 shared expert.
 DEEPSEEK_V2_MOE: dict = dict(moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1)
@@ -45,4 +52,67 @@ def _deepseek_v2_q_lora():
     return DeepseekV2Config(**MLA_SIZES, q_lora_rank=24)
 
 
-ARCHS: dict = {"deepseek_v2": _deepseek_v2, "deepseek_v2_q_lora": _deepseek_v2_q_lora}
+def _glm4_moe_lite():
+    """GLM-4.7-Flash shape: no q-LoRA, rope 16 | nope 8 | value 24, latent rank 24, interleaved RoPE."""
+    from transformers import Glm4MoeLiteConfig
+
+    mla = dict(kv_lora_rank=24, qk_rope_head_dim=16, qk_nope_head_dim=8, v_head_dim=24, head_dim=16)
+    return Glm4MoeLiteConfig(
+        **WIDTH,
+        **MLP_WIDTH,
+        **MLA_HEADS,
+        **mla,
+        num_hidden_layers=2,
+        mlp_layer_types=["dense", "sparse"],
+        moe_intermediate_size=64,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=None,
+        rope_interleave=True,
+    )
+
+
+def _minicpm3():
+    """MiniCPM3 shape: q-LoRA, the shared MLA dims, scaled embeddings and residual branches."""
+    from transformers import MiniCPM3Config
+
+    return MiniCPM3Config(
+        **WIDTH,
+        **MLP_WIDTH,
+        **MLA_HEADS,
+        **MLA_DIMS,
+        head_dim=MLA_DIMS["qk_rope_head_dim"],
+        num_hidden_layers=2,
+        q_lora_rank=24,
+    )
+
+
+def _youtu():
+    """Youtu-LLM shape: q-LoRA, value heads (12) narrower than nope (16), rotate-half RoPE."""
+    from transformers import AutoConfig
+
+    mla = dict(MLA_DIMS, v_head_dim=12)
+    return AutoConfig.for_model(
+        "youtu",
+        **WIDTH,
+        **MLP_WIDTH,
+        **MLA_HEADS,
+        **mla,
+        head_dim=mla["qk_rope_head_dim"],
+        num_hidden_layers=2,
+        q_lora_rank=24,
+        rope_interleave=False,
+        **SMALL_TOKEN_IDS,
+    )
+
+
+ARCHS: dict = {
+    "deepseek_v2": _deepseek_v2,
+    "deepseek_v2_q_lora": _deepseek_v2_q_lora,
+    "glm4_moe_lite": _glm4_moe_lite,
+    "minicpm3": _minicpm3,
+    "youtu": _youtu,
+}

@@ -25,8 +25,8 @@ each ``workbench check`` prompt hold >= 8 distinct ids.
 
 from __future__ import annotations
 
-from .more_dense import ORACLE, SMALL_TOKEN_IDS
-from .sizes import COMMON
+from .more_dense import ORACLE
+from .sizes import COMMON, SMALL_TOKEN_IDS
 
 #: Top-2 routing.
 TOP2: dict = dict(num_experts_per_tok=2)

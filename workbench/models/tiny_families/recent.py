@@ -40,8 +40,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .more_dense import ORACLE, SMALL_TOKEN_IDS
-from .sizes import COMMON
+from .more_dense import ORACLE
+from .sizes import COMMON, SMALL_TOKEN_IDS
 
 #: 4 routed experts, top-2, 64 wide, one shared expert.
 SMALL_MOE: dict = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 #: Model width, vocabulary and positions of every tiny model.
 WIDTH: dict = dict(hidden_size=64, vocab_size=512, max_position_embeddings=512)
+#: Special-token ids inside the tiny vocabulary, for configs whose defaults (ids of 50k-250k-token
+#: vocabularies) lie outside it.
+SMALL_TOKEN_IDS: dict = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 #: Attention heads: 4 query / 2 KV (GQA) ...
 GQA_HEADS: dict = dict(num_attention_heads=4, num_key_value_heads=2)
 #: ... of 16 channels (set explicitly: not every family derives it from hidden / heads).
