@@ -17,6 +17,8 @@ What one check does (``check_entry``), and why:
 * the oracle's strength: the fewest distinct tokens among HF's greedy continuations of the prompts.
   A continuation that repeats a token or two (a random model whose layers barely move the residual
   stream) would also "match" with broken attention or a broken cache, so it fails the row;
+* tokens that differ are explained at the first differing step (``divergence.py``): HF's own cache
+  changing HF's answer, workbench's cache, a near-tie, or the graph;
 * pass = the pipeline reached its end, no attention was left without a cache, the runner used its
   caches, every prompt's tokens equal HF's, and HF's tokens make a strong oracle.
 
@@ -34,6 +36,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .divergence import explain_divergence
 from .entry_details import StageResult, samples, stage_results
 from .memory_estimate import memory_refusal
 from .registry import RegistryEntry
@@ -83,6 +86,7 @@ class CheckResult:
     runner_cache: str = ""  # generate's stats.cache
     tokens_equal: Optional[bool] = None  # None: not compared (the check stopped before)
     tokens: str = ""  # "yes" / "no: <first difference>"
+    divergence: str = ""  # whose difference it is, when tokens differ (divergence.Divergence.line)
     oracle_tokens: Optional[int] = None  # fewest distinct tokens in HF's continuation of any prompt
     min_oracle_tokens: int = CheckSettings.min_oracle_tokens  # below it the oracle is weak (the row fails)
     worst_rmse: Optional[float] = None
@@ -111,7 +115,7 @@ class CheckResult:
         if self.runner_cache.startswith(UNCACHED_RUNNER):
             return "generation ran uncached"
         if self.tokens_equal is not True:
-            return "tokens differ from HF"
+            return "tokens differ from HF" + (f": {self.divergence}" if self.divergence else "")
         if self.weak_oracle:
             return (
                 f"weak oracle: HF's greedy tokens for a prompt hold only {self.oracle_tokens} distinct tokens "
@@ -282,6 +286,17 @@ def _run(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> 
         result.stopped_at, result.error = "generate", _first_line(e)
         return
     record_generation(result, out, prompts, want, loaded.tokenizer)
+    if result.tokens_equal is False:
+        result.divergence = explain(wb, loaded.model, prompts, [r.token_ids for r in out.results], want)
+
+
+def explain(wb, hf_model: torch.nn.Module, prompts, got, want) -> str:
+    """The divergence verdict's line (``divergence.py``); what stopped it, if it could not be made."""
+    try:
+        found = explain_divergence(wb, hf_model, prompts, got, want)
+    except Exception as e:  # noqa: BLE001 - the row keeps its token comparison; the verdict is extra
+        return f"not explained ({_first_line(e, 160)})"
+    return found.line if found is not None else ""
 
 
 def record_pipeline(

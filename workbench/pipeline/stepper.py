@@ -191,10 +191,12 @@ class PipelineStepper:
 
     def forward(self, *args: Any, at: Optional[str] = None) -> Any:
         """Run the live graph (or the snapshot ``at``) on ``args``: ``(input_ids, position_ids)``
-        before the cache stage.
+        -> logits [batch, seq, vocab].
 
         Graphs from before ``load_weights`` hold meta tensors; they run here with the eager model's
-        weights bound by name (``pipeline.weights.run_unloaded``), without changing the graph.
+        weights bound by name (``pipeline.weights.run_unloaded``), without changing the graph. A
+        cached graph runs each row as one prefill on scratch caches (the numerics probe's
+        ``CachedProbe``), so the logits are comparable with the uncached graph's and HF's.
         """
         mod = self.snapshot(at).module if at is not None else self._live
         if mod is None:
@@ -202,7 +204,11 @@ class PipelineStepper:
         cached = any(
             s.stage.order >= Stages.CACHE_INIT.order for s in self.snapshots[: self.index(at) + 1 if at else None]
         )
-        self._check_forward_args(args, positions=not cached)
+        self._check_forward_args(args, positions=True)
+        probe = self.ctx.cache.probe
+        if cached and probe is not None and len(args) == 2:
+            with torch.no_grad():
+                return probe(mod, ProbeBatch(*args))
         return self._call(mod, args)
 
     def _check_forward_args(self, args: Sequence[Any], positions: bool) -> None:
