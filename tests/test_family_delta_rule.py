@@ -1,5 +1,6 @@
 """The delta-rule families end to end: ``tiny:qwen3_next`` (gated delta nets + gated full attention,
-MoE) and ``tiny:deltanet`` (the ungated rule, our own HF-form model).
+MoE), ``tiny:qwen3_5`` / ``qwen3_5_moe`` / ``olmo_hybrid`` (gated delta nets with separate
+projections, recognised by structure) and ``tiny:deltanet`` (the ungated rule, our own HF-form model).
 
 * export: each linear-attention layer becomes one ``torch_causal_conv1d`` and one (gated) delta-rule
   op, the logits equal HF eager (the eager model is never patched) at two shapes, one past HF's
@@ -29,6 +30,10 @@ ONE_THREAD = True  # see conftest.one_thread
 FAMILIES = {
     # arch: (delta-rule op, cached op, linear-attention layers, full-attention layers)
     "qwen3_next": ("torch_gated_delta_rule", "torch_cached_gated_delta_rule", 2, 2),
+    # the split-projection spelling, recognised by structure (canonical_split_gated_delta_net)
+    "qwen3_5": ("torch_gated_delta_rule", "torch_cached_gated_delta_rule", 1, 1),
+    "qwen3_5_moe": ("torch_gated_delta_rule", "torch_cached_gated_delta_rule", 1, 1),
+    "olmo_hybrid": ("torch_gated_delta_rule", "torch_cached_gated_delta_rule", 1, 1),
     "deltanet": ("torch_delta_rule", "torch_cached_delta_rule", 4, 0),
 }
 
@@ -79,6 +84,19 @@ def test_export_routes_each_linear_attention_layer_through_the_ops(family):
             ref = eager(*batch.args)
         assert out.shape == ref.shape == (b, s, loaded.config.vocab_size)
         assert (out - ref).abs().max().item() <= 5e-5 * max(1.0, ref.abs().max().item())
+
+
+def test_split_spelling_is_recognised_by_structure():
+    """The split-projection patch takes the gated delta nets of Qwen3.5, Qwen3.5-MoE and OLMo-Hybrid by
+    their attributes (whatever their class is called) and leaves Qwen3-Next's grouped one to its own patch."""
+    from workbench.models.canonical.delta_rule import OLMO_HYBRID_SPELLING, QWEN3_5_SPELLING, split_spelling
+
+    want = {"qwen3_5": QWEN3_5_SPELLING, "qwen3_5_moe": QWEN3_5_SPELLING, "olmo_hybrid": OLMO_HYBRID_SPELLING,
+            "qwen3_next": None}
+    for arch, spelling in want.items():
+        model = load_model(f"tiny:{arch}", custom_models=False).model
+        mixers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+        assert mixers and {split_spelling(m) for m in mixers} == {spelling}, arch
 
 
 def test_pipeline_generates_hf_greedy_tokens(family):

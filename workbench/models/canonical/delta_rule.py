@@ -1,4 +1,6 @@
-"""Canonical forwards of the delta-rule token mixers: Qwen3-Next's gated delta net, the tiny DeltaNet.
+"""Canonical forwards of the delta-rule token mixers: Qwen3-Next's gated delta net, the gated delta
+nets spelled with separate projections (Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid, recognised by structure),
+the tiny DeltaNet.
 
 HF's no-kernel path of a gated delta net (``torch_chunk_gated_delta_rule``) pads to whole chunks,
 solves a triangular system by a Python loop over the chunk (under export) and scans the chunks in
@@ -17,7 +19,8 @@ refused (the cache stage adds the conv and delta-rule states).
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +75,67 @@ def qwen3_next_gated_delta_net_forward(
     return module.out_proj(o.flatten(-2))
 
 
+@dataclass(frozen=True)
+class SplitSpelling:
+    """The attribute names of a gated delta net whose projections are not grouped per key head:
+    ``qkv`` -- the projections whose outputs, concatenated, are ``[q | k | v]`` (the conv's channel
+    order); ``gate`` -- the output norm's gate (z); ``b`` / ``a`` -- beta's and the decay's inputs;
+    ``norm`` -- the gated RMSNorm module (called as ``norm(o, z)`` per value head); ``out``."""
+
+    qkv: Tuple[str, ...]
+    gate: str
+    b: str
+    a: str
+    norm: str
+    out: str
+
+
+#: Qwen3.5 / Qwen3.5-MoE (and the families copying them): one fused q|k|v projection.
+QWEN3_5_SPELLING = SplitSpelling(("in_proj_qkv",), "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj")
+#: OLMo-Hybrid: separate q, k, v projections, beta optionally doubled (``allow_neg_eigval``).
+OLMO_HYBRID_SPELLING = SplitSpelling(("q_proj", "k_proj", "v_proj"), "g_proj", "b_proj", "a_proj", "o_norm", "o_proj")
+#: What every gated delta net of these spellings holds besides its spelling's projections.
+_GATED_DELTA_NET_PARTS = ("conv1d", "A_log", "dt_bias", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+
+
+def split_spelling(module: torch.nn.Module) -> Optional[SplitSpelling]:
+    """The spelling a module's attributes match (every part and projection present), else None."""
+    if not all(hasattr(module, p) for p in _GATED_DELTA_NET_PARTS):
+        return None
+    for spelling in (QWEN3_5_SPELLING, OLMO_HYBRID_SPELLING):
+        names = (*spelling.qkv, spelling.gate, spelling.b, spelling.a, spelling.norm, spelling.out)
+        if all(isinstance(getattr(module, n, None), torch.nn.Module) for n in names):
+            return spelling
+    return None
+
+
+def split_gated_delta_net_forward(
+    module: Any, hidden_states: torch.Tensor, cache=None, *_args, attention_mask=None, cache_params=None, **_kwargs
+) -> torch.Tensor:
+    """A gated delta net of a ``SplitSpelling``: hidden_states [b, s, hidden] -> [b, s, hidden], HF's
+    forward without cache, with the short conv and the gated delta rule as canonical ops. Key head j
+    serves value heads ``j*r .. j*r+r-1`` (``r = h / hk``: HF's ``repeat_interleave``), as in
+    Qwen3-Next."""
+    spelling = split_spelling(module)
+    assert spelling is not None  # the patch applies only to modules split_spelling recognises
+    refuse_cache(module, cache if cache is not None else cache_params, "conv and delta-rule states")
+    hidden_states = _zero_padding(hidden_states, attention_mask)
+    hk, dk, h, dv = module.num_k_heads, module.head_k_dim, module.num_v_heads, module.head_v_dim
+    qkv = torch.cat([getattr(module, n)(hidden_states) for n in spelling.qkv], dim=-1)
+    qkv = conv_then_activation(qkv, module.conv1d.weight, module.conv1d.bias, module.activation)
+    q, k, v = qkv.split([hk * dk, hk * dk, h * dv], dim=-1)
+    beta = getattr(module, spelling.b)(hidden_states).sigmoid()
+    if getattr(module, "allow_neg_eigval", False):  # OLMo-Hybrid: beta in [0, 2]
+        beta = beta * 2.0
+    g = -module.A_log.float().exp() * F.softplus(getattr(module, spelling.a)(hidden_states).float() + module.dt_bias)
+    o = torch.ops.workbench.torch_gated_delta_rule(
+        q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (h, dv)), g, beta, use_qk_l2norm=True
+    )  # [b, s, h, dv]
+    z = getattr(module, spelling.gate)(hidden_states).unflatten(-1, (h, dv))
+    o = getattr(module, spelling.norm)(o, z)  # gated RMSNorm over each head's dv
+    return getattr(module, spelling.out)(o.flatten(-2))
+
+
 def deltanet_mixer_forward(
     module: Any, hidden_states: torch.Tensor, cache_params=None, *_args, attention_mask=None, **_kwargs
 ) -> torch.Tensor:
@@ -99,6 +163,15 @@ PATCHES: tuple = (
         "torch_gated_delta_rule (HF's chunked torch fallback is thousands of nodes).",
         ("Qwen3NextGatedDeltaNet",),
         qwen3_next_gated_delta_net_forward,
+    ),
+    ModulePatch(
+        "canonical_split_gated_delta_net",
+        "Gated delta nets with separate projections (Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid; recognised by their "
+        "attributes under any class name): short conv and gated delta rule as torch_causal_conv1d and "
+        "torch_gated_delta_rule.",
+        (),
+        split_gated_delta_net_forward,
+        match=lambda m: split_spelling(m) is not None,
     ),
     ModulePatch(
         "canonical_deltanet_mixer",

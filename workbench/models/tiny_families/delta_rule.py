@@ -6,6 +6,12 @@
   4; full attention with Qwen3-Next's output gate, q/k norms and partial rotary (a quarter of head
   dim 16), 4 query / 2 KV heads; every layer's MLP is the MoE: 4 experts, top-2, expert width 64,
   plus a gated shared expert of 64. Vocab 512, hidden 64.
+* ``qwen3_5`` / ``qwen3_5_moe``: Qwen3.5's text stack, 2 layers -- a gated delta net spelled with
+  separate projections (one q|k|v projection, z, b, a: ``canonical_split_gated_delta_net``), then
+  full attention (output gate, q/k norms, partial rotary); the MoE variant with Qwen3-Next's MoE.
+  The delta net's heads as Qwen3-Next's (2 key heads serving 4 value heads).
+* ``olmo_hybrid``: OLMo-Hybrid, 2 layers -- a gated delta net with separate q, k, v projections and
+  beta doubled (``linear_allow_neg_eigval``), then full attention.
 * ``deltanet``: the ungated delta rule, which no transformers family uses: the small HF-form model
   of ``deltanet_model.py`` (4 identical layers, so ``export_to_gm`` stamps layers 3.. from layer 2),
   4 heads of 16, conv kernel 4, SwiGLU MLP 128. Building it registers the model with transformers'
@@ -14,7 +20,7 @@
 
 from __future__ import annotations
 
-from .sizes import TRANSFORMER
+from .sizes import SMALL_TOKEN_IDS, TRANSFORMER
 
 #: Qwen3-Next's gated delta nets: 2 key heads and 4 value heads of 16 (each key head serves two).
 GATED_DELTA_NET_HEADS: dict = dict(
@@ -42,6 +48,51 @@ def _qwen3_next():
     )
 
 
+#: A gated delta net then full attention: the hybrids' pattern at its smallest.
+LINEAR_THEN_FULL: dict = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+
+
+def _qwen3_5():
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "qwen3_5_text",
+        **TRANSFORMER,
+        **LINEAR_THEN_FULL,
+        **GATED_DELTA_NET_HEADS,
+        linear_conv_kernel_dim=4,
+        **SMALL_TOKEN_IDS,
+    )
+
+
+def _qwen3_5_moe():
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "qwen3_5_moe_text",
+        **TRANSFORMER,
+        **LINEAR_THEN_FULL,
+        **GATED_DELTA_NET_HEADS,
+        linear_conv_kernel_dim=4,
+        **QWEN3_NEXT_MOE,
+        **SMALL_TOKEN_IDS,
+    )
+
+
+def _olmo_hybrid():
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "olmo_hybrid",
+        **TRANSFORMER,
+        **LINEAR_THEN_FULL,
+        **GATED_DELTA_NET_HEADS,
+        linear_conv_kernel_dim=4,
+        linear_allow_neg_eigval=True,
+        **SMALL_TOKEN_IDS,
+    )
+
+
 def _deltanet():
     from .deltanet_model import DeltaNetConfig, register_deltanet
 
@@ -51,4 +102,10 @@ def _deltanet():
     return config
 
 
-ARCHS: dict = {"qwen3_next": _qwen3_next, "deltanet": _deltanet}
+ARCHS: dict = {
+    "qwen3_next": _qwen3_next,
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_moe": _qwen3_5_moe,
+    "olmo_hybrid": _olmo_hybrid,
+    "deltanet": _deltanet,
+}
