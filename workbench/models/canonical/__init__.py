@@ -83,12 +83,13 @@ def refuse_cache(module: Any, cache_params: Any, states: str) -> None:
 
 
 def _collect() -> Tuple[ModulePatch, ...]:
-    from . import conv, delta_rule, linear_attention, mamba1, mla, mrope, rglru, ssm
+    from . import conv, delta_rule, expert_loop, linear_attention, mamba1, mla, mrope, rglru, ssm
 
     patches = (*conv.PATCHES, *ssm.PATCHES, *delta_rule.PATCHES, *mla.PATCHES, *mrope.PATCHES)
     patches = (*patches, *linear_attention.PATCHES)
     patches = (*patches, *mamba1.PATCHES)
     patches = (*patches, *rglru.PATCHES)
+    patches = (*patches, *expert_loop.PATCHES)
     names = [p.name for p in patches]
     if len(set(names)) != len(names):
         raise RuntimeError(f"duplicate canonical module patch names: {names}")

@@ -16,6 +16,11 @@ Widely deployed MoE families, one per routing / expert layout the pipeline has t
   choice, min-normalized weights, a shared expert, a dense first layer, interleaved RoPE.
 * ``hunyuan_v1_moe``: Hunyuan MoE: softmax top-k plus a shared MLP, QK-norm after RoPE.
 * ``minimax_m2``: MiniMax-M2: sigmoid routing with a correction bias, QK-norm over the whole projection.
+* ``dbrx``: DBRX: experts that loop over the experts that received tokens, weights flat ``[E * I, H]``
+  (``canonical_expert_loop``), clipped QKV, fused Wqkv.
+* ``longcat_flash``: LongCat-Flash: the same loop with stacked weights plus 2 identity ("zero")
+  experts the router may pick, MLA attention (another q-LoRA / rope split), two attention and MLP
+  sub-blocks per layer with a shortcut MoE.
 
 Shared sizes as in ``workbench.models.tiny``: hidden 64, vocab 512, 2 layers, 4 query / 2 KV heads of
 16; 4 routed experts, top-2, expert width 64 (shared experts 64 wide too). Weights as in ``more_dense``
@@ -126,6 +131,48 @@ def _minimax_m2():
     return MiniMaxM2Config(**MOE_COMMON, num_local_experts=4, **TOP2, **ORACLE, **SMALL_TOKEN_IDS)
 
 
+def _dbrx():
+    from transformers import DbrxConfig
+
+    return DbrxConfig(
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=512,
+        vocab_size=512,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2, ffn_act_fn={"name": "silu"}),
+        **ORACLE,
+        **SMALL_TOKEN_IDS,
+    )
+
+
+def _longcat_flash():
+    from transformers import AutoConfig
+
+    from .sizes import MLA_HEADS, WIDTH
+
+    return AutoConfig.for_model(
+        "longcat_flash",
+        **WIDTH,
+        **MLA_HEADS,
+        num_layers=2,
+        ffn_hidden_size=128,
+        q_lora_rank=24,
+        kv_lora_rank=24,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=8,
+        v_head_dim=24,
+        head_dim=16,
+        n_routed_experts=4,
+        zero_expert_num=2,
+        moe_topk=2,
+        expert_ffn_hidden_size=64,
+        **ORACLE,
+        **SMALL_TOKEN_IDS,
+    )
+
+
 ARCHS: dict = {
     "olmoe": _olmoe,
     "granitemoe": _granitemoe,
@@ -137,4 +184,6 @@ ARCHS: dict = {
     "ernie4_5_moe": _ernie4_5_moe,
     "hunyuan_v1_moe": _hunyuan_v1_moe,
     "minimax_m2": _minimax_m2,
+    "dbrx": _dbrx,
+    "longcat_flash": _longcat_flash,
 }
