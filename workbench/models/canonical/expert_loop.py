@@ -74,8 +74,8 @@ def expert_layout(module: torch.nn.Module) -> Optional[str]:
         if gate_up.shape[0] >= e and tuple(gate_up.shape[1:]) == (2 * inter, hidden):
             return "stacked"
     mlp = getattr(module, "mlp", None)
-    flat = [getattr(mlp, n, None) for n in ("w1", "v1", "w2")]
-    if all(isinstance(w, torch.Tensor) and w.dim() == 2 for w in flat) and len({w.shape for w in flat}) == 1:
+    flat = [w for w in (getattr(mlp, n, None) for n in ("w1", "v1", "w2")) if isinstance(w, torch.Tensor)]
+    if len(flat) == 3 and all(w.dim() == 2 for w in flat) and len({w.shape for w in flat}) == 1:
         return "flat_glu"
     return None
 
