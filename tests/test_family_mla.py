@@ -91,25 +91,30 @@ def test_deepseek_v3_canonical_forward_matches_hf(interleave):
 #: The families that copy DeepSeek-V3's MLA (tiny configs: models/tiny_families/mla.py), each at
 #: another point of MLA's shape space, and the rope_interleave settings their HF forward honours.
 COS_SIN_FAMILIES = [("glm4_moe_lite", True), ("glm4_moe_lite", False), ("minicpm3", None), ("youtu", False),
-                    ("youtu", True)]
+                    ("youtu", True), ("longcat_flash", None)]
+
+
+def _mla_modules(model):
+    return [m for m in model.modules() if type(m).__name__ in COS_SIN_ROPE]
 
 
 @pytest.mark.parametrize("arch,interleave", COS_SIN_FAMILIES)
 def test_cos_sin_mla_canonical_forward_matches_hf(arch, interleave):
     """The canonical forward on each family's own HF attention modules, inside the whole model, equals
-    HF's logits; MiniCPM3 rotates halves whatever its config says (``COS_SIN_ROPE``), which the
-    same check proves by setting ``rope_interleave`` on its config."""
+    HF's logits; MiniCPM3 rotates halves and LongCat-Flash interleaves whatever their configs say
+    (``COS_SIN_ROPE``), which the same check proves by setting ``rope_interleave`` on their configs;
+    LongCat-Flash's LoRA scales are applied."""
     from workbench.models.tiny import TINY_ARCHS
 
     cfg = TINY_ARCHS[arch]()
-    cfg.rope_interleave = bool(interleave)  # MiniCPM3: set too, and ignored (its HF forward never reads it)
+    cfg.rope_interleave = bool(interleave)  # MiniCPM3, LongCat: set too, and ignored (their HF forwards never read it)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(cfg).eval()
-    attn = [layer.self_attn for layer in model.model.layers]
-    assert {type(a).__name__ for a in attn} <= set(COS_SIN_ROPE)
+    attn = _mla_modules(model)
+    assert attn
     eager = CausalLMLogits(model)
     batch = make_batch(cfg.vocab_size, 2, 9, seed=3)
     with torch.no_grad():
@@ -129,7 +134,7 @@ def test_cos_sin_mla_families_export_torch_mla(arch):
     loaded = load_model(f"tiny:{arch}")
     snap = Workbench(loaded, numerics=False).step()
     hist = snap.op_histogram
-    assert hist.get(MLA) == loaded.config.num_hidden_layers
+    assert hist.get(MLA) == len(_mla_modules(loaded.model))
     assert hist.get("aten.scaled_dot_product_attention.default", 0) == 0
     assert "canonical_cos_sin_mla" in snap.info.details["patches"]
 

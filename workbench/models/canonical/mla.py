@@ -1,5 +1,5 @@
 """Canonical forwards for multi-head latent attention (DeepSeek-V2 / V3 MLA and the families that
-copy V3's: GLM-4-MoE-Lite, Youtu, MiniCPM3).
+copy V3's: GLM-4-MoE-Lite, Youtu, MiniCPM3, LongCat-Flash with its LoRA scales).
 
 HF's ``DeepseekV2Attention`` / ``DeepseekV3Attention`` (and the copies) compute, per layer::
 
@@ -168,18 +168,32 @@ def rope_cos_sin_bsnd(
 
 #: How each cos/sin MLA family pairs the rope dims, by HF attention class: "config" -- interleaved
 #: iff ``config.rope_interleave`` (HF's forward branches on it); "half" -- always rotate-half (MiniCPM3
-#: keeps the original RoPE whatever its config says).
+#: keeps the original RoPE whatever its config says); "interleaved" -- always interleaved (LongCat-Flash).
 COS_SIN_ROPE: dict = {
     "DeepseekV3Attention": "config",
     "Glm4MoeLiteAttention": "config",
     "YoutuAttention": "config",
     "MiniCPM3Attention": "half",
+    "LongcatFlashMLA": "interleaved",
 }
 
 
 def _rope_interleaved(module: Any) -> bool:
     rule = COS_SIN_ROPE.get(type(module).__name__, "config")
+    if rule == "interleaved":
+        return True
     return rule == "config" and bool(getattr(module.config, "rope_interleave", False))
+
+
+def _lora_scales(module: Any, q_nope, q_pe, latent):
+    """LongCat-Flash scales the queries by ``mla_scale_q_lora`` and the normed latent by
+    ``mla_scale_kv_lora`` (before RoPE and before caching, as HF does); other families have neither."""
+    q_scale, kv_scale = getattr(module, "mla_scale_q_lora", None), getattr(module, "mla_scale_kv_lora", None)
+    if q_scale is not None:
+        q_nope, q_pe = q_nope * q_scale, q_pe * q_scale
+    if kv_scale is not None:
+        latent = latent * kv_scale
+    return q_nope, q_pe, latent
 
 
 def cos_sin_mla_forward(
@@ -191,13 +205,14 @@ def cos_sin_mla_forward(
     **kwargs,
 ):
     """The MLA forward of DeepSeek-V3 and the families that copy it with cos/sin RoPE (GLM-4-MoE-Lite,
-    Youtu, MiniCPM3) through ``torch_mla``: [b, s, hidden] -> ([b, s, hidden], None). Any q-LoRA rank
+    Youtu, MiniCPM3, LongCat-Flash) through ``torch_mla``: [b, s, hidden] -> ([b, s, hidden], None). Any q-LoRA rank
     (or none), rope/nope split and value head dim: the sizes come from the module."""
     # HF 5.23 renamed the cache argument (``cache``; ``past_key_values`` deprecated): refuse either.
     _require_uncached(module, past_key_values if past_key_values is not None else kwargs.get("cache"))
     _require_causal(module, hidden_states, attention_mask)
     q_nope, q_pe = _queries(module, hidden_states)
     latent, k_pe = _latent(module, hidden_states)
+    q_nope, q_pe, latent = _lora_scales(module, q_nope, q_pe, latent)
     cos, sin = position_embeddings
     q_pe, k_pe = rope_cos_sin_bsnd(q_pe, k_pe, cos, sin, _rope_interleaved(module))
     return _attend(module, hidden_states, q_nope, q_pe, latent, k_pe), None
@@ -226,7 +241,7 @@ PATCHES: tuple = (
     ModulePatch(
         "canonical_cos_sin_mla",
         "Export the MLA attention of the families that copy DeepSeek-V3's with cos/sin RoPE "
-        "(Glm4MoeLiteAttention, YoutuAttention, MiniCPM3Attention) with its latent attention core as "
+        "(Glm4MoeLiteAttention, YoutuAttention, MiniCPM3Attention, LongcatFlashMLA) with its latent attention core as "
         "workbench::torch_mla, so the cache stage caches the latent instead of per-head K/V.",
         tuple(c for c in COS_SIN_ROPE if c != "DeepseekV3Attention"),
         cos_sin_mla_forward,
