@@ -165,6 +165,31 @@ def test_sink_eager_attention_becomes_torch_attention_with_sinks():
     assert _attention_kwargs(gm).kwargs["sinks"].op == "placeholder"
 
 
+def max_subtracted_eager(q, k, v, cast=True):
+    """MiMo-V2-Flash's eager_attention_forward on a layer without sinks: the row max subtracted,
+    softmax in the logits' dtype."""
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.25 + hf_eager_mask(q)
+    w = w - w.max(dim=-1, keepdim=True).values
+    probs = F.dropout(F.softmax(w, dim=-1, dtype=w.dtype), p=0.0, training=False)
+    return torch.matmul(probs.to(v.dtype) if cast else probs, v)
+
+
+def test_max_subtracted_eager_attention_becomes_torch_attention():
+    gm = check("match_eager_attention", max_subtracted_eager, qkv(n_kv=4), matches=1, dynamic=QKV_DYN,
+               other_args=qkv(n_kv=4, b=3, s=9), atol=1e-5)
+    node = _attention_kwargs(gm)
+    assert node.kwargs["scale"] == 0.25 and node.kwargs["is_causal"] is True and node.kwargs["attn_mask"] is None
+    assert node.kwargs.get("sinks") is None
+    assert not [n for n in gm.graph.nodes if n.target in (torch.ops.aten.max.dim, torch.ops.aten.softmax.int)]
+    # a max taken over another dim is not a softmax shift: left alone
+    def wrong_dim(q, k, v):
+        w = torch.matmul(q, k.transpose(2, 3)) * 0.25 + hf_eager_mask(q)
+        w = w - w.max(dim=-2, keepdim=True).values
+        return torch.matmul(F.softmax(w, dim=-1, dtype=w.dtype), v)
+
+    check("match_eager_attention", wrong_dim, qkv(n_kv=4), matches=0, dynamic=QKV_DYN)
+
+
 def test_sink_eager_near_miss_drops_the_wrong_column():
     fn = lambda q, k, v, sinks: sink_eager(q, k, v, sinks, keep=slice(1, None))  # noqa: E731
     check("match_eager_attention", fn, (*qkv(n_kv=4), torch.randn(4)), matches=0, dynamic=QKV_DYN)

@@ -26,6 +26,10 @@ it: every attention layer cached, greedy tokens equal HF's (``tests/test_more_fa
 * ``vaultgemma``: VaultGemma: a Gemma-2 block (attention-logit and final-logit soft-capping, a query
   pre-attention scalar, sliding and full layers with window 4 here) in eager attention only: HF has
   no SDPA path for it, so the eager spelling is what the matcher sees.
+* ``mimo_v2_flash``: Xiaomi MiMo-V2-Flash: attention layers of two shapes -- full attention, then
+  sliding-window attention with twice the KV heads and a learned sink logit per head --, query/key
+  heads 16 wide against value heads 8 wide, values scaled, the softmax after a row-max subtraction
+  (eager only: HF has no SDPA path); MoE after a dense first layer.
 * ``apertus``: Apertus: an ungated MLP with the xIELU activation, whose constants only its
   constructor sets (the random build takes them from an ordinary build, ``models/build.py``),
   QK-norm, Llama-3 RoPE scaling; 3 layers (with 2, HF's greedy tokens repeat on one check prompt).
@@ -119,6 +123,22 @@ def _vaultgemma():
     return config
 
 
+def _mimo_v2_flash():
+    config = _config(
+        "mimo_v2_flash",
+        v_head_dim=8,
+        layer_types=["full_attention", "sliding_attention"],
+        sliding_window=4,
+        mlp_layer_types=["dense", "sparse"],
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        attention_value_scale=0.707,
+    )
+    config._attn_implementation = "eager"  # HF refuses SDPA for this family
+    return config
+
+
 def _apertus():
     return _config("apertus", num_hidden_layers=3)
 
@@ -142,4 +162,5 @@ ARCHS: dict = {
     "laguna": _laguna,
     "apertus": _apertus,
     "vaultgemma": _vaultgemma,
+    "mimo_v2_flash": _mimo_v2_flash,
 }

@@ -313,38 +313,51 @@ def _softcapped_eager_attention(with_mask: bool, with_dropout: bool) -> Pattern:
     )
 
 
-def _sink_eager_attention(with_mask: bool, with_dropout: bool, with_cast: bool) -> Pattern:
+def _max_subtracted_eager_attention(with_sinks: bool, with_mask: bool, with_dropout: bool, with_cast: bool) -> Pattern:
     """gpt-oss's ``eager_attention_forward`` (after repeat_kv): one learned logit per head
     (``sinks`` [n]) joins each softmax row and is dropped after it -- it takes probability mass
     but has no value. The row max is subtracted first (a no-op for the softmax, kept by HF
     against overflow). -> ``torch_attention(..., sinks=sinks)``. ``with_cast``: the probabilities
-    are cast to v's dtype before the last matmul (transformers 5.23 does; older releases do not)."""
+    are cast to v's dtype before the last matmul (transformers 5.23 does; older releases do not).
+    Without ``with_sinks``: the same spelling on layers that have no sinks (MiMo-V2-Flash's
+    full-attention layers beside its sink-carrying sliding ones) -> ``torch_attention``."""
 
-    def search(q, k, v, sinks, *mask, scale):
+    def search(q, k, v, *rest, scale):
+        sinks, mask = (rest[0], rest[1:]) if with_sinks else (None, rest)
         w = torch.matmul(q, k.transpose(2, 3)) * scale
         if mask:
             w = w + mask[0]
-        sink = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
-        logits = torch.cat([w, sink], dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+        if with_sinks:
+            sink = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+            w = torch.cat([w, sink], dim=-1)
+        logits = w - w.max(dim=-1, keepdim=True).values
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)
+        if with_sinks:
+            probs = probs[..., :-1]
         if with_dropout:
             probs = F.dropout(probs, p=0.0, training=False)
         return torch.matmul(probs.to(v.dtype) if with_cast else probs, v)
 
-    def replacement(q, k, v, sinks, *mask, **flags):
-        return _variant_replacement(q, k, v, mask, sinks=sinks, **flags)
+    def replacement(q, k, v, *rest, **flags):
+        if with_sinks:
+            return _variant_replacement(q, k, v, rest[1:], sinks=rest[0], **flags)
+        return _variant_replacement(q, k, v, rest, **flags)
 
     def check(m: Match) -> Optional[Dict[str, Any]]:
         # The ignored sizes: sinks is one logit per query head, broadcast to [b, n, s_q, 1]; the
         # softmax runs in the logits' dtype and the cast goes to v's dtype.
-        (expand,), (softmax,) = m.matched(aten.expand.default), m.matched(aten.softmax.int)
-        q, v, sinks, e = m.val("q"), m.val("v"), m.val("sinks"), tensor_meta(expand)
-        if q is None or v is None or sinks is None or e is None or q.dim() != 4 or sinks.dim() != 1:
+        (softmax,) = m.matched(aten.softmax.int)
+        q, v = m.val("q"), m.val("v")
+        if q is None or v is None or q.dim() != 4:
             return None
-        b, n, s_q, _ = q.shape
-        if not same_size(sinks.shape[0], n) or not same_shape(e.shape, (b, n, s_q, 1)):
-            return None
+        if with_sinks:
+            (expand,) = m.matched(aten.expand.default)
+            sinks, e = m.val("sinks"), tensor_meta(expand)
+            if sinks is None or e is None or sinks.dim() != 1:
+                return None
+            b, n, s_q, _ = q.shape
+            if not same_size(sinks.shape[0], n) or not same_shape(e.shape, (b, n, s_q, 1)):
+                return None
         probs_dtype = dict(named_args(softmax))["dtype"]
         logits = tensor_meta(softmax.args[0])
         if logits is None or probs_dtype != logits.dtype:
@@ -354,14 +367,15 @@ def _sink_eager_attention(with_mask: bool, with_dropout: bool, with_cast: bool) 
         return _variant_masking(m, with_mask)
 
     return _eager_pattern(
-        f"sink_eager_attention{_suffix(with_mask, with_dropout)}{'_cast' if with_cast else ''}",
+        f"{'sink' if with_sinks else 'max_subtracted'}_eager_attention{_suffix(with_mask, with_dropout)}"
+        f"{'_cast' if with_cast else ''}",
         search,
         replacement,
         check,
         with_mask,
         literals={"scale": _SCALE},
         ignore=((aten.expand.default, "size"), (aten.softmax.int, "dtype"), (aten.to.dtype, "dtype")),
-        with_sinks=True,
+        with_sinks=with_sinks,
     )
 
 
@@ -369,7 +383,7 @@ def _sink_eager_attention(with_mask: bool, with_dropout: bool, with_cast: bool) 
 # plain softmax reads the mask add or the scaled matmul, never a tanh or a row-max subtraction.)
 EAGER_VARIANT_PATTERNS = (
     *(_softcapped_eager_attention(mask, dropout) for mask, dropout in itertools.product((True, False), repeat=2)),
-    *(_sink_eager_attention(*flags) for flags in itertools.product((True, False), repeat=3)),
+    *(_max_subtracted_eager_attention(*flags) for flags in itertools.product((True, False), repeat=4)),
 )
 EAGER_ATTENTION_PATTERNS = tuple(
     _eager_attention(op, mask, dropout, upcast)
