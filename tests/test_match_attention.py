@@ -190,6 +190,33 @@ def test_max_subtracted_eager_attention_becomes_torch_attention():
     check("match_eager_attention", wrong_dim, qkv(n_kv=4), matches=0, dynamic=QKV_DYN)
 
 
+def lse_sink_eager(q, k, v, sinks, plus=False):
+    """Granite-SWA's eager_attention_forward: the sink as an output scale sigmoid(lse - sink)
+    (``plus``: sigmoid(lse + sink), another computation)."""
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.25 + hf_eager_mask(q)
+    lse, sink = torch.logsumexp(w, dim=-1), sinks.view(1, -1, 1)
+    sink_scale = (lse + sink if plus else lse - sink).to(torch.float32).sigmoid()
+    probs = F.dropout(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), p=0.0, training=False)
+    out = torch.matmul(probs, v)
+    return out * sink_scale.unsqueeze(-1).to(out.dtype)
+
+
+def test_lse_sink_eager_attention_becomes_torch_attention_with_sinks():
+    """The output-scale spelling equals gpt-oss's sink column: matched to torch_attention(sinks=...)."""
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(6))
+    gm = check("match_eager_attention", lse_sink_eager, (*qkv(n_kv=4), sinks), matches=1, dynamic=QKV_DYN,
+               other_args=(*qkv(n_kv=4, b=3, s=9), sinks), atol=1e-5)
+    node = _attention_kwargs(gm)
+    assert node.kwargs["sinks"].op == "placeholder" and node.kwargs["is_causal"] is True
+    assert not [n for n in gm.graph.nodes if n.target in (torch.ops.aten.logsumexp.default, torch.ops.aten.sigmoid.default)]
+    # the same against the sink-column spelling on the same inputs
+    q, k, v = qkv(n_kv=4)
+    torch.testing.assert_close(lse_sink_eager(q, k, v, sinks), sink_eager(q, k, v, sinks), atol=1e-6, rtol=1e-5)
+    # sigmoid(lse + sink) is another computation: left alone
+    plus = lambda q, k, v, sinks: lse_sink_eager(q, k, v, sinks, plus=True)  # noqa: E731
+    check("match_eager_attention", plus, (*qkv(n_kv=4), sinks), matches=0, dynamic=QKV_DYN)
+
+
 def test_sink_eager_near_miss_drops_the_wrong_column():
     fn = lambda q, k, v, sinks: sink_eager(q, k, v, sinks, keep=slice(1, None))  # noqa: E731
     check("match_eager_attention", fn, (*qkv(n_kv=4), torch.randn(4)), matches=0, dynamic=QKV_DYN)

@@ -30,6 +30,9 @@ it: every attention layer cached, greedy tokens equal HF's (``tests/test_more_fa
   sliding-window attention with twice the KV heads and a learned sink logit per head --, query/key
   heads 16 wide against value heads 8 wide, values scaled, the softmax after a row-max subtraction
   (eager only: HF has no SDPA path); MoE after a dense first layer.
+* ``granite_swa`` / ``granitemoe_swa``: Granite with sliding-window layers and a learned sink per
+  head applied after the attention as ``out * sigmoid(logsumexp(logits) - sink)`` (eager only), muP
+  attention multiplier; the MoE variant with 4 experts.
 * ``apertus``: Apertus: an ungated MLP with the xIELU activation, whose constants only its
   constructor sets (the random build takes them from an ordinary build, ``models/build.py``),
   QK-norm, Llama-3 RoPE scaling; 3 layers (with 2, HF's greedy tokens repeat on one check prompt).
@@ -139,6 +142,16 @@ def _mimo_v2_flash():
     return config
 
 
+def _granite_swa(model_type: str = "granite_swa", **fields: Any):
+    config = _config(model_type, **SLIDING_THEN_FULL, attention_multiplier=0.25, **fields)
+    config._attn_implementation = "eager"  # HF refuses SDPA for this family
+    return config
+
+
+def _granitemoe_swa():
+    return _granite_swa("granitemoe_swa", num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)
+
+
 def _apertus():
     return _config("apertus", num_hidden_layers=3)
 
@@ -163,4 +176,6 @@ ARCHS: dict = {
     "apertus": _apertus,
     "vaultgemma": _vaultgemma,
     "mimo_v2_flash": _mimo_v2_flash,
+    "granite_swa": _granite_swa,
+    "granitemoe_swa": _granitemoe_swa,
 }

@@ -379,11 +379,57 @@ def _max_subtracted_eager_attention(with_sinks: bool, with_mask: bool, with_drop
     )
 
 
+def _lse_sink_eager_attention(with_mask: bool, with_dropout: bool) -> Pattern:
+    """Granite-SWA's ``eager_attention_forward`` (after repeat_kv): the sink applied after the
+    attention as ``out * sigmoid(logsumexp(w) - sink)`` -- the share of the softmax mass the visible
+    keys keep once the sink logit joins the denominator, so the same attention as gpt-oss's sink
+    column (fp32 rounding apart). -> ``torch_attention(..., sinks=sinks)``."""
+
+    def search(q, k, v, sinks, *mask, scale):
+        w = torch.matmul(q, k.transpose(2, 3)) * scale
+        if mask:
+            w = w + mask[0]
+        sink_scale = (torch.logsumexp(w, dim=-1) - sinks.view(1, -1, 1)).to(torch.float32).sigmoid()
+        probs = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        if with_dropout:
+            probs = F.dropout(probs, p=0.0, training=False)
+        out = torch.matmul(probs, v)
+        return out * sink_scale.unsqueeze(-1).to(out.dtype)
+
+    def replacement(q, k, v, sinks, *mask, **flags):
+        return _variant_replacement(q, k, v, mask, sinks=sinks, **flags)
+
+    def check(m: Match) -> Optional[Dict[str, Any]]:
+        # casts: the scale to fp32, the probabilities back to q's dtype, the scale to the output's
+        q, sinks = m.val("q"), m.val("sinks")
+        if q is None or sinks is None or q.dim() != 4 or sinks.dim() != 1 or not same_size(sinks.shape[0], q.shape[1]):
+            return None
+        (softmax,) = m.matched(aten.softmax.int)
+        if dict(named_args(softmax))["dtype"] != torch.float32:
+            return None
+        casts = sorted(str(c.args[1]) for c in m.matched(aten.to.dtype))
+        if casts != sorted(map(str, (torch.float32, q.dtype, q.dtype))):
+            return None
+        return _variant_masking(m, with_mask)
+
+    return _eager_pattern(
+        f"lse_sink_eager_attention{_suffix(with_mask, with_dropout)}",
+        search,
+        replacement,
+        check,
+        with_mask,
+        literals={"scale": _SCALE},
+        ignore=((aten.softmax.int, "dtype"), (aten.to.dtype, "dtype")),
+        with_sinks=True,
+    )
+
+
 # The variants first, most specific first. (The plain patterns cannot take their nodes anyway: a
 # plain softmax reads the mask add or the scaled matmul, never a tanh or a row-max subtraction.)
 EAGER_VARIANT_PATTERNS = (
     *(_softcapped_eager_attention(mask, dropout) for mask, dropout in itertools.product((True, False), repeat=2)),
     *(_max_subtracted_eager_attention(*flags) for flags in itertools.product((True, False), repeat=4)),
+    *(_lse_sink_eager_attention(mask, dropout) for mask, dropout in itertools.product((True, False), repeat=2)),
 )
 EAGER_ATTENTION_PATTERNS = tuple(
     _eager_attention(op, mask, dropout, upcast)
