@@ -184,3 +184,24 @@ def test_a_causal_mask_built_with_a_lifted_literal_is_classified_causal():
     mask = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
     seq = next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"].shape[1]
     assert classify_mask(mask, seq) == MaskKind(is_causal=True)
+
+
+def test_a_loop_over_the_tokens_is_refused_naming_its_line_and_module():
+    """RWKV's WKV recurrence is a Python loop over the tokens: export fixes the sequence length, and
+    the refusal names the loop's line and the module it runs in (not only torch's "Constraints
+    violated"); the HF class has no SDPA path, so the tiny build picks eager attention by itself."""
+    from transformers import RwkvConfig
+
+    from workbench.pipeline.interface import TransformError
+
+    def rwkv():
+        return RwkvConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                          intermediate_size=64, context_length=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+    loaded = load_model("tiny:rwkv", tiny_registry={"rwkv": rwkv}, dtype="float32")
+    assert loaded.config._attn_implementation == "eager"
+    with pytest.raises(TransformError) as err:  # 3 example tokens: the diagnosis re-traces the unrolled loop
+        Workbench(loaded, numerics=False, overrides={"export_to_gm.example_seq_len": 3}).step()
+    msg = str(err.value.cause)
+    assert msg.startswith("the sequence length was fixed during tracing by `for current_index in range(seq_length):`")
+    assert "(RwkvSelfAttention)" in msg and "blocks.0.attention" in msg and "canonical op" in msg

@@ -398,11 +398,19 @@ def oracle_defaults(config: "PretrainedConfig") -> "PretrainedConfig":
     return config
 
 
+def _supports_sdpa(config) -> bool:
+    """HF refuses ``sdpa`` for classes without an SDPA path (RWKV, VaultGemma, ...): those get eager."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return cls is None or bool(getattr(cls, "_supports_sdpa", True))
+
+
 def build_tiny_config(name: str, registry: Mapping[str, TinyBuilder] | None = None) -> "PretrainedConfig":
     """Config for ``tiny:<name>``, with sdpa attention and the strong-oracle defaults
     (``oracle_defaults``). ``KeyError`` if unknown."""
     reg = TINY_ARCHS if registry is None else registry
     config = reg[name]()  # fresh object per call: callers may mutate it freely
     if getattr(config, "_attn_implementation", None) is None:
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = "sdpa" if _supports_sdpa(config) else "eager"
     return config if name in HF_INIT_ARCHS else oracle_defaults(config)

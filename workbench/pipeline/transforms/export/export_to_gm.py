@@ -44,6 +44,7 @@ from .export_cache import ExportCache, export_key, read_graph, store_graph
 from .few_experts import cut_experts, restore_experts
 from .forward_constants import constant_values, forget_meta_constants, meta_constants
 from .patches import EXPORT_PATCHES, apply_patches, resolve_patches
+from .specialized_dims import DIM_NAMES, draft_export, explain_specialized_dim, is_specialized_dim_error
 from .stamp import TRACED, stamp_layers, truncated, why_not_stampable
 
 
@@ -153,7 +154,15 @@ class ExportToGM(Transform[ExportToGMConfig]):
 
         def export(module: torch.nn.Module):
             with apply_patches(patches, module), torch.inference_mode(False), torch.no_grad():
-                return torch.export.export(module, example.args, dynamic_shapes=dyn, strict=cfg.strict)
+                try:
+                    return torch.export.export(module, example.args, dynamic_shapes=dyn, strict=cfg.strict)
+                except Exception as e:
+                    if not is_specialized_dim_error(e):
+                        raise
+                    why = explain_specialized_dim(module, lambda: draft_export(module, example.args, dyn), DIM_NAMES)
+                    if why is None:
+                        raise
+                    raise ValueError(why) from e
 
         stamping = _stamp_plan(traced, ctx, cfg)
         ep = gm = None
