@@ -1,4 +1,5 @@
-"""Greedy generation on every ``tiny:`` arch equals ``transformers.generate``, token for token.
+"""Greedy generation on every ``tiny:`` arch equals ``transformers.generate``, token for token, with
+every attention layer cached (MLA families: the latent cache) and the runner using its caches.
 
 8 prompts of different lengths (1..47 tokens) run together with continuous batching, 32 new
 tokens each; the reference generates each prompt alone. Per arch the pipeline runs with the
@@ -26,6 +27,7 @@ from test_runtime import _hf_greedy, decode_vs_reforward
 from workbench import Workbench
 from workbench.models import load_model
 from workbench.models.tiny import list_tiny_archs
+from workbench.onboarding.check import UNCACHED_RUNNER, uncached_attention_left
 
 ARCHS = list_tiny_archs()
 #: The multi-head latent attention families: their cache must be the latent one (one torch_cached_mla per
@@ -63,7 +65,7 @@ def compare_with_hf(arch: str, backend: str, device: str = "cpu") -> dict:
     return {
         "arch": arch, "backend": backend, "mismatches": mismatches, "generated": out.stats.generated_tokens,
         "probe_rmse": probe.rmse_ratio if probe is not None and probe.ok else None,
-        "concurrency": out.stats.max_concurrency, "bench": bench,
+        "concurrency": out.stats.max_concurrency, "bench": bench, "cache": out.stats.cache,
     }
 
 
@@ -72,6 +74,10 @@ def test_tiny_arch_greedy_equals_hf(arch):
     res = compare_with_hf(arch, "torch")
     assert res["mismatches"] == {} and res["generated"] == 8 * NEW and res["concurrency"] == 8
     assert res["probe_rmse"] is not None and res["probe_rmse"] <= 1e-5
+    # every attention layer cached, and the runner used its caches (a full re-forward each step would
+    # give HF's tokens too)
+    assert uncached_attention_left(res["bench"].snapshots) == {}
+    assert not res["cache"].startswith(UNCACHED_RUNNER), res["cache"]
     if arch in MLA_ARCHS:
         hist = res["bench"].snapshots[-1].op_histogram
         mla = res["bench"].snapshots[0].op_histogram.get("workbench.torch_mla.default")  # one per attention

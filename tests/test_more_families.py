@@ -1,13 +1,11 @@
 """The more dense and MoE families and the recent ones (``tiny_families/more_dense.py``, ``more_moe.py``,
-``recent.py``), each end to end:
-the whole default pipeline (numerics off), every attention layer cached, and 8 cached greedy tokens
-equal to HF ``generate``'s on one prompt. Plus, per family, what makes that comparison worth having:
-HF's greedy tokens on the ``workbench check`` prompts are not one or two repeated ids (>= 8 distinct
-of 16 on each prompt), so a cache that lost the past would change them.
+``recent.py``): registered and checked, and their family-specific checks.
 
-``workbench check`` runs the same families with 4 prompts, 2 at a time, and the numerics probe; the
-tiny-arch sweeps (``test_generate``, ``test_export``, ``test_models``) cover them too. This file is the
-quick per-family check: about 2 s of CPU each (the pipeline's share), gemma3n's 4 layers about 7 s.
+Each family's end-to-end run -- the whole default pipeline, every attention layer cached, greedy
+tokens equal to HF ``generate`` -- is ``test_generate``'s sweep over every tiny arch; the oracle's
+strength (HF's greedy tokens on the ``workbench check`` prompts hold >= 8 distinct ids, so a cache that
+lost the past would change them) is ``test_check``'s. ``cached_greedy_equals_hf`` here is the same
+check on one prompt, for the files that add a family-specific assertion after it.
 """
 
 from __future__ import annotations
@@ -58,7 +56,3 @@ def cached_greedy_equals_hf(arch: str, new: int = NEW) -> Workbench:
     assert out.results[0].token_ids == want
     return bench
 
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_more_family_cached_greedy_equals_hf(arch):
-    cached_greedy_equals_hf(arch)
