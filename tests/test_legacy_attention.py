@@ -2,8 +2,9 @@
 through a causal table the module registers, as GPT-Neo (``torch.where``) and OpenAI GPT
 (``w * b - 1e4 * (1 - b)``) write it. Per spelling: the match keeps the numbers, the table's mask
 is classified once its values are known, fills that are not hidden values and tables that are not
-0/1 are never taken for causality; then the older families end to end (``tiny_families/legacy_attention.py``:
-GPT-Neo, OpenAI GPT, CTRL, BioGPT): every layer cached (GPT-Neo's local layer with its window) and
+0/1 are never taken for causality; XGLM's BART-style attention over heads folded into the batch
+(``attention/bmm_heads.py``); then the older families end to end (``tiny_families/legacy_attention.py``:
+GPT-Neo, OpenAI GPT, CTRL, BioGPT, XGLM): every layer cached (GPT-Neo's local layer with its window) and
 greedy tokens equal to HF's; and a spelling left unmatched says "uncached" where a user reads it."""
 
 from __future__ import annotations
@@ -66,6 +67,37 @@ class ArithTable(nn.Module):
         b = self.bias[:, :, :s, :s]
         w = w * b + -1e4 * (1 - b)
         return torch.matmul(F.softmax(w, dim=-1), v)
+
+
+class BmmHeads(nn.Module):
+    """XGLM's attention core on [b, n, s, d] q (pre-scaled), k, v: heads folded into the batch for
+    two ``bmm``s, HF's additive causal mask added and the logits clamped at ``clamp``."""
+
+    def __init__(self, clamp=None):
+        super().__init__()
+        self.clamp = clamp
+
+    def forward(self, q, k, v):
+        b, n, s, d = q.shape
+        w = torch.bmm(q.reshape(b * n, -1, d), k.reshape(b * n, -1, d).transpose(1, 2))
+        keep = torch.arange(s)[None, :] <= torch.arange(s)[:, None]
+        mask = torch.where(keep, 0.0, torch.finfo(q.dtype).min)[None, None]
+        clamp = torch.finfo(w.dtype).min if self.clamp is None else self.clamp
+        w = torch.max(w.view(b, n, s, s) + mask, torch.full((), clamp, device=w.device)).view(b * n, s, s)
+        p = F.softmax(w, dim=-1).view(b, n, s, s).view(b * n, s, s)
+        p = F.dropout(p, p=0.1, training=False)
+        return torch.bmm(p, v.reshape(b * n, -1, d)).view(b, n, s, d)
+
+
+def test_bmm_heads_attention_becomes_causal_attention_with_the_same_numbers():
+    gm = check("match_eager_attention", BmmHeads(), qkv(n_kv=4), matches=1, dynamic=QKV_DYN,
+               other_args=qkv(n_kv=4, b=3, s=9), atol=1e-5)  # fmt: skip
+    node = attention_node(gm)
+    assert node.kwargs["is_causal"] is True and node.kwargs["attn_mask"] is None and node.kwargs["scale"] == 1.0
+    assert not [n for n in gm.graph.nodes if n.target in (torch.ops.aten.bmm.default, torch.ops.aten.max.other)]
+    # a clamp at -1000 can lift a hidden logit into the softmax: not matched, reported uncached
+    gm = check("match_eager_attention", BmmHeads(clamp=-1000.0), qkv(n_kv=4), matches=0, dynamic=QKV_DYN)
+    assert len(uncached_attention(gm)) == 1
 
 
 def _mask_kind(gm):
@@ -131,6 +163,9 @@ def test_legacy_family_cached_greedy_equals_hf(arch):
     info = bench.snapshot("insert_cached_attention").info
     assert info.num_matches == 2
     windows = [n.kwargs.get("sliding_window") for n in bench.module.graph.nodes if "cached_attention" in str(n.target)]
+    if arch == "xglm":  # BART-style attention: matched by the bmm-heads spelling
+        matched = bench.snapshot("match_eager_attention").info.details["matches"]
+        assert sum(n for name, n in matched.items() if name.startswith("bmm_heads_attention")) == 2, matched
     assert windows == ([4, None] if arch == "gpt_neo" else [None, None])  # GPT-Neo: local, then global
     form = TABLE_FORMS.get(arch)
     if form is not None:  # the table spellings: matched here, their masks classified after load

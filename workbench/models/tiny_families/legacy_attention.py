@@ -7,10 +7,13 @@ logits replaced through a causal table the module registers (``pipeline/transfor
   sinusoidal positions.
 * ``biogpt``: BioGPT: SDPA over a causal mask and an all-ones padding mask made in forward, indexed
   by key position (classified on plain positions: the probe's large ones index out of range).
+* ``xglm``: XGLM: BART-style attention -- the query scaled before the product, heads folded into the
+  batch for two ``bmm``s, the masked logits clamped at ``finfo.min`` (``attention/bmm_heads.py``),
+  sinusoidal positions, embeddings scaled by sqrt(d).
 * ``openai_gpt``: the first GPT: ``Conv1D`` projections, the key permuted straight to [b, h, d, s],
   logits divided by sqrt(d) and hidden as ``w * b - 1e4 * (1 - b)`` with a float 0/1 table.
 
-GPT-Neo and OpenAI GPT run HF's eager attention (their only implementation), CTRL and BioGPT SDPA.
+GPT-Neo, OpenAI GPT and XGLM run HF's eager attention (their only implementation), CTRL and BioGPT SDPA.
 Sizes and init as ``more_dense`` (an lm head of its own, std 0.3; OpenAI GPT's ``Conv1D`` projections
 keep their constructor's 0.02, ``models/build.py``).
 """
@@ -73,4 +76,19 @@ def _biogpt():
     )
 
 
-ARCHS: dict = {"gpt_neo": _gpt_neo, "openai_gpt": _openai_gpt, "ctrl": _ctrl, "biogpt": _biogpt}
+def _xglm():
+    from transformers import XGLMConfig
+
+    return XGLMConfig(
+        vocab_size=512,
+        max_position_embeddings=512,
+        d_model=64,
+        ffn_dim=128,
+        num_layers=2,
+        attention_heads=4,
+        **ORACLE,
+        **SMALL_TOKEN_IDS,
+    )
+
+
+ARCHS: dict = {"gpt_neo": _gpt_neo, "openai_gpt": _openai_gpt, "ctrl": _ctrl, "biogpt": _biogpt, "xglm": _xglm}

@@ -49,6 +49,7 @@ from ...matcher import (
 )
 from ...matcher.masks import MaskKind, attention_mask_arguments, classify_mask
 from .alibi import ALIBI_EAGER_PATTERNS, ALIBI_SDPA_PATTERNS
+from .bmm_heads import BMM_HEADS_PATTERNS
 from .legacy import LEGACY_EAGER_PATTERNS
 
 aten = torch.ops.aten
@@ -442,7 +443,13 @@ class MatchEagerAttention(PatternTransform):
     """Replace eager attention (matmul, scale, mask, softmax, matmul) by ``torch_attention_sdpa``,
     and its soft-capped / sink variants by ``torch_attention`` with ``logit_cap`` / ``sinks``."""
 
-    patterns = EAGER_VARIANT_PATTERNS + ALIBI_EAGER_PATTERNS + EAGER_ATTENTION_PATTERNS + LEGACY_EAGER_PATTERNS
+    patterns = (
+        EAGER_VARIANT_PATTERNS
+        + ALIBI_EAGER_PATTERNS
+        + EAGER_ATTENTION_PATTERNS
+        + LEGACY_EAGER_PATTERNS
+        + BMM_HEADS_PATTERNS
+    )
 
 
 # ------------------------------------------------------------------------------ sdpa -> torch_attention
