@@ -1,9 +1,8 @@
-"""The pattern matcher itself (literals, commutativity, shared casts, outside users), plus the
-helpers the test_match_* files share: run one transform on an exported module and check it."""
+"""The helpers the test_match_* files share: export a function, run one transform on it, check it,
+count its ops (the matcher engine's own tests: ``test_matcher_engine.py``)."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Dict, Optional, Sequence
 
 import torch
@@ -11,9 +10,7 @@ import torch.fx as fx
 
 from workbench.pipeline.graph.utils import op_histogram
 from workbench.pipeline.interface import TRANSFORMS, GraphState, Stages, TransformInfo
-from workbench.pipeline.matcher import (
-    Pattern, PatternMatcher, automatic_dims, export_graph_module, traced_pattern,
-)
+from workbench.pipeline.matcher import automatic_dims, export_graph_module
 
 wb = torch.ops.workbench
 
@@ -38,7 +35,9 @@ def run(key: str, gm: fx.GraphModule, **fields) -> tuple[fx.GraphModule, Transfo
     """Run one registered transform as the pipeline does (cleanup/shape flags included)."""
     cls = TRANSFORMS.get(key)
     cfg = cls.config_class(stage=Stages.PATTERN_MATCHER, **fields)
+    before = op_histogram(gm)  # for ``gone``: the transform may rewrite gm in place
     out, info, _ = cls(cfg)(gm, None, GraphState(is_clean=True, has_valid_shapes=True))
+    out.meta[OPS_BEFORE] = before
     return out, info
 
 
@@ -77,86 +76,46 @@ def check(
     return out
 
 
-def count(gm: torch.nn.Module, op_name: str) -> int:
-    return op_histogram(gm).get(op_name, 0)
+#: ``out.meta`` key under which ``run`` keeps the op histogram of the graph it was given.
+OPS_BEFORE = "test_ops_before"
 
 
-# ------------------------------------------------------------------------------ matcher tests
+def op_key(op: Any) -> str:
+    """``op_histogram``'s name of ``op`` (an ``OpOverload`` or such a name), checked to name an op
+    overload: ``count(gm, "<misspelt>") == 0`` would otherwise pass whatever the graph holds."""
+    name = op if isinstance(op, str) else f"{op.namespace}.{op._schema.name.split('::')[-1]}.{op._overloadname}"
+    parts = name.split(".")
+    try:
+        packet = getattr(getattr(torch.ops, parts[0]), parts[1])
+        if len(parts) != 3 or not isinstance(getattr(packet, parts[2]), torch._ops.OpOverload):
+            raise AttributeError(name)
+    except (AttributeError, IndexError, RuntimeError):
+        raise ValueError(f"{name!r} names no op overload (spell it namespace.op.overload)") from None
+    return name
 
 
-def _scaled_sum(a, b, *, alpha):
-    return (a + b) * alpha
+def count(gm: torch.nn.Module, op: Any) -> int:
+    """Nodes of ``gm`` calling ``op`` (an ``OpOverload`` or its name, ``"aten.rsqrt.default"``)."""
+    return op_histogram(gm).get(op_key(op), 0)
 
 
-def _scaled_sum_replacement(a, b, *, alpha):
-    return torch.ops.aten.mul.Tensor(torch.ops.aten.add.Tensor(b, a), alpha)  # swapped on purpose
+def gone(gm: torch.nn.Module, op: Any) -> bool:
+    """``op`` was in the graph ``run`` was given and is not in its result ``gm`` (vLLM's
+    check-before-ops: an assertion that an op is gone must be able to fail)."""
+    name = op_key(op)
+    before = gm.meta.get(OPS_BEFORE)
+    if before is None:
+        raise KeyError("gone(): this graph did not come from match_support.run/check (no op counts from before)")
+    assert before.get(name, 0) > 0, f"{name} was not in the graph before the transform: 'gone' cannot fail"
+    return count(gm, name) == 0
 
 
-SCALED_SUM = Pattern(
-    "scaled_sum", _scaled_sum, _scaled_sum_replacement, lambda: (torch.randn(3), torch.randn(3)),
-    literals={"alpha": 0.37},
-)
-
-
-def test_literal_wildcards_bind_per_match_and_commutative_args_match_both_orders():
-    def f(x, y):
-        return (x + y) * 2.0 + 3.0 * (y + x) * 1.0 - (x + y) * 5.0
-
-    gm = export(f, (torch.randn(4), torch.randn(4)))
-    ref = gm(torch.ones(4), torch.arange(4.0))
-    counts = PatternMatcher([SCALED_SUM]).apply(gm)
-    gm.recompile()
-    # (x+y)*2.0, (y+x)*3.0 (export spells 3.0*t as mul(t, 3.0); add in the other order) and (x+y)*5.0
-    assert counts["scaled_sum"] == 3
-    torch.testing.assert_close(gm(torch.ones(4), torch.arange(4.0)), ref)
-    alphas = sorted(n.args[1] for n in gm.graph.nodes if n.meta.get("wb_replaces") and n.target is torch.ops.aten.mul.Tensor)
-    assert alphas == [2.0, 3.0, 5.0]
-
-
-def test_inner_nodes_used_outside_block_the_match():
-    def f(x, y):
-        s = x + y
-        return s * 2.0, s  # the sum is needed anyway: replacing the product would duplicate it
-
-    gm = export(f, (torch.randn(4), torch.randn(4)))
-    assert PatternMatcher([SCALED_SUM]).apply(gm)["scaled_sum"] == 0
-
-
-def test_traced_pattern_is_cached_and_names_inputs():
-    g1, g2 = traced_pattern(SCALED_SUM), traced_pattern(SCALED_SUM)
-    assert g1 is g2
-    assert [n.meta["pattern_input"] for n in g1.nodes if n.op == "placeholder"] == ["a", "b"]
-
-
-def test_replacements_carry_provenance_and_fake_values():
-    gm = export(lambda x, y: (x + y) * 2.0, (torch.randn(4), torch.randn(4)), {0: {0: "n"}, 1: {0: "n"}})
-    PatternMatcher([SCALED_SUM]).apply(gm)
-    new = [n for n in gm.graph.nodes if "wb_replaces" in n.meta]
-    assert new and all(isinstance(n.meta["val"], torch.Tensor) for n in new)
-    assert sorted(new[-1].meta["wb_replaces"]) == ["add", "mul"]
-    assert str(new[-1].meta["val"].shape[0]).startswith("s")  # stays symbolic
-
-
-def test_shareable_nodes_may_feed_outside_users():
-    def pat(x, *, eps):
-        h = x.to(torch.float32)
-        return h * eps
-
-    def rep(x, *, eps):
-        return torch.ops.aten.mul.Tensor(x, eps)
-
-    strict = Pattern("p", pat, rep, lambda: (torch.randn(3),), literals={"eps": 0.123})
-    relaxed = Pattern("p", pat, rep, lambda: (torch.randn(3),), literals={"eps": 0.123},
-                      shareable=(torch.ops.aten.to.dtype,))
-
-    def f(x):
-        h = x.to(torch.float32)
-        return h * 4.0, h + 1
-
-    assert PatternMatcher([strict]).apply(export(f, (torch.randn(3),)))["p"] == 0
-    gm = export(f, (torch.randn(3),))
-    assert PatternMatcher([relaxed]).apply(gm)["p"] == 1
-    gm.recompile()
-    out = gm(torch.ones(3))
-    torch.testing.assert_close(out[0], torch.full((3,), 4.0))
-    assert copy.deepcopy(out[1]).tolist() == [2.0, 2.0, 2.0]
+def all_gone(gm: torch.nn.Module, ops: Sequence[Any]) -> bool:
+    """Of ``ops`` (alternatives: spellings a graph may hold), at least one was in the graph ``run``
+    was given, and none of those is left in ``gm``."""
+    before = gm.meta.get(OPS_BEFORE)
+    if before is None:
+        raise KeyError("all_gone(): this graph did not come from match_support.run/check (no op counts from before)")
+    present = [op for op in ops if before.get(op_key(op), 0)]
+    assert present, f"none of {list(ops)} was in the graph before the transform: 'all_gone' cannot fail"
+    return all(gone(gm, op) for op in present)

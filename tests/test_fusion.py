@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from match_support import count
+
 from workbench import Workbench
 from workbench.models.export_contract import make_batch
-from workbench.pipeline.graph.utils import op_histogram
 from workbench.pipeline.interface import TRANSFORMS, GraphState, Stages, TransformError
 from workbench.pipeline.memory import measure
 from workbench.pipeline.matcher import export_graph_module
@@ -39,10 +40,6 @@ def run(key, gm, **fields):
     cfg = cls.config_class(stage=Stages.POST_LOAD_FUSION, **fields)
     out, info, _ = cls(cfg)(gm, None, GraphState(is_clean=True, has_valid_shapes=True))
     return out, info
-
-
-def count(gm, name):
-    return op_histogram(gm).get(name, 0)
 
 
 def tracked(gm):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from match_support import check, count
+from match_support import check, count, gone
 
 DYN = {0: {0: "batch", 1: "seq"}}
 
@@ -37,7 +37,7 @@ def test_swiglu_positive_with_and_without_bias():
     x = torch.randn(2, 5, 16)
     gm = check("match_swiglu_pattern", Two(), (x,), matches=2, dynamic=DYN, other_args=(torch.randn(3, 2, 16),),
                atol=1e-5)
-    assert count(gm, "workbench.torch_swiglu_mlp.default") == 2 and count(gm, "aten.linear.default") == 0
+    assert count(gm, "workbench.torch_swiglu_mlp.default") == 2 and gone(gm, "aten.linear.default")
     gm = check("match_swiglu_pattern", Two(bias=True), (x,), matches=2, dynamic=DYN, atol=1e-5)
     assert all(len(n.args) == 7 for n in gm.graph.nodes if "swiglu" in str(n.target))
 
