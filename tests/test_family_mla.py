@@ -26,7 +26,7 @@ from test_runtime import _hf_greedy, decode_vs_reforward
 import workbench.pipeline.transforms.caches.mla  # noqa: F401  (until transforms/__init__ imports it)
 from workbench import Workbench
 from workbench.models import load_model
-from workbench.models.canonical.mla import COS_SIN_ROPE, cos_sin_mla_forward, deepseek_v3_attention_forward
+from workbench.models.canonical.mla import COS_SIN_ROPE, cos_sin_mla_forward
 from workbench.models.export_contract import CausalLMLogits, make_batch
 from workbench.pipeline.transforms.caches.attention_backend import InsertCachedAttentionConfig
 from workbench.pipeline.config import load_default_yaml, resolve_pipeline
@@ -83,7 +83,7 @@ def test_deepseek_v3_canonical_forward_matches_hf(interleave):
     with torch.no_grad():
         ref = eager(*batch.args)
         for layer in model.model.layers:
-            layer.self_attn.forward = types.MethodType(deepseek_v3_attention_forward, layer.self_attn)
+            layer.self_attn.forward = types.MethodType(cos_sin_mla_forward, layer.self_attn)
         out = eager(*batch.args)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 

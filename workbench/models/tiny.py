@@ -17,7 +17,7 @@ copy, e.g. ``dict(TINY_ARCHS)``); writing to the module default is allowed but i
 explicit, visible call - nothing here mutates state behind your back.
 
 Attention: every config gets ``_attn_implementation = "sdpa"`` (unless a builder sets
-one itself) because the workbench exports these models and we want the graph to contain
+one itself, or the HF class has no SDPA path: then ``"eager"``, ``_supports_sdpa``) because the workbench exports these models and we want the graph to contain
 ``aten.scaled_dot_product_attention`` - the op the attention passes look for - rather
 than a backend-specific kernel. Families that refuse SDPA (Gemma 2's logit soft-capping,
 gpt-oss's attention sinks) set ``"eager"``: ``match_eager_attention`` matches their eager

@@ -36,7 +36,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .divergence import explain_divergence
+from .divergence import explain_divergence, first_difference
 from .entry_details import StageResult, samples, stage_results
 from .memory_estimate import memory_refusal
 from .registry import RegistryEntry
@@ -163,11 +163,11 @@ def oracle_strength(want: Sequence[Sequence[int]]) -> Optional[int]:
 def compare_tokens(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]) -> Tuple[bool, str]:
     """(all equal, "yes" or "no: <the first prompt and position that differ>")."""
     equal = [list(g) == list(w) for g, w in zip(got, want)]
-    if all(equal) and len(got) == len(want):
+    first = first_difference(got, want)
+    if first is None and len(got) == len(want):
         return True, "yes"
-    i = equal.index(False) if False in equal else len(equal)
+    i, pos = first if first is not None else (len(equal), 0)  # else: a prompt without an answer
     g, w = (list(got[i]), list(want[i])) if i < min(len(got), len(want)) else ([], [])
-    pos = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
     at = (
         f"token {pos}: {g[pos]} vs HF {w[pos]}"
         if pos < min(len(g), len(w))

@@ -23,7 +23,7 @@ verdict ``workbench check`` prints after "tokens differ".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Literal, Optional, Sequence
+from typing import Any, List, Literal, Optional, Sequence, Tuple
 
 import torch
 
@@ -74,15 +74,14 @@ class Divergence:
         )
 
 
-def first_difference(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]) -> Optional[tuple]:
-    """``(prompt index, step)`` of the first token that differs, over the prompts in order; None if
-    every continuation is equal (a length difference counts at the shorter one's end)."""
+def first_difference(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]) -> Optional[Tuple[int, int]]:
+    """``(prompt index, step)`` of the first continuation that differs and its first differing token
+    (the shorter one's length when one is a prefix of the other); None when every compared
+    continuation is equal."""
     for i, (g, w) in enumerate(zip(got, want)):
         g, w = list(g), list(w)
         if g != w:
-            step = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
-            if step < min(len(g), len(w)):
-                return i, step
+            return i, next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
     return None
 
 
@@ -118,8 +117,8 @@ def explain_divergence(
     ``prompts``) against ``want`` (HF generate's); None when they are equal. ``wb``: the finished
     ``Workbench`` that generated ``got``; ``hf_model``: the eager HF model ``want`` came from."""
     first = first_difference(got, want)
-    if first is None:
-        return None
+    if first is None or first[1] >= min(len(got[first[0]]), len(want[first[0]])):
+        return None  # equal, or a continuation that stopped early: no token to compare
     i, step = first
     prefix: List[int] = list(prompts[i]) + list(want[i][:step])  # equal on both sides up to ``step``
     device = next(hf_model.parameters()).device

@@ -204,16 +204,16 @@ class PipelineStepper:
         cached = any(
             s.stage.order >= Stages.CACHE_INIT.order for s in self.snapshots[: self.index(at) + 1 if at else None]
         )
-        self._check_forward_args(args, positions=True)
+        self._check_forward_args(args)
         probe = self.ctx.cache.probe
         if cached and probe is not None and len(args) == 2:
             with torch.no_grad():
                 return probe(mod, ProbeBatch(*args))
         return self._call(mod, args)
 
-    def _check_forward_args(self, args: Sequence[Any], positions: bool) -> None:
-        """``input_ids`` [batch, seq] of token ids below the vocabulary size, and (before the cache
-        stage) ``position_ids`` of the same shape: named here, not as an indexing error from inside
+    def _check_forward_args(self, args: Sequence[Any]) -> None:
+        """``input_ids`` [batch, seq] of token ids below the vocabulary size, and ``position_ids`` of
+        the same shape: named here, not as an indexing error from inside
         an op of the graph."""
         if not args or not isinstance(args[0], torch.Tensor):
             return
@@ -229,7 +229,7 @@ class PipelineStepper:
                 f"forward: input_ids hold ids outside the vocabulary 0..{vocab - 1} (min {int(ids.min())}, "
                 f"max {int(ids.max())})"
             )
-        if positions and len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].shape != ids.shape:
+        if len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].shape != ids.shape:
             raise InputError(
                 f"forward: position_ids {tuple(args[1].shape)} must have input_ids' shape {tuple(ids.shape)}"
             )

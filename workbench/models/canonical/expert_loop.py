@@ -39,7 +39,8 @@ _INTERFACE_FILE = "transformers/integrations/moe.py"
 
 
 def _activation(module: Any) -> str:
-    """The MoE op's activation name for the module's (or its config's) activation."""
+    """The MoE op's activation name for the module's (or its config's) activation; ``ValueError``
+    when none is found (a guessed activation would change the answer silently)."""
     config = getattr(module, "config", None)
     name = getattr(config, "hidden_act", None)
     ffn = getattr(config, "ffn_config", None)  # DBRX: ffn_config.ffn_act_fn = {"name": "silu"}
@@ -51,7 +52,12 @@ def _activation(module: Any) -> str:
         name = {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu", "ReLU": "relu"}.get(
             type(fn).__name__
         )
-    return name or "silu"
+    if name is None:
+        raise ValueError(
+            f"{type(module).__name__}: cannot tell its experts' activation (no config.hidden_act, DBRX "
+            "ffn_config.ffn_act_fn or known act_fn module); switch the canonical_expert_loop export patch off"
+        )
+    return name
 
 
 def expert_layout(module: torch.nn.Module) -> Optional[str]:
@@ -98,10 +104,10 @@ def expert_loop_forward(module: Any, hidden_states: torch.Tensor, top_k_index: t
         )
         return out.view(hidden_states.shape[0], -1, hidden)  # HF's DBRX output shape: [dim 0, -1, H]
     routed = module.down_proj.shape[0]
-    if module.gate_up_proj.shape[0] == routed:
+    if module.gate_up_proj.shape[0] == routed:  # no identity experts
         out = wb.torch_moe_fused(x, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj, act)
         return out.reshape(hidden_states.shape)
-    # identity ("zero") experts past the routed ones: weight * x, no MLP
+    # identity ("zero") experts past the routed ones: -1 for the MoE op (skipped), weight * x instead
     is_routed = top_k_index < routed
     index = torch.where(is_routed, top_k_index, torch.full_like(top_k_index, -1))
     out = wb.torch_moe_fused(x, index, top_k_weights, module.gate_up_proj[:routed], module.down_proj, act)

@@ -218,10 +218,6 @@ def cos_sin_mla_forward(
     return _attend(module, hidden_states, q_nope, q_pe, latent, k_pe), None
 
 
-#: The DeepSeek-V3 name of the same forward (tests and the custom model refer to it).
-deepseek_v3_attention_forward = cos_sin_mla_forward
-
-
 PATCHES: tuple = (
     ModulePatch(
         "canonical_deepseek_v2_mla",

@@ -48,49 +48,33 @@ def _qwen3_next():
     )
 
 
-#: A gated delta net then full attention: the hybrids' pattern at its smallest.
-LINEAR_THEN_FULL: dict = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+def _linear_then_full(model_type: str, **fields):
+    """A gated delta net (Qwen3-Next's head sizes, conv kernel 4) then full attention: the hybrids'
+    pattern at its smallest, for the families configured by model type."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        model_type,
+        **TRANSFORMER,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        **GATED_DELTA_NET_HEADS,
+        linear_conv_kernel_dim=4,
+        **SMALL_TOKEN_IDS,
+        **fields,
+    )
 
 
 def _qwen3_5():
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(
-        "qwen3_5_text",
-        **TRANSFORMER,
-        **LINEAR_THEN_FULL,
-        **GATED_DELTA_NET_HEADS,
-        linear_conv_kernel_dim=4,
-        **SMALL_TOKEN_IDS,
-    )
+    return _linear_then_full("qwen3_5_text")
 
 
 def _qwen3_5_moe():
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(
-        "qwen3_5_moe_text",
-        **TRANSFORMER,
-        **LINEAR_THEN_FULL,
-        **GATED_DELTA_NET_HEADS,
-        linear_conv_kernel_dim=4,
-        **QWEN3_NEXT_MOE,
-        **SMALL_TOKEN_IDS,
-    )
+    return _linear_then_full("qwen3_5_moe_text", **QWEN3_NEXT_MOE)
 
 
 def _olmo_hybrid():
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(
-        "olmo_hybrid",
-        **TRANSFORMER,
-        **LINEAR_THEN_FULL,
-        **GATED_DELTA_NET_HEADS,
-        linear_conv_kernel_dim=4,
-        linear_allow_neg_eigval=True,
-        **SMALL_TOKEN_IDS,
-    )
+    return _linear_then_full("olmo_hybrid", linear_allow_neg_eigval=True)
 
 
 def _deltanet():

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from .sizes import COMMON, GQA_HEADS, HEAD_DIM, MLP_WIDTH, SMALL_TOKEN_IDS, WIDTH
 
-#: Special tokens inside the tiny vocabulary (the families' defaults index 50k-250k vocabularies).
 #: The shared sizes in GPT-2 spelling (``n_embd`` / ``n_layer`` / ``n_head`` / ``n_inner``); multi-head.
 GPT_SIZES: dict = dict(vocab_size=512, n_positions=512, n_embd=64, n_layer=2, n_head=4, n_inner=128)
 #: The shared sizes for families without GQA: 4 heads of 16 (head dim = hidden / heads).

@@ -121,13 +121,11 @@ def _laguna():
 
 
 def _vaultgemma():
-    config = _config("vaultgemma", query_pre_attn_scalar=16, **SLIDING_THEN_FULL)
-    config._attn_implementation = "eager"  # HF refuses SDPA for this family
-    return config
+    return _config("vaultgemma", query_pre_attn_scalar=16, **SLIDING_THEN_FULL)
 
 
 def _mimo_v2_flash():
-    config = _config(
+    return _config(
         "mimo_v2_flash",
         v_head_dim=8,
         layer_types=["full_attention", "sliding_attention"],
@@ -138,14 +136,10 @@ def _mimo_v2_flash():
         moe_intermediate_size=64,
         attention_value_scale=0.707,
     )
-    config._attn_implementation = "eager"  # HF refuses SDPA for this family
-    return config
 
 
 def _granite_swa(model_type: str = "granite_swa", **fields: Any):
-    config = _config(model_type, **SLIDING_THEN_FULL, attention_multiplier=0.25, **fields)
-    config._attn_implementation = "eager"  # HF refuses SDPA for this family
-    return config
+    return _config(model_type, **SLIDING_THEN_FULL, attention_multiplier=0.25, **fields)
 
 
 def _granitemoe_swa():

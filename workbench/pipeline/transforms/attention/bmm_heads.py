@@ -26,9 +26,9 @@ from ...graph.utils import tensor_meta
 from ...matcher import EVAL_DROPOUT, Match, Pattern, same_size
 from ...matcher.masks import attention_mask_arguments
 from .legacy import REPLACED_HIDDEN
+from .variants import variant_replacement
 
 aten = torch.ops.aten
-wb = torch.ops.workbench
 
 _CLAMP = -12345.5  # sentinel for the clamp's value (finfo(dtype).min in the model)
 
@@ -46,18 +46,8 @@ def _bmm_attention(with_mask: bool, with_dropout: bool) -> Pattern:
             p = F.dropout(p, p=0.0, training=False)
         return torch.bmm(p, v.reshape(b * n, -1, d)).view(b, n, s, d)
 
-    def replacement(q, k, v, *mask, clamp=None, keep_mask, is_causal, sliding_window, chunk_size=None):
-        return wb.torch_attention.default(
-            q,
-            k,
-            v,
-            attn_mask=mask[0] if mask and keep_mask else None,
-            is_causal=is_causal,
-            scale=1.0,
-            sliding_window=sliding_window,
-            layout="bnsd",
-            **({} if chunk_size is None else {"chunk_size": chunk_size}),
-        )
+    def replacement(q, k, v, *mask, clamp=None, **flags):
+        return variant_replacement(q, k, v, mask, scale=1.0, **flags)
 
     def check(m: Match) -> Optional[Dict[str, Any]]:
         q, k, v = m.val("q"), m.val("k"), m.val("v")

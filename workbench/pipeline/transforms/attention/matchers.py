@@ -51,6 +51,7 @@ from ...matcher.masks import MaskKind, attention_mask_arguments, classify_mask
 from .alibi import ALIBI_EAGER_PATTERNS, ALIBI_SDPA_PATTERNS
 from .bmm_heads import BMM_HEADS_PATTERNS
 from .legacy import LEGACY_EAGER_PATTERNS
+from .variants import chunk_kwargs, variant_masking, variant_replacement
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
@@ -251,38 +252,6 @@ def _eager_pattern(
     )
 
 
-def _variant_masking(m: Match, with_mask: bool) -> Optional[Dict[str, Any]]:
-    """Shared check of the eager variants: 4-D q/k/v with whole KV groups; the mask classified
-    (``attention_mask_arguments``) so a causal / sliding-window mask becomes flags."""
-    q, k, v = m.val("q"), m.val("k"), m.val("v")
-    if any(t is None or t.dim() != 4 for t in (q, k, v)):
-        return None
-    if q.shape[1] % k.shape[1] or not same_size(k.shape[1], v.shape[1]):
-        return None
-    return attention_mask_arguments(m.inputs["attn_mask"] if with_mask else None, q, k)
-
-
-def _chunked(chunk_size: Optional[int]) -> Dict[str, Any]:
-    """``torch_attention``'s ``chunk_size`` keyword where a mask was classified as chunked (none
-    otherwise: the other families' graphs keep the op's default)."""
-    return {} if chunk_size is None else {"chunk_size": chunk_size}
-
-
-def _variant_replacement(q, k, v, mask, *, scale, keep_mask, is_causal, sliding_window, chunk_size=None, **variant):
-    return wb.torch_attention.default(
-        q,
-        k,
-        v,
-        attn_mask=mask[0] if mask and keep_mask else None,
-        is_causal=is_causal,
-        scale=float(scale),
-        sliding_window=sliding_window,
-        layout="bnsd",
-        **_chunked(chunk_size),
-        **variant,
-    )
-
-
 def _softcapped_eager_attention(with_mask: bool, with_dropout: bool) -> Pattern:
     """Gemma 2's ``eager_attention_forward`` (after repeat_kv): scaled logits soft-capped as
     ``cap * tanh(x / cap)`` *before* the mask, fp32 softmax, cast back, dropout. SDPA has no
@@ -294,14 +263,14 @@ def _softcapped_eager_attention(with_mask: bool, with_dropout: bool) -> Pattern:
         return _masked_softmax_times_v(w, q, v, mask, with_dropout)
 
     def replacement(q, k, v, *mask, cap, **flags):
-        return _variant_replacement(q, k, v, mask, logit_cap=float(cap), **flags)
+        return variant_replacement(q, k, v, mask, logit_cap=float(cap), **flags)
 
     def check(m: Match) -> Optional[Dict[str, Any]]:
         (cast,) = m.matched(aten.to.dtype)
         q, cap = m.val("q"), m.literals["cap"]
         if q is None or cast.args[1] != q.dtype or not isinstance(cap, (int, float)) or cap <= 0:
             return None
-        return _variant_masking(m, with_mask)
+        return variant_masking(m, with_mask)
 
     return _eager_pattern(
         f"softcapped_eager_attention{_suffix(with_mask, with_dropout)}",
@@ -341,8 +310,8 @@ def _max_subtracted_eager_attention(with_sinks: bool, with_mask: bool, with_drop
 
     def replacement(q, k, v, *rest, **flags):
         if with_sinks:
-            return _variant_replacement(q, k, v, rest[1:], sinks=rest[0], **flags)
-        return _variant_replacement(q, k, v, rest, **flags)
+            return variant_replacement(q, k, v, rest[1:], sinks=rest[0], **flags)
+        return variant_replacement(q, k, v, rest, **flags)
 
     def check(m: Match) -> Optional[Dict[str, Any]]:
         # The ignored sizes: sinks is one logit per query head, broadcast to [b, n, s_q, 1]; the
@@ -365,7 +334,7 @@ def _max_subtracted_eager_attention(with_sinks: bool, with_mask: bool, with_drop
             return None
         if (m.matched(aten.to.dtype)[0].args[1] if with_cast else probs_dtype) != v.dtype:
             return None
-        return _variant_masking(m, with_mask)
+        return variant_masking(m, with_mask)
 
     return _eager_pattern(
         f"{'sink' if with_sinks else 'max_subtracted'}_eager_attention{_suffix(with_mask, with_dropout)}"
@@ -398,7 +367,7 @@ def _lse_sink_eager_attention(with_mask: bool, with_dropout: bool) -> Pattern:
         return out * sink_scale.unsqueeze(-1).to(out.dtype)
 
     def replacement(q, k, v, sinks, *mask, **flags):
-        return _variant_replacement(q, k, v, mask, sinks=sinks, **flags)
+        return variant_replacement(q, k, v, mask, sinks=sinks, **flags)
 
     def check(m: Match) -> Optional[Dict[str, Any]]:
         # casts: the scale to fp32, the probabilities back to q's dtype, the scale to the output's
@@ -411,7 +380,7 @@ def _lse_sink_eager_attention(with_mask: bool, with_dropout: bool) -> Pattern:
         casts = sorted(str(c.args[1]) for c in m.matched(aten.to.dtype))
         if casts != sorted(map(str, (torch.float32, q.dtype, q.dtype))):
             return None
-        return _variant_masking(m, with_mask)
+        return variant_masking(m, with_mask)
 
     return _eager_pattern(
         f"lse_sink_eager_attention{_suffix(with_mask, with_dropout)}",
@@ -482,7 +451,7 @@ def _sdpa_pattern(source: str, repeated: bool, with_mask: bool) -> Pattern:
             scale=scale,
             sliding_window=sliding_window,
             layout="bnsd",
-            **_chunked(chunk_size),
+            **chunk_kwargs(chunk_size),
         )
 
     def check(m: Match) -> Optional[Dict[str, Any]]:

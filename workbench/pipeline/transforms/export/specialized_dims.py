@@ -37,8 +37,8 @@ DIM_NAMES = {
 
 def draft_export(module: torch.nn.Module, args: Tuple[Any, ...], dyn) -> Any:
     """``torch.export.draft_export`` (it records the guards a strict export refuses), quietly: its
-    warning banner off, and its structured trace kept to its own handler (propagated to the root
-    logger, every record is formatted again by whatever handlers an application or pytest set)."""
+    warning banner off, and its structured trace (DEBUG records of every traced op) kept to its own
+    handler instead of also reaching the application's (or pytest's) log handlers."""
     import logging
 
     from torch.export._draft_export import draft_export as _draft
