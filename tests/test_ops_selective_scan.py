@@ -306,17 +306,19 @@ def test_triton_kernel_compiles_for_hopper():
     import triton
     from triton.runtime.jit import JITFunction
 
-    from workbench.ops.selective_scan import triton_selective_scan
+    from workbench.ops.ssm import triton_ssm
 
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
     except ImportError as e:  # pragma: no cover - depends on the triton version
         pytest.skip(f"this triton has no ahead-of-time compile API: {e}")
-    kernel = triton_selective_scan.kernel()
+    kernel = triton_ssm.kernel()  # the scan kernel shared with Mamba-2, per-channel variant
     if not isinstance(kernel, JITFunction):
         pytest.skip("the kernel was decorated under TRITON_INTERPRET=1 in this process")
-    for constexprs, dtype in ((dict(BLOCK_D=64, BLOCK_N=16), "fp32"), (dict(BLOCK_D=16, BLOCK_N=64), "bf16")):
+    per_channel = dict(HAS_MAX=False, PER_CHANNEL=True)
+    for constexprs, dtype in ((dict(BLOCK_D=64, BLOCK_N=16, **per_channel), "fp32"),
+                              (dict(BLOCK_D=16, BLOCK_N=64, **per_channel), "bf16")):
         sig = {}
         for name in kernel.arg_names:
             if name in constexprs:
@@ -327,6 +329,8 @@ def test_triton_kernel_compiles_for_hopper():
                 sig[name] = "*fp32"
             elif name.endswith("_ptr"):
                 sig[name] = f"*{dtype}"
+            elif name in ("dt_min", "dt_max"):
+                sig[name] = "fp32"
             else:
                 sig[name] = "i64"
         compiled = triton.compile(

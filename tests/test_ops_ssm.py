@@ -328,8 +328,8 @@ def test_triton_kernel_compiles_for_hopper():
     kernel = triton_ssm.kernel()
     if not isinstance(kernel, JITFunction):
         pytest.skip("the kernel was decorated under TRITON_INTERPRET=1 in this process")
-    for constexprs, dtype in ((dict(BLOCK_D=32, BLOCK_N=128, HAS_MAX=False), "fp32"),
-                              (dict(BLOCK_D=16, BLOCK_N=256, HAS_MAX=True), "bf16")):
+    for constexprs, dtype in ((dict(BLOCK_D=32, BLOCK_N=128, HAS_MAX=False, PER_CHANNEL=False), "fp32"),
+                              (dict(BLOCK_D=16, BLOCK_N=256, HAS_MAX=True, PER_CHANNEL=False), "bf16")):
         sig = {}
         for name in kernel.arg_names:
             if name in constexprs:

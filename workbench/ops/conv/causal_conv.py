@@ -20,14 +20,14 @@ older ones when the chunk is shorter than ``k-1``).
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .. import state as state_slots
-from ..library import define_op
-from ..state import STATE_HOST_SYNC, StatefulOp, StateSpec, check_step_metadata, initial_states, register_stateful_op
+from ..recurrent import Inputs, Options, RecurrentOp, define_recurrent_op
+from ..state import StateSpec
+from . import triton_causal_conv
 
 #: Activations the conv kernels can apply in registers (``fuse_causal_conv_activation``).
 ACTIVATIONS = {None: None, "silu": F.silu}
@@ -62,140 +62,34 @@ def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
     return y if fn is None else fn(y)
 
 
-def causal_conv1d_reference(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str] = None
-) -> torch.Tensor:
-    """Uncached causal conv of whole sequences: [b, s, c] -> [b, s, c] (see the module docstring)."""
-    k = check_conv_args(x, weight, bias, activation)
-    s = x.shape[1]
-    y = F.conv1d(x.transpose(1, 2), weight, bias, padding=k - 1, groups=weight.shape[0])[..., :s]
-    return _activate(y, activation).transpose(1, 2).contiguous()
+def _check(inputs: Inputs, options: Options) -> None:
+    check_conv_args(inputs["x"], inputs["weight"], inputs["bias"], options["activation"])
 
 
-def _causal_conv1d_fake(x, weight, bias, activation=None):
-    check_conv_args(x, weight, bias, activation)
-    return x.new_empty(x.shape)
-
-
-torch_causal_conv1d = define_op(
-    "torch_causal_conv1d(Tensor x, Tensor weight, Tensor? bias, *, str? activation=None) -> Tensor",
-    causal_conv1d_reference,
-    _causal_conv1d_fake,
-)
-
-
-def check_conv_state(weight, conv_state) -> None:
-    """``conv_state`` must be ``[num_slots, c, k-1]`` for this depthwise ``weight [c, 1, k]``."""
-    state_slots.check_state_shape(
-        conv_state, (weight.shape[0], weight.shape[2] - 1), "conv_state must be [num_slots, c, k-1]"
-    )
-
-
-def check_cached_conv_args(
-    x, weight, bias, seq_lens, input_pos, slot_idx, num_prefill, conv_state, activation
-) -> List[int]:
-    """Validate the cached op's arguments; returns ``seq_lens`` as a host list."""
-    check_conv_args(x, weight, bias, activation)
-    if x.shape[0] != 1:
-        raise ValueError(f"cached causal conv expects flattened tokens x [1, T, c]; got {tuple(x.shape)}")
-    check_conv_state(weight, conv_state)
-    return check_step_metadata(x.shape[1], seq_lens, input_pos, slot_idx, num_prefill, "x")
-
-
-def prefill_rows(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    lens: List[int],
-    input_pos: torch.Tensor,
-    slots: torch.Tensor,
-    num_prefill: int,
-    conv_state: torch.Tensor,
-    activation: Optional[str],
-    out: torch.Tensor,
-) -> int:
-    """Sequences ``0..num_prefill-1``: one ``F.conv1d`` each over their state and new inputs
-    ([c, k-1+s], no padding: the state is the padding). Writes ``out`` and the state rows; returns
-    the first token of the decode rows."""
+def _run(inputs: Inputs, init: Optional[torch.Tensor], options: Options):
+    """Whole sequences ``x [b, s, c]`` after ``init [b, c, k-1]`` (None: zeros): one ``F.conv1d``
+    over state and inputs ([b, c, k-1+s], no padding: the state is the padding). Returns
+    ``(y [b, s, c], the last k-1 inputs [b, c, k-1])`` (older ones too when s < k-1)."""
+    x, weight = inputs["x"], inputs["weight"]
     c, k = weight.shape[0], weight.shape[2]
-    start = 0
-    for i in range(num_prefill):
-        end = start + lens[i]
-        init = initial_states(conv_state, slots[i : i + 1], input_pos[i : i + 1])[0].to(x.dtype)  # [c, k-1]
-        window = torch.cat([init, x[0, start:end].transpose(0, 1)], dim=1)  # [c, k-1+s]
-        y = F.conv1d(window[None], weight, bias, groups=c)[0]  # [c, s]
-        out[0, start:end] = _activate(y, activation).transpose(0, 1)
-        conv_state[slots[i]] = window[:, window.shape[1] - (k - 1) :].to(conv_state.dtype)
-        start = end
-    return start
+    if init is None:  # zero padding, as the models' own nn.Conv1d call (bit-identical to it)
+        window = F.pad(x.transpose(1, 2), (k - 1, 0))  # [b, c, k-1+s]
+        y = F.conv1d(x.transpose(1, 2), weight, inputs["bias"], padding=k - 1, groups=c)[..., : x.shape[1]]
+    else:
+        window = torch.cat([init.to(x.dtype), x.transpose(1, 2)], dim=2)
+        y = F.conv1d(window, weight, inputs["bias"], groups=c)  # [b, c, s]
+    return _activate(y, options["activation"]).transpose(1, 2), window[:, :, window.shape[2] - (k - 1) :]
 
 
-def decode_rows(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    input_pos: torch.Tensor,
-    slots: torch.Tensor,
-    conv_state: torch.Tensor,
-    activation: Optional[str],
-) -> torch.Tensor:
-    """Decode rows together, ``x [Bd, c]`` (one token each, slots ``slots [Bd]``): one
-    multiply-and-sum over their [Bd, c, k] windows; shifts their state rows. Returns [Bd, c]."""
-    init = initial_states(conv_state, slots, input_pos).to(x.dtype)  # [Bd, c, k-1]
-    window = torch.cat([init, x[:, :, None]], dim=2)  # [Bd, c, k]
-    y = (window * weight[:, 0]).sum(-1)  # [Bd, c]
+def _step(inputs: Inputs, held: torch.Tensor, fresh: torch.Tensor, options: Options):
+    """One token per row, ``x [n, c]`` after ``held [n, c, k-1]``: a multiply-and-sum over the
+    [n, c, k] windows. Returns ``(y [n, c], the shifted windows [n, c, k-1])``."""
+    x, weight, bias = inputs["x"], inputs["weight"], inputs["bias"]
+    window = torch.cat([held.to(x.dtype), x[:, :, None]], dim=2)  # [n, c, k]
+    y = (window * weight[:, 0]).sum(-1)  # [n, c]
     if bias is not None:
         y = y + bias
-    conv_state.index_copy_(0, slots, window[:, :, 1:].to(conv_state.dtype))
-    return _activate(y, activation)
-
-
-def cached_causal_conv1d_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    seq_lens: torch.Tensor,
-    input_pos: torch.Tensor,
-    slot_idx: torch.Tensor,
-    num_prefill: int,
-    conv_state: torch.Tensor,
-    activation: Optional[str] = None,
-) -> torch.Tensor:
-    """One continuous-batching step of the causal conv; updates ``conv_state`` in place.
-
-    x [1, T, c] -> [1, T, c]: prefill sequences one by one (``prefill_rows``), then the decode
-    rows together (``decode_rows``).
-    """
-    lens = check_cached_conv_args(x, weight, bias, seq_lens, input_pos, slot_idx, num_prefill, conv_state, activation)
-    slots = slot_idx.long()
-    out = torch.empty_like(x)
-    start = prefill_rows(x, weight, bias, lens, input_pos, slots, num_prefill, conv_state, activation, out)
-    if num_prefill < len(lens):
-        out[0, start:] = decode_rows(
-            x[0, start:], weight, bias, input_pos[num_prefill:], slots[num_prefill:], conv_state, activation
-        )
-    return out
-
-
-def cached_causal_conv1d_fake(x, weight, bias, seq_lens, input_pos, slot_idx, num_prefill, conv_state, activation=None):
-    check_conv_args(x, weight, bias, activation)
-    return x.new_empty(x.shape)
-
-
-# Every cached causal-conv backend (torch, triton) shares this schema and fake: interchangeable in a graph.
-CACHED_CONV_ARGS = (
-    "(Tensor x, Tensor weight, Tensor? bias, Tensor seq_lens, Tensor input_pos, Tensor slot_idx, "
-    "SymInt num_prefill, Tensor(a!) conv_state, *, str? activation=None) -> Tensor"
-)
-
-# ``define_op`` (a Library kernel) rather than ``custom_op``: a mutating custom_op pays ~50-80 us of
-# Python argument handling per call, more than a decode step's conv itself (see library.py).
-torch_cached_causal_conv1d = define_op(
-    "torch_cached_causal_conv1d" + CACHED_CONV_ARGS,
-    cached_causal_conv1d_reference,
-    cached_causal_conv1d_fake,
-    host_sync=STATE_HOST_SYNC,
-)
+    return _activate(y, options["activation"]), window[:, :, 1:]
 
 
 def _conv_state_shape(args) -> tuple:
@@ -205,26 +99,32 @@ def _conv_state_shape(args) -> tuple:
 
 
 # The state holds inputs as they were (no arithmetic on them), so the cache dtype -- the model's,
-# the dtype x arrives in -- loses nothing. The triton op is defined in triton_causal_conv.py, which
-# the package imports next to this module.
-CAUSAL_CONV_STATEFUL_OP = register_stateful_op(
-    StatefulOp(
-        source="workbench::torch_causal_conv1d",
-        cached={"torch": "workbench::torch_cached_causal_conv1d", "triton": "workbench::triton_cached_causal_conv1d"},
+# the dtype x arrives in -- loses nothing.
+CAUSAL_CONV = define_recurrent_op(
+    RecurrentOp(
+        name="causal_conv1d",
+        inputs="Tensor x, Tensor weight, Tensor? bias",
+        options="str? activation=None",
+        state=StateSpec("conv_state", shape=_conv_state_shape),
+        state_layout="c, k-1",
         token_args=("x",),
-        states=(StateSpec("conv_state", shape=_conv_state_shape),),
         insert_key="insert_cached_causal_conv",
         description="causal conv window per sequence: the last k-1 inputs of every channel, [channels, k-1]",
-        backend_requirements={"triton": "a CUDA device (or TRITON_INTERPRET=1 on CPU, for tests)"},
+        check=_check,
+        run=_run,
+        step=_step,
+        triton_decode=triton_causal_conv.decode,
     )
 )
+torch_causal_conv1d = CAUSAL_CONV.uncached
+torch_cached_causal_conv1d = CAUSAL_CONV.torch_cached
+triton_cached_causal_conv1d = CAUSAL_CONV.triton_cached
 
 __all__ = [
     "torch_causal_conv1d",
     "torch_cached_causal_conv1d",
-    "causal_conv1d_reference",
-    "cached_causal_conv1d_reference",
+    "triton_cached_causal_conv1d",
     "check_conv_args",
     "ACTIVATIONS",
-    "CAUSAL_CONV_STATEFUL_OP",
+    "CAUSAL_CONV",
 ]

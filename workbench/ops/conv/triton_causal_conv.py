@@ -1,4 +1,4 @@
-"""``workbench::triton_cached_causal_conv1d``: the cached causal conv with its decode rows in Triton.
+"""The decode kernel of ``workbench::triton_cached_causal_conv1d`` (the cached causal conv).
 
 Same schema and semantics as ``torch_cached_causal_conv1d`` (see ``causal_conv.py``). A decode
 row is the hot path of every conv-bearing hybrid (one per conv layer per generated token): in
@@ -11,38 +11,19 @@ shifted state back in place::
     out[token]    = act(bias + sum_j weight[:, 0, j] * window[:, j])          fp32 accumulation
     state[slot]   = window[:, 1:]
 
-Prefill sequences (rare, long) run the torch reference's ``prefill_rows``. A decode-only step
-(``num_prefill == 0``) reads no metadata on the host, so it can be captured in a CUDA graph.
-
-The op is always registered; ``is_available(device)`` says whether the kernel can run: CUDA
-tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests). Called where it cannot run, it raises
-and names the ``torch`` backend instead of silently falling back.
+The op itself, its prefill rows and its checks come from the cached-state kit (``ops/recurrent.py``).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Optional
-
 import torch
 
-from ..library import define_op
-from ..state import TRITON_STATE_HOST_SYNC, check_decode_only_metadata
-from ..triton_support import require_triton
-from ..triton_support import triton_available as is_available
-from .causal_conv import (
-    CACHED_CONV_ARGS,
-    cached_causal_conv1d_fake,
-    check_cached_conv_args,
-    check_conv_args,
-    check_conv_state,
-    prefill_rows,
-)
+from ..recurrent import Inputs, Options, StepMetadata, lazy_kernel, num_warps
+from ..triton_support import last_dim_contiguous
 
 
-@functools.lru_cache(maxsize=None)
+@lazy_kernel
 def kernel():
-    """The jitted kernel, built once on first use (importing this module never needs triton)."""
     import triton
     import triton.language as tl
 
@@ -113,43 +94,28 @@ def kernel():
     return conv_decode_kernel
 
 
-def decode_rows_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    input_pos: torch.Tensor,
-    slot_idx: torch.Tensor,
-    conv_state: torch.Tensor,
-    activation: Optional[str],
-    out: torch.Tensor,
-    first_row: int,
-    first_token: int,
-) -> None:
-    """Launch the kernel on rows ``first_row..`` of the metadata (tokens ``first_token..`` of
-    ``x [1, T, c]``); writes ``out [1, T, c]`` and the state rows in place."""
+def decode(inputs: Inputs, step: StepMetadata, conv_state: torch.Tensor, out: torch.Tensor, options: Options) -> None:
+    """Launch the kernel on the decode rows (``step.first_decode_row..``, tokens
+    ``step.first_decode_token..`` of ``x [1, T, c]``); writes ``out [1, T, c]`` and the state rows."""
     import triton
 
-    rows = slot_idx.numel() - first_row
+    x, weight, bias = inputs["x"], inputs["weight"], inputs["bias"]
     c, k = weight.shape[0], weight.shape[2]
-    if rows <= 0:
-        return
-    xs, os_ = x[0], out[0]
-    if xs.stride(-1) != 1:
-        xs = xs.contiguous()
+    xs, os_ = last_dim_contiguous(x[0]), out[0]
     if conv_state.shape[2] and conv_state.stride(1) == 0:
         raise ValueError("conv_state must be a real tensor, not a broadcast view")
     block = min(256, triton.next_power_of_2(c))
-    grid = (rows, triton.cdiv(c, block))
+    grid = (step.num_decode, triton.cdiv(c, block))
     kernel()[grid](
         xs,
         weight,
         bias if bias is not None else weight,
         conv_state,
         os_,
-        slot_idx,
-        input_pos,
-        first_row,
-        first_token,
+        step.slot_idx,
+        step.input_pos,
+        step.first_decode_row,
+        step.first_decode_token,
         c,
         xs.stride(0),
         weight.stride(0),
@@ -162,46 +128,9 @@ def decode_rows_triton(
         K_POW2=triton.next_power_of_2(k),
         BLOCK_C=block,
         HAS_BIAS=bias is not None,
-        SILU=activation == "silu",
-        num_warps=1 if x.device.type != "cuda" else 4,
+        SILU=options["activation"] == "silu",
+        num_warps=num_warps(x),
     )
 
 
-def triton_cached_causal_conv1d(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    seq_lens: torch.Tensor,
-    input_pos: torch.Tensor,
-    slot_idx: torch.Tensor,
-    num_prefill: int,
-    conv_state: torch.Tensor,
-    activation: Optional[str] = None,
-) -> torch.Tensor:
-    """The cached causal conv, decode rows in Triton; see the module docstring."""
-    require_triton(x.device, "triton_cached_causal_conv1d", "insert_cached_causal_conv.backend=torch")
-    out = torch.empty_like(x)
-    if num_prefill == 0:  # decode only: T rows of one token, no host read of the metadata
-        check_conv_args(x, weight, bias, activation)
-        check_decode_only_metadata(x.shape[1], slot_idx, input_pos)
-        check_conv_state(weight, conv_state)
-        first_token = 0
-    else:
-        lens = check_cached_conv_args(
-            x, weight, bias, seq_lens, input_pos, slot_idx, num_prefill, conv_state, activation
-        )
-        first_token = prefill_rows(
-            x, weight, bias, lens, input_pos, slot_idx.long(), num_prefill, conv_state, activation, out
-        )
-    decode_rows_triton(x, weight, bias, input_pos, slot_idx, conv_state, activation, out, num_prefill, first_token)
-    return out
-
-
-triton_cached_causal_conv1d_op = define_op(
-    "triton_cached_causal_conv1d" + CACHED_CONV_ARGS,
-    triton_cached_causal_conv1d,
-    cached_causal_conv1d_fake,
-    host_sync=TRITON_STATE_HOST_SYNC,
-)
-
-__all__ = ["triton_cached_causal_conv1d", "triton_cached_causal_conv1d_op", "decode_rows_triton", "is_available"]
+__all__ = ["decode", "kernel"]

@@ -1,5 +1,7 @@
 """Mamba-1 selective scan ops (the per-channel-decay scan and its cached forms); see README.md."""
 
-from .cached_selective_scan import torch_cached_selective_scan_op  # noqa: F401
-from .selective_scan import torch_selective_scan_op  # noqa: F401
-from .triton_selective_scan import triton_cached_selective_scan_op  # noqa: F401  (the "triton" cached backend)
+from .selective_scan import (  # noqa: F401
+    torch_cached_selective_scan,
+    torch_selective_scan,
+    triton_cached_selective_scan,
+)

@@ -1,4 +1,4 @@
-"""``workbench::torch_selective_scan``: the Mamba-1 selective scan of whole sequences (uncached op).
+"""``workbench::torch_selective_scan`` and its cached forms: the Mamba-1 scan (a cached-state kit op).
 
 What a Mamba-1 mixer (Mamba, FalconMamba, Jamba's Mamba layers) computes between its causal conv
 and its silu(gate) product::
@@ -18,14 +18,23 @@ graph nodes: it needs no state.
 Export sees this op as one node (its fake gives the shape); the chunk loop lives in the
 implementation, where the sequence length is a concrete number -- HF's own reference path loops
 over the tokens in Python, which ``torch.export`` cannot keep dynamic.
+
+The cached ops (``ops/recurrent.py``) keep ``ssm_state [num_slots, d, n]`` in fp32 whatever the
+model's dtype: it sums decayed inputs over the whole sequence, and a bf16 state would round every
+step's update away against a large held value. Their Triton decode rows run the scan kernel
+shared with Mamba-2 (``ops/ssm/triton_ssm.py``, per-channel variant).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..library import define_op
-from .scan_math import discretize, selective_scan_chunked
+from typing import Optional
+
+from ..recurrent import Inputs, Options, RecurrentOp, define_recurrent_op
+from ..ssm import triton_ssm
+from ..state import StateSpec
+from .scan_math import discretize, selective_scan_chunked, selective_step
 
 
 def check_selective_scan_args(
@@ -50,36 +59,60 @@ def check_selective_scan_args(
         raise ValueError(f"{op} chunk_size must be >= 1; got {chunk_size}")
 
 
-def torch_selective_scan(
-    hidden_states: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-    dt: torch.Tensor,
-    dt_bias: torch.Tensor,
-    chunk_size: int = 64,
-) -> torch.Tensor:
-    """The scan of whole sequences from a zero state; see the module docstring."""
-    check_selective_scan_args(hidden_states, A, B, C, D, dt, dt_bias, chunk_size)
-    x = hidden_states.float()
-    y, _ = selective_scan_chunked(x, discretize(dt, dt_bias), A.float(), B.float(), C.float(), chunk_size)
-    return (y + D.float() * x).to(hidden_states.dtype)
+def _check(i: Inputs, options: Options) -> None:
+    check_selective_scan_args(
+        i["hidden_states"], i["A"], i["B"], i["C"], i["D"], i["dt"], i["dt_bias"], options["chunk_size"]
+    )
 
 
-def _torch_selective_scan_fake(hidden_states, A, B, C, D, dt, dt_bias, chunk_size=64):
-    check_selective_scan_args(hidden_states, A, B, C, D, dt, dt_bias, chunk_size)
-    return hidden_states.new_empty(hidden_states.shape)
+def _run(i: Inputs, init: Optional[torch.Tensor], options: Options):
+    """Whole sequences ``[b, s, d]`` from ``init [b, d, n]`` (None: zeros): the chunked scan."""
+    x = i["hidden_states"].float()
+    step = discretize(i["dt"], i["dt_bias"])
+    y, final = selective_scan_chunked(
+        x, step, i["A"].float(), i["B"].float(), i["C"].float(), options["chunk_size"], init
+    )
+    return y + i["D"].float() * x, final
 
 
-# The options after ``*``: the cached ops take the same ones (the state-cache rewrite copies them).
-SELECTIVE_SCAN_OPTIONS = "int chunk_size=64"
+def _step(i: Inputs, held: torch.Tensor, fresh: torch.Tensor, options: Options):
+    """One token per row, ``hidden_states [n, d]``, from ``held [n, d, state]``."""
+    x = i["hidden_states"].float()
+    y, new = selective_step(
+        held.float(), x, discretize(i["dt"], i["dt_bias"]), i["A"].float(), i["B"].float(), i["C"].float()
+    )
+    return y + i["D"].float() * x, new
 
-torch_selective_scan_op = define_op(
-    "torch_selective_scan(Tensor hidden_states, Tensor A, Tensor B, Tensor C, Tensor D, Tensor dt, "
-    f"Tensor dt_bias, *, {SELECTIVE_SCAN_OPTIONS}) -> Tensor",
-    torch_selective_scan,
-    _torch_selective_scan_fake,
+
+def _selective_state_shape(args) -> tuple:
+    """Per-sequence state [d, state] from hidden_states [b, s, d] and A [d, state]."""
+    return (int(args["hidden_states"].shape[-1]), int(args["A"].shape[-1]))
+
+
+SELECTIVE_SCAN = define_recurrent_op(
+    RecurrentOp(
+        name="selective_scan",
+        inputs="Tensor hidden_states, Tensor A, Tensor B, Tensor C, Tensor D, Tensor dt, Tensor dt_bias",
+        options="int chunk_size=64",
+        state=StateSpec("ssm_state", shape=_selective_state_shape, dtype=torch.float32),
+        state_layout="d, state",
+        token_args=("hidden_states", "B", "C", "dt"),
+        insert_key="insert_cached_ssm_attention",
+        description="Mamba-1 selective-scan state per sequence: [inner_width, state_size], fp32",
+        check=_check,
+        run=_run,
+        step=_step,
+        triton_decode=triton_ssm.decode_selective,
+    )
 )
+torch_selective_scan = SELECTIVE_SCAN.uncached
+torch_cached_selective_scan = SELECTIVE_SCAN.torch_cached
+triton_cached_selective_scan = SELECTIVE_SCAN.triton_cached
 
-__all__ = ["torch_selective_scan", "torch_selective_scan_op", "check_selective_scan_args", "SELECTIVE_SCAN_OPTIONS"]
+__all__ = [
+    "torch_selective_scan",
+    "torch_cached_selective_scan",
+    "triton_cached_selective_scan",
+    "check_selective_scan_args",
+    "SELECTIVE_SCAN",
+]

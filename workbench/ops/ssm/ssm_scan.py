@@ -1,4 +1,4 @@
-"""``workbench::torch_ssm``: the Mamba-2 selective scan of whole sequences (the uncached op).
+"""``workbench::torch_ssm`` and its cached forms: the Mamba-2 selective scan (a cached-state kit op).
 
 What a Mamba-2 mixer computes between its causal conv and its gated norm::
 
@@ -17,6 +17,11 @@ only, never the result).
 
 Export sees this op as one node (its fake gives the shape); the padding to whole chunks and the
 chunk loop live in the implementation, where the sequence length is a concrete number.
+
+The cached ops (``torch_cached_ssm``, ``triton_cached_ssm``; ``ops/recurrent.py``) keep
+``ssm_state [num_slots, h, d, n]`` in fp32: prefill sequences run the chunked scan from their
+slot's state, decode rows one recurrence step (``ssd.ssm_step``; the Triton kernel in
+``triton_ssm.py``).
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from typing import Optional
 
 import torch
 
-from ..library import define_op
-from .ssd import discretize_dt, heads_from_groups, ssd_chunked
+from ..recurrent import Inputs, Options, RecurrentOp, define_recurrent_op
+from ..state import StateSpec
+from . import triton_ssm
+from .ssd import discretize_dt, heads_from_groups, ssd_chunked, ssm_step
 
 
 def check_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, chunk_size: int) -> None:
@@ -50,40 +57,55 @@ def check_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, chunk_size: int) -> N
         raise ValueError(f"torch_ssm chunk_size must be >= 1; got {chunk_size}")
 
 
-def torch_ssm(
-    hidden_states: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-    dt: torch.Tensor,
-    dt_bias: torch.Tensor,
-    time_step_min: float = 0.0,
-    time_step_max: Optional[float] = None,
-    chunk_size: int = 256,
-) -> torch.Tensor:
-    """The scan of whole sequences starting from a zero state; see the module docstring."""
-    check_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, chunk_size)
-    h = hidden_states.shape[2]
-    x = hidden_states.float()
-    step = discretize_dt(dt, dt_bias, time_step_min, time_step_max)
-    y, _ = ssd_chunked(x, step, A.float(), heads_from_groups(B, h), heads_from_groups(C, h), chunk_size)
-    return (y + D.float()[:, None] * x).to(hidden_states.dtype)
+def _check(i: Inputs, options: Options) -> None:
+    check_ssm_args(i["hidden_states"], i["A"], i["B"], i["C"], i["D"], i["dt"], i["dt_bias"], options["chunk_size"])
 
 
-def _torch_ssm_fake(hidden_states, A, B, C, D, dt, dt_bias, time_step_min=0.0, time_step_max=None, chunk_size=256):
-    check_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, chunk_size)
-    return hidden_states.new_empty(hidden_states.shape)
+def _step_sizes(i: Inputs, options: Options) -> torch.Tensor:
+    return discretize_dt(i["dt"], i["dt_bias"], options["time_step_min"], options["time_step_max"])
 
 
-# The options after ``*``: the cached op takes the same ones (the state-cache rewrite copies them).
+def _run(i: Inputs, init: Optional[torch.Tensor], options: Options):
+    """Whole sequences from ``init [b, h, d, n]`` (None: zeros): the chunked scan (``ssd.py``)."""
+    x, h = i["hidden_states"].float(), i["hidden_states"].shape[2]
+    B, C = heads_from_groups(i["B"], h), heads_from_groups(i["C"], h)
+    y, final = ssd_chunked(x, _step_sizes(i, options), i["A"].float(), B, C, options["chunk_size"], init)
+    return y + i["D"].float()[:, None] * x, final
+
+
+def _step(i: Inputs, held: torch.Tensor, fresh: torch.Tensor, options: Options):
+    """One token per row, ``hidden_states [n, h, d]``, from ``held [n, h, d, n_state]``."""
+    x, h = i["hidden_states"].float(), i["hidden_states"].shape[1]
+    B, C = heads_from_groups(i["B"], h), heads_from_groups(i["C"], h)
+    y, new = ssm_step(held.float(), x, _step_sizes(i, options), i["A"].float(), B, C)
+    return y + i["D"].float()[:, None] * x, new
+
+
+def _ssm_state_shape(args) -> tuple:
+    """Per-sequence state [heads, head_dim, state] from hidden_states / B."""
+    _, _, h, d = args["hidden_states"].shape
+    return (int(h), int(d), int(args["B"].shape[-1]))
+
+
+# The options after ``*`` (the cached ops take the same ones; the state-cache rewrite copies them).
 SSM_OPTIONS = "float time_step_min=0.0, float? time_step_max=None, int chunk_size=256"
 
-torch_ssm_op = define_op(
-    "torch_ssm(Tensor hidden_states, Tensor A, Tensor B, Tensor C, Tensor D, Tensor dt, Tensor dt_bias, "
-    f"*, {SSM_OPTIONS}) -> Tensor",
-    torch_ssm,
-    _torch_ssm_fake,
+SSM = define_recurrent_op(
+    RecurrentOp(
+        name="ssm",
+        inputs="Tensor hidden_states, Tensor A, Tensor B, Tensor C, Tensor D, Tensor dt, Tensor dt_bias",
+        options=SSM_OPTIONS,
+        state=StateSpec("ssm_state", shape=_ssm_state_shape, dtype=torch.float32),
+        state_layout="heads, head_dim, state",
+        token_args=("hidden_states", "B", "C", "dt"),
+        insert_key="insert_cached_ssm_attention",
+        description="Mamba-2 SSM state per sequence: [heads, head_dim, state_size], fp32",
+        check=_check,
+        run=_run,
+        step=_step,
+        triton_decode=triton_ssm.decode,
+    )
 )
+torch_ssm, torch_cached_ssm, triton_cached_ssm = SSM.uncached, SSM.torch_cached, SSM.triton_cached
 
-__all__ = ["torch_ssm", "torch_ssm_op", "check_ssm_args", "SSM_OPTIONS"]
+__all__ = ["torch_ssm", "torch_cached_ssm", "triton_cached_ssm", "check_ssm_args", "SSM_OPTIONS", "SSM"]

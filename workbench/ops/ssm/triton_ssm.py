@@ -1,8 +1,7 @@
-"""``workbench::triton_cached_ssm``: the cached Mamba-2 scan with its decode rows in Triton.
+"""The decode kernel of ``workbench::triton_cached_ssm`` (the cached Mamba-2 scan, ``ssm_scan.py``).
 
-Same schema and semantics as ``torch_cached_ssm`` (see ``cached_ssm_scan.py``). A decode row is
-the hot path of every Mamba-2 model (one per SSM layer per generated token): in eager torch it is
-~15 small kernels (softplus, clamp, exp, gather the slots, zero fresh ones, broadcast B/C to heads,
+A decode row is the hot path of every Mamba-2 model (one per SSM layer per generated token): in
+eager torch it is ~15 small kernels (softplus, clamp, exp, gather the slots, zero fresh ones, broadcast B/C to heads,
 the state update, the C contraction, the D skip, scatter the state back). Here one program per
 (decode row, head, head_dim block) reads its [BLOCK_D, n] state tile once, updates it in registers
 and writes it back in place::
@@ -12,41 +11,30 @@ and writes it back in place::
     y     = state C + D[h] * x
 
 B and C are read from the token's group (head // (heads / groups)), never expanded per head.
-Prefill sequences (rare, long) run the torch reference's ``prefill_rows`` (the chunked scan). A
-decode-only step (``num_prefill == 0``) reads no metadata on the host, so it can be captured in a
-CUDA graph.
-
-The op is always registered; ``is_available(device)`` says whether the kernel can run: CUDA
-tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests). Called where it cannot run, it raises
-and names the ``torch`` backend instead of silently falling back.
+The op, its prefill rows (the chunked scan) and its checks come from the cached-state kit
+(``ops/recurrent.py``).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Optional
-
 import torch
 
-from ..library import define_op
-from ..state import TRITON_STATE_HOST_SYNC, check_decode_only_metadata
-from ..triton_support import last_dim_contiguous, require_triton
-from ..triton_support import triton_available as is_available
-from .cached_ssm_scan import CACHED_SSM_ARGS, cached_ssm_fake, check_cached_ssm_args, check_ssm_state, prefill_rows
-from .ssm_scan import check_ssm_args
+from ..recurrent import Inputs, Options, StepMetadata, lazy_kernel, num_warps
+from ..triton_support import last_dim_contiguous
 
-#: Largest state tile one program holds (elements): BLOCK_D * BLOCK_N, e.g. 32 x 128.
+#: Largest state tile one program holds (elements): BLOCK_D * BLOCK_N, e.g. 32 x 128 (Mamba-2).
 TILE_ELEMS = 4096
+#: Mamba-1's: 64 x 16 or 16 x 64 (its exp is per state entry, not per head).
+TILE_ELEMS_PER_CHANNEL = 1024
 
 
-@functools.lru_cache(maxsize=None)
+@lazy_kernel
 def kernel():
-    """The jitted kernel, built once on first use (importing this module never needs triton)."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def ssm_decode_kernel(
+    def scan_decode_kernel(
         x_ptr,
         dt_ptr,
         dt_bias_ptr,
@@ -68,6 +56,7 @@ def kernel():
         stride_xt,
         stride_xh,
         stride_dtt,
+        stride_ad,
         stride_bt,
         stride_bg,
         stride_ct,
@@ -80,6 +69,7 @@ def kernel():
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
         HAS_MAX: tl.constexpr,
+        PER_CHANNEL: tl.constexpr,
     ):
         row = tl.program_id(0)
         head = tl.program_id(1)
@@ -87,15 +77,23 @@ def kernel():
         nn = tl.arange(0, BLOCK_N)  # [BLOCK_N] state entries
         d_ok = dd < head_dim
         n_ok = nn < state_size
+        in_tile = d_ok[:, None] & n_ok[None, :]
         slot = tl.load(slot_ptr + first_row + row).to(tl.int64)
         # State entries to read: all, or none for a new sequence (input_pos 0), whatever its slot holds.
         held_n = tl.where(tl.load(pos_ptr + first_row + row) > 0, state_size, 0)
         token = (first_token + row).to(tl.int64)
         group = head // heads_per_group
 
+        # Mamba-1 (PER_CHANNEL): dt, dt_bias, D per channel, A [d, n]; Mamba-2: one of each per head.
+        if PER_CHANNEL:
+            v = tl.load(dt_ptr + token * stride_dtt + dd, mask=d_ok, other=0.0).to(tl.float32)
+            v += tl.load(dt_bias_ptr + dd, mask=d_ok, other=0.0).to(tl.float32)
+            skip = tl.load(d_ptr + dd, mask=d_ok, other=0.0).to(tl.float32)
+        else:
+            v = tl.load(dt_ptr + token * stride_dtt + head).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
+            skip = tl.load(d_ptr + head).to(tl.float32)
         # The step: softplus as torch computes it (identity above 20), log1p(exp(-|v|)) without
         # losing small values to 1 + u (the compensated log1p: log(w) * u / (w - 1)).
-        v = tl.load(dt_ptr + token * stride_dtt + head).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
         u = tl.exp(-tl.abs(v))
         w = 1.0 + u
         log1p_u = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
@@ -103,145 +101,124 @@ def kernel():
         step = tl.maximum(step, dt_min)
         if HAS_MAX:
             step = tl.minimum(step, dt_max)
-        decay = tl.exp(step * tl.load(a_ptr + head).to(tl.float32))
 
         x = tl.load(x_ptr + token * stride_xt + head * stride_xh + dd, mask=d_ok, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + token * stride_bt + group * stride_bg + nn, mask=n_ok, other=0.0).to(tl.float32)
         c = tl.load(c_ptr + token * stride_ct + group * stride_cg + nn, mask=n_ok, other=0.0).to(tl.float32)
         tile = state_ptr + slot * stride_ss + head * stride_sh + dd[:, None] * stride_sd + nn[None, :]
-        in_tile = d_ok[:, None] & n_ok[None, :]
         # A masked load, never a multiply by zero: a reused slot may hold inf/NaN.
         state = tl.load(tile, mask=d_ok[:, None] & (nn[None, :] < held_n), other=0.0).to(tl.float32)
-        state = decay * state + (step * x)[:, None] * b[None, :]
-        y = tl.sum(state * c[None, :], axis=1) + tl.load(d_ptr + head).to(tl.float32) * x
+        if PER_CHANNEL:
+            a = tl.load(a_ptr + dd[:, None] * stride_ad + nn[None, :], mask=in_tile, other=0.0).to(tl.float32)
+            state = tl.exp(step[:, None] * a) * state + (step * x)[:, None] * b[None, :]
+        else:
+            state = tl.exp(step * tl.load(a_ptr + head).to(tl.float32)) * state + (step * x)[:, None] * b[None, :]
+        y = tl.sum(state * c[None, :], axis=1) + skip * x
         tl.store(out_ptr + token * stride_ot + head * stride_oh + dd, y.to(out_ptr.dtype.element_ty), mask=d_ok)
         tl.store(tile, state.to(state_ptr.dtype.element_ty), mask=in_tile)
 
-    return ssm_decode_kernel
+    return scan_decode_kernel
 
 
-def decode_rows_triton(
-    hidden_states,
-    A,
-    B,
-    C,
-    D,
-    dt,
-    dt_bias,
-    input_pos,
-    slot_idx,
-    ssm_state,
-    time_step_min: float,
-    time_step_max: Optional[float],
-    out: torch.Tensor,
-    first_row: int,
-    first_token: int,
-) -> None:
-    """Launch the kernel on rows ``first_row..`` of the metadata (tokens ``first_token..`` of the
-    flattened [1, T, ...] inputs); writes ``out [1, T, h, d]`` and the state rows in place."""
+def _launch(inputs: Inputs, step: StepMetadata, state: torch.Tensor, out: torch.Tensor, **kw) -> None:
+    """One launch over the decode rows (``step.first_decode_row..``, tokens ``step.first_decode_token..``
+    of the flattened [1, T, ...] inputs), heads x head_dim blocks; ``kw``: the layout's sizes and strides."""
     import triton
 
-    rows = slot_idx.numel() - first_row
-    if rows <= 0:
-        return
-    _, _, h, d = hidden_states.shape
-    g, n = B.shape[2], B.shape[3]
-    if ssm_state.stride(-1) != 1:
-        raise ValueError("ssm_state must be contiguous in its state dim (a real [num_slots, h, d, n] tensor)")
-    x, bs, cs, dts, os_ = (last_dim_contiguous(t[0]) for t in (hidden_states, B, C, dt, out))
-    if os_.data_ptr() != out[0].data_ptr():
-        raise ValueError("out must be contiguous in its last dim")
+    if state.stride(-1) != 1:
+        raise ValueError(f"the scan state must be contiguous in its state dim; got strides {state.stride()}")
+    x, bs, cs, dts = (last_dim_contiguous(inputs[k][0]) for k in ("hidden_states", "B", "C", "dt"))
+    heads, d, n = kw.pop("heads"), kw.pop("head_dim"), inputs["B"].shape[-1]
     block_n = triton.next_power_of_2(n)
-    block_d = min(triton.next_power_of_2(d), max(1, TILE_ELEMS // block_n))
-    grid = (rows, h, triton.cdiv(d, block_d))
-    kernel()[grid](
+    block_d = min(triton.next_power_of_2(d), max(1, kw.pop("tile") // block_n))
+    time_step_max = kw.pop("time_step_max")
+    o = out[0]
+
+    def head_stride(t: torch.Tensor, dims: int) -> int:  # 0 for Mamba-1's one head (no head dim)
+        return t.stride(1) if t.dim() == dims else 0
+
+    kernel()[(step.num_decode, heads, triton.cdiv(d, block_d))](
         x,
         dts,
-        dt_bias,
-        A,
+        last_dim_contiguous(inputs["dt_bias"]),
+        kw.pop("A"),
         bs,
         cs,
-        D,
-        ssm_state,
-        os_,
-        slot_idx,
-        input_pos,
-        first_row,
-        first_token,
-        h // g,
+        last_dim_contiguous(inputs["D"]),
+        state,
+        o,
+        step.slot_idx,
+        step.input_pos,
+        step.first_decode_row,
+        step.first_decode_token,
+        kw.pop("heads_per_group"),
         d,
         n,
-        float(time_step_min),
+        float(kw.pop("time_step_min")),
         0.0 if time_step_max is None else float(time_step_max),
         x.stride(0),
-        x.stride(1),
+        head_stride(x, 3),
         dts.stride(0),
+        kw.pop("stride_ad"),
         bs.stride(0),
-        bs.stride(1),
+        head_stride(bs, 3),
         cs.stride(0),
-        cs.stride(1),
-        ssm_state.stride(0),
-        ssm_state.stride(1),
-        ssm_state.stride(2),
-        os_.stride(0),
-        os_.stride(1),
+        head_stride(cs, 3),
+        state.stride(0),
+        head_stride(state, 4),
+        state.stride(-2),
+        o.stride(0),
+        head_stride(o, 3),
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         HAS_MAX=time_step_max is not None,
-        num_warps=4 if x.device.type == "cuda" else 1,
+        PER_CHANNEL=kw.pop("per_channel"),
+        num_warps=num_warps(x),
     )
 
 
-def triton_cached_ssm(
-    hidden_states: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-    dt: torch.Tensor,
-    dt_bias: torch.Tensor,
-    seq_lens: torch.Tensor,
-    input_pos: torch.Tensor,
-    slot_idx: torch.Tensor,
-    num_prefill: int,
-    ssm_state: torch.Tensor,
-    time_step_min: float = 0.0,
-    time_step_max: Optional[float] = None,
-    chunk_size: int = 256,
-) -> torch.Tensor:
-    """The cached scan, decode rows in Triton; see the module docstring."""
-    require_triton(hidden_states.device, "triton_cached_ssm", "insert_cached_ssm_attention.backend=torch")
-    out = torch.empty_like(hidden_states)
-    scan = (hidden_states, A, B, C, D, dt, dt_bias)  # what prefill_rows and decode_rows_triton read first
-    if num_prefill == 0:  # decode only: T rows of one token, no host read of the metadata
-        check_ssm_args(hidden_states, A, B, C, D, dt, dt_bias, chunk_size)
-        check_decode_only_metadata(hidden_states.shape[1], slot_idx, input_pos)
-        check_ssm_state(hidden_states, B, ssm_state)
-        first_token = 0
-    else:
-        lens = check_cached_ssm_args(
-            hidden_states, A, B, C, D, dt, dt_bias, seq_lens, input_pos, slot_idx, num_prefill, ssm_state, chunk_size
-        )
-        first_token = prefill_rows(
-            *scan,
-            lens,
-            input_pos,
-            slot_idx.long(),
-            num_prefill,
-            ssm_state,
-            time_step_min,
-            time_step_max,
-            chunk_size,
-            out,
-        )
-    decode_rows_triton(
-        *scan, input_pos, slot_idx, ssm_state, time_step_min, time_step_max, out, num_prefill, first_token
+def decode(inputs: Inputs, step: StepMetadata, ssm_state: torch.Tensor, out: torch.Tensor, options: Options) -> None:
+    """Mamba-2 decode rows: ``hidden_states [1, T, h, d]``, B/C ``[1, T, g, n]``, A/D/dt_bias ``[h]``,
+    ``ssm_state [num_slots, h, d, n]``."""
+    _, _, h, d = inputs["hidden_states"].shape
+    _launch(
+        inputs,
+        step,
+        ssm_state,
+        out,
+        heads=h,
+        head_dim=d,
+        tile=TILE_ELEMS,
+        heads_per_group=h // inputs["B"].shape[2],
+        A=inputs["A"],
+        stride_ad=0,
+        time_step_min=options["time_step_min"],
+        time_step_max=options["time_step_max"],
+        per_channel=False,
     )
-    return out
 
 
-triton_cached_ssm_op = define_op(
-    "triton_cached_ssm" + CACHED_SSM_ARGS, triton_cached_ssm, cached_ssm_fake, host_sync=TRITON_STATE_HOST_SYNC
-)
+def decode_selective(
+    inputs: Inputs, step: StepMetadata, ssm_state: torch.Tensor, out: torch.Tensor, options: Options
+) -> None:
+    """Mamba-1 decode rows: one "head" of d channels, ``hidden_states``/``dt [1, T, d]``, B/C
+    ``[1, T, n]``, ``A [d, n]``, D/dt_bias ``[d]``, ``ssm_state [num_slots, d, n]``; no step clamp."""
+    A = last_dim_contiguous(inputs["A"])
+    _launch(
+        inputs,
+        step,
+        ssm_state,
+        out,
+        heads=1,
+        head_dim=A.shape[0],
+        tile=TILE_ELEMS_PER_CHANNEL,
+        heads_per_group=1,
+        A=A,
+        stride_ad=A.stride(0),
+        time_step_min=0.0,  # softplus is >= 0: a no-op bound
+        time_step_max=None,
+        per_channel=True,
+    )
 
-__all__ = ["triton_cached_ssm", "triton_cached_ssm_op", "decode_rows_triton", "is_available", "kernel"]
+
+__all__ = ["decode", "decode_selective", "kernel", "TILE_ELEMS"]
