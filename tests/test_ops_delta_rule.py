@@ -302,8 +302,8 @@ def test_triton_kernel_compiles_for_hopper(dtype):
     kernel = triton_delta_rule.kernel()
     if not isinstance(kernel, JITFunction):
         pytest.skip("the kernel was decorated under TRITON_INTERPRET=1 in this process")
-    for constexprs in (dict(REP=2, DK_POW2=128, BLOCK_V=64, GATED=True, L2NORM=True, EPS=1e-6),
-                       dict(REP=1, DK_POW2=16, BLOCK_V=16, GATED=False, L2NORM=False, EPS=1e-6)):
+    for constexprs in (dict(REP=2, DK_POW2=128, BLOCK_V=64, GATED=True, DELTA=True, L2NORM=True, EPS=1e-6),
+                       dict(REP=1, DK_POW2=16, BLOCK_V=16, GATED=False, DELTA=True, L2NORM=False, EPS=1e-6)):
         sig = {name: ("constexpr" if name in constexprs else "*i32" if name in ("slot_ptr", "pos_ptr")
                       else "*fp32" if name in ("state_ptr", "g_ptr") else f"*{dtype}" if name.endswith("_ptr")
                       else "fp32" if name == "scale" else "i64") for name in kernel.arg_names}

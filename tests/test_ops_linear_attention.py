@@ -314,17 +314,18 @@ def test_triton_kernel_compiles_for_hopper(dtype):
     import triton
     from triton.runtime.jit import JITFunction
 
-    from workbench.ops.linear_attention import triton_linear_attention
+    from workbench.ops.delta_rule import triton_delta_rule  # the fast-weight kernel, DELTA=False
 
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
     except ImportError as e:  # pragma: no cover - depends on the triton version
         pytest.skip(f"this triton has no ahead-of-time compile API: {e}")
-    kernel = triton_linear_attention.kernel()
+    kernel = triton_delta_rule.kernel()
     if not isinstance(kernel, JITFunction):
         pytest.skip("the kernel was decorated under TRITON_INTERPRET=1 in this process")
-    for constexprs in (dict(REP=1, DK_POW2=128, BLOCK_V=64), dict(REP=2, DK_POW2=16, BLOCK_V=16)):
+    linear = dict(GATED=True, DELTA=False, L2NORM=False, EPS=1e-6)
+    for constexprs in (dict(REP=1, DK_POW2=128, BLOCK_V=64, **linear), dict(REP=2, DK_POW2=16, BLOCK_V=16, **linear)):
         sig = {
             name: (
                 "constexpr"

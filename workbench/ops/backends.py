@@ -29,11 +29,14 @@ slightly from HF: opt-in).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from .attention.flashinfer_cached_attention import ALIBI_UNSUPPORTED, CHUNKED_UNSUPPORTED, FlashInferPlanner
+from .attention.flashinfer_cached_attention import unsupported as flashinfer_unsupported
+from .capture import HOST_SYNC_TAG
 from .registry import BackendRegistry, Choice, OpBackend
 
 _CPU = "workbench.ops.cpu_kernels"
@@ -58,31 +61,63 @@ ATTENTION_AUTO = {"cpu": ("cpu", "torch"), "cuda": ("flashinfer", "triton", "tor
 FUSION_AUTO = {"cuda": ("triton", "torch"), "cpu": ("cpu", "torch")}
 
 
+ShapeCheck = Callable[[int, int, torch.dtype, bool], Optional[str]]
+
+
 @dataclass(frozen=True)
 class AttentionBackend(OpBackend):
-    """A paged cached-attention op. Whether a CUDA graph can capture it is the op's own declaration
-    (``workbench.ops.capture``: the host-syncing ones are tagged ``cudagraph_unsafe``).
-    ``step_planner``: the name of a class in the op's module that plans each step on the host
-    (``workbench.ops.step_plan``), for kernels that need one (FlashInfer); empty: none."""
+    """A paged cached-attention op and what it serves, declared here rather than looked up:
 
-    step_planner: str = ""
+    - ``captures``: whether a CUDA graph captures its decode steps; checked at registration against
+      the op's own tag (``workbench.ops.capture``: a host-syncing op is tagged ``cudagraph_unsafe``).
+    - ``shape_check(head_dim, v_head_dim, dtype, has_sinks)``: why it cannot take a layer of that
+      shape (None: it can); absent: every shape.
+    - ``refuses``: features it cannot serve, with why (``"alibi"``, ``"chunked"``).
+    - ``planner``: the class that plans each step on the host (``workbench.ops.step_plan``), for
+      kernels that need one (FlashInfer); None: none.
+    """
+
+    captures: bool = False
+    shape_check: Optional[ShapeCheck] = None
+    refuses: Mapping[str, str] = field(default_factory=dict)
+    planner: Optional[type] = None
+
+    def contract_problems(self) -> List[str]:
+        problems = super().contract_problems()
+        if problems:
+            return problems
+        reference = torch.ops.workbench.torch_cached_attention.default._schema.arguments
+        arguments = self.op._schema.arguments
+        if [(a.name, str(a.type)) for a in arguments] != [(a.name, str(a.type)) for a in reference]:
+            problems.append("torch_cached_attention's arguments (backends are interchangeable in a graph)")
+        tagged_unsafe = HOST_SYNC_TAG in self.op.tags
+        if self.captures == tagged_unsafe:
+            problems.append(
+                f"a capture declaration matching its op's tags (captures={self.captures}, "
+                f"op tagged cudagraph_unsafe={tagged_unsafe})"
+            )
+        unknown = set(self.refuses) - REFUSABLE
+        if unknown:
+            problems.append(f"refusals among {sorted(REFUSABLE)} (got {sorted(unknown)})")
+        if self.planner is not None and not all(callable(getattr(self.planner, m, None)) for m in ("begin",)):
+            problems.append(f"a planner with the StepPlanner methods ({self.planner.__name__} has no begin())")
+        return problems
 
     def unsupported(self, head_dim: int, v_head_dim: int, dtype: torch.dtype, has_sinks: bool) -> Optional[str]:
-        """Why this backend cannot take a layer of this shape (None: it can), from the op module's
-        ``unsupported`` hook; backends without one take every shape."""
-        check = getattr(self._module(), "unsupported", None)
-        return check(head_dim, v_head_dim, dtype, has_sinks) if check is not None else None
+        """Why this backend cannot take a layer of this shape (None: it can)."""
+        return self.shape_check(head_dim, v_head_dim, dtype, has_sinks) if self.shape_check is not None else None
 
     def unsupported_chunked(self) -> Optional[str]:
-        """Why this backend cannot serve chunked local attention (``chunk_size``; None: it can), from
-        the op module's ``CHUNKED_UNSUPPORTED``; backends without one serve it."""
-        return getattr(self._module(), "CHUNKED_UNSUPPORTED", None)
+        """Why this backend cannot serve chunked local attention (``chunk_size``; None: it can)."""
+        return self.refuses.get("chunked")
 
     def unsupported_alibi(self) -> Optional[str]:
-        """Why this backend cannot serve ALiBi (``alibi_slopes``; None: it can), from the op module's
-        ``ALIBI_UNSUPPORTED``; backends without one serve it."""
-        return getattr(self._module(), "ALIBI_UNSUPPORTED", None)
+        """Why this backend cannot serve ALiBi (``alibi_slopes``; None: it can)."""
+        return self.refuses.get("alibi")
 
+
+#: The features an attention backend may refuse by name.
+REFUSABLE = frozenset({"alibi", "chunked"})
 
 ATTENTION_BACKENDS: BackendRegistry[AttentionBackend] = BackendRegistry(
     "attention",
@@ -94,13 +129,17 @@ ATTENTION_BACKENDS: BackendRegistry[AttentionBackend] = BackendRegistry(
             "triton and a CUDA GPU (or TRITON_INTERPRET=1 on CPU)",
             f"{_ATT}.triton_cached_attention",
             "triton_cached_attention",
+            captures=True,
         ),
         AttentionBackend(
             "flashinfer",
             FLASHINFER_NEEDS,
             f"{_ATT}.flashinfer_cached_attention",
             "flashinfer_cached_attention",
-            step_planner="FlashInferPlanner",
+            captures=True,
+            shape_check=flashinfer_unsupported,
+            refuses={"alibi": ALIBI_UNSUPPORTED, "chunked": CHUNKED_UNSUPPORTED},
+            planner=FlashInferPlanner,
         ),
     ],
     default="torch",
@@ -152,6 +191,7 @@ def choose_fusion_backend(family: str, name: str, device: torch.device, field: s
 __all__ = [
     "AttentionBackend",
     "ATTENTION_BACKENDS",
+    "REFUSABLE",
     "ATTENTION_AUTO",
     "CPU_KERNELS_NEED",
     "FUSION_BACKENDS",

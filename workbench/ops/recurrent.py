@@ -123,7 +123,7 @@ class RecurrentOp:
 
     name: str  # ops torch_<name>, torch_cached_<name>, triton_cached_<name>
     inputs: str  # schema text of the inputs: "Tensor x, Tensor weight, Tensor? bias"
-    options: str  # schema text of the keyword-only options: "str? activation=None"
+    options: str  # schema text of the keyword-only options: "str? activation=None" ("" for none)
     state: StateSpec  # the per-sequence state (its shape from the inputs by name)
     state_layout: str  # its dims, for errors: "c, k-1"
     token_args: Tuple[str, ...]  # inputs that are per-token [b, s, ...]
@@ -262,10 +262,11 @@ def define_recurrent_op(spec: RecurrentOp) -> RecurrentOps:
     """Define ``spec``'s ops (module docstring) and declare its state for the cache stage."""
     bodies = _Bodies(spec)
     metadata = "Tensor seq_lens, Tensor input_pos, Tensor slot_idx, SymInt num_prefill"
-    cached_schema = f"({spec.inputs}, {metadata}, Tensor(a!) {spec.state.name}, *, {spec.options}) -> Tensor"
+    options = f", *, {spec.options}" if spec.options else ""
+    cached_schema = f"({spec.inputs}, {metadata}, Tensor(a!) {spec.state.name}{options}) -> Tensor"
     # ``define_op`` (a Library kernel), not a mutating ``custom_op``: that pays ~50-80 us of Python
     # argument handling per call (library.py), and a decode step calls each cached op once per layer.
-    uncached = define_op(f"torch_{spec.name}({spec.inputs}, *, {spec.options}) -> Tensor", bodies.uncached, bodies.fake)
+    uncached = define_op(f"torch_{spec.name}({spec.inputs}{options}) -> Tensor", bodies.uncached, bodies.fake)
     bodies.defaults = _schema_defaults(uncached.default)
     torch_cached = define_op(
         f"torch_cached_{spec.name}" + cached_schema, bodies.torch_cached, bodies.fake, host_sync=STATE_HOST_SYNC

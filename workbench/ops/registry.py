@@ -11,6 +11,10 @@ it give the same answer. A registry is filled once, where it is defined, and nev
                                            which field to set to what instead
     registry.choose(name, device, field, refuse=...)  -> a ``Choice``: the backend and why
 
+Registration checks each backend against its family's contract (``Backend.contract_problems``):
+a backend that lacks a required member is refused when the table is built, naming what it lacks,
+not when a model first asks for it.
+
 ``choose`` is the one backend choice every family makes (attention, fusion, compile): an explicit
 name is picked (refused, with what runs here, when it cannot run or ``refuse`` names a reason); ``auto``
 (or None) takes the first of ``auto_order[device type]`` that runs on the device and that ``refuse``
@@ -37,6 +41,11 @@ class Backend:
         """Why this backend cannot run on ``device`` (None: it can)."""
         return None
 
+    def contract_problems(self) -> List[str]:
+        """What this backend lacks of its family's contract ([]: nothing); ``BackendRegistry``
+        refuses to register a backend with problems, naming them."""
+        return [] if self.name and self.requirement else ["a name and a requirement (what it needs to run)"]
+
 
 @dataclass(frozen=True)
 class OpBackend(Backend):
@@ -48,6 +57,20 @@ class OpBackend(Backend):
 
     def _module(self):
         return importlib.import_module(self.module)
+
+    def contract_problems(self) -> List[str]:
+        """Its op must be a registered ``workbench::`` op once its module is imported; a backend
+        other than the torch reference must say where it runs (the module's ``is_available``)."""
+        problems = super().contract_problems()
+        try:
+            module = self._module()
+        except ImportError as e:
+            return problems + [f"an importable module ({self.module}: {e})"]
+        if not hasattr(torch.ops.workbench, self.op_name) or not self.op_name:
+            problems.append(f"its op workbench::{self.op_name} registered by {self.module}")
+        if self.name != "torch" and not callable(getattr(module, "is_available", None)):
+            problems.append(f"is_available(device) in {self.module} (where it can run)")
+        return problems
 
     def unavailable_reason(self, device: torch.device) -> Optional[str]:
         is_available = getattr(self._module(), "is_available", None)
@@ -93,6 +116,9 @@ class BackendRegistry(Generic[B]):
         for b in backends:
             if b.name in self._backends:
                 raise ValueError(f"{kind} backend {b.name!r} registered twice")
+            problems = b.contract_problems()
+            if problems:
+                raise ValueError(f"{kind} backend {b.name!r} cannot be registered: it lacks {'; '.join(problems)}")
             self._backends[b.name] = b
         self.default = default or next(iter(self._backends))
         self.auto_order: Dict[str, Tuple[str, ...]] = dict(auto_order or {})

@@ -110,8 +110,8 @@ def planners_for(module: torch.nn.Module, device: torch.device) -> Dict[str, Ste
             called.update(n.target for n in m.graph.nodes if n.op == "call_function")
     found: Dict[str, StepPlanner] = {}
     for backend in ATTENTION_BACKENDS:
-        if backend.step_planner and backend.op in called:
-            found[backend.name] = getattr(backend._module(), backend.step_planner)(torch.device(device))
+        if backend.planner is not None and backend.op in called:
+            found[backend.name] = backend.planner(torch.device(device))
     return found
 
 

@@ -1,4 +1,4 @@
-"""``workbench::torch_gated_delta_rule`` and ``workbench::torch_delta_rule``: uncached, whole sequences.
+"""``workbench::torch_gated_delta_rule`` / ``torch_delta_rule`` and their cached forms (cached-state kit ops).
 
 ::
 
@@ -14,7 +14,11 @@ fp32). Options: ``scale`` multiplies q (None: ``dk ** -0.5``, what Qwen3-Next an
 every value gives the recurrence's result to fp32 round-off).
 
 These are what the canonical export-time forwards (``workbench.models.canonical.delta_rule``)
-call; the cache stage rewrites them into ``torch_cached_*`` (``torch_cached_delta_rule.py``).
+call; the cache stage rewrites them into ``torch_cached_*`` / ``triton_cached_*`` (``ops/recurrent.py``),
+which keep the fast-weight matrix ``state [num_slots, h, dk, dv]`` in fp32 whatever the model
+dtype (it accumulates over the whole sequence; FLA and HF keep it in fp32 too). Prefill sequences
+run the chunked form, decode rows one vectorised recurrence step (the Triton kernel, shared with
+linear attention, in ``triton_delta_rule.py``).
 """
 
 from __future__ import annotations
@@ -23,61 +27,100 @@ from typing import Optional
 
 import torch
 
-from ..library import define_op
-from .delta_rule_math import check_delta_rule_args, chunked_delta_rule, prepare
+from ..recurrent import Inputs, Options, RecurrentOp, define_recurrent_op
+from ..state import StateSpec
+from . import triton_delta_rule
+from .delta_rule_math import check_delta_rule_args, chunked_delta_rule, delta_rule_step, prepare
 
 
-def delta_rule_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: Optional[torch.Tensor],
-    beta: torch.Tensor,
-    scale: Optional[float] = None,
-    use_qk_l2norm: bool = False,
-    chunk_size: int = 64,
-) -> torch.Tensor:
-    """The (gated when ``g`` is given) delta rule of whole sequences from a zero state, chunked."""
-    check_delta_rule_args(q, k, v, g, beta, chunk_size)
-    qf, kf, vf, gf, bf = prepare(q, k, v, g, beta, scale, use_qk_l2norm)
-    b, h = vf.shape[:2]
-    state = vf.new_zeros(b, h, kf.shape[-1], vf.shape[-1])
-    out, _ = chunked_delta_rule(qf, kf, vf, gf, bf, state, chunk_size)
-    return out.transpose(1, 2).to(q.dtype).contiguous()
+def _check(i: Inputs, options: Options) -> None:
+    check_delta_rule_args(i["q"], i["k"], i["v"], i.get("g"), i["beta"], options["chunk_size"])
 
 
-def delta_rule_output_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _prepared(i: Inputs, options: Options):
+    """fp32, heads first ``[b, h, s, d]`` (``delta_rule_math.prepare``)."""
+    return prepare(i["q"], i["k"], i["v"], i.get("g"), i["beta"], options["scale"], options["use_qk_l2norm"])
+
+
+def _run(i: Inputs, init: Optional[torch.Tensor], options: Options):
+    """Whole sequences from ``init [b, h, dk, dv]`` (None: zeros): the chunked form."""
+    q, k, v, g, beta = _prepared(i, options)
+    state = v.new_zeros(v.shape[0], v.shape[1], k.shape[-1], v.shape[-1]) if init is None else init.float()
+    out, final = chunked_delta_rule(q, k, v, g, beta, state, options["chunk_size"])
+    return out.transpose(1, 2), final  # [b, s, h, dv]
+
+
+def _step(i: Inputs, held: torch.Tensor, fresh: torch.Tensor, options: Options):
+    """One token per row (``q [n, hk, dk]``, ...) from ``held [n, h, dk, dv]``."""
+    rows = _prepared({name: None if t is None else t[None] for name, t in i.items()}, options)  # [1, h, n, ...]
+    q, k, v, g, beta = (None if t is None else t[0].transpose(0, 1) for t in rows)  # [n, h, ...]
+    return delta_rule_step(q, k, v, g, beta, held.float())
+
+
+def output_like(i: Inputs) -> torch.Tensor:
     """An empty output: v's shape (per-token value heads), q's dtype."""
-    return v.new_empty(v.shape, dtype=q.dtype)
+    return i["v"].new_empty(i["v"].shape, dtype=i["q"].dtype)
 
 
-def _gated(q, k, v, g, beta, scale=None, use_qk_l2norm=False, chunk_size=64):
-    return delta_rule_reference(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size)
+def state_shape(args) -> tuple:
+    """Per-sequence state of a (gated) delta-rule node: ``(value_heads, dk, dv)`` from q and v."""
+    return (int(args["v"].shape[2]), int(args["q"].shape[3]), int(args["v"].shape[3]))
 
 
-def _gated_fake(q, k, v, g, beta, scale=None, use_qk_l2norm=False, chunk_size=64):
-    check_delta_rule_args(q, k, v, g, beta, chunk_size)
-    return delta_rule_output_like(q, v)
+OPTIONS = "float? scale=None, bool use_qk_l2norm=False, int chunk_size=64"
 
 
-def _plain(q, k, v, beta, scale=None, use_qk_l2norm=False, chunk_size=64):
-    return delta_rule_reference(q, k, v, None, beta, scale, use_qk_l2norm, chunk_size)
+def _delta_rule(name: str, inputs: str, state: str, description: str) -> RecurrentOp:
+    return RecurrentOp(
+        name=name,
+        inputs=inputs,
+        options=OPTIONS,
+        state=StateSpec(state, shape=state_shape, dtype=torch.float32),
+        state_layout="value_heads, dk, dv",
+        token_args=tuple(n.split()[-1] for n in inputs.split(",")),
+        insert_key=f"insert_cached_{name}",
+        description=description,
+        check=_check,
+        run=_run,
+        step=_step,
+        triton_decode=triton_delta_rule.decode,
+        output_like=output_like,
+    )
 
 
-def _plain_fake(q, k, v, beta, scale=None, use_qk_l2norm=False, chunk_size=64):
-    check_delta_rule_args(q, k, v, None, beta, chunk_size)
-    return delta_rule_output_like(q, v)
-
-
-OPTIONS = "*, float? scale=None, bool use_qk_l2norm=False, int chunk_size=64"
-
-torch_gated_delta_rule = define_op(
-    f"torch_gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, {OPTIONS}) -> Tensor",
-    _gated,
-    _gated_fake,
+GATED_DELTA_RULE = define_recurrent_op(
+    _delta_rule(
+        "gated_delta_rule",
+        "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta",
+        "gated_delta_state",
+        "fast-weight matrix S [value_heads, dk, dv] per sequence (fp32), decayed by exp(g) each token",
+    )
 )
-torch_delta_rule = define_op(
-    f"torch_delta_rule(Tensor q, Tensor k, Tensor v, Tensor beta, {OPTIONS}) -> Tensor", _plain, _plain_fake
+DELTA_RULE = define_recurrent_op(
+    _delta_rule(
+        "delta_rule",
+        "Tensor q, Tensor k, Tensor v, Tensor beta",
+        "delta_state",
+        "fast-weight matrix S [value_heads, dk, dv] per sequence (fp32)",
+    )
 )
+torch_gated_delta_rule = GATED_DELTA_RULE.uncached
+torch_cached_gated_delta_rule = GATED_DELTA_RULE.torch_cached
+triton_cached_gated_delta_rule = GATED_DELTA_RULE.triton_cached
+torch_delta_rule = DELTA_RULE.uncached
+torch_cached_delta_rule = DELTA_RULE.torch_cached
+triton_cached_delta_rule = DELTA_RULE.triton_cached
 
-__all__ = ["torch_gated_delta_rule", "torch_delta_rule", "delta_rule_reference", "delta_rule_output_like", "OPTIONS"]
+__all__ = [
+    "torch_gated_delta_rule",
+    "torch_cached_gated_delta_rule",
+    "triton_cached_gated_delta_rule",
+    "torch_delta_rule",
+    "torch_cached_delta_rule",
+    "triton_cached_delta_rule",
+    "GATED_DELTA_RULE",
+    "DELTA_RULE",
+    "OPTIONS",
+    "output_like",
+    "state_shape",
+]

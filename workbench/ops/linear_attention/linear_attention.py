@@ -28,16 +28,23 @@ start) and ``D[t, j] = exp(gam_t - gam_j)`` for ``j <= t`` (0 above the diagonal
 
 The intra-chunk terms do not depend on ``S0``, so they are computed for every chunk at once; only
 the chunk-to-chunk state carry is a loop. ``chunk_size`` changes round-off only.
+
+The cached ops (``ops/recurrent.py``) keep ``linear_attention_state [num_slots, h, dk, dv]`` in fp32
+whatever the model dtype (HF keeps MiniMax's in the model dtype; in fp32 the two agree). Their
+Triton decode rows run the fast-weight kernel shared with the delta rules
+(``ops/delta_rule/triton_delta_rule.py``, ``DELTA=False``).
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from ..library import define_op
+from ..delta_rule import triton_delta_rule
+from ..recurrent import Inputs, Options, RecurrentOp, define_recurrent_op
+from ..state import StateSpec
 
 
 def check_linear_attention_args(q, k, v, g, chunk_size: int = 64) -> None:
@@ -121,41 +128,59 @@ def chunked_linear_attention(q, k, v, g, state, chunk_size: int) -> Tuple[torch.
     return out.reshape(n, h, chunks * c, dv)[:, :, :s], state
 
 
-def linear_attention_reference(q, k, v, g, scale: float = 1.0, chunk_size: int = 64) -> torch.Tensor:
-    """Whole sequences from a zero state: ``[b, s, h, dv]`` in q's dtype."""
-    check_linear_attention_args(q, k, v, g, chunk_size)
-    qf, kf, vf, gf = prepare(q, k, v, g, scale)
-    state = vf.new_zeros(vf.shape[0], vf.shape[1], kf.shape[-1], vf.shape[-1])
-    out, _ = chunked_linear_attention(qf, kf, vf, gf, state, chunk_size)
-    return out.transpose(1, 2).to(q.dtype).contiguous()
+def _check(i: Inputs, options: Options) -> None:
+    check_linear_attention_args(i["q"], i["k"], i["v"], i["g"], options["chunk_size"])
 
 
-def linear_attention_output_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """An empty output: v's shape (per-token value heads), q's dtype."""
-    return v.new_empty(v.shape, dtype=q.dtype)
+def _run(i: Inputs, init: Optional[torch.Tensor], options: Options):
+    """Whole sequences from ``init [b, h, dk, dv]`` (None: zeros): the chunked form."""
+    q, k, v, g = prepare(i["q"], i["k"], i["v"], i["g"], options["scale"])  # [b, h, s, d], [b, h, s]
+    state = v.new_zeros(v.shape[0], v.shape[1], k.shape[-1], v.shape[-1]) if init is None else init.float()
+    out, final = chunked_linear_attention(q, k, v, g, state, options["chunk_size"])
+    return out.transpose(1, 2), final  # [b, s, h, dv]
 
 
-def _fake(q, k, v, g, scale=1.0, chunk_size=64):
-    check_linear_attention_args(q, k, v, g, chunk_size)
-    return linear_attention_output_like(q, v)
+def _step(i: Inputs, held: torch.Tensor, fresh: torch.Tensor, options: Options):
+    """One token per row (``q [n, hk, dk]``, ...) from ``held [n, h, dk, dv]``."""
+    rows = prepare(i["q"][None], i["k"][None], i["v"][None], i["g"][None], options["scale"])  # [1, h, n, ...]
+    q, k, v, g = (t[0].transpose(0, 1) for t in rows)
+    return linear_attention_step(q, k, v, g, held.float())
 
 
-OPTIONS = "*, float scale=1.0, int chunk_size=64"
+def _state_shape(args) -> tuple:
+    """Per-sequence state of a linear-attention node: ``(value_heads, dk, dv)`` from q and v."""
+    return (int(args["v"].shape[2]), int(args["q"].shape[3]), int(args["v"].shape[3]))
 
-torch_linear_attention = define_op(
-    f"torch_linear_attention(Tensor q, Tensor k, Tensor v, Tensor g, {OPTIONS}) -> Tensor",
-    linear_attention_reference,
-    _fake,
+
+LINEAR_ATTENTION = define_recurrent_op(
+    RecurrentOp(
+        name="linear_attention",
+        inputs="Tensor q, Tensor k, Tensor v, Tensor g",
+        options="float scale=1.0, int chunk_size=64",
+        state=StateSpec("linear_attention_state", shape=_state_shape, dtype=torch.float32),
+        state_layout="value_heads, dk, dv",
+        token_args=("q", "k", "v", "g"),
+        insert_key="insert_cached_linear_attention",
+        description="decayed sum of k^T v, S [value_heads, dk, dv] per sequence (fp32), scaled by exp(g) each token",
+        check=_check,
+        run=_run,
+        step=_step,
+        triton_decode=triton_delta_rule.decode_linear_attention,
+        output_like=lambda i: i["v"].new_empty(i["v"].shape, dtype=i["q"].dtype),
+    )
 )
+torch_linear_attention = LINEAR_ATTENTION.uncached
+torch_cached_linear_attention = LINEAR_ATTENTION.torch_cached
+triton_cached_linear_attention = LINEAR_ATTENTION.triton_cached
 
 __all__ = [
     "torch_linear_attention",
+    "torch_cached_linear_attention",
+    "triton_cached_linear_attention",
     "check_linear_attention_args",
-    "prepare",
-    "linear_attention_step",
-    "recurrent_linear_attention",
     "chunked_linear_attention",
-    "linear_attention_reference",
-    "linear_attention_output_like",
-    "OPTIONS",
+    "recurrent_linear_attention",
+    "linear_attention_step",
+    "prepare",
+    "LINEAR_ATTENTION",
 ]

@@ -1,4 +1,4 @@
-"""``workbench::torch_rglru``: the RG-LRU recurrence of whole sequences (the uncached op).
+"""``workbench::torch_rglru`` and its cached forms: the RG-LRU recurrence (a cached-state kit op).
 
 What a RecurrentGemma recurrent block computes between its causal conv and the output gate
 (``rglru_math.py`` has the formulas)::
@@ -13,13 +13,23 @@ Token 0 of every row is a sequence start (HF resets where ``position_ids == 0``;
 contract's positions are ``0..s-1`` per row). Keyword option ``decay_scale`` is Griffin's ``c``
 (8 in every RecurrentGemma). Export sees one node; the scan's ``log2(s)`` rounds run where ``s``
 is a concrete number.
+
+The cached ops (``ops/recurrent.py``) keep ``rglru_state [num_slots, w]`` in fp32. Sequence i is a
+new sequence when ``input_pos[i] == 0``: it starts from zero whatever its slot holds and its first
+token takes multiplier 1 (HF's reset at position 0); otherwise it continues from its slot. The
+"is it new" tests of the decode rows stay on the device (``torch.where``); the Triton decode
+kernel is in ``triton_rglru.py``.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from ..library import define_op
+from ..recurrent import Inputs, Options, RecurrentOp, define_recurrent_op
+from ..state import StateSpec
+from . import triton_rglru
 from .rglru_math import DEFAULT_DECAY_SCALE, gates, linear_scan
 
 
@@ -34,32 +44,52 @@ def check_rglru_args(x, gate_x, gate_a, recurrent_param, op: str = "torch_rglru"
         raise ValueError(f"{op} expects recurrent_param [width] = [{x.shape[-1]}]; got {tuple(recurrent_param.shape)}")
 
 
-def torch_rglru(
-    x: torch.Tensor,
-    gate_x: torch.Tensor,
-    gate_a: torch.Tensor,
-    recurrent_param: torch.Tensor,
-    decay_scale: float = DEFAULT_DECAY_SCALE,
-) -> torch.Tensor:
-    """The recurrence of whole sequences from a reset at token 0; see the module docstring."""
-    check_rglru_args(x, gate_x, gate_a, recurrent_param)
-    a, u, u_reset = gates(x, gate_x, gate_a, recurrent_param, decay_scale)
-    u = torch.cat([u_reset[:, :1], u[:, 1:]], dim=1)  # token 0: multiplier 1, nothing to decay
-    return linear_scan(a, u).to(x.dtype)
+def _check(i: Inputs, options: Options) -> None:
+    check_rglru_args(i["x"], i["gate_x"], i["gate_a"], i["recurrent_param"])
 
 
-def _torch_rglru_fake(x, gate_x, gate_a, recurrent_param, decay_scale=DEFAULT_DECAY_SCALE):
-    check_rglru_args(x, gate_x, gate_a, recurrent_param)
-    return x.new_empty(x.shape)
+def _gates(i: Inputs, options: Options):
+    return gates(i["x"], i["gate_x"], i["gate_a"], i["recurrent_param"], options["decay_scale"])
 
 
-# The options after ``*``: the cached ops take the same ones (the state-cache rewrite copies them).
-RGLRU_OPTIONS = f"float decay_scale={DEFAULT_DECAY_SCALE}"
+def _run(i: Inputs, init: Optional[torch.Tensor], options: Options):
+    """Whole sequences ``[b, s, w]``: from a reset (``init`` None: token 0 takes multiplier 1,
+    nothing to decay) or continuing from ``init [b, w]``."""
+    a, u, u_reset = _gates(i, options)
+    if init is None:
+        u = torch.cat([u_reset[:, :1], u[:, 1:]], dim=1)
+    h = linear_scan(a, u, None if init is None else init.float())  # [b, s, w]
+    return h, h[:, -1]
 
-torch_rglru_op = define_op(
-    f"torch_rglru(Tensor x, Tensor gate_x, Tensor gate_a, Tensor recurrent_param, *, {RGLRU_OPTIONS}) -> Tensor",
-    torch_rglru,
-    _torch_rglru_fake,
+
+def _step(i: Inputs, held: torch.Tensor, fresh: torch.Tensor, options: Options):
+    """One token per row, ``x [n, w]``: ``h = a * held + u`` (``u_reset`` for a new sequence)."""
+    a, u, u_reset = _gates(i, options)
+    h = a * held.float() + torch.where(fresh[:, None], u_reset, u)
+    return h, h
+
+
+def _rglru_state_shape(args) -> tuple:
+    """Per-sequence state [width] from x."""
+    return (int(args["x"].shape[-1]),)
+
+
+RGLRU = define_recurrent_op(
+    RecurrentOp(
+        name="rglru",
+        inputs="Tensor x, Tensor gate_x, Tensor gate_a, Tensor recurrent_param",
+        options=f"float decay_scale={DEFAULT_DECAY_SCALE}",
+        state=StateSpec("rglru_state", shape=_rglru_state_shape, dtype=torch.float32),
+        state_layout="width",
+        token_args=("x", "gate_x", "gate_a"),
+        insert_key="insert_cached_ssm_attention",
+        description="RG-LRU recurrent state per sequence: [lru_width], fp32",
+        check=_check,
+        run=_run,
+        step=_step,
+        triton_decode=triton_rglru.decode,
+    )
 )
+torch_rglru, torch_cached_rglru, triton_cached_rglru = RGLRU.uncached, RGLRU.torch_cached, RGLRU.triton_cached
 
-__all__ = ["torch_rglru", "torch_rglru_op", "check_rglru_args", "RGLRU_OPTIONS"]
+__all__ = ["torch_rglru", "torch_cached_rglru", "triton_cached_rglru", "check_rglru_args", "RGLRU"]

@@ -27,9 +27,9 @@ shared with Mamba-2 (``ops/ssm/triton_ssm.py``, per-channel variant).
 
 from __future__ import annotations
 
-import torch
-
 from typing import Optional
+
+import torch
 
 from ..recurrent import Inputs, Options, RecurrentOp, define_recurrent_op
 from ..ssm import triton_ssm
