@@ -20,7 +20,7 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from workbench import Workbench  # noqa: E402
 from workbench.runtime.lean_graph import lean_copy, rewritten_nodes  # noqa: E402
-from workbench.runtime.runner import runner_for  # noqa: E402
+from workbench.runtime.runner_for import runner_for  # noqa: E402
 from workbench.runtime.step_program import build  # noqa: E402
 
 PROMPT = "Write a long story about a dragon who learns to write compilers."

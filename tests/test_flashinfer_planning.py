@@ -124,7 +124,7 @@ def test_pipeline_with_flashinfer_attention_and_rmsnorm_generates_the_torch_toke
     from workbench import Workbench
     from workbench.models import load_model
     from workbench.runtime.generate import generate
-    from workbench.runtime.runner import runner_for
+    from workbench.runtime.runner_for import runner_for
 
     norm = importlib.import_module("workbench.ops.normalization.flashinfer_rmsnorm")
     monkeypatch.setattr(norm, "is_available", lambda device=None: (True, "CPU stand-in"))

@@ -132,7 +132,7 @@ def test_a_mixer_without_a_cache_is_refused_by_generate():
 
 
 def test_the_cache_check_passes_a_working_cache():
-    from workbench.runtime.runner import cache_check_tolerance, check_cache_carries_past
+    from workbench.runtime.cache_check import cache_check_tolerance, check_cache_carries_past
 
     wb = Workbench("tiny:lfm2", numerics=False)
     wb.run()
@@ -140,7 +140,7 @@ def test_the_cache_check_passes_a_working_cache():
     assert cache_check_tolerance(torch.float32) == 1e-3
     assert 0.08 < cache_check_tolerance(torch.float32, torch.bfloat16) < 0.09
     # a graph that rounds activations to int8 blocks (the Q4 model's a8 kernel) drifts by that grid,
-    # as far as 0.097 on smollm2 (runner.cache_check_tolerance)
+    # as far as 0.097 on smollm2 (cache_check.cache_check_tolerance)
     assert 0.17 < cache_check_tolerance(torch.float32, activation_steps=[2.0**-7]) < 0.18
     assert cache_check_tolerance(torch.float32, activation_steps=[0.5]) == 0.71
 
@@ -148,7 +148,7 @@ def test_the_cache_check_passes_a_working_cache():
 def test_activation_steps_reads_the_quantized_ops_of_a_graph():
     """The grid of every op that quantizes its activations, found in nested graphs; none elsewhere."""
     from workbench.ops.quant.fp8 import torch_fp8_linear
-    from workbench.runtime.runner import activation_steps
+    from workbench.runtime.cache_check import activation_steps
 
     graph = torch.fx.Graph()
     x, w, s = (graph.placeholder(n) for n in ("x", "w", "s"))

@@ -8,7 +8,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from workbench.runtime.runner import runner_for
+from workbench.runtime.runner_for import runner_for
 from workbench.runtime.lean_graph import TENSOR_METHODS, lean_copy, rewritten_nodes
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [42]]

@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from workbench.ops import cpu_kernels
-from workbench.runtime.runner import plain_step, runner_for
+from workbench.runtime.runner_for import plain_step, runner_for
 from workbench.runtime.step_program import StepProgramFn, build
 
 WHY = cpu_kernels.load_step_program()

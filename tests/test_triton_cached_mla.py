@@ -202,20 +202,23 @@ def test_op_carries_no_host_sync_tag():
 
 
 def test_backend_choice(monkeypatch):
+    """MLA chooses through its backend table (``ops/backends.py`` ``MLA_BACKENDS.choose``), like
+    attention: auto is Triton on CUDA where it runs, else the torch reference, saying what it passed over."""
+    from workbench.ops.mla import triton_cached_mla
     from workbench.pipeline.transforms.caches import mla
 
     assert mla.pick_mla_backend(None, torch.device("cpu"))[0] == "torch"
     assert mla.pick_mla_backend("auto", torch.device("cpu"))[0] == "torch"
-    assert mla.pick_mla_backend("torch", torch.device("cpu")) == ("torch", "requested")
-    monkeypatch.setattr(mla, "triton_available", lambda d: (True, ""))
+    assert mla.pick_mla_backend("torch", torch.device("cpu")) == ("torch", "torch (requested)")
+    monkeypatch.setattr(triton_cached_mla, "is_available", lambda d: (True, ""))
     assert mla.pick_mla_backend("auto", torch.device("cuda"))[0] == "triton"
-    assert mla.pick_mla_backend("triton", torch.device("cuda")) == ("triton", "requested")
+    assert mla.pick_mla_backend("triton", torch.device("cuda")) == ("triton", "triton (requested)")
     with pytest.raises(ValueError, match="no 'flashinfer' backend.*'triton'"):
         mla.pick_mla_backend("flashinfer", torch.device("cuda"))
-    monkeypatch.setattr(mla, "triton_available", lambda d: (False, "triton is not installed"))
+    monkeypatch.setattr(triton_cached_mla, "is_available", lambda d: (False, "triton is not installed"))
     assert mla.pick_mla_backend("auto", torch.device("cuda")) == (
-        "torch", "auto: the torch reference (triton is not installed)")
-    with pytest.raises(ValueError, match="'triton' cannot run.*triton is not installed"):
+        "torch", "auto on cuda: torch (passed over: triton: triton is not installed)")
+    with pytest.raises(RuntimeError, match="'triton' cannot run.*triton is not installed.*Pick backend 'torch'"):
         mla.pick_mla_backend("triton", torch.device("cuda"))
 
 

@@ -301,8 +301,9 @@ class Workbench(PipelineStepper):
         Calls from several threads take turns (``runtime_lock``): each one's prompts get the whole
         cache, so batch prompts into one call to run them together.
         """
-        from .runtime.generate import default_stop_token_ids, generate
-        from .runtime.runner import runner_for
+        from .runtime.generate import generate
+        from .runtime.prompts import default_stop_token_ids
+        from .runtime.runner_for import runner_for
 
         with self.runtime_lock:
             if not self.done:
@@ -324,7 +325,7 @@ class Workbench(PipelineStepper):
             return out
 
     def _runner_for_generate(self, build: Any) -> Any:
-        """``build(module, ctx)`` (``runtime.runner.runner_for``) once per finished pipeline: the same
+        """``build(module, ctx)`` (``runtime.runner_for.runner_for``) once per finished pipeline: the same
         final module, compiled runner and cache reuse the runner (and its passed cache check)."""
         cache = self.ctx.cache
         key = (self.module, self.ctx.runner, cache.tensors, cache.config)

@@ -10,6 +10,8 @@ and the ``post_load_fusion`` transforms swap them for the backend op picked here
     attention    flashinfer   flashinfer_cached_attention           flashinfer + CUDA; head_dim 64/128/256
     mla          torch        torch_cached_mla                      nothing (reads lengths on the host)
     mla          triton       triton_cached_mla                     triton + CUDA (or TRITON_INTERPRET=1)
+    <state op>   torch        torch_cached_<op> (ops/recurrent.py)  nothing (reads lengths on the host)
+    <state op>   triton       triton_cached_<op>                    triton + CUDA (or TRITON_INTERPRET=1)
     rmsnorm      torch        torch_rmsnorm (canonical, kept)       nothing
     rmsnorm      triton       triton_rmsnorm                        triton + CUDA (or TRITON_INTERPRET=1)
     rmsnorm      flashinfer   flashinfer_rmsnorm                    flashinfer + CUDA
@@ -19,7 +21,9 @@ and the ``post_load_fusion`` transforms swap them for the backend op picked here
     silu_mul     triton       triton_silu_and_mul                   triton + CUDA (or TRITON_INTERPRET=1)
     rmsnorm/rope/silu_mul  cpu  cpu_rmsnorm, cpu_rope_with_explicit_cos_sin, cpu_silu_and_mul  AVX2+ or NEON + g++
 
-Every table chooses the same way (``BackendRegistry.choose``: an explicit name, or ``auto`` -- the first
+Every table -- attention, MLA, each stateful op (``state_backends``), fusion, compile -- is checked
+against its family's contract when it is built (``Backend.contract_problems``) and chooses the same
+way (``BackendRegistry.choose``: an explicit name, or ``auto`` -- the first
 of the table's ``auto_order`` for the device type that runs there and serves the model). Attention
 ``auto``: FlashInfer, then Triton (both captured by CUDA graphs), then the torch reference on CUDA;
 the C++ kernel, then torch, on CPU. Fusion ``auto``: Triton on CUDA, the C++ kernels (``cpu``) on a
@@ -37,7 +41,9 @@ import torch
 from .attention.flashinfer_cached_attention import ALIBI_UNSUPPORTED, CHUNKED_UNSUPPORTED, FlashInferPlanner
 from .attention.flashinfer_cached_attention import unsupported as flashinfer_unsupported
 from .capture import HOST_SYNC_TAG
-from .registry import BackendRegistry, Choice, OpBackend
+from .registry import Backend, BackendRegistry, Choice, OpBackend
+from .state import StatefulOp
+from .triton_support import triton_available
 
 _CPU = "workbench.ops.cpu_kernels"
 _ATT, _NORM, _ROPE, _MLP = (
@@ -179,6 +185,57 @@ FUSION_BACKENDS: Dict[str, BackendRegistry[OpBackend]] = {
 }
 
 
+#: Multi-head latent attention over a paged latent cache (``insert_cached_mla_attention``): the torch
+#: reference reads lengths on the host; the Triton op's decode-only steps are capturable.
+MLA_BACKENDS: BackendRegistry[OpBackend] = BackendRegistry(
+    "MLA",
+    [
+        OpBackend("torch", "nothing beyond PyTorch", "workbench.ops.mla.torch_cached_mla", "torch_cached_mla"),
+        OpBackend("triton", TRITON_NEEDS, "workbench.ops.mla.triton_cached_mla", "triton_cached_mla"),
+    ],
+    default="torch",
+    auto_order={"cuda": ("triton", "torch"), "cpu": ("torch",)},
+)
+
+
+@dataclass(frozen=True)
+class StateOpBackend(Backend):
+    """One cached form of a stateful op (``workbench.ops.state.StatefulOp.cached``): ``op_name`` the
+    qualified op; a ``triton`` backend runs where Triton kernels do (``ops/triton_support.py``)."""
+
+    op_name: str = ""
+
+    def unavailable_reason(self, device: torch.device) -> Optional[str]:
+        if self.name != "triton":
+            return None
+        ok, why = triton_available(device)
+        return None if ok else why
+
+    def contract_problems(self) -> List[str]:
+        problems = super().contract_problems()
+        ns, _, name = self.op_name.partition("::")
+        if ns != "workbench" or not hasattr(torch.ops.workbench, name):
+            problems.append(f"a registered cached op (got {self.op_name!r})")
+        if self.name not in STATE_BACKEND_NAMES:
+            problems.append(f"a backend name among {STATE_BACKEND_NAMES}")
+        return problems
+
+
+STATE_BACKEND_NAMES = ("torch", "triton")
+
+
+def state_backends(op: StatefulOp) -> BackendRegistry[StateOpBackend]:
+    """The backend table of one stateful op, from its ``cached`` mapping: auto takes Triton on CUDA
+    where the op has a kernel and Triton runs, the torch reference otherwise."""
+    needs = {"torch": "nothing beyond PyTorch", "triton": TRITON_NEEDS}
+    return BackendRegistry(
+        op.source.split("::")[1],
+        [StateOpBackend(name, needs.get(name, ""), qualified) for name, qualified in op.cached.items()],
+        default="torch",
+        auto_order={d: tuple(n for n in order if n in op.cached) for d, order in FUSION_AUTO.items()},
+    )
+
+
 def fusion_backend_names(family: str) -> Tuple[str, ...]:
     return ("auto", *FUSION_BACKENDS[family].names())
 
@@ -192,6 +249,9 @@ __all__ = [
     "AttentionBackend",
     "ATTENTION_BACKENDS",
     "REFUSABLE",
+    "MLA_BACKENDS",
+    "StateOpBackend",
+    "state_backends",
     "ATTENTION_AUTO",
     "CPU_KERNELS_NEED",
     "FUSION_BACKENDS",

@@ -14,20 +14,16 @@ from typing import Callable, Dict
 import torch
 import torch.fx as fx
 
-from .mlp.cpu_linear_wxt import linear_wxt
-from .mlp.torch_silu_mul import silu_and_mul_reference
-from .normalization.torch_norms import rmsnorm_reference
-from .rope.torch_rope import rope_explicit_reference
+from .library import ops_with
 
 
 def inline_table() -> Dict[object, Callable]:
-    """Custom op overload -> the plain function it runs."""
-    ops = torch.ops.workbench
+    """Custom op overload -> the plain function it runs: every op that declares a ``reference``
+    (``OpTraits``, at its ``define_op``)."""
     return {
-        ops.torch_rmsnorm.default: rmsnorm_reference,
-        ops.torch_silu_and_mul.default: silu_and_mul_reference,
-        ops.torch_rope_with_explicit_cos_sin.default: rope_explicit_reference,
-        ops.cpu_linear_wxt.default: linear_wxt,
+        getattr(torch.ops.workbench, name).default: t.reference
+        for name, t in ops_with(lambda t: t.reference is not None).items()
+        if t.reference is not None
     }
 
 

@@ -171,13 +171,20 @@ class _Bodies:
     def _inputs(self, args) -> Inputs:
         return dict(zip(self.spec.input_names, args))
 
-    def _cached_args(self, args, options: Mapping[str, Any]):
+    def _cached_args(
+        self, args, options: Mapping[str, Any], capturable: bool
+    ) -> Tuple[Inputs, StepMetadata, torch.Tensor, Options]:
+        """The inputs, the step, the state and the options of a cached call, all checked; a
+        ``capturable`` backend reads ``seq_lens`` on the host only in steps with prefill."""
         n = len(self.spec.input_names)
         inputs = self._inputs(args[:n])
         seq_lens, input_pos, slot_idx, num_prefill, state = args[n : n + 5]
         opts = self._options(options)
         self.check_cached(inputs, state, opts)
-        return inputs, (seq_lens, input_pos, slot_idx, num_prefill), state, opts
+        tokens = inputs[self.spec.tokens_of].shape[1]
+        host = num_prefill > 0 or not capturable
+        step = read_step(tokens, seq_lens, input_pos, slot_idx, num_prefill, self.spec.tokens_of, host=host)
+        return inputs, step, state, opts
 
     def check_cached(self, inputs: Inputs, state: torch.Tensor, options: Options) -> None:
         spec = self.spec
@@ -225,8 +232,7 @@ class _Bodies:
         state.index_copy_(0, slots, new.to(state.dtype))
 
     def torch_cached(self, *args, **options) -> torch.Tensor:
-        inputs, meta, state, opts = self._cached_args(args, options)
-        step = read_step(inputs[self.spec.tokens_of].shape[1], *meta, self.spec.tokens_of, host=True)
+        inputs, step, state, opts = self._cached_args(args, options, capturable=False)
         out = self.spec.empty_output(inputs)
         self.prefill(inputs, step, state, out, opts)
         if step.num_decode:
@@ -237,11 +243,9 @@ class _Bodies:
         spec = self.spec
         tokens = args[spec.input_names.index(spec.tokens_of)]
         require_triton(tokens.device, f"triton_cached_{spec.name}", f"{spec.insert_key}.backend=torch")
-        inputs, meta, state, opts = self._cached_args(args, options)
-        num_prefill = meta[3]
-        step = read_step(tokens.shape[1], *meta, spec.tokens_of, host=num_prefill > 0)
+        inputs, step, state, opts = self._cached_args(args, options, capturable=True)
         out = spec.empty_output(inputs)
-        if num_prefill:  # prefill sequences (rare, long) run the reference's chunked form
+        if step.num_prefill:  # prefill sequences (rare, long) run the reference's chunked form
             self.prefill(inputs, step, state, out, opts)
         if step.num_decode:
             (spec.triton_decode or _no_triton_decode)(inputs, step, state, out, opts)
@@ -266,10 +270,16 @@ def define_recurrent_op(spec: RecurrentOp) -> RecurrentOps:
     cached_schema = f"({spec.inputs}, {metadata}, Tensor(a!) {spec.state.name}{options}) -> Tensor"
     # ``define_op`` (a Library kernel), not a mutating ``custom_op``: that pays ~50-80 us of Python
     # argument handling per call (library.py), and a decode step calls each cached op once per layer.
-    uncached = define_op(f"torch_{spec.name}({spec.inputs}{options}) -> Tensor", bodies.uncached, bodies.fake)
+    uncached = define_op(
+        f"torch_{spec.name}({spec.inputs}{options}) -> Tensor", bodies.uncached, bodies.fake, category="attention"
+    )
     bodies.defaults = _schema_defaults(uncached.default)
     torch_cached = define_op(
-        f"torch_cached_{spec.name}" + cached_schema, bodies.torch_cached, bodies.fake, host_sync=STATE_HOST_SYNC
+        f"torch_cached_{spec.name}" + cached_schema,
+        bodies.torch_cached,
+        bodies.fake,
+        host_sync=STATE_HOST_SYNC,
+        category="attention",
     )
     triton_cached = None
     cached = {"torch": f"workbench::torch_cached_{spec.name}"}
@@ -279,6 +289,7 @@ def define_recurrent_op(spec: RecurrentOp) -> RecurrentOps:
             bodies.triton_cached,
             bodies.fake,
             host_sync=TRITON_STATE_HOST_SYNC,
+            category="attention",
         )
         cached["triton"] = f"workbench::triton_cached_{spec.name}"
     stateful = register_stateful_op(

@@ -42,10 +42,15 @@ from ..runtime.interface import CachedProbe, CacheSpec, KVCacheConfig, RuntimeLi
 from .weights import with_checkpoint
 
 if TYPE_CHECKING:
+    from ..models.loaded import LoadedModel
     from ..models.quantized_checkpoint import QuantizedCheckpoint
     from ..ops.backends import AttentionBackend
     from ..ops.registry import Choice
     from ..quantization.checkpoint_config import QuantConfig
+    from ..runtime.runner import Runner
+    from .transforms.caches.transformers_mode import HFAttnLayer
+    from .transforms.export.export_cache import ExportCache
+    from .transforms.sharding.plan import ShardingPlan
 
 
 class PipelineOrderError(RuntimeError):
@@ -165,30 +170,30 @@ class ContextState:
 
     limits: RuntimeLimits
     cache: CacheState
-    runner: Any
+    runner: Optional["Runner"]
     hidden_states_to_capture: Mapping[int, str]
-    hf_attn_layers: Tuple[Any, ...]
-    sharding: Any = None
+    hf_attn_layers: Tuple["HFAttnLayer", ...]
+    sharding: Optional["ShardingPlan"] = None
 
 
 @dataclass
 class PipelineContext:
     spec: str
-    loaded: Any  # workbench.models.LoadedModel: model, config, tokenizer
+    loaded: Optional["LoadedModel"]  # model, config, tokenizer; None: a standalone context
     device: torch.device
     dtype: torch.dtype
     limits: RuntimeLimits = field(default_factory=RuntimeLimits)
     cache: CacheState = field(default_factory=CacheState)
-    runner: Any = None  # built by compile_model; None: generate builds the plain runner
+    runner: Optional["Runner"] = None  # built by compile_model; None: generate builds the plain runner
     hidden_states_to_capture: Dict[int, str] = field(default_factory=dict)
-    hf_attn_layers: Tuple[Any, ...] = ()
+    hf_attn_layers: Tuple["HFAttnLayer", ...] = ()
     # The quantized checkpoint the model was loaded from (its QuantConfig and raw tensors); None
     # for other models. Defaults to ``loaded.checkpoint``.
     checkpoint: Optional["QuantizedCheckpoint"] = None
     dist: DistInfo = field(default_factory=DistInfo)
-    sharding: Any = None  # pipeline.sharding.ShardingPlan once sharding_transform_executor applied one
+    sharding: Optional["ShardingPlan"] = None  # once sharding_transform_executor applied one
     # transforms/export/export_cache.ExportCache when the run reuses graphs earlier processes exported
-    export_cache: Any = None
+    export_cache: Optional["ExportCache"] = None
     _weights: Optional[Mapping[str, torch.Tensor]] = field(default=None, repr=False)
 
     def __post_init__(self):

@@ -6,7 +6,8 @@ transforms use them too); the rest never imports ``workbench.pipeline``.
 
 from .generate import GenerationOutput, GenerationResult, GenerationStats, TokenEvent, generate  # noqa: F401
 from .kv_cache import CacheSpec, KVCacheConfig, PageAllocator  # noqa: F401
-from .runner import CachedRunner, UncachedRunner, runner_for  # noqa: F401
+from .runner import CachedRunner, Runner, UncachedRunner  # noqa: F401
+from .runner_for import runner_for  # noqa: F401
 from .sampling import SamplingParams  # noqa: F401
 from .scheduler import Request, Scheduler, Step  # noqa: F401
 from .sequence_info import SequenceInfo  # noqa: F401
@@ -21,6 +22,7 @@ __all__ = [
     "KVCacheConfig",
     "PageAllocator",
     "CachedRunner",
+    "Runner",
     "UncachedRunner",
     "runner_for",
     "SamplingParams",

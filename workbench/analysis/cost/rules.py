@@ -39,6 +39,7 @@ import torch
 import torch.fx as fx
 import torch.utils.flop_counter as flop_counter
 
+from ...ops.library import op_traits
 from .sizes import SizeBinding
 
 aten = torch.ops.aten
@@ -56,8 +57,6 @@ NORM_OPS = frozenset("layer_norm native_layer_norm group_norm rms_norm _fused_rm
 ATTENTION_OPS = frozenset("scaled_dot_product_attention _scaled_dot_product_flash_attention_for_cpu".split())
 GATHER_OPS = frozenset("embedding index_select gather index int8_embedding".split())
 COPY_OPS = frozenset("clone contiguous _to_copy copy copy_".split())
-QUANT_WORDS = ("int4", "int8", "fp8", "nvfp4", "mxfp4", "fake_quant")
-MIXER_WORDS = ("attention", "mla", "ssm", "selective_scan", "rglru", "delta_rule", "causal_conv1d")
 TORCH_FLOPS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
 
 
@@ -94,21 +93,10 @@ def category_of(ns: str, name: str) -> str:
     """The op category of ``ns::name`` (also used for profiler event names)."""
     if ns == "python":
         return "view"  # getitem, scalar arithmetic on sizes
-    base = base_name(name) if ns == "workbench" else name
-    if ns == "workbench":
-        if "moe" in base:
-            return "moe"
-        if any(w in base for w in QUANT_WORDS):
-            return "quant"
-        if any(w in base for w in MIXER_WORDS):
-            return "attention"
-        if "norm" in base:
-            return "norm"
-        if "linear" in base or "gemm" in base or "swiglu_mlp" in base or base.endswith("bmm"):
-            return "matmul"
-        if "rope" in base or "silu" in base or "add" in base:
-            return "elementwise"
-        return "other"
+    if ns == "workbench":  # declared at the op (OpTraits.category)
+        traits = op_traits(name)
+        return traits.category if traits is not None else "other"
+    base = name
     if base in VIEW_OPS:
         return "view"
     if base in MATMUL_OPS:

@@ -17,4 +17,5 @@ cpu_cached_attention = declare_op(
     "cpu_cached_attention" + CACHED_ATTENTION_ARGS,
     cached_attention_fake,
     host_sync="a C++ CPU kernel that reads the step metadata on the host",
+    category="attention",
 )

@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..library import workbench_op
+
 LAYOUTS = ("bnsd", "bsnd")
 
 
@@ -110,7 +112,7 @@ def _math_attention(
     return torch.matmul(probs.to(v.dtype), v)
 
 
-@torch.library.custom_op("workbench::torch_attention", mutates_args=())
+@workbench_op("torch_attention", category="attention")
 def torch_attention(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from ..library import workbench_op
 
-@torch.library.custom_op("workbench::torch_attention_repeat_kv", mutates_args=())
+
+@workbench_op("torch_attention_repeat_kv", category="attention")
 def torch_attention_repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     # repeat_interleave always allocates, so the output never aliases x (custom ops must not).
     return torch.repeat_interleave(x, n_rep, dim=1)

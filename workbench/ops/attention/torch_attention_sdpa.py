@@ -14,8 +14,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..library import workbench_op
 
-@torch.library.custom_op("workbench::torch_attention_sdpa", mutates_args=())
+
+@workbench_op("torch_attention_sdpa", category="attention")
 def torch_attention_sdpa(
     query: torch.Tensor,
     key: torch.Tensor,

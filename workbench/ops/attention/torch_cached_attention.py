@@ -356,7 +356,9 @@ def cached_attention_fake(q, k, v, *_metadata, **_options):
 def define_cached_attention(name: str, impl, host_sync: Optional[str] = None):
     """Register ``workbench::<name>`` with the shared cached-attention schema and fake (``host_sync``:
     why it cannot be captured in a CUDA graph, if it cannot)."""
-    return define_op(name + CACHED_ATTENTION_ARGS, impl, cached_attention_fake, host_sync=host_sync)
+    return define_op(
+        name + CACHED_ATTENTION_ARGS, impl, cached_attention_fake, host_sync=host_sync, category="attention"
+    )
 
 
 define_cached_attention(

@@ -58,35 +58,43 @@ def _linear_fake(input, *args, **kwargs):
     return input.new_empty(*input.shape[:-1], weight.shape[0])
 
 
-declare_op("cpu_linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor", _linear_fake)
+declare_op("cpu_linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor", _linear_fake, category="matmul")
 declare_op(
     "cpu_int4_linear(Tensor input, Tensor qweight, Tensor scales, Tensor offsets, int group_size, "
     "Tensor? bias=None) -> Tensor",
     _linear_fake,
+    category="quant",
 )
 declare_op(
     "cpu_int4_linear_a8(Tensor input, Tensor qweight, Tensor scales, Tensor offsets, int group_size, "
     "Tensor? bias=None) -> Tensor",
     _linear_fake,
     activation_rounding=INT8_BLOCK_STEP,
+    category="quant",
 )
 declare_op(
     "cpu_int8_linear(Tensor input, Tensor qweight, Tensor scales, int group_size, Tensor? bias=None) -> Tensor",
     _linear_fake,
+    category="quant",
 )
 
 
 declare_op(
     "cpu_rmsnorm(Tensor input, Tensor weight, float eps) -> Tensor",
     lambda input, weight, eps: torch.empty_like(input, dtype=torch.promote_types(input.dtype, weight.dtype)),
+    category="norm",
+    norm="rms",
 )
 declare_op(
     "cpu_rope_with_explicit_cos_sin(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim=1) "
     "-> (Tensor, Tensor)",
     lambda q, k, cos, sin, unsqueeze_dim=1: (torch.empty_like(q), torch.empty_like(k)),
+    category="elementwise",
 )
 declare_op(
-    "cpu_silu_and_mul(Tensor input) -> Tensor", lambda input: input.new_empty(*input.shape[:-1], input.shape[-1] // 2)
+    "cpu_silu_and_mul(Tensor input) -> Tensor",
+    lambda input: input.new_empty(*input.shape[:-1], input.shape[-1] // 2),
+    category="elementwise",
 )
 
 

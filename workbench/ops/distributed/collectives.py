@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ..library import workbench_op
+
 
 def _require_group(op: str, group_name: str) -> None:
     import torch.distributed as dist
@@ -29,7 +31,7 @@ def _require_group(op: str, group_name: str) -> None:
         )
 
 
-@torch.library.custom_op("workbench::torch_dist_all_reduce", mutates_args=())
+@workbench_op("torch_dist_all_reduce", category="other")
 def torch_dist_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Sum ``x`` over the ranks of ``group_name``; every rank gets the same result."""
     _require_group("torch_dist_all_reduce", group_name)
@@ -42,7 +44,7 @@ def _all_reduce_fake(x, group_name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("workbench::torch_dist_all_gather", mutates_args=())
+@workbench_op("torch_dist_all_gather", category="other")
 def torch_dist_all_gather(x: torch.Tensor, dim: int, world_size: int, group_name: str) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order (equal shapes on every rank)."""
     _require_group("torch_dist_all_gather", group_name)

@@ -159,6 +159,7 @@ torch_cached_mla_op = define_op(
         "reads seq_lens and input_pos on the host (.tolist()); insert_cached_mla_attention.backend=triton "
         "(auto on CUDA) is captured"
     ),
+    category="attention",
 )
 
 __all__ = [

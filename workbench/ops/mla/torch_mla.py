@@ -172,6 +172,7 @@ torch_mla = define_op(
     "float? scale=None) -> Tensor",
     torch_mla_reference,
     _torch_mla_fake,
+    category="attention",
 )
 
 __all__ = [

@@ -235,7 +235,10 @@ def triton_cached_mla(
 
 # No host_sync: a decode-only step reads nothing on the host (the only steps a CUDA graph captures).
 triton_cached_mla_op = define_op(
-    CACHED_MLA_SCHEMA.replace("torch_cached_mla", "triton_cached_mla", 1), triton_cached_mla, cached_mla_fake
+    CACHED_MLA_SCHEMA.replace("torch_cached_mla", "triton_cached_mla", 1),
+    triton_cached_mla,
+    cached_mla_fake,
+    category="attention",
 )
 
 __all__ = [

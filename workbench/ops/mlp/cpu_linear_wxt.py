@@ -56,7 +56,11 @@ def _cpu_linear_wxt_fake(input, weight, bias=None):
 
 
 cpu_linear_wxt = define_op(
-    "cpu_linear_wxt(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor", linear_wxt, _cpu_linear_wxt_fake
+    "cpu_linear_wxt(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor",
+    linear_wxt,
+    _cpu_linear_wxt_fake,
+    category="matmul",
+    reference=linear_wxt,
 )
 
 __all__ = ["linear_wxt", "cpu_linear_wxt"]

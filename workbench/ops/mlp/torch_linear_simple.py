@@ -12,8 +12,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..library import workbench_op
 
-@torch.library.custom_op("workbench::torch_linear_simple", mutates_args=())
+
+@workbench_op("torch_linear_simple", category="matmul")
 def torch_linear_simple(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``input @ weight.T + bias``: input [..., k], weight [n, k], bias [n] -> [..., n]."""
     return F.linear(input, weight, bias)

@@ -29,5 +29,9 @@ def _torch_silu_and_mul_fake(input):
 
 # The canonical gated activation: ``silu_and_mul_reference`` (decode hot path: see ops/library.py).
 torch_silu_and_mul = define_op(
-    "torch_silu_and_mul(Tensor input) -> Tensor", silu_and_mul_reference, _torch_silu_and_mul_fake
+    "torch_silu_and_mul(Tensor input) -> Tensor",
+    silu_and_mul_reference,
+    _torch_silu_and_mul_fake,
+    category="elementwise",
+    reference=silu_and_mul_reference,
 )

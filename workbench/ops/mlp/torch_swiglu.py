@@ -7,8 +7,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..library import workbench_op
 
-@torch.library.custom_op("workbench::torch_swiglu_mlp", mutates_args=())
+
+@workbench_op("torch_swiglu_mlp", category="matmul")
 def torch_swiglu_mlp(
     input: torch.Tensor,
     gate_weight: torch.Tensor,

@@ -18,6 +18,7 @@ import functools
 
 import torch
 
+from ..library import workbench_op
 from ..triton_support import triton_available as is_available  # noqa: F401  (public per-op name)
 
 
@@ -71,7 +72,7 @@ def silu_and_mul_forward(input: torch.Tensor) -> torch.Tensor:
     return out.reshape(*input.shape[:-1], inter)
 
 
-@torch.library.custom_op("workbench::triton_silu_and_mul", mutates_args=())
+@workbench_op("triton_silu_and_mul", category="elementwise")
 def triton_silu_and_mul(input: torch.Tensor) -> torch.Tensor:
     """Triton SiLU-and-mul; see the module docstring."""
     ok, why = is_available(input.device)

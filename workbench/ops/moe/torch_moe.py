@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
-from ..capture import host_sync_tags
+from ..library import workbench_op
 from .expert_mlp import PLAIN_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, check_activation, expert_mlp
 
 # why the MoE ops that dispatch tokens to experts cannot be captured in a CUDA graph
@@ -72,9 +72,7 @@ def _combine(
     return slots.sum(dim=1).to(x.dtype).reshape(x.shape)
 
 
-@torch.library.custom_op(
-    "workbench::torch_moe", mutates_args=(), tags=host_sync_tags("workbench::torch_moe", MOE_HOST_SYNC)
-)
+@workbench_op("torch_moe", category="moe", host_sync=MOE_HOST_SYNC)
 def torch_moe(
     x: torch.Tensor,
     selected_experts: torch.Tensor,
@@ -102,9 +100,7 @@ def _torch_moe_fake(x, selected_experts, routing_weights, w1_weight, w2_weight, 
     return torch.empty_like(x)
 
 
-@torch.library.custom_op(
-    "workbench::torch_moe_fused", mutates_args=(), tags=host_sync_tags("workbench::torch_moe_fused", MOE_HOST_SYNC)
-)
+@workbench_op("torch_moe_fused", category="moe", host_sync=MOE_HOST_SYNC)
 def torch_moe_fused(
     x: torch.Tensor,
     selected_experts: torch.Tensor,
@@ -149,7 +145,7 @@ def _torch_moe_fused_fake(x, selected_experts, routing_weights, w1_w3_stacked, w
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("workbench::torch_moe_local_experts", mutates_args=())
+@workbench_op("torch_moe_local_experts", category="moe")
 def torch_moe_local_experts(selected_experts: torch.Tensor, first_expert: int, num_local: int) -> torch.Tensor:
     """Expert parallelism: global expert ids [T, k] -> this rank's local ids, or -1 for an expert
     another rank holds (experts ``first_expert .. first_expert + num_local - 1`` live here)."""
@@ -163,7 +159,7 @@ def _torch_moe_local_experts_fake(selected_experts, first_expert, num_local):
     return torch.empty_like(selected_experts)
 
 
-@torch.library.custom_op("workbench::torch_moe_dense_mlp", mutates_args=())
+@workbench_op("torch_moe_dense_mlp", category="moe")
 def torch_moe_dense_mlp(
     x: torch.Tensor,
     routing_weights: torch.Tensor,

@@ -13,8 +13,10 @@ from typing import Tuple
 
 import torch
 
+from ..library import workbench_op
 
-@torch.library.custom_op("workbench::torch_moe_topk_softmax", mutates_args=())
+
+@workbench_op("torch_moe_topk_softmax", category="moe")
 def torch_moe_topk_softmax(logits: torch.Tensor, k: int, renormalize: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, indices = torch.topk(probs, k, dim=-1)

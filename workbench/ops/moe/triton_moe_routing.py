@@ -16,6 +16,7 @@ from typing import Tuple
 
 import torch
 
+from ..library import workbench_op
 from ..triton_support import triton_available as is_available  # noqa: F401  (public per-op name)
 from .torch_moe_routing import torch_moe_topk_softmax
 
@@ -91,7 +92,7 @@ def triton_topk_softmax(logits: torch.Tensor, k: int, renormalize: bool = True):
     return weights.reshape(shape), indices.reshape(shape)
 
 
-@torch.library.custom_op("workbench::triton_moe_topk_softmax", mutates_args=())
+@workbench_op("triton_moe_topk_softmax", category="moe")
 def triton_moe_topk_softmax(
     logits: torch.Tensor, k: int, renormalize: bool = True
 ) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -21,9 +21,10 @@ import torch
 
 from ..flashinfer_support import FLASHINFER_DTYPES
 from ..flashinfer_support import flashinfer_available as is_available  # noqa: F401  (public per-op name)
+from ..library import workbench_op
 
 
-@torch.library.custom_op("workbench::flashinfer_rmsnorm", mutates_args=())
+@workbench_op("flashinfer_rmsnorm", category="norm", norm="rms")
 def flashinfer_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """FlashInfer RMSNorm; see the module docstring. What the inputs are is checked first (on any
     machine), then whether FlashInfer runs here."""

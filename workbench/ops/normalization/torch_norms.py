@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..library import define_op
+from ..library import define_op, workbench_op
 
 
 def rmsnorm_reference(input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,11 +26,16 @@ def _torch_rmsnorm_fake(input, weight, eps):
 
 # The canonical RMSNorm op: ``rmsnorm_reference`` (on the decode hot path: see ops/library.py).
 torch_rmsnorm = define_op(
-    "torch_rmsnorm(Tensor input, Tensor weight, float eps) -> Tensor", rmsnorm_reference, _torch_rmsnorm_fake
+    "torch_rmsnorm(Tensor input, Tensor weight, float eps) -> Tensor",
+    rmsnorm_reference,
+    _torch_rmsnorm_fake,
+    category="norm",
+    norm="rms",
+    reference=rmsnorm_reference,
 )
 
 
-@torch.library.custom_op("workbench::torch_l2norm", mutates_args=())
+@workbench_op("torch_l2norm", category="norm", norm="l2")
 def torch_l2norm(input: torch.Tensor, eps: float) -> torch.Tensor:
     """``x * rsqrt(sum(x**2, -1) + eps)`` (the L2 normalisation of linear-attention q/k).
 

@@ -22,6 +22,7 @@ import functools
 
 import torch
 
+from ..library import workbench_op
 from ..triton_support import triton_available as is_available  # noqa: F401  (public per-op name)
 
 
@@ -80,7 +81,7 @@ def rmsnorm_forward(input: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     return out.reshape(input.shape)
 
 
-@torch.library.custom_op("workbench::triton_rmsnorm", mutates_args=())
+@workbench_op("triton_rmsnorm", category="norm", norm="rms")
 def triton_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Triton RMSNorm; see the module docstring (same contract as ``torch_rmsnorm``)."""
     ok, why = is_available(input.device)

@@ -46,10 +46,12 @@ torch_fake_quant_fp8 = define_op(
     fake_quant_fp8,
     _fake,
     activation_rounding=FP8_E4M3_STEP,
+    category="quant",
 )
 torch_fake_quant_nvfp4 = define_op(
     "torch_fake_quant_nvfp4(Tensor input, Tensor amax, int block_size=16) -> Tensor",
     fake_quant_nvfp4,
     _fake,
     activation_rounding=FP4_E2M1_STEP,
+    category="quant",
 )

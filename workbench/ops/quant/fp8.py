@@ -88,6 +88,7 @@ torch_fp8_linear = define_op(
     fp8_linear,
     quantized_linear_fake,
     activation_rounding=FP8_E4M3_STEP,
+    category="quant",
 )
 
 
@@ -123,6 +124,7 @@ torch_finegrained_fp8_linear = define_op(
     finegrained_fp8_linear,
     quantized_linear_fake,
     activation_rounding=FP8_E4M3_STEP,
+    category="quant",
 )
 
 
@@ -167,4 +169,5 @@ torch_fp8_bmm = define_op(
     fp8_bmm,
     _bmm_fake,
     activation_rounding=FP8_E4M3_STEP,
+    category="quant",
 )

@@ -92,4 +92,5 @@ torch_int4_linear = define_op(
     "Tensor? bias=None) -> Tensor",
     int4_linear,
     quantized_linear_fake,
+    category="quant",
 )

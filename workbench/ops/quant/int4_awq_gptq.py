@@ -52,6 +52,7 @@ torch_int4_awq_linear = define_op(
     "int group_size, Tensor? bias=None) -> Tensor",
     int4_awq_linear,
     quantized_linear_fake,
+    category="quant",
 )
 
 
@@ -90,4 +91,5 @@ torch_int4_gptq_linear = define_op(
     "int zero_offset=1, Tensor? bias=None) -> Tensor",
     int4_gptq_linear,
     _gptq_fake,
+    category="quant",
 )

@@ -66,9 +66,11 @@ torch_int8_linear = define_op(
     "torch_int8_linear(Tensor input, Tensor qweight, Tensor scales, int group_size, Tensor? bias=None) -> Tensor",
     int8_linear,
     quantized_linear_fake,
+    category="quant",
 )
 torch_int8_embedding = define_op(
     "torch_int8_embedding(Tensor ids, Tensor qweight, Tensor scales, int group_size) -> Tensor",
     int8_embedding,
     _embedding_fake,
+    category="quant",
 )

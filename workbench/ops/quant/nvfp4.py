@@ -74,4 +74,5 @@ torch_nvfp4_linear = define_op(
     nvfp4_linear,
     quantized_linear_fake,
     activation_rounding=FP4_E2M1_STEP,
+    category="quant",
 )

@@ -81,6 +81,7 @@ torch_fp8_moe = define_op(
     _moe_fake,
     host_sync=MOE_HOST_SYNC,
     activation_rounding=FP8_E4M3_STEP,
+    category="moe",
 )
 
 
@@ -140,6 +141,7 @@ torch_finegrained_fp8_moe = define_op(
     _moe_fake,
     host_sync=MOE_HOST_SYNC,
     activation_rounding=FP8_E4M3_STEP,
+    category="moe",
 )
 
 
@@ -183,6 +185,7 @@ torch_nvfp4_moe = define_op(
     _moe_fake,
     host_sync=MOE_HOST_SYNC,
     activation_rounding=FP4_E2M1_STEP,
+    category="moe",
 )
 
 
@@ -237,4 +240,5 @@ torch_mxfp4_moe = define_op(
     mxfp4_moe,
     _moe_fake,
     host_sync=MOE_HOST_SYNC,
+    category="moe",
 )

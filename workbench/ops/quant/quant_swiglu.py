@@ -49,6 +49,7 @@ torch_nvfp4_swiglu_mlp = define_op(
     nvfp4_swiglu_mlp,
     _nvfp4_fake,
     activation_rounding=FP4_E2M1_STEP,
+    category="quant",
 )
 
 
@@ -81,4 +82,5 @@ torch_finegrained_fp8_swiglu_mlp = define_op(
     finegrained_fp8_swiglu_mlp,
     _fp8_fake,
     activation_rounding=FP8_E4M3_STEP,
+    category="quant",
 )

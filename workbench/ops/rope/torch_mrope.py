@@ -84,6 +84,7 @@ torch_mrope_cos_sin = define_op(
     "-> (Tensor, Tensor)",
     mrope_cos_sin_reference,
     _cos_sin_fake,
+    category="elementwise",
 )
 
 
@@ -135,6 +136,7 @@ torch_mrope_delta_positions = define_op(
     "-> Tensor",
     mrope_delta_positions_reference,
     _delta_fake,
+    category="elementwise",
 )
 
 

@@ -13,7 +13,7 @@ from typing import Tuple
 
 import torch
 
-from ..library import define_op
+from ..library import define_op, workbench_op
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -56,6 +56,8 @@ torch_rope_with_explicit_cos_sin = define_op(
     "-> (Tensor, Tensor)",
     rope_explicit_reference,
     _explicit_fake,
+    category="elementwise",
+    reference=rope_explicit_reference,
 )
 
 
@@ -65,7 +67,7 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (d // 2, 2)).transpose(-1, -2).reshape(x.shape)
 
 
-@torch.library.custom_op("workbench::torch_rope_with_qk_interleaving", mutates_args=())
+@workbench_op("torch_rope_with_qk_interleaving", category="elementwise")
 def torch_rope_with_qk_interleaving(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +85,7 @@ def _interleaving_fake(q, k, cos, sin, unsqueeze_dim=1):
     return _like(q, cos, sin), _like(k, cos, sin)
 
 
-@torch.library.custom_op("workbench::torch_rope_with_complex_freqs", mutates_args=())
+@workbench_op("torch_rope_with_complex_freqs", category="elementwise")
 def torch_rope_with_complex_freqs(
     xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor, unsqueeze_dim: int = 2
 ) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ from typing import Tuple
 
 import torch
 
+from ..library import workbench_op
 from ..triton_support import triton_available as is_available  # noqa: F401  (public per-op name)
 
 
@@ -128,7 +129,7 @@ def rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_di
     return out
 
 
-@torch.library.custom_op("workbench::triton_rope_with_explicit_cos_sin", mutates_args=())
+@workbench_op("triton_rope_with_explicit_cos_sin", category="elementwise")
 def triton_rope_with_explicit_cos_sin(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> Tuple[torch.Tensor, torch.Tensor]:

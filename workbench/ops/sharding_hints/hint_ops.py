@@ -73,6 +73,7 @@ torch_hint_linear = define_op(
     'str layer_type="unknown", int tp_min_local_shape=1, int[]? output_sizes=None) -> Tensor',
     _linear,
     _linear_fake,
+    category="matmul",
 )
 
 
@@ -90,6 +91,7 @@ torch_hint_split_with_sizes = define_op(
     'str layer_type="unknown") -> Tensor[]',
     _split,
     _split_fake,
+    category="other",
 )
 
 
@@ -114,6 +116,7 @@ torch_hint_view = define_op(
     'torch_hint_view(Tensor x, SymInt[] shape, int tp_scaled_dim=-1, str layer_type="unknown") -> Tensor',
     _view,
     lambda x, shape, tp_scaled_dim=-1, layer_type="unknown": x.new_empty(_infer(x, shape)),
+    category="other",
 )
 
 
@@ -126,6 +129,7 @@ torch_hint_all_reduce = define_op(
     'torch_hint_all_reduce(Tensor x, str layer_type="unknown") -> Tensor',
     _marker,
     lambda x, layer_type="unknown": torch.empty_like(x),
+    category="other",
 )
 
 
@@ -138,6 +142,7 @@ torch_hint_all_gather = define_op(
     'torch_hint_all_gather(Tensor x, int dim=-1, str layer_type="unknown") -> Tensor',
     _gather_marker,
     lambda x, dim=-1, layer_type="unknown": torch.empty_like(x),
+    category="other",
 )
 
 MOE_MODES = ("ep", "tp", "none")
@@ -160,6 +165,7 @@ torch_hint_moe = define_op(
     _moe,
     lambda x, *args, **kwargs: torch.empty_like(x),
     host_sync=MOE_HOST_SYNC,
+    category="moe",
 )
 
 __all__ = [

@@ -34,8 +34,8 @@ import torch.fx as fx
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ....ops import mla as _mla_ops  # noqa: F401  (torch_mla / torch_cached_mla, until ops/__init__ imports it)
+from ....ops.backends import MLA_BACKENDS
 from ....ops.mla.torch_mla import default_scale
-from ....ops.triton_support import triton_available
 from ....runtime.interface import PAGED, CacheSpec
 from ...context import CACHE_SPECS, PipelineContext
 from ...graph.utils import call_nodes, require_tensor_meta
@@ -46,38 +46,27 @@ from .inputs import cache_input, metadata_inputs
 
 aten = torch.ops.aten
 
-#: The backends ``insert_cached_mla_attention`` can use, by name -> cached op.
-MLA_BACKENDS = {"torch": "torch_cached_mla", "triton": "triton_cached_mla"}
+FIELD = "insert_cached_mla_attention.backend"
 
 
 def check_mla_backend_name(requested: Optional[str]) -> None:
     """Refuse a backend name MLA has no op for (``cpu``, ``flashinfer``: attention-only backends)."""
-    if requested not in (None, "auto", *MLA_BACKENDS):
+    if requested not in (None, "auto", *MLA_BACKENDS.names()):
+        ops = ", ".join(b.op_name for b in MLA_BACKENDS)
         raise ValueError(
             f"insert_cached_mla_attention has no {requested!r} backend: MLA runs on "
-            f"{' | '.join(repr(b) for b in MLA_BACKENDS)} only ({', '.join(MLA_BACKENDS.values())}). Set "
-            "insert_cached_mla_attention.backend to 'auto', 'torch' or 'triton'."
+            f"{' | '.join(repr(n) for n in MLA_BACKENDS.names())} only ({ops}). Set "
+            f"{FIELD} to 'auto', 'torch' or 'triton'."
         )
 
 
 def pick_mla_backend(requested: Optional[str], device: torch.device) -> Tuple[str, str]:
     """(backend, why) for ``insert_cached_mla_attention.backend`` on ``device``: ``auto``/None is
-    ``triton`` on CUDA where Triton runs (CUDA graphs can capture it), else the ``torch`` reference;
-    an explicit name must be one of ``MLA_BACKENDS`` and able to run here."""
+    ``triton`` on CUDA where Triton runs (CUDA graphs can capture it), else the ``torch`` reference
+    (``MLA_BACKENDS.choose``); an explicit name must be an MLA backend able to run here."""
     check_mla_backend_name(requested)
-    device = torch.device(device)
-    if requested in (None, "auto"):
-        if device.type == "cuda" and triton_available(device)[0]:
-            return "triton", "auto: CUDA device and Triton runs (decode steps capturable in CUDA graphs)"
-        why = "not a CUDA device" if device.type != "cuda" else triton_available(device)[1]
-        return "torch", f"auto: the torch reference ({why})"
-    if requested == "triton":
-        ok, why = triton_available(device)
-        if not ok:
-            raise ValueError(
-                f"insert_cached_mla_attention.backend 'triton' cannot run on {device}: {why}; set backend: torch or auto"
-            )
-    return requested, "requested"
+    choice = MLA_BACKENDS.choose(requested, torch.device(device), FIELD)
+    return choice.name, choice.why
 
 
 def mla_nodes(gm: fx.GraphModule) -> List[fx.Node]:
@@ -121,7 +110,7 @@ def rewrite_mla(
             return g.call_function(aten.reshape.default, (x, [1, -1, *trailing]))
 
         out = g.call_function(
-            getattr(torch.ops.workbench, MLA_BACKENDS[backend]).default,
+            MLA_BACKENDS[backend].op,
             (
                 flat(args["q_nope"], d["n"], d["dn"]),
                 flat(args["q_pe"], d["n"], d["dr"]),

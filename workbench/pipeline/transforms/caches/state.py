@@ -21,8 +21,8 @@ import torch.fx as fx
 from pydantic import Field, field_validator
 from typing_extensions import TypeVar
 
-from ....ops.state import stateful_ops
-from ....ops.triton_support import triton_available
+from ....ops.backends import state_backends
+from ....ops.state import StatefulOp, stateful_ops
 from ....runtime.interface import CacheSpec
 from ...context import CACHE_SPECS, PipelineContext
 from ...interface import Transform, TransformConfig, TransformInfo, register
@@ -62,24 +62,16 @@ class SSMCacheTransformConfig(InsertCachedStateConfig):
         return v
 
 
-def _pick_backend(requested: Optional[str], available: Tuple[str, ...], device: torch.device) -> Tuple[str, str]:
-    """(backend, why) for one op: the requested one, or auto's choice."""
-    if requested in (None, "auto"):
-        if device.type == "cuda" and "triton" in available and triton_available(device)[0]:
-            return "triton", "auto: CUDA device and a Triton kernel"
-        return "torch", "auto: the torch reference (" + (
-            "no Triton kernel for this op" if "triton" not in available else f"{device.type} device"
-        ) + ")"
-    if requested not in available:
+def _pick_backend(requested: Optional[str], op: StatefulOp, device: torch.device, field: str) -> Tuple[str, str]:
+    """(backend, why) for one op: the requested one, or auto's choice (``state_backends(op).choose``)."""
+    table = state_backends(op)
+    if requested not in (None, "auto") and requested not in table:
         raise ValueError(
-            f"backend {requested!r} has no cached kernel for this op (available: {list(available)}); "
-            "set backend: torch (runs everywhere) or auto"
+            f"backend {requested!r} has no cached kernel for {op.source} (available: {list(table.names())}); "
+            f"set {field}: torch (runs everywhere) or auto"
         )
-    if requested == "triton":
-        ok, why = triton_available(device)
-        if not ok:
-            raise ValueError(f"backend 'triton' cannot run here: {why}; set backend: torch or auto")
-    return requested, "requested"
+    choice = table.choose(requested, device, field)
+    return choice.name, choice.why
 
 
 # A subclass names its own config class (``_InsertCachedState[SSMCacheTransformConfig]``) or keeps this one.
@@ -107,7 +99,7 @@ class _InsertCachedState(Transform[_StateConfigT]):
         specs: List[CacheSpec] = []
         backends: Dict[str, str] = {}
         for i, (node, op) in enumerate(nodes):
-            backend, why = _pick_backend(self.config.backend, tuple(op.cached), device)
+            backend, why = _pick_backend(self.config.backend, op, device, f"{self.key}.backend")
             backends[op.source.split("::")[1]] = f"{backend} ({why})"
             specs.extend(rewrite_stateful_node(gm, node, op, backend, i, ctx.dtype, device))
         gm.graph.lint()

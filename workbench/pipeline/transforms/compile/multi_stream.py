@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
+from ....ops.library import ops_with
 from ...context import PipelineContext
 from ...graph.weights import param_of
 from ...interface import Transform, TransformInfo, register
@@ -344,7 +345,11 @@ class MultiStreamGemm(MultiStreamTransform):
 
 # ------------------------------------------------------------------------------ MLA
 
-NORM_OPS = ("torch_rmsnorm", "triton_rmsnorm", "flashinfer_rmsnorm", "cpu_rmsnorm")
+def rms_norm_ops() -> Tuple[str, ...]:
+    """Every RMSNorm op and backend, as they declare themselves (``OpTraits.norm``)."""
+    return tuple(ops_with(lambda t: t.norm == "rms"))
+
+
 SPLITS = {aten.split_with_sizes.default, aten.split.Tensor, aten.slice.Tensor}
 VIEW_OPS = PASS_OPS | SPLITS | {operator.getitem}
 
@@ -395,7 +400,8 @@ class MultiStreamMLAAttn(MultiStreamTransform):
 
     def sites(self, gm):
         found, pattern1 = [], []
-        for norm in [n for n in gm.graph.nodes if _op_is(n, NORM_OPS)]:
+        norms = rms_norm_ops()
+        for norm in [n for n in gm.graph.nodes if _op_is(n, norms)]:
             sig = _low_rank_kv(norm)
             if sig is None:
                 continue

@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.fx as fx
 
+from ....ops.library import op_traits
 from ...graph.utils import op_name
 from .linear_ops import LinearOp, features, linear_op
 from .plan import NodeCut, Range, Region, ShardingPlan, TensorCut, fmt_range, split_evenly, width
@@ -241,7 +242,7 @@ class Detector:
                 path.append(rope)
                 seen.add(rope)
                 stack.append(rope.args[cur.args[1]])
-            elif _is(cur, wb.torch_rmsnorm.default, wb.torch_l2norm.default) and self._per_head(cur):
+            elif getattr(op_traits(cur), "norm", None) is not None and self._per_head(cur):
                 stack.append(cur.args[0])
             elif _is(cur, aten.type_as.default):
                 stack.append(cur.args[0])
