@@ -25,7 +25,8 @@ from workbench.ops.quant import codecs
 from workbench.pipeline.config import ConfigError, resolve_pipeline
 from workbench.pipeline.context import PipelineContext
 from workbench.pipeline.interface import TRANSFORMS, GraphState, Stages
-from workbench.pipeline.weights import WeightSource, place_weights, tensor_bindings
+from workbench.pipeline.weight_placement import place_weights
+from workbench.pipeline.weights import WeightSource, tensor_bindings
 from workbench.quantization.checkpoint_config import QuantConfig, read_quant_config, write_quant_config
 
 ONE_THREAD = True  # see conftest.one_thread

@@ -163,7 +163,7 @@ def _write_reports(wb, args: argparse.Namespace, say, rank: int) -> List[str]:
 
 def _configured_keys(args: argparse.Namespace) -> set:
     """The transform keys the user's ``--set`` and ``--yaml-extra`` name: their rows are never folded."""
-    from .pipeline.config import load_yaml_file
+    from .pipeline.config_yaml import load_yaml_file
 
     keys = {o.split("=", 1)[0].split(".", 1)[0].strip() for o in args.set}
     for path in args.yaml_extra:

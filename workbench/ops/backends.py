@@ -37,12 +37,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
+import torch.fx
 
 from .attention.flashinfer_cached_attention import ALIBI_UNSUPPORTED, CHUNKED_UNSUPPORTED, FlashInferPlanner
 from .attention.flashinfer_cached_attention import unsupported as flashinfer_unsupported
 from .capture import HOST_SYNC_TAG
 from .registry import Backend, BackendRegistry, Choice, OpBackend
 from .state import StatefulOp
+from .step_plan import StepPlanner
 from .triton_support import triton_available
 
 _CPU = "workbench.ops.cpu_kernels"
@@ -236,6 +238,20 @@ def state_backends(op: StatefulOp) -> BackendRegistry[StateOpBackend]:
     )
 
 
+def planners_for(module: torch.nn.Module, device: torch.device) -> Dict[str, StepPlanner]:
+    """A new planner for each attention backend that needs one and whose op ``module`` calls: in
+    its graphs, or as a wrapper's ``op`` (transformers mode's ``HFCachedLM``)."""
+    called = {getattr(module, "op", None)}
+    for m in module.modules():
+        if isinstance(m, torch.fx.GraphModule):
+            called.update(n.target for n in m.graph.nodes if n.op == "call_function")
+    found: Dict[str, StepPlanner] = {}
+    for backend in ATTENTION_BACKENDS:
+        if backend.planner is not None and backend.op in called:
+            found[backend.name] = backend.planner(torch.device(device))
+    return found
+
+
 def fusion_backend_names(family: str) -> Tuple[str, ...]:
     return ("auto", *FUSION_BACKENDS[family].names())
 
@@ -249,6 +265,7 @@ __all__ = [
     "AttentionBackend",
     "ATTENTION_BACKENDS",
     "REFUSABLE",
+    "planners_for",
     "MLA_BACKENDS",
     "StateOpBackend",
     "state_backends",

@@ -5,7 +5,7 @@ the step's sequence lengths and page lists; ``plan()`` cannot run inside a CUDA 
 replayed graph never calls the op at all. So the runtime, which knows each step's layout on the
 host before it touches the device, plans for the op:
 
-    planners = planners_for(module, device)      # once per runner: {backend name: planner}
+    planners = planners_for(module, device)      # ops/backends.py, once per runner: {backend name: planner}
     with planned(planners, seq_info.host_step(page_size), graph_batch=None):
         logits = module(*inputs)                 # the op finds its planner: active_planner("flashinfer")
     ...
@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Dict, Iterator, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Iterator, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -99,20 +99,4 @@ def active_planner(kind: str) -> Optional[StepPlanner]:
     return _ACTIVE.get().get(kind)
 
 
-def planners_for(module: torch.nn.Module, device: torch.device) -> Dict[str, StepPlanner]:
-    """A new planner for each attention backend that needs one and whose op ``module`` calls: in
-    its graphs, or as a wrapper's ``op`` (transformers mode's ``HFCachedLM``)."""
-    from .backends import ATTENTION_BACKENDS
-
-    called = {getattr(module, "op", None)}
-    for m in module.modules():
-        if isinstance(m, torch.fx.GraphModule):
-            called.update(n.target for n in m.graph.nodes if n.op == "call_function")
-    found: Dict[str, StepPlanner] = {}
-    for backend in ATTENTION_BACKENDS:
-        if backend.planner is not None and backend.op in called:
-            found[backend.name] = backend.planner(torch.device(device))
-    return found
-
-
-__all__ = ["HostStep", "StepPlanner", "planned", "active_planner", "planners_for"]
+__all__ = ["HostStep", "StepPlanner", "planned", "active_planner"]

@@ -55,7 +55,7 @@ class RankFailure:
 
     rank: int
     command: str
-    exc_type: str  # qualified name, e.g. "workbench.pipeline.interface.TransformError"
+    exc_type: str  # qualified name, e.g. "workbench.pipeline.transform_types.TransformError"
     message: str
     traceback: str
     exception: Optional[bytes] = None  # the pickled exception, when it survives a pickle round trip

@@ -1,15 +1,18 @@
-"""The transform framework: ordered stages, configs, infos, the Transform base and its registry.
+"""The transform framework: the Transform base class, its registry and the pipeline order check.
 
 A transform is a small class registered under its seed key. It declares a pydantic config class
 (unknown fields rejected) and implements only ``_apply``. The base class's ``__call__`` owns the
 rest -- enable/skip, ``skip_on_error``, graph cleanup and shape propagation before and after as the
 flags say, the per-phase timing and the ``[stage=..., transform=...]`` log prefix -- so every
 transform gets the same bookkeeping and the step-through driver can rely on it.
+
+The values a transform is configured with and reports (``Stages``, ``TransformConfig``,
+``TransformInfo``, ``TransformError``...) are defined in ``transform_types.py`` and re-exported
+here, so a transform imports everything it needs from this module.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 import typing
@@ -31,154 +34,24 @@ from typing import (
 )
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import TypeVar
 
 from .graph.utils import canonicalize_graph, graph_modules, run_shape_prop
+from .transform_types import (
+    GraphState,
+    PhaseTimes,
+    Stages,
+    TransformConfig,
+    TransformError,
+    TransformInfo,
+    nothing_to_do,
+    rewrite_info,
+)
 
 if TYPE_CHECKING:
     from .context import Fact, PipelineContext
 
 logger = logging.getLogger("workbench.pipeline")
-
-
-class Stages(str, enum.Enum):
-    """Enumerated (ordered!) stages of the transformation pipeline."""
-
-    FACTORY = "factory"
-    EXPORT = "export"
-    POST_EXPORT = "post_export"
-    PATTERN_MATCHER = "pattern_matcher"
-    SHARDING = "sharding"
-    WEIGHT_LOAD = "weight_load"
-    POST_LOAD_FUSION = "post_load_fusion"
-    CACHE_INIT = "cache_init"
-    VISUALIZE = "visualize"
-    COMPILE = "compile"
-
-    @property
-    def order(self) -> int:
-        return list(Stages).index(self)
-
-    def __lt__(self, other: "Stages") -> bool:  # type: ignore[override]
-        return self.order < Stages(other).order
-
-
-class TransformConfig(BaseModel):
-    """Fields every transform has (the seeds' common TransformConfig fields)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=False)
-
-    stage: Stages = Field(description="The stage of the transformation pipeline where this transform should run.")
-    run_per_gm: bool = Field(
-        default=True, description="Whether to run the transform per graph (sub)module or on whole module."
-    )
-    enabled: bool = Field(default=True, description="Whether to enable this transform.")
-    skip_on_error: bool = Field(default=False, description="Whether to skip the transform if an error occurs.")
-    run_graph_cleanup: bool = Field(
-        default=True, description="Whether to run graph cleanup/canonicalization after this transform."
-    )
-    run_shape_prop: bool = Field(default=False, description="Whether to run shape propagation after this transform.")
-    requires_clean_graph: bool = Field(
-        default=True, description="Whether this transform requires the graph to be clean before it is applied."
-    )
-    requires_shape_prop: bool = Field(
-        default=False, description="Whether this transform requires shape propagation before it is applied."
-    )
-    debug_visualize_dir: Optional[str] = Field(
-        default=None,
-        description="Debug visualization directory. None to disable visualization, or a path "
-        "string to specify the output directory.",
-    )
-    expect_mem_change: bool = Field(
-        default=False,
-        description="Whether this transform is expected to cause changes in memory stats "
-        "(CUDA memory on a GPU; parameter, buffer and cache bytes on CPU).",
-    )
-
-
-class TransformInfo(BaseModel):
-    """What a transform reports about one application."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    skipped: bool = Field(default=False, description="Whether the transform was skipped.")
-    num_matches: int = Field(default=0, description="Number of matches/rewrites made.")
-    is_clean: bool = Field(default=False, description="Whether the graph is clean (canonicalized) after the transform.")
-    has_valid_shapes: bool = Field(
-        default=False, description="Whether node shape metadata is valid after the transform."
-    )
-    skip_reason: Optional[str] = Field(
-        default=None, description="Why the transform was skipped (disabled, error text, ...)."
-    )
-    details: Dict[str, Any] = Field(
-        default_factory=dict, description="Transform-specific facts worth showing to a user."
-    )
-
-    def merged(self, other: "TransformInfo") -> "TransformInfo":
-        """Combine infos of several graph modules (``run_per_gm``)."""
-        return TransformInfo(
-            skipped=self.skipped and other.skipped,
-            num_matches=self.num_matches + other.num_matches,
-            is_clean=self.is_clean and other.is_clean,
-            has_valid_shapes=self.has_valid_shapes and other.has_valid_shapes,
-            skip_reason=self.skip_reason or other.skip_reason,
-            details={**self.details, **other.details},
-        )
-
-
-def nothing_to_do(gm: torch.fx.GraphModule, reason: str) -> Tuple[torch.fx.GraphModule, "TransformInfo"]:
-    """0 matches, with the reason shown in the table and the snapshot."""
-    return gm, TransformInfo(num_matches=0, skip_reason=reason)
-
-
-def rewrite_info(gm: torch.fx.GraphModule, n: int, details: Optional[Dict[str, Any]] = None):
-    """The ``TransformInfo`` of a graph rewrite that made ``n`` changes (the one finisher every
-    rewriting transform uses): the graph is recompiled when it changed (the framework lints a changed
-    graph once after the transform, in its clean-up or on its own); it is clean only if unchanged;
-    its shapes are valid when every node carries a fake value after a change (replacements get
-    theirs as they are made). With no change both flags are False, which the
-    framework reads as "the incoming state stands" -- never a claim about stale metadata.
-    """
-    if n:
-        gm.recompile()
-    shapes = n > 0 and all("val" in x.meta for x in gm.graph.nodes if x.op in ("call_function", "placeholder"))
-    return gm, TransformInfo(num_matches=n, is_clean=n == 0, has_valid_shapes=shapes, details=dict(details or {}))
-
-
-class TransformError(RuntimeError):
-    """A transform raised; names the key, stage and cause so the user knows what to fix."""
-
-    def __init__(self, key: str, stage: Stages, cause: BaseException):
-        self.key, self.stage, self.cause = key, stage, cause
-        super().__init__(
-            f"[stage={stage.value}, transform={key}] failed: {type(cause).__name__}: {cause}\n"
-            f"The steps before it are kept. Fix the config (Workbench.configure('{key}', ...)) or "
-            f"disable the transform (Workbench.enable('{key}', False)), or set "
-            f"skip_on_error=true for it, then run again: it resumes after them (with snapshots "
-            f"off, by repeating them from the export)."
-        )
-
-
-@dataclass
-class PhaseTimes:
-    """Wall time of one transform application, split by phase (seconds)."""
-
-    pre_cleanup: float = 0.0
-    apply: float = 0.0
-    post_cleanup: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return self.pre_cleanup + self.apply + self.post_cleanup
-
-
-@dataclass
-class GraphState:
-    """What the framework knows about the current graph between transforms."""
-
-    is_clean: bool = False
-    has_valid_shapes: bool = False
 
 
 ConfigT = TypeVar("ConfigT", bound=TransformConfig, default=TransformConfig)
@@ -454,3 +327,22 @@ def discover_transforms(package: str, path: Iterable[str]) -> List[str]:
     for name in names:
         importlib.import_module(name)
     return names
+
+
+__all__ = [
+    "Stages",
+    "TransformConfig",
+    "TransformInfo",
+    "nothing_to_do",
+    "rewrite_info",
+    "TransformError",
+    "PhaseTimes",
+    "GraphState",
+    "ConfigT",
+    "Transform",
+    "check_order",
+    "TransformRegistry",
+    "TRANSFORMS",
+    "register",
+    "discover_transforms",
+]

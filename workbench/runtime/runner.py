@@ -20,7 +20,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 
 import torch
 
-from ..ops.step_plan import planned, planners_for
+from ..ops.backends import planners_for
+from ..ops.step_plan import planned
 from .kv_cache import PAGED, SLOT, KVCacheConfig, PageAllocator
 from .scheduler import Scheduler, Step
 from .sequence_info import LAST_TOKEN_INPUT, SequenceInfo, module_input_names

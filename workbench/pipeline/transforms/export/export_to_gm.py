@@ -7,7 +7,7 @@ Device-neutral by default: the traced module is a weightless ``meta`` twin of th
 (``models.build.meta_twin``), so the graph is the same whatever device the weights will run on, and
 tracing a big model costs no copy of it. The graph's tensors stay on ``meta`` until ``load_weights``
 (stage ``weight_load``) binds them; until then the numerics probe runs it through
-``pipeline.weights.run_unloaded``. ``trace_device: model`` traces the model where its weights are
+``pipeline.unloaded_run.run_unloaded``. ``trace_device: model`` traces the model where its weights are
 (the graph then shares them), for comparison.
 
 Dynamic dims: ``Dim.DYNAMIC`` with the pipeline's bounds, not named ``Dim``s. Under torch 2.11 a

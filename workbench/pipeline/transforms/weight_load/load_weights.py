@@ -26,7 +26,7 @@ from pydantic import Field
 
 from ...context import PipelineContext
 from ...interface import Transform, TransformConfig, TransformInfo, register
-from ...weights import place_weights
+from ...weight_placement import place_weights
 
 
 class LoadWeightsConfig(TransformConfig):
@@ -43,7 +43,7 @@ class LoadWeights(Transform[LoadWeightsConfig]):
         placement = place_weights(gm, ctx.weights, torch.device(ctx.device))
         changed = placement.bound_from_source + len(placement.moved) + placement.device_args_retargeted
         return gm, TransformInfo(
-            # fake values were moved to the device one by one (weights.retarget_values): still valid
+            # fake values were moved to the device one by one (weight_placement.retarget_values): still valid
             num_matches=changed,
             is_clean=True,
             has_valid_shapes=True,
