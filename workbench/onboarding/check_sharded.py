@@ -10,19 +10,24 @@ needs it is refused here with that reason instead of comparing different weights
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Any
-
+from .check_row import (
+    CheckResult,
+    CheckSettings,
+    check_prompts,
+    first_line,
+    hf_greedy,
+    oracle_strength,
+    record_generation,
+    record_pipeline,
+)
 from .registry import RegistryEntry
 
 
-def run_sharded(entry: RegistryEntry, settings: Any, result: Any, helpers: ModuleType) -> None:
-    """Fill ``result`` (a ``check.CheckResult``) for ``entry`` run on ``entry.world_size`` ranks;
-    failures become its fields. ``helpers`` is ``onboarding.check`` itself (prompts, HF's greedy
-    tokens, the row's measures), passed in so this module does not import its caller back."""
+def run_sharded(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> None:
+    """Fill ``result`` for ``entry`` run on ``entry.world_size`` ranks; failures become its fields.
+    The prompts, HF's greedy tokens and the row's measures are ``check_row``'s, as for one process."""
     import torch
 
-    h = helpers
     from ..api import Workbench
     from ..models import load_model
     from ..parallel.sharded import ShardedWorkbench
@@ -33,7 +38,7 @@ def run_sharded(entry: RegistryEntry, settings: Any, result: Any, helpers: Modul
             entry.name, dtype="float32", gguf_weights=entry.gguf_weights, custom_models=entry.custom_models
         )
     except Exception as e:  # noqa: BLE001
-        result.stopped_at, result.error = "load", h._first_line(e)
+        result.stopped_at, result.error = "load", first_line(e)
         return
     result.family = getattr(loaded.config, "model_type", None) or "-"
     if entry.redraw_ssm and any("mamba" in type(m).__name__.lower() for m in loaded.model.modules()):
@@ -42,14 +47,14 @@ def run_sharded(entry: RegistryEntry, settings: Any, result: Any, helpers: Modul
             "world_size > 1 with re-drawn Mamba-2 mixers: the ranks load their own weights (set weights: as_loaded)"
         )
         return
-    prompts = h.check_prompts(loaded.config.vocab_size, settings.prompt_lens, settings.prompt_seed)
+    prompts = check_prompts(loaded.config.vocab_size, settings.prompt_lens, settings.prompt_seed)
     try:
         with torch.no_grad():
-            want = [h.hf_greedy(loaded.model, p, settings.new_tokens) for p in prompts]
+            want = [hf_greedy(loaded.model, p, settings.new_tokens) for p in prompts]
     except Exception as e:  # noqa: BLE001
-        result.stopped_at, result.error = "hf reference", h._first_line(e)
+        result.stopped_at, result.error = "hf reference", first_line(e)
         return
-    result.oracle_tokens = h.oracle_strength(want)
+    result.oracle_tokens = oracle_strength(want)
     tokenizer = loaded.tokenizer
     del loaded
     try:
@@ -65,7 +70,7 @@ def run_sharded(entry: RegistryEntry, settings: Any, result: Any, helpers: Modul
             max_batch_size=settings.max_batch_size,
         )
     except ConfigError as e:
-        result.stopped_at, result.error = "config", h._first_line(e)
+        result.stopped_at, result.error = "config", first_line(e)
         return
     try:
         step_key = "start"
@@ -74,18 +79,18 @@ def run_sharded(entry: RegistryEntry, settings: Any, result: Any, helpers: Modul
                 step_key = wb.keys[wb.position] if wb.position < len(wb.keys) else step_key
                 wb.step()
         except Exception as e:  # noqa: BLE001 - a rank's failure names the transform it was in
-            result.stopped_at, result.error = f"sharded/{step_key}", h._first_line(e)
+            result.stopped_at, result.error = f"sharded/{step_key}", first_line(e)
         finally:
             snaps = list(wb.snapshots)  # rank 0's; the ranks' stages are the single pipeline's
-            h.record_pipeline(result, snaps, [s.stage.value for s in snaps], total=len(wb.keys))
+            record_pipeline(result, snaps, [s.stage.value for s in snaps], total=len(wb.keys))
         if result.stopped_at:
             return
         try:
             out = wb.generate(prompts, max_new_tokens=settings.new_tokens, stop_token_ids=[])
         except Exception as e:  # noqa: BLE001
-            result.stopped_at, result.error = "generate", h._first_line(e)
+            result.stopped_at, result.error = "generate", first_line(e)
             return
-        h.record_generation(result, out, prompts, want, tokenizer)
+        record_generation(result, out, prompts, want, tokenizer)
     finally:
         wb.close()
 
