@@ -90,6 +90,34 @@ class SwiGLUMLP(nn.Module):
         return OPS.torch_swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
+class RMSNorm(nn.Module):
+    """``torch_rmsnorm``: weight * normalised x (statistics in fp32): HF's Llama / Qwen3 / DeepSeek-V3 RMSNorm."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return OPS.torch_rmsnorm(x, self.weight, self.eps)
+
+
+class TopKSoftmaxRouter(nn.Module):
+    """Router logits ``x W^T`` -> ``torch_moe_topk_softmax`` (softmax in fp32, top-k, renormalised when
+    ``norm_topk_prob``): [T, H] -> (weights [T, k] cast back to the logits' dtype, as HF does,
+    expert ids [T, k]). Replicated on every rank in the sharding IR models."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        logits = torch.nn.functional.linear(x, self.weight)  # [T, E]
+        weights, expert_ids = OPS.torch_moe_topk_softmax(logits, self.top_k, self.norm_topk_prob)
+        return weights.to(logits.dtype), expert_ids
+
+
 class StackedExperts(nn.Module):
     """The routed experts as stacked tensors (HF transformers >= 5 layout): ``gate_up_proj [E, 2I, H]``
     (gate rows first), ``down_proj [E, H, I]``; combined by ``torch_moe_fused``."""

@@ -18,24 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import OPS
+from .common import OPS, RMSNorm
 
 
 def hint_linear(x: torch.Tensor, proj: nn.Linear, tp_mode: str, layer_type: str, unit: int = 1) -> torch.Tensor:
     """``proj(x)`` as ``torch_hint_linear`` (``unit``: the smallest piece a colwise split may cut)."""
     return OPS.torch_hint_linear(x, proj.weight, proj.bias, tp_mode, layer_type, unit)
-
-
-class RMSNorm(nn.Module):
-    """``torch_rmsnorm``: weight * normalised x (statistics in fp32): HF's Llama / Qwen3 RMSNorm."""
-
-    def __init__(self, size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return OPS.torch_rmsnorm(x, self.weight, self.eps)
 
 
 class HintedAttention(nn.Module):

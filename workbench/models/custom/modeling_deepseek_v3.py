@@ -41,7 +41,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import OPS, CausalLMOutput, CustomCausalLM, DecoderStack, StackedExperts, SwiGLUMLP, rope_parameters
+from .common import (
+    OPS,
+    CausalLMOutput,
+    CustomCausalLM,
+    DecoderStack,
+    RMSNorm,
+    StackedExperts,
+    SwiGLUMLP,
+    rope_parameters,
+)
 
 MODEL_NAME = "DeepseekV3ForCausalLM"
 
@@ -57,18 +66,6 @@ def softmax_scale(config) -> float:
         mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
         scale *= mscale * mscale
     return scale
-
-
-class RMSNorm(nn.Module):
-    """``torch_rmsnorm``: weight * normalised x (statistics in fp32), HF's ``DeepseekV3RMSNorm``."""
-
-    def __init__(self, size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return OPS.torch_rmsnorm(x, self.weight, self.eps)
 
 
 class MultiHeadLatentAttention(nn.Module):

@@ -15,40 +15,23 @@ Experts are HF's stacked tensors (``mlp.experts.gate_up_proj [E, 2I, H]`` gate r
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .common import OPS, CausalLMOutput, CustomCausalLM, DecoderStack, check_export_contract
+from .common import (
+    OPS,
+    CausalLMOutput,
+    CustomCausalLM,
+    DecoderStack,
+    StackedExperts,
+    TopKSoftmaxRouter,
+    check_export_contract,
+)
 from .ir_layers import HintedAttention, HintedSwiGLU, PreNormBlock, RMSNorm, head_dims, hinted_logits
 
 MODEL_NAME = "Qwen3MoeIRForCausalLM"
-
-
-class Router(nn.Module):
-    """[T, H] -> (weights [T, k] in x's dtype, expert ids [T, k]); replicated on every rank."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
-        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
-
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)  # [T, E]
-        weights, expert_ids = OPS.torch_moe_topk_softmax(logits, self.top_k, self.norm_topk_prob)
-        return weights.to(logits.dtype), expert_ids
-
-
-class Experts(nn.Module):
-    """The stacked routed experts (HF layout); the container of ``gate_up_proj`` / ``down_proj``."""
-
-    def __init__(self, config):
-        super().__init__()
-        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
 
 class HintedSparseMoE(nn.Module):
@@ -56,8 +39,9 @@ class HintedSparseMoE(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.gate = Router(config)
-        self.experts = Experts(config)
+        self.gate = TopKSoftmaxRouter(config)
+        # the container of gate_up_proj / down_proj (HF layout); torch_hint_moe reads them, not its forward
+        self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # [T, H]

@@ -30,13 +30,20 @@ this model. Dropped on purpose: KV/conv/recurrent caches, padding masks, dropout
 
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import OPS, CausalLMOutput, CustomCausalLM, DecoderStack, StackedExperts, SwiGLUMLP, rope_parameters
+from .common import (
+    OPS,
+    CausalLMOutput,
+    CustomCausalLM,
+    DecoderStack,
+    StackedExperts,
+    SwiGLUMLP,
+    TopKSoftmaxRouter,
+    rope_parameters,
+)
 
 MODEL_NAME = "Qwen3NextForCausalLM"
 
@@ -152,21 +159,6 @@ class GatedDeltaNet(nn.Module):
         )  # [b, s, h, dv]
         o = self.norm(o, z.reshape(o.shape))  # z: [b, s, hk, r dv] -> [b, s, h, dv] (value heads in order)
         return self.out_proj(o.flatten(-2))
-
-
-class TopKSoftmaxRouter(nn.Module):
-    """Router logits ``x W^T`` -> ``torch_moe_topk_softmax`` (softmax in fp32, top-k, renormalised when
-    ``norm_topk_prob``); weights cast back to the logits' dtype, as HF does."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
-        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
-
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)  # [T, E]
-        weights, expert_ids = OPS.torch_moe_topk_softmax(logits, self.top_k, self.norm_topk_prob)
-        return weights.to(logits.dtype), expert_ids
 
 
 class SparseMoE(nn.Module):
