@@ -38,21 +38,17 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from . import check_row
 from .check_row import (
-    CACHE_KINDS,
-    UNCACHED_RUNNER,
     CheckResult,
     CheckSettings,
     check_prompts,
-    compare_tokens,
     first_line,
     hf_greedy,
-    inserted_cache_kinds,
+    load_entry,  # noqa: F401  (all of check_row's names but first_line are re-exported: see __all__)
     oracle_strength,
     record_generation,
     record_pipeline,
-    uncached_attention_left,
-    worst_probe,
 )
 from .divergence import explain_divergence
 from .memory_estimate import memory_refusal
@@ -77,7 +73,6 @@ def check_entry(entry: RegistryEntry, settings: CheckSettings = DEFAULT_SETTINGS
 
 def _run(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> None:
     from ..api import Workbench
-    from ..models import load_model
     from ..models.tiny_families.ssm import checkpoint_like_ssm_weights
     from ..pipeline.config import ConfigError
     from ..pipeline.interface import TransformError
@@ -93,14 +88,9 @@ def _run(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> 
         from .check_sharded import run_sharded
 
         return run_sharded(entry, settings, result)
-    try:
-        loaded = load_model(
-            entry.name, dtype="float32", gguf_weights=entry.gguf_weights, custom_models=entry.custom_models
-        )
-    except Exception as e:  # noqa: BLE001
-        result.stopped_at, result.error = "load", first_line(e)
+    loaded = load_entry(entry, result)
+    if loaded is None:
         return
-    result.family = getattr(loaded.config, "model_type", None) or "-"
     if entry.redraw_ssm:
         checkpoint_like_ssm_weights(loaded.model, seed=1)  # a no-op without Mamba-2 mixers
     try:
@@ -172,22 +162,10 @@ def exit_code(results: Sequence[CheckResult]) -> int:
     return 0 if all(r.passed for r in results) else 1
 
 
-__all__ = [
-    "CACHE_KINDS",
-    "UNCACHED_RUNNER",
-    "CheckResult",
-    "CheckSettings",
+__all__ = [  # (check_row's names are re-exported: tests and reports import them from here)
+    *(name for name in check_row.__all__ if name != "first_line"),
     "check_entry",
-    "check_prompts",
     "check_registry",
-    "compare_tokens",
     "exit_code",
     "explain",
-    "hf_greedy",
-    "inserted_cache_kinds",
-    "oracle_strength",
-    "record_generation",
-    "record_pipeline",
-    "uncached_attention_left",
-    "worst_probe",
 ]

@@ -216,6 +216,22 @@ def record_generation(result: CheckResult, out, prompts, want, tokenizer) -> Non
     result.samples = samples(prompts, got, want, tokenizer)
 
 
+def load_entry(entry, result: "CheckResult"):
+    """The entry's model in float32 for the row, with ``result.family`` set; None (and the row
+    stopped at "load" with the first line of why) when it does not load."""
+    from ..models import load_model
+
+    try:
+        loaded = load_model(
+            entry.name, dtype="float32", gguf_weights=entry.gguf_weights, custom_models=entry.custom_models
+        )
+    except Exception as e:  # noqa: BLE001  (any load failure is the row's result)
+        result.stopped_at, result.error = "load", first_line(e)
+        return None
+    result.family = getattr(loaded.config, "model_type", None) or "-"
+    return loaded
+
+
 __all__ = [
     "CACHE_KINDS",
     "UNCACHED_RUNNER",
@@ -226,6 +242,7 @@ __all__ = [
     "first_line",
     "hf_greedy",
     "inserted_cache_kinds",
+    "load_entry",
     "oracle_strength",
     "record_generation",
     "record_pipeline",

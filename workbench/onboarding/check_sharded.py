@@ -16,6 +16,7 @@ from .check_row import (
     check_prompts,
     first_line,
     hf_greedy,
+    load_entry,
     oracle_strength,
     record_generation,
     record_pipeline,
@@ -29,18 +30,12 @@ def run_sharded(entry: RegistryEntry, settings: CheckSettings, result: CheckResu
     import torch
 
     from ..api import Workbench
-    from ..models import load_model
     from ..parallel.sharded import ShardedWorkbench
     from ..pipeline.config import ConfigError
 
-    try:
-        loaded = load_model(
-            entry.name, dtype="float32", gguf_weights=entry.gguf_weights, custom_models=entry.custom_models
-        )
-    except Exception as e:  # noqa: BLE001
-        result.stopped_at, result.error = "load", first_line(e)
+    loaded = load_entry(entry, result)
+    if loaded is None:
         return
-    result.family = getattr(loaded.config, "model_type", None) or "-"
     if entry.redraw_ssm and any("mamba" in type(m).__name__.lower() for m in loaded.model.modules()):
         result.stopped_at = "config"
         result.error = (

@@ -274,24 +274,17 @@ def define_recurrent_op(spec: RecurrentOp) -> RecurrentOps:
         f"torch_{spec.name}({spec.inputs}{options}) -> Tensor", bodies.uncached, bodies.fake, category="attention"
     )
     bodies.defaults = _schema_defaults(uncached.default)
-    torch_cached = define_op(
-        f"torch_cached_{spec.name}" + cached_schema,
-        bodies.torch_cached,
-        bodies.fake,
-        host_sync=STATE_HOST_SYNC,
-        category="attention",
-    )
-    triton_cached = None
-    cached = {"torch": f"workbench::torch_cached_{spec.name}"}
+    # backend -> (its body, why a CUDA graph cannot capture it); the category is the cost model's mixers'
+    backends = {"torch": (bodies.torch_cached, STATE_HOST_SYNC)}
     if spec.triton_decode is not None:
-        triton_cached = define_op(
-            f"triton_cached_{spec.name}" + cached_schema,
-            bodies.triton_cached,
-            bodies.fake,
-            host_sync=TRITON_STATE_HOST_SYNC,
-            category="attention",
+        backends["triton"] = (bodies.triton_cached, TRITON_STATE_HOST_SYNC)
+    cached_ops = {
+        backend: define_op(
+            f"{backend}_cached_{spec.name}" + cached_schema, body, bodies.fake, host_sync=sync, category="attention"
         )
-        cached["triton"] = f"workbench::triton_cached_{spec.name}"
+        for backend, (body, sync) in backends.items()
+    }
+    cached = {backend: f"workbench::{backend}_cached_{spec.name}" for backend in cached_ops}
     stateful = register_stateful_op(
         StatefulOp(
             source=f"workbench::torch_{spec.name}",
@@ -300,10 +293,10 @@ def define_recurrent_op(spec: RecurrentOp) -> RecurrentOps:
             states=(spec.state,),
             insert_key=spec.insert_key,
             description=spec.description,
-            backend_requirements={"triton": TRITON_REQUIREMENT} if triton_cached is not None else {},
+            backend_requirements={"triton": TRITON_REQUIREMENT} if "triton" in cached_ops else {},
         )
     )
-    return RecurrentOps(uncached, torch_cached, triton_cached, stateful)
+    return RecurrentOps(uncached, cached_ops["torch"], cached_ops.get("triton"), stateful)
 
 
 __all__ = [

@@ -36,8 +36,9 @@ from typing import (
 import torch
 from typing_extensions import TypeVar
 
+from . import transform_types
 from .graph.utils import canonicalize_graph, graph_modules, run_shape_prop
-from .transform_types import (
+from .transform_types import (  # noqa: F401  (all re-exported: see __all__)
     GraphState,
     PhaseTimes,
     Stages,
@@ -329,15 +330,8 @@ def discover_transforms(package: str, path: Iterable[str]) -> List[str]:
     return names
 
 
-__all__ = [
-    "Stages",
-    "TransformConfig",
-    "TransformInfo",
-    "nothing_to_do",
-    "rewrite_info",
-    "TransformError",
-    "PhaseTimes",
-    "GraphState",
+__all__ = [  # (the transform types are re-exported: most transforms import them from here)
+    *transform_types.__all__,
     "ConfigT",
     "Transform",
     "check_order",
