@@ -38,18 +38,25 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+# check_row's names are re-exported here (``X as X``, and ``__all__``): tests and reports import them from check
 from . import check_row
+from .check_row import CACHE_KINDS as CACHE_KINDS
+from .check_row import UNCACHED_RUNNER as UNCACHED_RUNNER
 from .check_row import (
     CheckResult,
     CheckSettings,
     check_prompts,
     first_line,
     hf_greedy,
-    load_entry,  # noqa: F401  (all of check_row's names but first_line are re-exported: see __all__)
+    load_entry,
     oracle_strength,
     record_generation,
     record_pipeline,
 )
+from .check_row import compare_tokens as compare_tokens
+from .check_row import inserted_cache_kinds as inserted_cache_kinds
+from .check_row import uncached_attention_left as uncached_attention_left
+from .check_row import worst_probe as worst_probe
 from .divergence import explain_divergence
 from .memory_estimate import memory_refusal
 from .registry import RegistryEntry
@@ -163,7 +170,7 @@ def exit_code(results: Sequence[CheckResult]) -> int:
 
 
 __all__ = [  # (check_row's names are re-exported: tests and reports import them from here)
-    *(name for name in check_row.__all__ if name != "first_line"),
+    *(name for name in check_row.__all__ if name not in ("first_line", "load_entry")),
     "check_entry",
     "check_registry",
     "exit_code",
