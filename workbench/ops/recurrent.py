@@ -33,7 +33,6 @@ back. A decode-only step (``num_prefill == 0``) of a Triton op reads no metadata
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -100,17 +99,6 @@ def read_step(
         return StepMetadata(seq_lens, input_pos, slot_idx, num_prefill, None, 0)
     lens = check_step_metadata(num_tokens, seq_lens, input_pos, slot_idx, num_prefill, tokens_of)
     return StepMetadata(seq_lens, input_pos, slot_idx, num_prefill, lens, sum(lens[:num_prefill]))
-
-
-def lazy_kernel(build: Callable[[], Any]) -> Callable[[], Any]:
-    """``build`` run once, on the first call: a Triton kernel is jitted when first launched, so
-    importing an op module never needs triton (and ``TRITON_INTERPRET`` is read then)."""
-    return functools.lru_cache(maxsize=None)(build)
-
-
-def num_warps(t: torch.Tensor) -> int:
-    """Warps per program: 4 on a GPU; 1 under the CPU interpreter (each warp is simulated)."""
-    return 4 if t.device.type == "cuda" else 1
 
 
 def _no_triton_decode(inputs: Inputs, step: StepMetadata, state, out, options: Options) -> None:
@@ -299,14 +287,4 @@ def define_recurrent_op(spec: RecurrentOp) -> RecurrentOps:
     return RecurrentOps(uncached, cached_ops["torch"], cached_ops.get("triton"), stateful)
 
 
-__all__ = [
-    "Inputs",
-    "Options",
-    "RecurrentOp",
-    "RecurrentOps",
-    "StepMetadata",
-    "define_recurrent_op",
-    "lazy_kernel",
-    "num_warps",
-    "read_step",
-]
+__all__ = ["Inputs", "Options", "RecurrentOp", "RecurrentOps", "StepMetadata", "define_recurrent_op", "read_step"]

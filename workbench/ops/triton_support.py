@@ -6,9 +6,10 @@ by ``triton.jit`` when a kernel is defined, so it must be set before the kernels
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
-from typing import Tuple
+from typing import Any, Callable, Tuple
 
 import torch
 
@@ -70,3 +71,14 @@ def triton_available(device: torch.device | str = "cuda") -> Tuple[bool, str]:
         f"triton does not compile for {device.type} tensors (on CPU it runs only under "
         "the interpreter: set TRITON_INTERPRET=1 before triton is imported)"
     )
+
+
+def lazy_kernel(build: Callable[[], Any]) -> Callable[[], Any]:
+    """``build`` run once, on the first call: a Triton kernel is jitted when first launched, so
+    importing an op module never needs triton (and ``TRITON_INTERPRET`` is read then)."""
+    return functools.lru_cache(maxsize=None)(build)
+
+
+def num_warps(t: torch.Tensor) -> int:
+    """Warps per program: 4 on a GPU; 1 under the CPU interpreter (each warp is simulated)."""
+    return 4 if t.device.type == "cuda" else 1

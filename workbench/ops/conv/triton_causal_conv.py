@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..recurrent import Inputs, Options, StepMetadata, lazy_kernel, num_warps
-from ..triton_support import last_dim_contiguous
+from ..recurrent import Inputs, Options, StepMetadata
+from ..triton_support import last_dim_contiguous, lazy_kernel, num_warps
 
 
 @lazy_kernel

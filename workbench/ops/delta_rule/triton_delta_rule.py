@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..recurrent import Inputs, Options, StepMetadata, lazy_kernel, num_warps
-from ..triton_support import last_dim_contiguous
+from ..recurrent import Inputs, Options, StepMetadata
+from ..triton_support import last_dim_contiguous, lazy_kernel, num_warps
 from .delta_rule_math import L2NORM_EPS
 
 

@@ -32,13 +32,13 @@ multiplied: a reused page may hold stale or non-finite values.
 
 from __future__ import annotations
 
-import functools
+from ..triton_support import lazy_kernel
 
 # Softmax in base 2 (exp2 is the native instruction): logits are multiplied by log2(e) once.
 LOG2E = 1.4426950408889634
 
 
-@functools.lru_cache(maxsize=None)
+@lazy_kernel
 def append_kernel():
     """The jitted cache-write kernel, built on first use (importing this module never needs triton,
     and ``TRITON_INTERPRET`` is read when a kernel is decorated)."""
@@ -86,7 +86,7 @@ def append_kernel():
     return mla_append_kernel
 
 
-@functools.lru_cache(maxsize=None)
+@lazy_kernel
 def decode_kernel():
     """The jitted absorbed-decode kernel (see the module docstring), built on first use."""
     import triton

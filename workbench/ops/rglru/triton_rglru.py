@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..recurrent import Inputs, Options, StepMetadata, lazy_kernel, num_warps
-from ..triton_support import last_dim_contiguous
+from ..recurrent import Inputs, Options, StepMetadata
+from ..triton_support import last_dim_contiguous, lazy_kernel, num_warps
 
 #: Channels per program (the width of RecurrentGemma-2B is 2560: 10 programs per row).
 BLOCK_W = 256

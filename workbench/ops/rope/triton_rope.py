@@ -19,18 +19,17 @@ CPU tensors under ``TRITON_INTERPRET=1``); it raises rather than fall back where
 
 from __future__ import annotations
 
-import functools
 from typing import Tuple
 
 import torch
 
 from ..library import workbench_op
+from ..triton_support import lazy_kernel
 from ..triton_support import triton_available as is_available  # noqa: F401  (public per-op name)
 
 
-@functools.lru_cache(maxsize=None)
+@lazy_kernel
 def kernel():
-    """The jitted kernel, built once on first use (importing this module never needs triton)."""
     import triton
     import triton.language as tl
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..recurrent import Inputs, Options, StepMetadata, lazy_kernel, num_warps
-from ..triton_support import last_dim_contiguous
+from ..recurrent import Inputs, Options, StepMetadata
+from ..triton_support import last_dim_contiguous, lazy_kernel, num_warps
 
 #: Largest state tile one program holds (elements): BLOCK_D * BLOCK_N, e.g. 32 x 128 (Mamba-2).
 TILE_ELEMS = 4096
