@@ -30,7 +30,7 @@ from workbench import Workbench
 from workbench.models import load_model
 from workbench.models.tiny import TINY_ARCHS
 from workbench.pipeline.matcher import named_args
-from workbench.pipeline.transforms.attention.alibi import slopes_constant
+from workbench.pipeline.transforms.attention.alibi_slopes import slopes_constant
 from workbench.pipeline.weights import tensor_bindings
 
 wb = torch.ops.workbench

@@ -22,177 +22,30 @@ Spellings (transformers 5.23), all self-attention over the same positions:
   with ``alibi / sqrt(d)`` in it: the bias enters twice (HF's eager and SDPA paths disagree; the
   pattern reproduces what the eager module computes).
 
-How the slopes are read (``alibi_slopes``): every additive position term of the logits (the bias,
-the mask) depends on nothing but the sequence length and constants, so its sub-graph is evaluated
-at a probe length (``PROBE`` positions, batch 1, on CPU whatever device the graph names) and the sum
-is checked to be exactly causal (hidden above the diagonal) and, on the visible part, linear in the
-key position with one slope per head. Anything else (padding masks, windows, a bias that is not
-linear) is not ALiBi: the pattern does not match and the attention stays as it was.
+The slopes are read off the bias and the mask, and held by the graph, in ``alibi_slopes.py``: a
+spelling whose position terms are not exactly causal ALiBi (padding masks, windows, a bias that is
+not linear in the key position) does not match, and the attention stays as it was.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional
 
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
-from ...graph.weights import fake_value, fetch_attr
 from ...matcher import EVAL_DROPOUT, Match, Pattern, named_args, same_size
-from ...matcher.masks import evaluate_on_sizes
-from ...weights import TensorBinding, record_tensor_binding, tensor_bindings
+from .alibi_slopes import HIDDEN_BELOW, alibi_slopes, slopes_node
+from .variants import grouped_qkv, sdpa_pattern
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
 
-#: Sequence length the position terms are evaluated at (small: it is a [n, P, P] evaluation).
-PROBE = 12
-#: A logit below this (after the position terms are summed) is a hidden key (HF fills finfo.min).
-HIDDEN_BELOW = -1e4
-#: Root buffers holding slopes are named ``alibi_slopes``, ``alibi_slopes_1``, ... (one per distinct set).
-SLOPES_ATTR = "alibi_slopes"
-
 # Sentinels (see pipeline/matcher): values that appear nowhere else in the traced patterns.
 _SCALE = 0.3125
 _FILL = -1234.5
-_N_REP = 3
-
-
-# ------------------------------------------------------------------------------ reading the slopes
-
-
-def _size_ancestors(node: fx.Node) -> List[fx.Node]:
-    """``node``'s sub-graph in graph order, not followed past ``sym_size`` (the size is all it reads)."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "call_function" and n.target is aten.sym_size.int:
-            continue
-        stack.extend(n.all_input_nodes)
-    return [n for n in node.graph.nodes if n in seen]
-
-
-def evaluate_position_term(node: fx.Node, seq_len: Any, size: int = PROBE) -> Optional[torch.Tensor]:
-    """The value of ``node`` when the sequence length is ``size`` and the batch 1, on CPU, or None
-    when it depends on anything but sizes and constants (input values, parameters, unknown
-    buffers). Sizes equal to ``seq_len`` become ``size``, every other size 1 (the batch)."""
-    value = evaluate_on_sizes(_size_ancestors(node), node, seq_len, size)
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def _as_logits(t: torch.Tensor, heads: int, size: int) -> Optional[torch.Tensor]:
-    """A position term as [1, heads|1, size|1, size] float64: 4-D as is, 3-D as [b*n, s|1, s]
-    (BLOOM's flattened heads; the batch is 1 here), a leading 1 added to [n, s|1, s] otherwise."""
-    if t.dim() == 3:
-        t = t.reshape(1, -1, *t.shape[1:])
-    if t.dim() != 4 or t.shape[0] != 1 or t.shape[1] not in (1, heads) or t.shape[2] not in (1, size):
-        return None
-    if t.shape[3] != size:
-        return None
-    return t.double()
-
-
-def alibi_slopes(
-    terms: Sequence[Tuple[fx.Node, float]], q: torch.Tensor, k: torch.Tensor, hidden: Optional[fx.Node] = None
-) -> Optional[torch.Tensor]:
-    """The ALiBi slopes ``[n]`` (fp32, CPU) of attention logits ``scale * q @ k^T + sum(coef * term)``
-    (``terms``: (node, coef)), with ``hidden`` (a bool mask node, True = hidden) on top, or None
-    when the position terms are not exactly "causal + ``slope[h] * k_pos`` + a per-row constant".
-
-    ``q`` [b, n, s, d] and ``k`` [b, n_kv, s, d] are the attention's fake values (self-attention:
-    same length)."""
-    if q.dim() != 4 or k.dim() != 4 or not same_size(q.shape[2], k.shape[2]) or not isinstance(q.shape[1], int):
-        return None
-    heads, seq_len, size = q.shape[1], q.shape[2], PROBE
-    total = torch.zeros(1, 1, size, size, dtype=torch.float64)
-    coarsest = torch.float32  # the coarsest dtype a term was computed in sets the tolerance
-    for node, coef in terms:
-        value = evaluate_position_term(node, seq_len, size)
-        if value is None or not value.is_floating_point():
-            return None
-        t = _as_logits(value, heads, size)
-        if t is None:
-            return None
-        if torch.finfo(value.dtype).eps > torch.finfo(coarsest).eps:
-            coarsest = value.dtype
-        total = total + coef * t
-    if hidden is not None:
-        mask = evaluate_position_term(hidden, seq_len, size)
-        if mask is None or mask.dtype != torch.bool:
-            return None
-        mask = mask.reshape(1, *mask.shape[-3:]) if mask.dim() >= 3 else mask
-        if mask.dim() != 4 or mask.shape[0] != 1 or tuple(mask.shape[-2:]) != (size, size):
-            return None
-        total = total.masked_fill(mask, float("-inf"))
-    total = total.expand(1, heads, size, size)[0]  # [n, P, P]
-    pos = torch.arange(size)
-    causal = pos[None, :] <= pos[:, None]
-    if not torch.equal(total >= HIDDEN_BELOW, causal.expand_as(total)):
-        return None  # hides other keys than the future ones (padding, window, chunk) or none
-    last = total[:, -1]  # the last query row sees every key: [n, P]
-    slopes = (last[:, -1] - last[:, 0]) / (size - 1)
-    if not bool(slopes.ne(0).any()):
-        return None  # a plain causal mask (classify_mask's business)
-    rel = (pos[None, :] - pos[:, None]).double()  # k_pos - q_pos
-    want = total.diagonal(dim1=-2, dim2=-1)[:, :, None] + slopes[:, None, None] * rel  # per-row constant kept
-    visible = causal.expand_as(total)
-    err = (total - want).abs()[visible].max()
-    tol = 8 * torch.finfo(coarsest).eps * max(1.0, float(total[visible].abs().max()))
-    if not float(err) <= tol:
-        return None
-    return slopes.float()
-
-
-def slopes_constant(*, values: Tuple[float, ...]) -> torch.Tensor:
-    """The slopes tensor [n] fp32 of a ``register_slopes`` buffer (its load-time conversion)."""
-    return torch.tensor(values, dtype=torch.float32)
-
-
-def register_slopes(gm: fx.GraphModule, slopes: torch.Tensor) -> str:
-    """The root buffer holding ``slopes`` (one per distinct set: every layer of a model shares one),
-    registered if new. In a graph that holds no weights yet (traced on meta, before ``load_weights``)
-    it is a meta buffer made at load by a declared conversion (``record_tensor_binding`` of
-    ``slopes_constant``: no inputs, the values as its static arguments; the unloaded numerics probe
-    binds it the same way), so the unloaded graph stays weightless; in a loaded graph, a real buffer
-    on the graph's device."""
-    values = tuple(float(x) for x in slopes.tolist())
-    tensors = [*gm.parameters(), *gm.buffers()]
-    bindings = tensor_bindings(gm)
-    name, i = SLOPES_ATTR, 0
-    while hasattr(gm, name):
-        binding = bindings.get(name)
-        known = slopes_constant(**dict(binding.kwargs)) if binding is not None else fetch_attr(gm, name)
-        if isinstance(known, torch.Tensor) and not known.is_meta and torch.equal(known.cpu().float(), slopes.float()):
-            return name
-        i += 1
-        name = f"{SLOPES_ATTR}_{i}"
-    if any(t.is_meta for t in tensors):
-        gm.register_buffer(name, torch.empty(len(values), dtype=torch.float32, device="meta"))
-        record_tensor_binding(
-            gm, name, TensorBinding((), namespace="model", convert=slopes_constant, kwargs=(("values", values),))
-        )
-    else:
-        gm.register_buffer(name, slopes_constant(values=values).to(tensors[0].device if tensors else "cpu"))
-    return name
-
-
-def slopes_node(q: fx.Proxy, slopes: torch.Tensor) -> fx.Proxy:
-    """A ``get_attr`` of ``slopes`` (``register_slopes``) recorded into ``q``'s graph, in a pattern
-    replacement, with its fake value."""
-    gm = q.node.graph.owning_module
-    assert isinstance(gm, fx.GraphModule), "slopes_node needs a graph owned by a GraphModule"
-    name = register_slopes(gm, slopes)
-    proxy = q.tracer.create_proxy("get_attr", name, (), {})
-    value = fake_value(gm, fetch_attr(gm, name))
-    if value is not None:
-        proxy.node.meta["val"] = value
-    return proxy
 
 
 def _alibi_attention(q, k, v, slopes, scale=None):
@@ -200,13 +53,6 @@ def _alibi_attention(q, k, v, slopes, scale=None):
     return wb.torch_attention.default(
         q, k, v, is_causal=True, scale=scale, layout="bnsd", alibi_slopes=slopes_node(q, slopes)
     )
-
-
-def _qkv_ok(m: Match) -> bool:
-    q, k, v = m.val("q"), m.val("k"), m.val("v")
-    if any(t is None or t.dim() != 4 for t in (q, k, v)):
-        return False
-    return not q.shape[1] % k.shape[1] and same_size(k.shape[1], v.shape[1])
 
 
 def _cast_back(m: Match, target: str) -> bool:
@@ -232,6 +78,32 @@ def _examples(kind: str):
     return build
 
 
+def _eager_alibi_pattern(
+    name: str, search, kind: str, slopes_of: Callable[[Match], Optional[torch.Tensor]], *, literals, ignore
+) -> Pattern:
+    """One eager ALiBi spelling: inputs q, k, v, bias, mask (examples in ``kind``'s shapes), replaced by
+    causal ``torch_attention`` with the slopes ``slopes_of(m)`` reads once q/k/v check out (None:
+    not this spelling, or not ALiBi). ``ignore``: the spelling's own, dropout's added."""
+
+    def replacement(q, k, v, bias, mask, *, scale, slopes, **_):
+        return _alibi_attention(q, k, v, slopes, float(scale))
+
+    def check(m: Match) -> Optional[Dict[str, Any]]:
+        slopes = slopes_of(m) if grouped_qkv(m) else None
+        return None if slopes is None else {"slopes": slopes}
+
+    return Pattern(
+        name,
+        search,
+        replacement,
+        _examples(kind),
+        literals=literals,
+        ignore=(*ignore, *EVAL_DROPOUT),
+        check=check,
+        inputs=("q", "k", "v", "bias", "mask"),
+    )
+
+
 # ------------------------------------------------------------------------------ eager spellings
 
 
@@ -249,27 +121,19 @@ def _bloom_pattern(with_dropout: bool) -> Pattern:
         out = torch.bmm(p.view(b * n, s, -1), v.reshape(b * n, -1, d))
         return out.view(b, n, s, d)
 
-    def replacement(q, k, v, bias, mask, *, scale, slopes):
-        return _alibi_attention(q, k, v, slopes, float(scale))
-
-    def check(m: Match) -> Optional[Dict[str, Any]]:
-        if not _qkv_ok(m) or not _cast_back(m, "q"):
-            return None
+    def slopes(m: Match) -> Optional[torch.Tensor]:
         q, k = m.val("q"), m.val("k")
-        if not same_size(q.shape[1], k.shape[1]):
-            return None  # the [b*n] views flatten q and k heads alike
-        slopes = alibi_slopes([(m.inputs["bias"], 1.0), (m.inputs["mask"], 1.0)], q, k)
-        return None if slopes is None else {"slopes": slopes}
+        if not _cast_back(m, "q") or not same_size(q.shape[1], k.shape[1]):
+            return None  # (heads: the [b*n] views flatten q and k heads alike)
+        return alibi_slopes([(m.inputs["bias"], 1.0), (m.inputs["mask"], 1.0)], q, k)
 
-    return Pattern(
+    return _eager_alibi_pattern(
         f"bloom_alibi_attention{'_dropout' if with_dropout else ''}",
         search,
-        replacement,
-        _examples("bloom"),
+        "bloom",
+        slopes,
         literals={"scale": _SCALE},
-        ignore=((aten.reshape.default, "shape"), (aten.view.default, "size"), (aten.to.dtype, "dtype"), *EVAL_DROPOUT),
-        check=check,
-        inputs=("q", "k", "v", "bias", "mask"),
+        ignore=((aten.reshape.default, "shape"), (aten.view.default, "size"), (aten.to.dtype, "dtype")),
     )
 
 
@@ -285,28 +149,22 @@ def _mpt_pattern(with_dropout: bool) -> Pattern:
             p = F.dropout(p, p=0.0, training=False)
         return torch.matmul(p, v)
 
-    def replacement(q, k, v, bias, mask, *, scale, slopes, **_):
-        return _alibi_attention(q, k, v, slopes, float(scale))
-
-    def check(m: Match) -> Optional[Dict[str, Any]]:
+    def slopes(m: Match) -> Optional[torch.Tensor]:
         (softmax,) = m.matched(aten.softmax.int)  # of the logits cast to fp32; probabilities cast to v's dtype
-        if not _qkv_ok(m) or softmax.args[0].args[1] != torch.float32 or not _cast_back(m, "v"):
+        if softmax.args[0].args[1] != torch.float32 or not _cast_back(m, "v"):
             return None
         fill = m.literals["fill"]
         if not isinstance(fill, (int, float)) or fill > HIDDEN_BELOW:
             return None
-        slopes = alibi_slopes([(m.inputs["bias"], 1.0)], m.val("q"), m.val("k"), hidden=m.inputs["mask"])
-        return None if slopes is None else {"slopes": slopes}
+        return alibi_slopes([(m.inputs["bias"], 1.0)], m.val("q"), m.val("k"), hidden=m.inputs["mask"])
 
-    return Pattern(
+    return _eager_alibi_pattern(
         f"mpt_alibi_attention{'_dropout' if with_dropout else ''}",
         search,
-        replacement,
-        _examples("mpt"),
+        "mpt",
+        slopes,
         literals={"scale": _SCALE, "fill": _FILL},
-        ignore=((aten.to.dtype, "dtype"), *EVAL_DROPOUT),
-        check=check,
-        inputs=("q", "k", "v", "bias", "mask"),
+        ignore=((aten.to.dtype, "dtype"),),
     )
 
 
@@ -327,29 +185,21 @@ def _falcon_eager_pattern(with_dropout: bool, with_cast: bool) -> Pattern:
             p = F.dropout(p, p=0.0, training=False)
         return torch.matmul(p.view(b, n, s, -1), v)
 
-    def replacement(q, k, v, bias, mask, *, scale, slopes):
-        return _alibi_attention(q, k, v, slopes, float(scale))
-
-    def check(m: Match) -> Optional[Dict[str, Any]]:
-        if not _qkv_ok(m):
-            return None
+    def slopes(m: Match) -> Optional[torch.Tensor]:
         if with_cast and m.matched(aten.to.dtype)[0].args[1] != torch.float32:
             return None
         scale = m.literals["scale"]
         if not isinstance(scale, (int, float)):
             return None
-        slopes = alibi_slopes([(m.inputs["bias"], float(scale)), (m.inputs["mask"], 1.0)], m.val("q"), m.val("k"))
-        return None if slopes is None else {"slopes": slopes}
+        return alibi_slopes([(m.inputs["bias"], float(scale)), (m.inputs["mask"], 1.0)], m.val("q"), m.val("k"))
 
-    return Pattern(
+    return _eager_alibi_pattern(
         f"falcon_alibi_eager_attention{'_dropout' if with_dropout else ''}{'_cast' if with_cast else ''}",
         search,
-        replacement,
-        _examples("falcon"),
+        "falcon",
+        slopes,
         literals={"scale": _SCALE},
-        ignore=((aten.view.default, "size"), (aten.softmax.int, "dtype"), (aten.to.dtype, "dtype"), *EVAL_DROPOUT),
-        check=check,
-        inputs=("q", "k", "v", "bias", "mask"),
+        ignore=((aten.view.default, "size"), (aten.softmax.int, "dtype"), (aten.to.dtype, "dtype")),
     )
 
 
@@ -367,46 +217,20 @@ ALIBI_EAGER_PATTERNS = (
 def _sdpa_alibi_pattern(source: str, repeated: bool) -> Pattern:
     """SDPA whose float ``attn_mask`` is a causal mask with an ALiBi bias folded in (Falcon)."""
 
-    def search(q, k, v, mask, n_rep=None):
-        if repeated:
-            k = wb.torch_attention_repeat_kv.default(k, n_rep)
-            v = wb.torch_attention_repeat_kv.default(v, n_rep)
-        if source == "aten":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return wb.torch_attention_sdpa.default(q, k, v, mask)
-
     def replacement(q, k, v, mask, *, scale, slopes, **_):
         return _alibi_attention(q, k, v, slopes, scale)
 
     def check(m: Match) -> Optional[Dict[str, Any]]:
-        if not _qkv_ok(m):
+        if not grouped_qkv(m):
             return None
         flags = dict(named_args(m.outputs[0]))
         if flags["dropout_p"] or flags["is_causal"]:
             return None
-        slopes = alibi_slopes([(m.inputs["mask"], 1.0)], m.val("q"), m.val("k"))
+        slopes = alibi_slopes([(m.inputs["attn_mask"], 1.0)], m.val("q"), m.val("k"))
         return None if slopes is None else {"slopes": slopes, "scale": flags["scale"]}
 
-    def examples():
-        n_kv = 2 if repeated else 6
-        return (
-            torch.randn(1, 6, 4, 8),
-            torch.randn(1, n_kv, 4, 8),
-            torch.randn(1, n_kv, 4, 8),
-            torch.zeros(1, 6, 4, 4),
-        )
-
-    op = aten.scaled_dot_product_attention.default if source == "aten" else wb.torch_attention_sdpa.default
-    return Pattern(
-        f"{source}_sdpa_alibi{'_repeat_kv' if repeated else ''}",
-        search,
-        replacement,
-        examples,
-        literals={"n_rep": _N_REP} if repeated else {},
-        ignore=tuple((op, name) for name in ("dropout_p", "is_causal", "scale", "enable_gqa")),
-        check=check,
-        inputs=("q", "k", "v", "mask"),
-    )
+    name = f"{source}_sdpa_alibi{'_repeat_kv' if repeated else ''}"
+    return sdpa_pattern(name, source, repeated, lambda: torch.zeros(1, 6, 4, 4), replacement, check)
 
 
 #: For ``match_sdpa_to_torch_attention``, before the general SDPA patterns (which would keep the mask).
@@ -416,12 +240,4 @@ ALIBI_SDPA_PATTERNS = tuple(
 )
 
 
-__all__ = [
-    "ALIBI_EAGER_PATTERNS",
-    "ALIBI_SDPA_PATTERNS",
-    "alibi_slopes",
-    "evaluate_position_term",
-    "register_slopes",
-    "slopes_constant",
-    "slopes_node",
-]
+__all__ = ["ALIBI_EAGER_PATTERNS", "ALIBI_SDPA_PATTERNS"]

@@ -18,14 +18,14 @@ The replacement reads the weights through ``transpose(1, 2)`` views (``[E, 2I, H
 ``transformers::grouped_mm_fallback``), ``batched_mm`` (gather each slot's expert weights, ``bmm``);
 ``eager`` loops over the experts that got tokens and does not export. ``grouped_mm`` with an
 expert-parallel sentinel mask (transformers 5.17 writes it always; 5.23 only when experts are
-sharded) has its own pattern, as for the unbiased experts in ``matchers.py``.
+sharded) has its own pattern, as for the unbiased experts in ``matchers.py`` (the sort and the
+un-permute both share: ``grouped_mm.py``).
 
 The router stays outside (gpt-oss's is top-k over the logits, then softmax over the k values).
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -33,6 +33,7 @@ import torch
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...graph.utils import tensor_meta
 from ...matcher import Match, Pattern, same_shape
+from .grouped_mm import EXPERT_SIZE_ARGS, grouped_mm_op, sort_by_expert, unsort_by_expert
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
@@ -40,17 +41,6 @@ wb = torch.ops.workbench
 # Example sizes and literal sentinels for tracing: T tokens, H hidden, I intermediate, E experts, k.
 _T, _H, _I, _E, _K = 5, 8, 6, 7, 3
 _ALPHA, _LIMIT = 1.625, 7.25  # sentinels: any alpha / limit in the model graph binds to them
-
-
-def grouped_mm_op():
-    """``torch.ops.transformers.grouped_mm_fallback``, or None while transformers' MoE integration
-    is not imported (or lacks it). The op is registered when ``transformers.integrations.moe`` is
-    imported, which every model whose experts use it does when it loads: a graph holding the op
-    implies the module is loaded. Importing it only to look would import Dynamo (~1 s, ~140 MB)
-    into every run."""
-    if "transformers.integrations.moe" not in sys.modules:
-        return None
-    return getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
 
 
 def _examples():
@@ -78,27 +68,15 @@ def _clamped_swiglu(h, alpha, limit, neg_limit):
 def _grouped(x, selected, weights, w1_w3, b1_w3, w2, b2, k, alpha, limit, neg_limit, sentinel: bool):
     # transformers' grouped_mm experts forward with transposed weights and biases
     mm = grouped_mm_op()
-    flat_w, flat_e = weights.reshape(-1), selected.reshape(-1)
-    expert_sorted, perm = torch.sort(flat_e)
-    xs, ws = x[perm // k], flat_w[perm]
-    counts = torch.histc(expert_sorted.float(), bins=_E, min=0, max=_E - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    mask = None
-    if sentinel:
-        mask = (expert_sorted >= _E).unsqueeze(-1)
-        expert_sorted.clamp_(max=_E - 1)
-        xs.masked_fill_(mask, 0.0)
-    h = mm(xs.to(w1_w3.dtype), w1_w3, offsets)
-    h.add_(b1_w3[expert_sorted])
-    h = h.masked_fill(mask, 0.0) if mask is not None else h
+    rows = sort_by_expert(x, selected, weights, k, _E, sentinel)
+    h = mm(rows.xs.to(w1_w3.dtype), w1_w3, rows.offsets)
+    h.add_(b1_w3[rows.expert_sorted])
+    h = h.masked_fill(rows.mask, 0.0) if rows.mask is not None else h
     g = _clamped_swiglu(h, alpha, limit, neg_limit)
-    y = mm(g.to(w2.dtype), w2, offsets)
-    y.add_(b2[expert_sorted])
-    y = y.masked_fill(mask, 0.0) if mask is not None else y
-    y = y * ws.unsqueeze(-1)
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.size(0))
-    return y[inv].view(x.shape[0], k, x.shape[-1]).sum(dim=1).to(x.dtype)
+    y = mm(g.to(w2.dtype), w2, rows.offsets)
+    y.add_(b2[rows.expert_sorted])
+    y = y.masked_fill(rows.mask, 0.0) if rows.mask is not None else y
+    return unsort_by_expert(y, rows, x, k)
 
 
 def _gpt_oss_grouped_mm(x, selected, weights, w1_w3, b1_w3, w2, b2, *, k, alpha, limit, neg_limit):
@@ -171,22 +149,6 @@ def _check(m: Match) -> Optional[Dict[str, Any]]:
     return {}
 
 
-# Size and device arguments the experts' spellings take from the model (expert count, token count,
-# dtype): not literals to bind. Shared with the unbiased experts' patterns (``matchers.py``).
-EXPERT_SIZE_ARGS = (
-    (aten.view.default, "size"),
-    (aten.histc.default, "bins"),
-    (aten.histc.default, "min"),
-    (aten.histc.default, "max"),
-    (aten.arange.default, "end"),
-    (aten.arange.default, "device"),
-    (aten.arange.default, "pin_memory"),
-    (aten.to.dtype, "dtype"),
-    (aten.ge.Scalar, "other"),
-    (aten.clamp_.default, "max"),
-)
-
-
 def biased_expert_patterns() -> List[Pattern]:
     """gpt-oss's experts patterns usable with the installed transformers."""
     forms = []
@@ -211,4 +173,4 @@ def biased_expert_patterns() -> List[Pattern]:
     ]
 
 
-__all__ = ["grouped_mm_op", "biased_expert_patterns", "EXPERT_SIZE_ARGS"]
+__all__ = ["biased_expert_patterns"]

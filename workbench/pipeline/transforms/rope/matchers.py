@@ -110,11 +110,16 @@ def _halves_check(m: Match, d: int) -> bool:
     return True
 
 
-def _rotate_half_check(m: Match) -> Optional[Dict[str, Any]]:
+def _rotate_half_dim(m: Match) -> Optional[int]:
+    """The head dim d of a rotate-half match whose tables and halves check out, else None."""
     d = _head_dim(m, "q", "k")
     if d is None or not _valid_unsqueeze(m, "cos") or not _halves_check(m, d):
         return None
-    return {}
+    return d
+
+
+def _rotate_half_check(m: Match) -> Optional[Dict[str, Any]]:
+    return None if _rotate_half_dim(m) is None else {}
 
 
 def _pairs_last(m: Match, op: Any, d: int) -> bool:
@@ -127,8 +132,8 @@ def _pairs_last(m: Match, op: Any, d: int) -> bool:
 
 
 def _interleave_check(m: Match) -> Optional[Dict[str, Any]]:
-    d = _head_dim(m, "q", "k")
-    if d is None or not _valid_unsqueeze(m, "cos") or not _halves_check(m, d):
+    d = _rotate_half_dim(m)
+    if d is None:
         return None
     # view to [..., d/2, 2], swap the last two dims, merge back to [..., d].
     if not _pairs_last(m, aten.view.default, d):

@@ -3,6 +3,9 @@
 transforms.py   detect_sharding, sharding_transform_executor
 plans.py        detect_plan / apply_plan, the two entry points
 detect.py       regions (attention heads, MLP features, MoE experts, LM-head vocabulary) from the graph
+detect_attention.py  the attention regions (split by heads)
+detect_mlp.py   the MoE (experts), LM-head (vocabulary) and MLP (features) regions
+detect_cuts.py  what the region finders share: column / row cuts, region bytes, NotShardable
 plan.py         the plan's types (regions, cuts, ranges)
 apply.py        the rewrite: sliced weights, collectives
 linear_ops.py   the linear ops a region may hold (plain and quantized)

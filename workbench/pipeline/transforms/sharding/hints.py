@@ -185,31 +185,22 @@ class _Rewriter:
             self.counts["view_sizes_scaled"] += 1
         self.replace(node, aten.reshape.default, (a["x"], shape))
 
-    def all_reduce(self, node: fx.Node, a: Dict[str, Any]) -> None:
+    def collective(self, node: fx.Node, a: Dict[str, Any], kind: str, target, args: tuple) -> None:
+        """``node`` (a hinted collective ``kind``) as ``target(*args)`` where its layer is sharded;
+        elsewhere it is dropped (its input passes through: one rank holds everything)."""
         if not self.t.shards(a["layer_type"]):
             node.replace_all_uses_with(a["x"])
             self.gm.graph.erase_node(node)
             return
-        self.replace(
-            node,
-            wb.torch_dist_all_reduce.default,
-            (a["x"], self.t.group_name),
-            note=f"all_reduce over {self.t.world_size} ranks ({a['layer_type']})",
-        )
-        self.counts["all_reduce"] += 1
+        self.replace(node, target, args, note=f"{kind} over {self.t.world_size} ranks ({a['layer_type']})")
+        self.counts[kind] += 1
+
+    def all_reduce(self, node: fx.Node, a: Dict[str, Any]) -> None:
+        self.collective(node, a, "all_reduce", wb.torch_dist_all_reduce.default, (a["x"], self.t.group_name))
 
     def all_gather(self, node: fx.Node, a: Dict[str, Any]) -> None:
-        if not self.t.shards(a["layer_type"]):
-            node.replace_all_uses_with(a["x"])
-            self.gm.graph.erase_node(node)
-            return
-        self.replace(
-            node,
-            wb.torch_dist_all_gather.default,
-            (a["x"], a["dim"], self.t.world_size, self.t.group_name),
-            note=f"all_gather over {self.t.world_size} ranks ({a['layer_type']})",
-        )
-        self.counts["all_gather"] += 1
+        args = (a["x"], a["dim"], self.t.world_size, self.t.group_name)
+        self.collective(node, a, "all_gather", wb.torch_dist_all_gather.default, args)
 
     def moe(self, node: fx.Node, a: Dict[str, Any]) -> None:
         W, r = self.t.world_size, self.t.rank
