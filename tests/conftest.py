@@ -86,3 +86,16 @@ def tiny_llama_done(tiny_llama):
     bench = Workbench(tiny_llama, numerics=False)
     bench.run()
     return bench
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """Pretend to be a CPU of another architecture and features: ``cpu("x86_64", features)`` (what
+    the CPU-kernel variant choice reads, ``workbench.ops.cpu_kernels.isa``)."""
+    from workbench.ops.cpu_kernels import isa
+
+    def pretend(arch: str, features) -> None:
+        monkeypatch.setattr(isa, "machine_arch", lambda: arch)
+        monkeypatch.setattr(isa, "cpu_features", lambda: frozenset(features))
+
+    return pretend

@@ -27,15 +27,6 @@ X86_AVX2 = frozenset({"avx2", "fma", "f16c"})
 X86_AVX512 = X86_AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 
 
-@pytest.fixture
-def cpu(monkeypatch):
-    """Pretend to be a CPU of another architecture and features: ``cpu("x86_64", features)``."""
-
-    def pretend(arch: str, features) -> None:
-        monkeypatch.setattr(isa, "machine_arch", lambda: arch)
-        monkeypatch.setattr(isa, "cpu_features", lambda: frozenset(features))
-
-    return pretend
 
 
 def test_auto_picks_the_best_variant_the_cpu_runs(cpu, monkeypatch):

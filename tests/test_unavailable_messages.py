@@ -48,15 +48,6 @@ NO_NINJA = "`ninja` is not installed (the Makefile's install step installs it)"
 
 
 # ---------------------------------------------------------------------------------------------- probes
-@pytest.fixture
-def cpu(monkeypatch):
-    """Pretend to be a CPU of another architecture and features: ``cpu("x86_64", features)``."""
-
-    def pretend(arch: str, features) -> None:
-        monkeypatch.setattr(isa, "machine_arch", lambda: arch)
-        monkeypatch.setattr(isa, "cpu_features", lambda: frozenset(features))
-
-    return pretend
 
 
 @pytest.fixture
