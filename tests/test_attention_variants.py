@@ -29,7 +29,8 @@ from test_runtime import _hf_greedy
 
 from workbench import Workbench
 from workbench.models import load_model
-from workbench.models.tiny import TINY_ARCHS, WINDOW
+from workbench.models.tiny import TINY_ARCHS
+from workbench.models.tiny_archs import WINDOW
 from workbench.pipeline.matcher import named_args
 
 wb = torch.ops.workbench

@@ -163,9 +163,9 @@ def test_traceback_flag_adds_the_trace_before_the_line(monkeypatch, capsys):
 
 
 def test_an_unexpected_error_is_one_line_that_says_how_to_see_more(monkeypatch, capsys):
-    import workbench.cli as cli
+    import workbench.cli_run as cli_run
 
-    monkeypatch.setattr(cli, "_generate", lambda *a, **k: (_ for _ in ()).throw(AttributeError("no attr x")))
+    monkeypatch.setattr(cli_run, "_generate", lambda *a, **k: (_ for _ in ()).throw(AttributeError("no attr x")))
     code, out, err = _run_cli(FAST, capsys)
     assert code == 1 and "pipeline:" in out  # the table and pipeline line came first
     assert err == [

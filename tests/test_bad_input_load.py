@@ -293,7 +293,7 @@ def test_forward_names_bad_ids_and_positions(tiny_llama, args, fragment):
 
 
 def test_terminal_output_shows_control_and_bidi_characters_escaped():
-    from workbench.cli import terminal_safe
+    from workbench.cli_run import terminal_safe
 
     assert terminal_safe("red \x1b[31mtext\x1b[0m") == "red \\x1b[31mtext\\x1b[0m"
     assert terminal_safe("abc\u202edef\nnext\tcol") == "abc\\u202edef\nnext\tcol"

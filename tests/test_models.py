@@ -253,7 +253,7 @@ def test_unknown_tiny_arch_lists_known():
 def test_register_tiny_arch_explicit_registry():
     from transformers import LlamaConfig
 
-    from workbench.models.tiny import COMMON
+    from workbench.models.tiny_families.sizes import COMMON
 
     reg = dict(TINY_ARCHS)
     register_tiny_arch("wide", lambda: LlamaConfig(**{**COMMON, "hidden_size": 128}), reg)

@@ -37,7 +37,7 @@ from workbench.models.export_contract import make_batch
 from workbench.models.tiny_quantized import save_tiny_quantized
 from workbench.ops.quant import codecs
 from workbench.pipeline.interface import TRANSFORMS, Stages
-from workbench.pipeline.transforms.quantization.moe import resolve_mxfp4_kernel
+from workbench.pipeline.transforms.quantization.moe_mxfp4 import resolve_mxfp4_kernel
 
 wb_ops = torch.ops.workbench
 LAST = "detect_hidden_states_for_capture"  # the pattern stage's last transform

@@ -207,7 +207,7 @@ def test_moe_tiny_qwen2_moe_shared_experts():
     """A real HF block with shared experts (Qwen2-MoE, random tiny weights): one site per layer."""
     from transformers import Qwen2MoeConfig
 
-    from workbench.models.tiny import COMMON, MOE
+    from workbench.models.tiny_archs import COMMON, MOE
 
     reg = dict(TINY_ARCHS)
     reg["qwen2_moe"] = lambda: Qwen2MoeConfig(**COMMON, num_experts=4, moe_intermediate_size=32,

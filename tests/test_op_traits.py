@@ -18,7 +18,10 @@ wb = torch.ops.workbench
 
 
 def _all_ops():
-    return sorted(n for n in dir(wb) if not n.startswith("_") and hasattr(getattr(wb, n), "default"))
+    """Every workbench op a graph can hold: those returning tensors (the C++ kernels' library also
+    defines ``cpu_kernels_isa() -> str``, a query of the loaded build that no graph calls)."""
+    names = (n for n in dir(wb) if not n.startswith("_") and hasattr(getattr(wb, n), "default"))
+    return sorted(n for n in names if any("Tensor" in str(r.type) for r in getattr(wb, n).default._schema.returns))
 
 
 @workbench_op("test_traits_rmsnorm", category="norm", norm="rms")

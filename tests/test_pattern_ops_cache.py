@@ -8,9 +8,10 @@ import shutil
 import torch
 import torch.fx as fx
 
-from workbench.pipeline.matcher import engine
+from workbench.pipeline.matcher import pattern as tracing
 from workbench.pipeline.matcher.anchors import PatternOpsCache, pattern_key
-from workbench.pipeline.matcher.engine import Pattern, PatternMatcher
+from workbench.pipeline.matcher.engine import PatternMatcher
+from workbench.pipeline.matcher.pattern import Pattern
 from workbench.pipeline.matcher.trace import export_graph_module
 
 aten = torch.ops.aten
@@ -44,10 +45,10 @@ def _targets(gm: fx.GraphModule):
 def test_a_pattern_with_an_absent_op_is_not_traced_by_the_next_process(tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path))
     traces = []
-    real = engine.export_graph_module
-    monkeypatch.setattr(engine, "export_graph_module", lambda fn, *a, **k: traces.append(fn) or real(fn, *a, **k))
+    real = tracing.export_graph_module
+    monkeypatch.setattr(tracing, "export_graph_module", lambda fn, *a, **k: traces.append(fn) or real(fn, *a, **k))
 
-    engine.traced_pattern.cache_clear()  # a new process: nothing traced yet
+    tracing.traced_pattern.cache_clear()  # a new process: nothing traced yet
     gm = _graph()
     assert PatternMatcher([BMM, MUL]).apply(gm) == {"bmm_then_view": 0, "mul_then_view": 1}
     assert traces == [_bmm_then_view, _mul_then_view]  # nothing known: both traced
@@ -55,7 +56,7 @@ def test_a_pattern_with_an_absent_op_is_not_traced_by_the_next_process(tmp_path,
     table = json.loads((tmp_path / "patterns" / "ops.json").read_text())
     assert table[pattern_key(BMM)] == ["aten::view.default", "aten::bmm.default"]  # the anchor first
 
-    engine.traced_pattern.cache_clear()  # the next process
+    tracing.traced_pattern.cache_clear()  # the next process
     traces.clear()
     shutil.rmtree(tmp_path / "patterns" / "graphs")  # only the op table (the mul pattern's graph is stored again)
     gm = _graph()
@@ -63,7 +64,7 @@ def test_a_pattern_with_an_absent_op_is_not_traced_by_the_next_process(tmp_path,
     assert traces == [_mul_then_view]  # bmm is not in the graph: its pattern is skipped untraced
     assert aten.sub.Tensor in _targets(gm)
 
-    engine.traced_pattern.cache_clear()  # a process with the stored pattern graphs too
+    tracing.traced_pattern.cache_clear()  # a process with the stored pattern graphs too
     traces.clear()
     gm = _graph()
     assert PatternMatcher([BMM, MUL]).apply(gm) == {"bmm_then_view": 0, "mul_then_view": 1}
@@ -78,7 +79,7 @@ def test_an_unreadable_or_old_table_only_costs_the_traces(tmp_path, monkeypatch)
     for text in ("not json", json.dumps({pattern_key(BMM): "aten::view.default"}), json.dumps([1, 2])):
         path.write_text(text)
         assert PatternOpsCache().ops(BMM) is None  # unknown: the pattern is traced
-        engine.traced_pattern.cache_clear()
+        tracing.traced_pattern.cache_clear()
         assert PatternMatcher([BMM, MUL]).apply(_graph()) == {"bmm_then_view": 0, "mul_then_view": 1}
     path.write_text(json.dumps({pattern_key(BMM): ["aten::view.default", "nosuchns::op.default"]}))
     assert PatternOpsCache().ops(BMM) is None  # an op that does not exist here is not trusted
@@ -107,7 +108,7 @@ def test_a_stored_pattern_graph_is_the_traced_one(tmp_path, monkeypatch):
     from workbench.pipeline.matcher.pattern_store import PatternGraphStore
 
     monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path))
-    traced = engine._trace(CAST)
+    traced = tracing._trace(CAST)
     store = PatternGraphStore()
     store.put(CAST, traced)
     stored = PatternGraphStore().get(CAST)
@@ -126,13 +127,13 @@ def test_a_damaged_or_foreign_stored_graph_is_traced_again(tmp_path, monkeypatch
 
     monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path))
     traces = []
-    real = engine.export_graph_module
-    monkeypatch.setattr(engine, "export_graph_module", lambda fn, *a, **k: traces.append(fn) or real(fn, *a, **k))
-    engine.traced_pattern.cache_clear()
+    real = tracing.export_graph_module
+    monkeypatch.setattr(tracing, "export_graph_module", lambda fn, *a, **k: traces.append(fn) or real(fn, *a, **k))
+    tracing.traced_pattern.cache_clear()
     assert PatternMatcher([MUL]).apply(_graph()) == {"mul_then_view": 1}
     key = PatternGraphStore.key(MUL)
     path = tmp_path / "patterns" / "graphs" / f"{key}.json"
-    good = graph_to_json(engine._trace(MUL))
+    good = graph_to_json(tracing._trace(MUL))
     bad_op = json.loads(json.dumps(good).replace("aten::mul.Tensor", "nosuchns::mul.Tensor"))
     for blob in (
         path.read_bytes().replace(b"mul.Tensor", b"add.Tensor"),  # edited: fails its checksum
@@ -140,7 +141,7 @@ def test_a_damaged_or_foreign_stored_graph_is_traced_again(tmp_path, monkeypatch
         sealed(key, b"[1, 2]"),  # sealed junk
     ):
         path.write_bytes(blob)
-        engine.traced_pattern.cache_clear()
+        tracing.traced_pattern.cache_clear()
         traces.clear()
         gm = _graph()
         assert PatternMatcher([MUL]).apply(gm) == {"mul_then_view": 1}

@@ -1,6 +1,8 @@
 """What each node of a pipeline graph costs: FLOPs, bytes, roofline time, measured time.
 
 - ``rules.node_cost(node, sizes)``: FLOPs and bytes of one node from its fake values at a phase.
+- ``categories``: the op category of a node or profiler event (``category_of``, ``CATEGORIES``).
+- ``layers``: the decoder layer of each node (``assign_layers``).
 - ``sizes``: the decode-step / prefill shapes a graph is evaluated at (``DECODE``, ``PREFILL``).
 - ``devices``: the H100 datasheet profile and this machine's measured one.
 - ``table``: per-node frames, sums per category / layer, predicted vs measured tables.
@@ -9,9 +11,11 @@
 """
 
 from .across import cost_across_pipeline
+from .categories import CATEGORIES, category_of
 from .devices import H100, DeviceProfile, device_profile, measure_this_cpu
+from .layers import assign_layers
 from .measure import measure_categories, step_function
-from .rules import CATEGORIES, NodeCost, assign_layers, category_of, node_cost
+from .rules import NodeCost, node_cost
 from .sizes import DECODE, PREFILL, Phase, SizeBinding
 from .table import by_category, by_layer, category_table, node_costs
 

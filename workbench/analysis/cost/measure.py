@@ -21,8 +21,8 @@ from typing import Any, Callable, Dict, Optional, Union
 import torch
 import torch.fx as fx
 
+from .categories import category_of
 from .devices import torch_threads, wall_time
-from .rules import category_of
 from .sizes import Phase, is_cached_graph, phase_of
 
 

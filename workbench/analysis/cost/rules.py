@@ -1,4 +1,4 @@
-"""FLOPs and bytes moved by one graph node at one phase, and its op category.
+"""FLOPs and bytes moved by one graph node at one phase (``node_cost``), with its op category.
 
 One rule per kind of op, read from the node's fake values (``node.meta["val"]``) evaluated at the
 phase's sizes (``SizeBinding``):
@@ -39,23 +39,10 @@ import torch
 import torch.fx as fx
 import torch.utils.flop_counter as flop_counter
 
-from ...ops.library import op_traits
+from .categories import GATHER_OPS, base_name, category_of, op_parts
 from .sizes import SizeBinding
 
 aten = torch.ops.aten
-BACKEND_PREFIXES = ("torch_", "cpu_", "triton_", "flashinfer_")
-CATEGORIES = ("matmul", "attention", "norm", "elementwise", "moe", "quant", "view", "other")
-
-VIEW_OPS = frozenset(
-    "view _unsafe_view reshape unsqueeze squeeze expand permute transpose t slice select split "
-    "split_with_sizes alias detach as_strided unflatten flatten chunk unbind narrow view_as expand_as "
-    "movedim sym_size sym_numel sym_stride sym_storage_offset _assert_tensor_metadata _assert_scalar "
-    "sym_constrain_range_for_size sym_constrain_range lift_fresh_copy scalar_tensor".split()
-)
-MATMUL_OPS = frozenset("mm addmm bmm baddbmm matmul linear _scaled_mm".split())
-NORM_OPS = frozenset("layer_norm native_layer_norm group_norm rms_norm _fused_rms_norm".split())
-ATTENTION_OPS = frozenset("scaled_dot_product_attention _scaled_dot_product_flash_attention_for_cpu".split())
-GATHER_OPS = frozenset("embedding index_select gather index int8_embedding".split())
 COPY_OPS = frozenset("clone contiguous _to_copy copy copy_".split())
 TORCH_FLOPS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
 
@@ -67,47 +54,6 @@ class NodeCost:
     category: str
     launches: int
     rule: str
-
-
-def op_parts(node: fx.Node) -> Tuple[str, str]:
-    """(namespace, op name) of a call: ("aten", "linear"), ("workbench", "cpu_linear"),
-    ("python", "getitem")."""
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        ns, name = t.name().split("::", 1)
-        return ns, name.split(".")[0]
-    if isinstance(t, torch._ops.OpOverloadPacket):
-        return t._qualified_op_name.split("::", 1)[0], t._qualified_op_name.split("::", 1)[1]
-    return "python", getattr(t, "__name__", str(t))
-
-
-def base_name(name: str) -> str:
-    """A backend op's canonical name: ``cpu_cached_attention`` -> ``cached_attention``."""
-    for p in BACKEND_PREFIXES:
-        if name.startswith(p):
-            return name[len(p) :]
-    return name
-
-
-def category_of(ns: str, name: str) -> str:
-    """The op category of ``ns::name`` (also used for profiler event names)."""
-    if ns == "python":
-        return "view"  # getitem, scalar arithmetic on sizes
-    if ns == "workbench":  # declared at the op (OpTraits.category)
-        traits = op_traits(name)
-        return traits.category if traits is not None else "other"
-    base = name
-    if base in VIEW_OPS:
-        return "view"
-    if base in MATMUL_OPS:
-        return "matmul"
-    if base in NORM_OPS:
-        return "norm"
-    if base in ATTENTION_OPS:
-        return "attention"
-    if base in GATHER_OPS or base in ("cat", "stack", "index_put", "scatter", "arange", "zeros", "full", "empty"):
-        return "other"
-    return "elementwise"
 
 
 def _val(node: Any, extra: Optional[dict] = None) -> Any:
@@ -368,41 +314,4 @@ def node_cost(node: fx.Node, sizes: SizeBinding, float_bytes: Optional[int] = No
     return NodeCost(f, b, cat, 1, "generic")
 
 
-_LAYER = re.compile(r"layers[._](\d+)[._]")
-_CACHE_LAYER = re.compile(r"_cache_(\d+)$")
-
-
-def _layer_in(text: str) -> Optional[str]:
-    m = _LAYER.search(text + ".")
-    return f"layer {int(m.group(1)):02d}" if m else None
-
-
-def assign_layers(gm: fx.GraphModule) -> dict:
-    """Node -> "layer NN", "embed" or "head": the decoder layer from the node's module stack, else
-    from the parameters and cache inputs it reads, else from its inputs (graph order); nodes
-    outside every layer are "embed" before the first layer and "head" after."""
-    out: dict = {}
-    seen_layer = False
-    for n in gm.graph.nodes:
-        layer = None
-        stack = n.meta.get("nn_module_stack") or {}
-        for path, _ in stack.values():
-            layer = _layer_in(str(path)) or layer
-        if layer is None:
-            for a in n.all_input_nodes:
-                if a.op == "get_attr":
-                    layer = _layer_in(str(a.target))
-                elif a.op == "placeholder" and _CACHE_LAYER.search(str(a.target)):
-                    layer = f"layer {int(_CACHE_LAYER.search(str(a.target)).group(1)):02d}"  # type: ignore[union-attr]
-                if layer:
-                    break
-        if layer is None and not stack:
-            layer = next((out[a] for a in n.all_input_nodes if out.get(a, "").startswith("layer")), None)
-        if layer is None:
-            layer = "head" if seen_layer else "embed"
-        seen_layer = seen_layer or layer.startswith("layer")
-        out[n] = layer
-    return out
-
-
-__all__ = ["NodeCost", "CATEGORIES", "node_cost", "category_of", "op_parts", "base_name", "assign_layers"]
+__all__ = ["NodeCost", "node_cost"]

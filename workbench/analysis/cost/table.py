@@ -12,8 +12,10 @@ from typing import Dict, Optional, Union
 import pandas as pd
 import torch.fx as fx
 
+from .categories import CATEGORIES, op_parts
 from .devices import DeviceProfile, device_profile
-from .rules import CATEGORIES, assign_layers, node_cost, op_parts
+from .layers import assign_layers
+from .rules import node_cost
 from .sizes import Phase, SizeBinding, phase_of
 
 COLUMNS = ["node", "op", "category", "layer", "flops", "bytes", "launches", "time_s", "bound", "rule"]

@@ -29,7 +29,7 @@ from ...cache_dir import cache_root, write_atomically
 _FILE = ("patterns", "ops.json")
 
 
-@functools.lru_cache(maxsize=None)  # per pattern object, like engine.traced_pattern: they are module constants
+@functools.lru_cache(maxsize=None)  # per pattern object, like pattern.traced_pattern: they are module constants
 def pattern_key(pattern: Any) -> Optional[str]:
     """A key of everything ``pattern``'s trace depends on, or None when its source is unavailable."""
     fn = pattern.search

@@ -1,10 +1,5 @@
-"""A small declarative pattern matcher over exported ATen graphs.
-
-A pattern is two eager functions: ``search`` written the way model code computes something (the
-RMSNorm chain, rotate-half RoPE, ...) and ``replace`` that computes the same with a canonical
-``torch.ops.workbench`` op. ``search`` is traced with ``torch.export`` -- the same tracer that made
-the model graph -- so the pattern is spelled in exactly the ops the model graph uses (``aten.to.dtype``
-casts, ``aten.linear``, ...). No hand-written node lists.
+"""A small declarative pattern matcher over exported ATen graphs: ``PatternMatcher`` finds the
+matches of ``Pattern``s (``pattern.py``) and ``replace_match`` rewrites them.
 
 Matching walks the traced pattern backwards from its output(s):
 
@@ -25,10 +20,8 @@ the replaced nodes' names in ``meta['wb_replaces']`` and the anchor's module-sta
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -37,9 +30,8 @@ from ...ops.library import MISSING, schema_arguments
 from ..interface import Transform, TransformInfo
 from .aliasing import writes_between
 from .anchors import PatternOpsCache
-from .pattern_store import PatternGraphStore
+from .pattern import Pattern, traced_pattern
 from .rewrite import annotate_new_nodes, erase_dead, inserted_between, match_info, refresh_after_rewrite
-from .trace import export_graph_module
 
 if TYPE_CHECKING:
     from ..context import PipelineContext
@@ -47,81 +39,6 @@ if TYPE_CHECKING:
 aten = torch.ops.aten
 
 COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
-
-# ``ignore`` entry for patterns that contain dropout: in eval mode (``F.dropout(w, p,
-# training=False)``, exported as ``aten.dropout(w, p, False)``) it is the identity whatever ``p``,
-# so a pattern traced with p=0.0 accepts any. The ``train`` flag is still compared: training-mode
-# dropout never matches.
-EVAL_DROPOUT = ((aten.dropout.default, "p"),)
-
-
-@dataclass(frozen=True, eq=False)  # identity hash: patterns are module constants, traced once
-class Pattern:
-    """One rewrite: ``search`` (model spelling) -> ``replace`` (canonical op)."""
-
-    name: str
-    search: Callable[..., Any]
-    replace: Callable[..., Any]
-    # Builds example tensors for tracing ``search`` (one per positional parameter).
-    example_inputs: Callable[[], Tuple[torch.Tensor, ...]]
-    # Keyword args of ``search`` -> sentinel values used when tracing; bound as wildcards.
-    literals: Mapping[str, Any] = field(default_factory=dict)
-    # (op, argument name) pairs whose values are not compared; ``check`` validates them.
-    ignore: Tuple[Tuple[Any, str], ...] = ()
-    # Ops whose matched nodes may also feed nodes outside the match; they then stay in the graph.
-    # (Export spells an fp32 ``x.to(torch.float32)`` as a node that *aliases* x, so the residual
-    # branch reads the RMSNorm's first cast.)
-    shareable: Tuple[Any, ...] = ()
-    # Match -> None to reject, or extra keyword arguments for ``replace``.
-    check: Optional[Callable[["Match"], Optional[Dict[str, Any]]]] = None
-    # Names of the positional inputs of ``search``; default: read from its signature.
-    inputs: Optional[Tuple[str, ...]] = None
-
-    @property
-    def input_names(self) -> List[str]:
-        if self.inputs is not None:
-            return list(self.inputs)
-        params = inspect.signature(self.search).parameters.values()
-        return [p.name for p in params if p.name not in self.literals]
-
-
-@functools.lru_cache(maxsize=None)
-def traced_pattern(pattern: Pattern) -> fx.Graph:
-    """The ATen graph of ``pattern.search`` on its example inputs (cached per pattern in the
-    process, and on disk as its structure: ``pattern_store``)."""
-    store = PatternGraphStore()
-    stored = store.get(pattern)
-    if stored is not None:
-        return stored
-    graph = _trace(pattern)
-    store.put(pattern, graph)
-    return graph
-
-
-def _trace(pattern: Pattern) -> fx.Graph:
-    gm = export_graph_module(pattern.search, pattern.example_inputs(), kwargs=pattern.literals)
-    names = pattern.input_names
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(names):
-        raise ValueError(f"pattern {pattern.name}: {len(names)} inputs but traced {len(placeholders)}")
-    for node, name in zip(placeholders, names):
-        node.meta["pattern_input"] = name
-    seen = {repr(v) for n in gm.graph.nodes for v in _flat_literals((n.args, n.kwargs))}
-    for key, sentinel in pattern.literals.items():
-        if repr(sentinel) not in seen:
-            raise ValueError(f"pattern {pattern.name}: literal {key}={sentinel!r} not in the trace")
-    return gm.graph
-
-
-def _flat_literals(x: Any) -> Iterator[Any]:
-    if isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _flat_literals(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _flat_literals(y)
-    elif not isinstance(x, fx.Node):
-        yield x
 
 
 def named_args(node: fx.Node) -> List[Tuple[str, Any]]:
@@ -411,14 +328,4 @@ class PatternTransform(Transform):
         return match_info(gm, PatternMatcher(self.active_patterns()).apply(gm))
 
 
-__all__ = [
-    "EVAL_DROPOUT",
-    "Pattern",
-    "PatternMatcher",
-    "PatternTransform",
-    "Match",
-    "traced_pattern",
-    "named_args",
-    "COMMUTATIVE",
-    "replace_match",
-]
+__all__ = ["PatternMatcher", "PatternTransform", "Match", "named_args", "COMMUTATIVE", "replace_match"]

@@ -7,5 +7,6 @@
     device_branches.py     rewrites that give a meta trace a CPU trace's ops
     forward_constants.py   tensors made inside the forward, recovered from a CPU trace
     few_experts.py         num_moe_experts_for_export: trace with a few experts, restore the rest
-    export_cache.py        the exported graph kept on disk (graph_record.py: the graph as plain data)
+    export_cache.py        the exported graph kept on disk (graph_record.py: the graph as plain data;
+                           graph_from_record.py: built back from it)
 """

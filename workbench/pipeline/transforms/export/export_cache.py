@@ -32,7 +32,8 @@ from ....cache_dir import KeyedFiles
 from ...interface import TransformInfo
 from ...probe_cache import workbench_source_hash
 from . import record_json
-from .graph_record import FORMAT, Uncacheable, describe, module_of, record_of
+from .graph_from_record import module_of
+from .graph_record import FORMAT, Uncacheable, describe, record_of
 
 # ------------------------------------------------------------------------------------------ key
 
