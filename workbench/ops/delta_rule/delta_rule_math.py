@@ -35,7 +35,7 @@ is already normalised and scaled (``prepare`` does that from the ops' ``[b, s, h
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -45,32 +45,38 @@ import torch.nn.functional as F
 L2NORM_EPS = 1e-6
 
 
-def check_delta_rule_args(q, k, v, g, beta, chunk_size: int = 64) -> None:
-    """Validate the ops' shared arguments (also at trace time, from the fakes).
-
-    q/k ``[b, s, hk, dk]``, v ``[b, s, h, dv]`` with ``h % hk == 0`` (value head j reads query/key head
-    ``j // (h // hk)``), g/beta ``[b, s, h]`` (g is None for the plain delta rule).
-    """
+def check_fast_weight_args(
+    q, k, v, per_head: Mapping[str, Optional[torch.Tensor]], chunk_size: int, mixer: str, why: str = ""
+) -> None:
+    """Validate a fast-weight mixer's arguments (the delta rules, decayed linear attention), also at
+    trace time from the fakes: q/k ``[b, s, hk, dk]``, v ``[b, s, h, dv]`` with ``h % hk == 0``
+    (value head j reads query/key head ``j // (h // hk)``), each of ``per_head`` (None: absent)
+    ``[b, s, h]``, one scalar per token and value head. ``mixer`` names the op family in errors,
+    ``why`` adds what a wrong per-head scalar usually means."""
     if q.dim() != 4 or k.shape != q.shape:
         raise ValueError(
-            f"delta rule expects q and k of one shape [b, s, heads, dk]; got q {tuple(q.shape)}, k {tuple(k.shape)}"
+            f"{mixer} expects q and k of one shape [b, s, heads, dk]; got q {tuple(q.shape)}, k {tuple(k.shape)}"
         )
     if v.dim() != 4 or v.shape[:2] != q.shape[:2]:
         raise ValueError(
-            f"delta rule expects v [b, s, value_heads, dv] with q's [b, s] = {tuple(q.shape[:2])}; "
-            f"got v {tuple(v.shape)}"
+            f"{mixer} expects v [b, s, value_heads, dv] with q's [b, s] = {tuple(q.shape[:2])}; got v {tuple(v.shape)}"
         )
     h = v.shape[2]
     if h % q.shape[2] != 0:
         raise ValueError(f"{h} value heads is not a multiple of {q.shape[2]} query/key heads")
-    for name, t in (("beta", beta), ("g", g)):
+    for name, t in per_head.items():
         if t is not None and tuple(t.shape) != (*v.shape[:2], h):
             raise ValueError(
-                f"delta rule expects {name} [b, s, value_heads] = {(*v.shape[:2], h)} (one scalar "
-                f"per token and value head); got {tuple(t.shape)}"
+                f"{mixer} expects {name} [b, s, value_heads] = {(*v.shape[:2], h)} (one scalar per token and "
+                f"value head{why}); got {tuple(t.shape)}"
             )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def check_delta_rule_args(q, k, v, g, beta, chunk_size: int = 64) -> None:
+    """The delta rules' arguments: g/beta ``[b, s, h]`` (g is None for the plain delta rule)."""
+    check_fast_weight_args(q, k, v, {"beta": beta, "g": g}, chunk_size, "delta rule")
 
 
 def prepare(q, k, v, g, beta, scale: Optional[float], use_qk_l2norm: bool):

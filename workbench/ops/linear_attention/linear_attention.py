@@ -43,33 +43,17 @@ import torch
 import torch.nn.functional as F
 
 from ..delta_rule import triton_delta_rule
+from ..delta_rule.delta_rule_math import check_fast_weight_args
 from ..recurrent import Inputs, Options, RecurrentOp, define_recurrent_op
 from ..state import StateSpec
 
 
 def check_linear_attention_args(q, k, v, g, chunk_size: int = 64) -> None:
     """Validate the ops' shared arguments (also at trace time, from the fakes): q/k ``[b, s, hk, dk]``,
-    v ``[b, s, h, dv]`` with ``h % hk == 0``, g ``[b, s, h]``."""
-    if q.dim() != 4 or k.shape != q.shape:
-        raise ValueError(
-            f"linear attention expects q and k of one shape [b, s, heads, dk]; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}"
-        )
-    if v.dim() != 4 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(
-            f"linear attention expects v [b, s, value_heads, dv] with q's [b, s] = {tuple(q.shape[:2])}; "
-            f"got v {tuple(v.shape)}"
-        )
-    h = v.shape[2]
-    if h % q.shape[2] != 0:
-        raise ValueError(f"{h} value heads is not a multiple of {q.shape[2]} query/key heads")
-    if tuple(g.shape) != (*v.shape[:2], h):
-        raise ValueError(
-            f"linear attention expects g [b, s, value_heads] = {(*v.shape[:2], h)} (one log decay per token "
-            f"and value head; expand a per-head decay); got {tuple(g.shape)}"
-        )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    v ``[b, s, h, dv]`` with ``h % hk == 0``, g ``[b, s, h]`` (required: a per-head decay is expanded)."""
+    if g is None:
+        raise ValueError("linear attention needs g [b, s, value_heads], the log decay per token and value head")
+    check_fast_weight_args(q, k, v, {"g": g}, chunk_size, "linear attention", "; expand a per-head decay over [b, s]")
 
 
 def prepare(q, k, v, g, scale: float) -> Tuple[torch.Tensor, ...]:
