@@ -107,7 +107,7 @@ class AttentionBackend(OpBackend):
         unknown = set(self.refuses) - REFUSABLE
         if unknown:
             problems.append(f"refusals among {sorted(REFUSABLE)} (got {sorted(unknown)})")
-        if self.planner is not None and not all(callable(getattr(self.planner, m, None)) for m in ("begin",)):
+        if self.planner is not None and not callable(getattr(self.planner, "begin", None)):
             problems.append(f"a planner with the StepPlanner methods ({self.planner.__name__} has no begin())")
         return problems
 

@@ -101,10 +101,6 @@ def read_step(
     return StepMetadata(seq_lens, input_pos, slot_idx, num_prefill, lens, sum(lens[:num_prefill]))
 
 
-def _no_triton_decode(inputs: Inputs, step: StepMetadata, state, out, options: Options) -> None:
-    raise NotImplementedError
-
-
 @dataclass(frozen=True)
 class RecurrentOp:
     """A recurrent mixer: its schema text, its state and its math (module docstring)."""
@@ -236,7 +232,8 @@ class _Bodies:
         if step.num_prefill:  # prefill sequences (rare, long) run the reference's chunked form
             self.prefill(inputs, step, state, out, opts)
         if step.num_decode:
-            (spec.triton_decode or _no_triton_decode)(inputs, step, state, out, opts)
+            assert spec.triton_decode is not None  # the triton op is defined only with a launcher
+            spec.triton_decode(inputs, step, state, out, opts)
         return out
 
 

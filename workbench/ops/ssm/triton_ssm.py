@@ -17,6 +17,8 @@ The op, its prefill rows (the chunked scan) and its checks come from the cached-
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..recurrent import Inputs, Options, StepMetadata
@@ -120,18 +122,32 @@ def kernel():
     return scan_decode_kernel
 
 
-def _launch(inputs: Inputs, step: StepMetadata, state: torch.Tensor, out: torch.Tensor, **kw) -> None:
+def _launch(
+    inputs: Inputs,
+    step: StepMetadata,
+    state: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    heads: int,
+    head_dim: int,
+    tile: int,
+    heads_per_group: int,
+    A: torch.Tensor,
+    stride_ad: int,
+    time_step_min: float,
+    time_step_max: Optional[float],
+    per_channel: bool,
+) -> None:
     """One launch over the decode rows (``step.first_decode_row..``, tokens ``step.first_decode_token..``
-    of the flattened [1, T, ...] inputs), heads x head_dim blocks; ``kw``: the layout's sizes and strides."""
+    of the flattened [1, T, ...] inputs), heads x head_dim blocks of at most ``tile`` state elements."""
     import triton
 
     if state.stride(-1) != 1:
         raise ValueError(f"the scan state must be contiguous in its state dim; got strides {state.stride()}")
     x, bs, cs, dts = (last_dim_contiguous(inputs[k][0]) for k in ("hidden_states", "B", "C", "dt"))
-    heads, d, n = kw.pop("heads"), kw.pop("head_dim"), inputs["B"].shape[-1]
+    d, n = head_dim, inputs["B"].shape[-1]
     block_n = triton.next_power_of_2(n)
-    block_d = min(triton.next_power_of_2(d), max(1, kw.pop("tile") // block_n))
-    time_step_max = kw.pop("time_step_max")
+    block_d = min(triton.next_power_of_2(d), max(1, tile // block_n))
     o = out[0]
 
     def head_stride(t: torch.Tensor, dims: int) -> int:  # 0 for Mamba-1's one head (no head dim)
@@ -141,7 +157,7 @@ def _launch(inputs: Inputs, step: StepMetadata, state: torch.Tensor, out: torch.
         x,
         dts,
         last_dim_contiguous(inputs["dt_bias"]),
-        kw.pop("A"),
+        A,
         bs,
         cs,
         last_dim_contiguous(inputs["D"]),
@@ -151,15 +167,15 @@ def _launch(inputs: Inputs, step: StepMetadata, state: torch.Tensor, out: torch.
         step.input_pos,
         step.first_decode_row,
         step.first_decode_token,
-        kw.pop("heads_per_group"),
+        heads_per_group,
         d,
         n,
-        float(kw.pop("time_step_min")),
+        float(time_step_min),
         0.0 if time_step_max is None else float(time_step_max),
         x.stride(0),
         head_stride(x, 3),
         dts.stride(0),
-        kw.pop("stride_ad"),
+        stride_ad,
         bs.stride(0),
         head_stride(bs, 3),
         cs.stride(0),
@@ -172,7 +188,7 @@ def _launch(inputs: Inputs, step: StepMetadata, state: torch.Tensor, out: torch.
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         HAS_MAX=time_step_max is not None,
-        PER_CHANNEL=kw.pop("per_channel"),
+        PER_CHANNEL=per_channel,
         num_warps=num_warps(x),
     )
 
