@@ -143,15 +143,10 @@ def to_quantized_weight(
         if not block_size:
             raise ValueError("to_quantized_weight: fp8_pb_wo needs block_size (the square block edge)")
         assert weights_scaling_factor is not None  # checked above (only mxfp4 may go without)
-        n, k = weight.shape[-2:]
-        want = (*weight.shape[:-2], -(-n // block_size), -(-k // block_size))
-        if tuple(weights_scaling_factor.shape) != want:
-            raise ValueError(
-                f"to_quantized_weight: fp8_pb_wo weight {tuple(weight.shape)} with block {block_size} "
-                f"needs scales of shape {want}, got {tuple(weights_scaling_factor.shape)}"
-            )
-        scale = weights_scaling_factor.float().repeat_interleave(block_size, -2)[..., :n, :]
-        return codecs.to_fp8(weight, _nonzero(scale.repeat_interleave(block_size, -1)[..., :k]))
+        scale = codecs.expand_block_scales(
+            weights_scaling_factor, weight.shape, (block_size, block_size), "to_quantized_weight: fp8_pb_wo"
+        )
+        return codecs.to_fp8(weight, _nonzero(scale))
     if quantization in INT8_FORMATS:
         assert weights_scaling_factor is not None  # checked above (only mxfp4 may go without)
         if tuple(weights_scaling_factor.shape) != tuple(weight.shape[:-1]):

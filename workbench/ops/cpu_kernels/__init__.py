@@ -108,6 +108,8 @@ KERNEL_HEADERS = (
     "simd/avx512.h",
     "simd/avx2.h",
     "simd/neon.h",
+    "simd/common.h",
+    "simd/x86.h",
 )
 SOURCES = KERNEL_SOURCES + KERNEL_HEADERS + ("step_program.cpp",)  # every file a build reads
 OPENMP = ("-fopenmp",)  # at::parallel_for's OpenMP region is compiled into the kernels

@@ -46,15 +46,6 @@ inline QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t
   return r;
 }
 
-// sum_g offsets[g] * s[g] (fp16 offsets, fp32 s)
-WB_INLINE float offset_dot(const fp16* o, const float* s, int64_t n) {
-  Vec acc = vzero();
-  int64_t i = 0;
-  for (; i + kL <= n; i += kL) acc = vfma(vload_half(o + i), vload(s + i), acc);
-  if (i < n) acc = vfma(vload_half_part(o + i, n - i), vload_part(s + i, n - i), acc);
-  return vsum(acc);
-}
-
 // ds[t * blocks + b] = d_w(row, b) * d_x(t, b): one multiply per block, outside the dot loop
 WB_INLINE void block_scales(const fp16* srow, const float* xd, float* ds, int T, int64_t blocks, int64_t per_group) {
   for (int t = 0; t < T; ++t) {
@@ -109,11 +100,12 @@ void a8_tile(const uint8_t* qw, const fp16* sc, const fp16* of, const QuantizedR
                     b + 1);
     }
     if (b < blocks) pair_block<T>(e0, e1, q4_codes(row0 + b * 16), q4_codes(row1 + b * 16), xq0, ds0, ds1, K, blocks, b);
+    // y = the integer part (the accumulators) + the offset part, sum_g offsets[row, g] * sx[m, g]
     for (int t = 0; t < T; ++t) {
       const int64_t m = m0 + t;
       const float* sx = xq.s.data() + m * groups;
-      y[m * N + n] = iacc_sum(iacc_add(e0[t], o0[t])) + offset_dot(of + n * groups, sx, groups);
-      if (r1 != n) y[m * N + r1] = iacc_sum(iacc_add(e1[t], o1[t])) + offset_dot(of + r1 * groups, sx, groups);
+      y[m * N + n] = iacc_sum(iacc_add(e0[t], o0[t])) + dot(of + n * groups, sx, groups);
+      if (r1 != n) y[m * N + r1] = iacc_sum(iacc_add(e1[t], o1[t])) + dot(of + r1 * groups, sx, groups);
     }
   }
 }

@@ -8,7 +8,8 @@
 //     WB_ISA_AVX2     simd/avx2.h      8 lanes   x86-64 AVX2 + FMA + F16C
 //     WB_ISA_NEON     simd/neon.h      4 lanes   ARM64 NEON (+ dotprod: neon_dotprod build)
 //
-// Every ISA header defines, in namespace wb:
+// Every ISA header defines, in namespace wb (the parts all or both x86 ISAs spell alike by way of
+// simd/common.h and simd/x86.h):
 //   struct Vec { static constexpr int kLanes; <native> v; }       kLanes floats
 //   vzero vset1 vload vstore vload_part vstore_part (the first n lanes; the rest read as 0)
 //   + - * / vmax vfma(a,b,c)=a*b+c vfnma(a,b,c)=c-a*b vabs vsum vmaxall vround (nearest even)
@@ -116,12 +117,20 @@ WB_INLINE Vec silu(Vec x) {
   return x * vselect_neg(x, inv * e, inv);
 }
 
-// sum_i a[i] * b[i]
-WB_INLINE float dot(const float* a, const float* b, int64_t n) {
+// kLanes floats (or the first n, the rest 0) from fp32 or fp16 storage: one name for both, so that a
+// loop reading either is written once
+WB_INLINE Vec vload_as_f32(const float* p) { return vload(p); }
+WB_INLINE Vec vload_as_f32(const fp16* p) { return vload_half(p); }
+WB_INLINE Vec vload_as_f32_part(const float* p, int64_t n) { return vload_part(p, n); }
+WB_INLINE Vec vload_as_f32_part(const fp16* p, int64_t n) { return vload_half_part(p, n); }
+
+// sum_i a[i] * b[i], a fp32 (attention's q . k) or fp16 (linear_a8_kernel.h: a row's offsets . sx)
+template <class T>
+WB_INLINE float dot(const T* a, const float* b, int64_t n) {
   Vec acc = vzero();
   int64_t i = 0;
-  for (; i + kL <= n; i += kL) acc = vfma(vload(a + i), vload(b + i), acc);
-  if (i < n) acc = vfma(vload_part(a + i, n - i), vload_part(b + i, n - i), acc);
+  for (; i + kL <= n; i += kL) acc = vfma(vload_as_f32(a + i), vload(b + i), acc);
+  if (i < n) acc = vfma(vload_as_f32_part(a + i, n - i), vload_part(b + i, n - i), acc);
   return vsum(acc);
 }
 

@@ -89,6 +89,22 @@ def _expand_block_scales(scale: torch.Tensor, block: Tuple[int, int], n: int, k:
     return scale.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
 
 
+def expand_block_scales(
+    scale_inv: torch.Tensor, weight_shape: Tuple[int, ...], block: Tuple[int, int], what: str
+) -> torch.Tensor:
+    """One scale per (bn x bk) tile of a [..., N, K] weight, [..., ceil(N/bn), ceil(K/bk)] (partial
+    tiles at the right / bottom edge count) -> fp32 [..., N, K]. ``what`` names the caller in the
+    error a scale tensor of another shape gets."""
+    n, k = weight_shape[-2:]
+    want = (*weight_shape[:-2], -(-n // block[0]), -(-k // block[1]))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(
+            f"{what}: weight {tuple(weight_shape)} with block {block} needs "
+            f"scale_inv of shape {want}, got {tuple(scale_inv.shape)}"
+        )
+    return _expand_block_scales(scale_inv.float(), block, n, k)
+
+
 def fp8_block_quantize(w: torch.Tensor, block=(128, 128)) -> Tuple[torch.Tensor, torch.Tensor]:
     """Weight [..., N, K] -> (w_fp8 [..., N, K], scale_inv fp32 [..., ceil(N/bn), ceil(K/bk)]).
 
@@ -109,15 +125,8 @@ def fp8_block_quantize(w: torch.Tensor, block=(128, 128)) -> Tuple[torch.Tensor,
 
 def fp8_block_dequantize(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:
     """Inverse of ``fp8_block_quantize``: fp32 [..., N, K] = w_fp8 * scale_inv of its tile."""
-    bn, bk = _check_block(block, "fp8_block_dequantize")
-    n, k = w_fp8.shape[-2:]
-    want = (*w_fp8.shape[:-2], -(-n // bn), -(-k // bk))
-    if tuple(scale_inv.shape) != want:
-        raise ValueError(
-            f"fp8_block_dequantize: weight {tuple(w_fp8.shape)} with block {(bn, bk)} needs "
-            f"scale_inv of shape {want}, got {tuple(scale_inv.shape)}"
-        )
-    return w_fp8.float() * _expand_block_scales(scale_inv.float(), (bn, bk), n, k)
+    block = _check_block(block, "fp8_block_dequantize")
+    return w_fp8.float() * expand_block_scales(scale_inv, w_fp8.shape, block, "fp8_block_dequantize")
 
 
 def fp8_group_quantize(x: torch.Tensor, group: int = 128) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ dequantized with the codecs, and the products run in fp32. Output: x's dtype.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -41,8 +41,39 @@ def _gated(
     return expert_mlp(quantize_x(x), w1_w3, w2, act_fn, quantize_h=quantize_h, **options)
 
 
+def _static_scaled_moe(
+    x: torch.Tensor,
+    selected_experts: torch.Tensor,
+    routing_weights: torch.Tensor,
+    act_fn: str,
+    dequantize: Callable[[int], Tuple[torch.Tensor, torch.Tensor]],
+    qdq: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    w1_w3_input_scale: torch.Tensor,
+    w2_input_scale: torch.Tensor,
+) -> torch.Tensor:
+    """The MoE of a format whose GEMMs take static per-tensor activation scales (FP8, NVFP4): expert
+    e's fp32 (w1_w3, w2) are ``dequantize(e)``; its gate/up input is rounded by ``qdq`` with
+    ``w1_w3_input_scale[e]``, its down projection's input with ``w2_input_scale[e]``."""
+    _act(act_fn)  # act(gate) * up only: clamped_swiglu is refused by name
+
+    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+        w13, w2e = dequantize(e)
+        return _gated(act_fn, xe, w13, w2e, lambda t: qdq(t, w1_w3_input_scale[e]), lambda t: qdq(t, w2_input_scale[e]))
+
+    return _combine(x, selected_experts, routing_weights, expert)
+
+
 def _moe_fake(x, *args, **kwargs):
     return torch.empty_like(x)
+
+
+def _define_moe_op(schema: str, impl: Callable, activation_rounding: Optional[float] = None):
+    """``define_op`` with what every quantized MoE op shares: the fake (x's shape and dtype), the host
+    sync of the per-expert loop, the category; ``activation_rounding``: the grid the format rounds x
+    to (None: weight-only)."""
+    return define_op(
+        schema, impl, _moe_fake, host_sync=MOE_HOST_SYNC, activation_rounding=activation_rounding, category="moe"
+    )
 
 
 # --------------------------------------------------------------------------------------------- FP8
@@ -58,30 +89,20 @@ def fp8_moe(
     w2_weight_scale,
     act_fn="silu",
 ):
-    _act(act_fn)  # act(gate) * up only: clamped_swiglu is refused by name
+    def dequantize(e: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        return w1_w3[e].float() * w1_w3_weight_scale[e].float(), w2[e].float() * w2_weight_scale[e].float()
 
-    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
-        return _gated(
-            act_fn,
-            xe,
-            w1_w3[e].float() * w1_w3_weight_scale[e].float(),
-            w2[e].float() * w2_weight_scale[e].float(),
-            lambda t: fp8_qdq(t, w1_w3_input_scale[e]),
-            lambda t: fp8_qdq(t, w2_input_scale[e]),
-        )
-
-    return _combine(x, selected_experts, routing_weights, expert)
+    return _static_scaled_moe(
+        x, selected_experts, routing_weights, act_fn, dequantize, fp8_qdq, w1_w3_input_scale, w2_input_scale
+    )
 
 
-torch_fp8_moe = define_op(
+torch_fp8_moe = _define_moe_op(
     "torch_fp8_moe(Tensor x, Tensor selected_experts, Tensor routing_weights, Tensor w1_w3, Tensor w2, "
     "Tensor w1_w3_input_scale, Tensor w2_input_scale, Tensor w1_w3_weight_scale, Tensor w2_weight_scale, "
     'str act_fn="silu") -> Tensor',
     fp8_moe,
-    _moe_fake,
-    host_sync=MOE_HOST_SYNC,
-    activation_rounding=FP8_E4M3_STEP,
-    category="moe",
+    FP8_E4M3_STEP,
 )
 
 
@@ -133,15 +154,12 @@ def finegrained_fp8_moe(
     return _combine(x, selected_experts, routing_weights, expert)
 
 
-torch_finegrained_fp8_moe = define_op(
+torch_finegrained_fp8_moe = _define_moe_op(
     "torch_finegrained_fp8_moe(Tensor x, Tensor selected_experts, Tensor routing_weights, Tensor w1_w3, "
     'Tensor w2, Tensor w1_w3_weight_scale_inv, Tensor w2_weight_scale_inv, str act_fn="silu", '
     "int block_n=128, int block_k=128) -> Tensor",
     finegrained_fp8_moe,
-    _moe_fake,
-    host_sync=MOE_HOST_SYNC,
-    activation_rounding=FP8_E4M3_STEP,
-    category="moe",
+    FP8_E4M3_STEP,
 )
 
 
@@ -160,32 +178,21 @@ def nvfp4_moe(
     w2_input_scale,
     act_fn="silu",
 ):
-    _act(act_fn)  # act(gate) * up only: clamped_swiglu is refused by name
-
-    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+    def dequantize(e: int) -> Tuple[torch.Tensor, torch.Tensor]:
         w13 = nvfp4_dequantize(w1_w3[e], w1_w3_weight_scale[e], w1_w3_weight_scale_2[e], NVFP4_BLOCK)
-        w2e = nvfp4_dequantize(w2[e], w2_weight_scale[e], w2_weight_scale_2[e], NVFP4_BLOCK)
-        return _gated(
-            act_fn,
-            xe,
-            w13,
-            w2e,
-            lambda t: nvfp4_qdq(t, w1_w3_input_scale[e]),
-            lambda t: nvfp4_qdq(t, w2_input_scale[e]),
-        )
+        return w13, nvfp4_dequantize(w2[e], w2_weight_scale[e], w2_weight_scale_2[e], NVFP4_BLOCK)
 
-    return _combine(x, selected_experts, routing_weights, expert)
+    return _static_scaled_moe(
+        x, selected_experts, routing_weights, act_fn, dequantize, nvfp4_qdq, w1_w3_input_scale, w2_input_scale
+    )
 
 
-torch_nvfp4_moe = define_op(
+torch_nvfp4_moe = _define_moe_op(
     "torch_nvfp4_moe(Tensor x, Tensor selected_experts, Tensor routing_weights, Tensor w1_w3, Tensor w2, "
     "Tensor w1_w3_weight_scale, Tensor w2_weight_scale, Tensor w1_w3_weight_scale_2, Tensor w2_weight_scale_2, "
     'Tensor w1_w3_input_scale, Tensor w2_input_scale, str act_fn="silu") -> Tensor',
     nvfp4_moe,
-    _moe_fake,
-    host_sync=MOE_HOST_SYNC,
-    activation_rounding=FP4_E2M1_STEP,
-    category="moe",
+    FP4_E2M1_STEP,
 )
 
 
@@ -232,13 +239,10 @@ def mxfp4_moe(
     return _combine(x, selected_experts, routing_weights, expert)
 
 
-torch_mxfp4_moe = define_op(
+torch_mxfp4_moe = _define_moe_op(
     "torch_mxfp4_moe(Tensor x, Tensor selected_experts, Tensor routing_weights, Tensor w1_w3_blocks, "
     "Tensor w1_w3_scales, Tensor? w1_w3_bias, Tensor w2_blocks, Tensor w2_scales, Tensor? w2_bias, "
     'str act_fn="silu", bool gate_up_interleaved=False, '
     f"float swiglu_alpha={SWIGLU_ALPHA}, float swiglu_limit={SWIGLU_LIMIT}) -> Tensor",
     mxfp4_moe,
-    _moe_fake,
-    host_sync=MOE_HOST_SYNC,
-    category="moe",
 )

@@ -15,6 +15,8 @@ Weights [I, H] (gate, up) and [H, I] (down) in ``nn.Linear`` layout; input [...,
 
 from __future__ import annotations
 
+from typing import Callable, Tuple
+
 import torch
 import torch.nn.functional as F
 
@@ -24,63 +26,43 @@ from .fp8 import finegrained_fp8_linear
 from .nvfp4 import nvfp4_linear
 from .row_blocks import quantized_linear_fake
 
+PROJECTIONS = ("gate", "up", "down")  # the schemas' order
+
 
 def quantized_swiglu(linear, input, gate: tuple, up: tuple, down: tuple) -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))`` where each projection is ``linear(x, *its_tensors)``."""
     return linear(F.silu(linear(input, *gate)) * linear(input, *up), *down)
 
 
-def nvfp4_swiglu_mlp(input, *projections):
-    """``projections``: the schema's (weight, input_scale, weight_scale, weight_scale_2) of gate, up, then down."""
-    gate, up, down = projections[0:4], projections[4:8], projections[8:12]
-    return quantized_swiglu(nvfp4_linear, input, gate, up, down)
+def define_swiglu_mlp(
+    name: str, linear: Callable, tensors: Tuple[str, ...], activation_rounding: float, options: Tuple[str, ...] = ()
+) -> Callable:
+    """Define ``workbench::<name>(Tensor input, Tensor gate_<t>..., Tensor up_<t>..., Tensor down_<t>...,
+    *options)``, one ``Tensor`` per name t in ``tensors`` (weight first) for each projection: the
+    ``quantized_swiglu`` whose projections are ``linear(x, *their_tensors, *options)``."""
+    n = len(tensors)
+    tensor_args = [f"Tensor {projection}_{t}" for projection in PROJECTIONS for t in tensors]
+    schema = f"{name}({', '.join(['Tensor input', *tensor_args, *options])}) -> Tensor"
+
+    def mlp(input, *args):
+        # the options the call gives (the dispatcher leaves trailing defaults out: linear's apply)
+        given_options = args[3 * n :]
+        gate, up, down = (args[i * n : (i + 1) * n] + given_options for i in range(3))
+        return quantized_swiglu(linear, input, gate, up, down)
+
+    def fake(input, *args):
+        return quantized_linear_fake(input, args[2 * n])  # the down projection's weight
+
+    return define_op(schema, mlp, fake, activation_rounding=activation_rounding, category="quant")
 
 
-def _nvfp4_fake(input, *projections):
-    # projections: the schema's (weight, input_scale, weight_scale, weight_scale_2) of gate, up, down
-    return quantized_linear_fake(input, projections[8])  # the down projection's weight
-
-
-torch_nvfp4_swiglu_mlp = define_op(
-    "torch_nvfp4_swiglu_mlp(Tensor input, Tensor gate_weight, Tensor gate_input_scale, Tensor gate_weight_scale, "
-    "Tensor gate_weight_scale_2, Tensor up_weight, Tensor up_input_scale, Tensor up_weight_scale, "
-    "Tensor up_weight_scale_2, Tensor down_weight, Tensor down_input_scale, Tensor down_weight_scale, "
-    "Tensor down_weight_scale_2) -> Tensor",
-    nvfp4_swiglu_mlp,
-    _nvfp4_fake,
-    activation_rounding=FP4_E2M1_STEP,
-    category="quant",
+torch_nvfp4_swiglu_mlp = define_swiglu_mlp(
+    "torch_nvfp4_swiglu_mlp", nvfp4_linear, ("weight", "input_scale", "weight_scale", "weight_scale_2"), FP4_E2M1_STEP
 )
-
-
-def finegrained_fp8_swiglu_mlp(
-    input,
-    gate_weight,
-    gate_weight_scale_inv,
-    up_weight,
-    up_weight_scale_inv,
-    down_weight,
-    down_weight_scale_inv,
-    block_n=128,
-    block_k=128,
-):
-    gate = (gate_weight, gate_weight_scale_inv, block_n, block_k)
-    up = (up_weight, up_weight_scale_inv, block_n, block_k)
-    down = (down_weight, down_weight_scale_inv, block_n, block_k)
-    return quantized_swiglu(finegrained_fp8_linear, input, gate, up, down)
-
-
-def _fp8_fake(input, *projections_and_blocks):
-    # the schema's (weight, weight_scale_inv) of gate, up, down, then block_n / block_k when given
-    return quantized_linear_fake(input, projections_and_blocks[4])  # the down projection's weight
-
-
-torch_finegrained_fp8_swiglu_mlp = define_op(
-    "torch_finegrained_fp8_swiglu_mlp(Tensor input, Tensor gate_weight, Tensor gate_weight_scale_inv, "
-    "Tensor up_weight, Tensor up_weight_scale_inv, Tensor down_weight, Tensor down_weight_scale_inv, "
-    "int block_n=128, int block_k=128) -> Tensor",
-    finegrained_fp8_swiglu_mlp,
-    _fp8_fake,
-    activation_rounding=FP8_E4M3_STEP,
-    category="quant",
+torch_finegrained_fp8_swiglu_mlp = define_swiglu_mlp(
+    "torch_finegrained_fp8_swiglu_mlp",
+    finegrained_fp8_linear,
+    ("weight", "weight_scale_inv"),
+    FP8_E4M3_STEP,
+    options=("int block_n=128", "int block_k=128"),
 )

@@ -1,38 +1,26 @@
 // The vector layer on x86-64 AVX2 + FMA + F16C (every x86-64 CPU since Haswell / Zen 1): 8 float lanes.
-// The operations every ISA header provides are listed in simd/vec.h; this file only implements them.
+// The operations every ISA header provides are listed in simd/vec.h; this file implements them, with
+// simd/x86.h (what AVX-512 spells alike) and simd/common.h (what every ISA does).
 #pragma once
 #include <immintrin.h>
 
+// the float register and the intrinsics' naming pattern that simd/common.h and simd/x86.h wrap
+namespace wb {
+using F32Reg = __m256;
+}  // namespace wb
+#define WB_F32_OP(op) _mm256_##op##_ps
+#include "x86.h"
+
 namespace wb {
 
-struct Vec {
-  static constexpr int kLanes = 8;
-  __m256 v;
-};
-
-WB_INLINE Vec vzero() { return {_mm256_setzero_ps()}; }
-WB_INLINE Vec vset1(float x) { return {_mm256_set1_ps(x)}; }
-WB_INLINE Vec vload(const float* p) { return {_mm256_loadu_ps(p)}; }
-WB_INLINE void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a.v); }
 // lanes [0, n) set: -1 where the lane index is below n (n clamped to 0..8)
 WB_INLINE __m256i tail_mask(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n < 8 ? n : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 WB_INLINE Vec vload_part(const float* p, int64_t n) { return {_mm256_maskload_ps(p, tail_mask(n))}; }
 WB_INLINE void vstore_part(float* p, Vec a, int64_t n) { _mm256_maskstore_ps(p, tail_mask(n), a.v); }
-WB_INLINE Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
-WB_INLINE Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
-WB_INLINE Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
-WB_INLINE Vec operator/(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
-WB_INLINE Vec vmax(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
-WB_INLINE Vec vfma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
-WB_INLINE Vec vfnma(Vec a, Vec b, Vec c) { return {_mm256_fnmadd_ps(a.v, b.v, c.v)}; }
 WB_INLINE Vec vabs(Vec a) { return {_mm256_andnot_ps(_mm256_set1_ps(-0.f), a.v)}; }
-WB_INLINE float hsum128(__m128 h) {
-  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
-}
-WB_INLINE float vsum(Vec a) { return hsum128(_mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1))); }
+WB_INLINE float vsum(Vec a) { return hsum256(a.v); }
 WB_INLINE float vmaxall(Vec a) {
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
@@ -55,7 +43,6 @@ WB_INLINE Vec vload_half_part(const fp16* p, int64_t n) {
   for (int64_t i = 0; i < n && i < 8; ++i) tmp[i] = p[i];
   return {_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)))};
 }
-WB_INLINE float h2f(fp16 h) { return _cvtsh_ss(h); }
 
 // lane i = the sum of a[i]'s lanes, for 8 vectors: three rounds of horizontal adds, then the two
 // 128-bit halves added.
@@ -83,27 +70,6 @@ WB_INLINE void q8_block(const int8_t* p, Vec* out) {
   for (int i = 0; i < 4; ++i)
     out[i].v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i))));
 }
-
-// ---- int8 dot products (cpu_int4_linear_a8): 32 unsigned 4-bit codes x 32 signed 8-bit activations.
-using ICodes = __m256i;
-using IAcc = __m256;
-
-WB_INLINE ICodes q4_codes(const uint8_t* p) {
-  const __m128i low4 = _mm_set1_epi8(0x0f);
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(bytes, low4)),
-                                 _mm_and_si128(_mm_srli_epi16(bytes, 4), low4), 1);
-}
-WB_INLINE IAcc iacc_zero() { return _mm256_setzero_ps(); }
-WB_INLINE IAcc iacc_dot(ICodes w, const int8_t* x, float scale, IAcc acc) {
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  // u8 x s8 -> pairs summed to s16 (codes <= 15, |x| <= 127: no saturation), then pairs to s32
-  const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), _mm256_set1_epi16(1));
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(scale), acc);
-}
-WB_INLINE IAcc iacc_add(IAcc a, IAcc b) { return _mm256_add_ps(a, b); }
-WB_INLINE float iacc_sum(IAcc v) { return vsum(Vec{v}); }
-constexpr const char* kInt8Dot = "AVX2 vpmaddubsw";
 
 // x[32] -> q[32] = round(x / d) (nearest even), d = max|x| / 127; returns d, and sum(q) in qsum
 WB_INLINE float quantize_block(const float* x, int8_t* q, int32_t& qsum) {

@@ -1,29 +1,21 @@
 // The vector layer on x86-64 AVX-512 (F, BW, VL, DQ; + VNNI in the avx512_vnni build): 16 float lanes.
-// The operations every ISA header provides are listed in simd/vec.h; this file only implements them.
+// The operations every ISA header provides are listed in simd/vec.h; this file implements them, with
+// simd/x86.h (what AVX2 spells alike) and simd/common.h (what every ISA does).
 #pragma once
 #include <immintrin.h>
 
+// the float register and the intrinsics' naming pattern that simd/common.h and simd/x86.h wrap
+namespace wb {
+using F32Reg = __m512;
+}  // namespace wb
+#define WB_F32_OP(op) _mm512_##op##_ps
+#include "x86.h"
+
 namespace wb {
 
-struct Vec {
-  static constexpr int kLanes = 16;
-  __m512 v;
-};
-
-WB_INLINE Vec vzero() { return {_mm512_setzero_ps()}; }
-WB_INLINE Vec vset1(float x) { return {_mm512_set1_ps(x)}; }
-WB_INLINE Vec vload(const float* p) { return {_mm512_loadu_ps(p)}; }
-WB_INLINE void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
 WB_INLINE __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
 WB_INLINE Vec vload_part(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(tail_mask(n), p)}; }
 WB_INLINE void vstore_part(float* p, Vec a, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), a.v); }
-WB_INLINE Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
-WB_INLINE Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
-WB_INLINE Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
-WB_INLINE Vec operator/(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
-WB_INLINE Vec vmax(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
-WB_INLINE Vec vfma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-WB_INLINE Vec vfnma(Vec a, Vec b, Vec c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }
 WB_INLINE Vec vabs(Vec a) { return {_mm512_abs_ps(a.v)}; }
 WB_INLINE float vsum(Vec a) { return _mm512_reduce_add_ps(a.v); }
 WB_INLINE float vmaxall(Vec a) { return _mm512_reduce_max_ps(a.v); }
@@ -38,7 +30,6 @@ WB_INLINE Vec vload_half(const fp16* p) {
 WB_INLINE Vec vload_half_part(const fp16* p, int64_t n) {
   return {_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask(n), p))};
 }
-WB_INLINE float h2f(fp16 h) { return _cvtsh_ss(h); }
 
 // lane i = the sum of a[i]'s lanes, for 16 vectors: a transpose-add tree (unpack pairs, then 64-bit
 // pairs, then 128-bit blocks) of 45 shuffles and adds instead of 16 horizontal sums.
@@ -67,41 +58,6 @@ WB_INLINE void q8_block(const int8_t* p, Vec* out) {
   out[0].v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   out[1].v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
 }
-
-// ---- int8 dot products (cpu_int4_linear_a8): 32 unsigned 4-bit codes x 32 signed 8-bit activations.
-// IAcc holds fp32 partial sums; iacc_dot adds scale * (the block's integer dot product) into them.
-using ICodes = __m256i;
-using IAcc = __m256;
-
-// the block's 32 codes as bytes in weight order: low nibbles (weights 0-15), then high (16-31)
-WB_INLINE ICodes q4_codes(const uint8_t* p) {
-  const __m128i low4 = _mm_set1_epi8(0x0f);
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(bytes, low4)),
-                                 _mm_and_si128(_mm_srli_epi16(bytes, 4), low4), 1);
-}
-WB_INLINE IAcc iacc_zero() { return _mm256_setzero_ps(); }
-WB_INLINE IAcc iacc_dot(ICodes w, const int8_t* x, float scale, IAcc acc) {
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-#if defined(__AVX512VNNI__)
-  const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);  // 4 products per lane, summed
-#else
-  // u8 x s8 -> pairs summed to s16 (codes <= 15, |x| <= 127: no saturation), then pairs to s32
-  const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), _mm256_set1_epi16(1));
-#endif
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(scale), acc);
-}
-WB_INLINE IAcc iacc_add(IAcc a, IAcc b) { return _mm256_add_ps(a, b); }
-WB_INLINE float iacc_sum(IAcc v) {
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
-}
-#if defined(__AVX512VNNI__)
-constexpr const char* kInt8Dot = "AVX512-VNNI vpdpbusd";
-#else
-constexpr const char* kInt8Dot = "AVX2 vpmaddubsw";
-#endif
 
 // x[32] -> q[32] = round(x / d) (nearest even), d = max|x| / 127; returns d, and sum(q) in qsum
 WB_INLINE float quantize_block(const float* x, int8_t* q, int32_t& qsum) {

@@ -1,14 +1,17 @@
 // The vector layer on ARM64 NEON (every AArch64 CPU; + dotprod in the neon_dotprod build): 4 float lanes.
-// The operations every ISA header provides are listed in simd/vec.h; this file only implements them.
+// The operations every ISA header provides are listed in simd/vec.h; this file implements them, with
+// simd/common.h (what every ISA does).
 #pragma once
 #include <arm_neon.h>
 
+// the float register and the intrinsics' naming pattern that simd/common.h wraps
 namespace wb {
+using F32Reg = float32x4_t;
+}  // namespace wb
+#define WB_F32_OP(op) v##op##q_f32
+#include "common.h"
 
-struct Vec {
-  static constexpr int kLanes = 4;
-  float32x4_t v;
-};
+namespace wb {
 
 WB_INLINE Vec vzero() { return {vdupq_n_f32(0.f)}; }
 WB_INLINE Vec vset1(float x) { return {vdupq_n_f32(x)}; }
@@ -24,11 +27,6 @@ WB_INLINE void vstore_part(float* p, Vec a, int64_t n) {
   vst1q_f32(tmp, a.v);
   for (int64_t i = 0; i < n && i < 4; ++i) p[i] = tmp[i];
 }
-WB_INLINE Vec operator+(Vec a, Vec b) { return {vaddq_f32(a.v, b.v)}; }
-WB_INLINE Vec operator-(Vec a, Vec b) { return {vsubq_f32(a.v, b.v)}; }
-WB_INLINE Vec operator*(Vec a, Vec b) { return {vmulq_f32(a.v, b.v)}; }
-WB_INLINE Vec operator/(Vec a, Vec b) { return {vdivq_f32(a.v, b.v)}; }
-WB_INLINE Vec vmax(Vec a, Vec b) { return {vmaxq_f32(a.v, b.v)}; }
 WB_INLINE Vec vfma(Vec a, Vec b, Vec c) { return {vfmaq_f32(c.v, a.v, b.v)}; }
 WB_INLINE Vec vfnma(Vec a, Vec b, Vec c) { return {vfmsq_f32(c.v, a.v, b.v)}; }
 WB_INLINE Vec vabs(Vec a) { return {vabsq_f32(a.v)}; }
