@@ -27,7 +27,9 @@ each failure is a ``CheckResult`` whose fields say where and why.
 
 The row itself (``CheckSettings``, ``CheckResult``, the prompts, HF's greedy tokens and the measures) is
 ``check_row.py``'s, shared with ``check_sharded.py`` (an entry with ``world_size > 1``); this module
-re-exports those names.
+re-exports those names. The two steps around the pipeline that both paths take alike (HF's reference
+tokens, the generation compared with them) are this module's ``reference_tokens`` and
+``generate_and_record``.
 """
 
 from __future__ import annotations
@@ -109,13 +111,9 @@ def _run(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> 
         return
     result.transforms_total = len(wb.entries)
     prompts = check_prompts(wb.ctx.vocab_size, settings.prompt_lens, settings.prompt_seed)
-    try:
-        with torch.no_grad():
-            want = [hf_greedy(loaded.model, p, settings.new_tokens) for p in prompts]
-    except Exception as e:  # noqa: BLE001
-        result.stopped_at, result.error = "hf reference", first_line(e)
+    want = reference_tokens(loaded.model, prompts, settings, result)
+    if want is None:
         return
-    result.oracle_tokens = oracle_strength(want)
     try:
         while not wb.done:
             step_key, step_stage = wb.entries[wb.position].key, wb.entries[wb.position].config.stage.value
@@ -128,14 +126,38 @@ def _run(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> 
         record_pipeline(result, wb.snapshots, [e.config.stage.value for e in wb.entries])
     if result.stopped_at:
         return
+    out = generate_and_record(wb, prompts, want, loaded.tokenizer, settings, result)
+    if out is not None and result.tokens_equal is False:
+        result.divergence = explain(wb, loaded.model, prompts, [r.token_ids for r in out.results], want)
+
+
+# ------------------------------------------------------------------- the steps both check paths share
+def reference_tokens(
+    hf_model: torch.nn.Module, prompts: Sequence[List[int]], settings: CheckSettings, result: CheckResult
+) -> Optional[List[List[int]]]:
+    """HF's greedy tokens for every prompt, each prompt alone (the row's reference), with the oracle's
+    strength recorded; None, and the row stopped at "hf reference", when HF itself fails."""
+    try:
+        with torch.no_grad():
+            want = [hf_greedy(hf_model, p, settings.new_tokens) for p in prompts]
+    except Exception as e:  # noqa: BLE001
+        result.stopped_at, result.error = "hf reference", first_line(e)
+        return None
+    result.oracle_tokens = oracle_strength(want)
+    return want
+
+
+def generate_and_record(wb, prompts, want, tokenizer, settings: CheckSettings, result: CheckResult):
+    """The pipeline's cached greedy generation of ``prompts`` (one continuous batch), compared with HF's
+    tokens ``want`` into the row; ``generate``'s output, or None (the row stopped at "generate") when
+    it raised. ``wb`` is a ``Workbench`` or a ``ShardedWorkbench``: both ``generate`` alike."""
     try:
         out = wb.generate(prompts, max_new_tokens=settings.new_tokens, stop_token_ids=[])
     except Exception as e:  # noqa: BLE001
         result.stopped_at, result.error = "generate", first_line(e)
-        return
-    record_generation(result, out, prompts, want, loaded.tokenizer)
-    if result.tokens_equal is False:
-        result.divergence = explain(wb, loaded.model, prompts, [r.token_ids for r in out.results], want)
+        return None
+    record_generation(result, out, prompts, want, tokenizer)
+    return out
 
 
 def explain(wb, hf_model: torch.nn.Module, prompts, got, want) -> str:
@@ -175,4 +197,6 @@ __all__ = [  # (check_row's names are re-exported: tests and reports import them
     "check_registry",
     "exit_code",
     "explain",
+    "generate_and_record",
+    "reference_tokens",
 ]

@@ -10,25 +10,16 @@ needs it is refused here with that reason instead of comparing different weights
 
 from __future__ import annotations
 
-from .check_row import (
-    CheckResult,
-    CheckSettings,
-    check_prompts,
-    first_line,
-    hf_greedy,
-    load_entry,
-    oracle_strength,
-    record_generation,
-    record_pipeline,
-)
+# check.py imports this module only when an entry is sharded, so importing its shared steps here is no cycle
+from .check import generate_and_record, reference_tokens
+from .check_row import CheckResult, CheckSettings, check_prompts, first_line, load_entry, record_pipeline
 from .registry import RegistryEntry
 
 
 def run_sharded(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> None:
     """Fill ``result`` for ``entry`` run on ``entry.world_size`` ranks; failures become its fields.
-    The prompts, HF's greedy tokens and the row's measures are ``check_row``'s, as for one process."""
-    import torch
-
+    The prompts and the row's measures are ``check_row``'s, HF's reference and the generation step
+    ``check``'s (``reference_tokens``, ``generate_and_record``), as for one process."""
     from ..api import Workbench
     from ..parallel.sharded import ShardedWorkbench
     from ..pipeline.config import ConfigError
@@ -43,13 +34,9 @@ def run_sharded(entry: RegistryEntry, settings: CheckSettings, result: CheckResu
         )
         return
     prompts = check_prompts(loaded.config.vocab_size, settings.prompt_lens, settings.prompt_seed)
-    try:
-        with torch.no_grad():
-            want = [hf_greedy(loaded.model, p, settings.new_tokens) for p in prompts]
-    except Exception as e:  # noqa: BLE001
-        result.stopped_at, result.error = "hf reference", first_line(e)
+    want = reference_tokens(loaded.model, prompts, settings, result)
+    if want is None:
         return
-    result.oracle_tokens = oracle_strength(want)
     tokenizer = loaded.tokenizer
     del loaded
     try:
@@ -80,12 +67,7 @@ def run_sharded(entry: RegistryEntry, settings: CheckSettings, result: CheckResu
             record_pipeline(result, snaps, [s.stage.value for s in snaps], total=len(wb.keys))
         if result.stopped_at:
             return
-        try:
-            out = wb.generate(prompts, max_new_tokens=settings.new_tokens, stop_token_ids=[])
-        except Exception as e:  # noqa: BLE001
-            result.stopped_at, result.error = "generate", first_line(e)
-            return
-        record_generation(result, out, prompts, want, tokenizer)
+        generate_and_record(wb, prompts, want, tokenizer, settings, result)
     finally:
         wb.close()
 

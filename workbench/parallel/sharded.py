@@ -162,13 +162,15 @@ class ShardedWorkbench:
         replies = self._group.collect(range(world_size), "start")
         self.start_s = time.perf_counter() - t0  # from the first fork to every rank serving
         self.rank_facts: List[Dict[str, Any]] = [replies[r][0] for r in range(world_size)]
-        self.keys: List[str] = list(self.rank_facts[0]["keys"])
+        # Fixed for the run: the start method the ranks were made with, and rank 0's start-up facts.
+        self.start_method: str = self._group.start_method
+        facts = self.rank_facts[0]
+        self.keys: List[str] = list(facts["keys"])
+        self.model_description: str = facts["model"]
+        self.vocab_size: int = facts["vocab_size"]
+        self.has_tokenizer: bool = facts["has_tokenizer"]
 
-    # ------------------------------------------------------------------ facts
-    @property
-    def start_method(self) -> str:
-        return self._group.start_method
-
+    # ------------------------------------------------------------------ the ranks' state (changes)
     @property
     def pids(self) -> List[int]:
         """The rank processes' ids (rank order)."""
@@ -182,18 +184,6 @@ class ShardedWorkbench:
     def failure(self) -> Optional[BaseException]:
         """The error that brought the ranks down (None while they run)."""
         return self._group.failure
-
-    @property
-    def model_description(self) -> str:
-        return self.rank_facts[0]["model"]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.rank_facts[0]["vocab_size"]
-
-    @property
-    def has_tokenizer(self) -> bool:
-        return self.rank_facts[0]["has_tokenizer"]
 
     def __repr__(self) -> str:
         state = (

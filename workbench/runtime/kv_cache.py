@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union, overload
 
 import torch
 
@@ -67,11 +67,29 @@ class CacheSpec:
         return self.dtype or cfg.dtype
 
 
+class _FromLimits:
+    """A read-only ``KVCacheConfig`` attribute that is ``limits.<name>``, read on every access: the
+    limits are never copied into the config (a plain class attribute, so not a dataclass field)."""
+
+    def __init__(self, name: str, doc: str):
+        self.name = name
+        self.__doc__ = doc
+
+    @overload
+    def __get__(self, cfg: None, owner: type) -> "_FromLimits": ...
+
+    @overload
+    def __get__(self, cfg: "KVCacheConfig", owner: type) -> int: ...
+
+    def __get__(self, cfg: Optional["KVCacheConfig"], owner: type) -> Union[int, "_FromLimits"]:
+        return self if cfg is None else getattr(cfg.limits, self.name)
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     """Geometry of the paged pool (pages, dtype, specs) and the runtime limits it was sized for:
     ``limits`` is the one holder of page size, max sequences, max tokens per sequence and per step
-    (read through the properties below, never copied)."""
+    (read through the ``_FromLimits`` attributes below, never copied)."""
 
     limits: RuntimeLimits
     num_pages: int
@@ -100,24 +118,10 @@ class KVCacheConfig:
         )
         return cls(limits, num_pages, dtype, tuple(specs))
 
-    @property
-    def page_size(self) -> int:
-        return self.limits.page_size
-
-    @property
-    def max_batch_size(self) -> int:
-        """Sequences in flight at once (rows of the page table)."""
-        return self.limits.max_batch_size
-
-    @property
-    def max_seq_len(self) -> int:
-        """Tokens one sequence may hold (prompt + generated)."""
-        return self.limits.max_seq_len
-
-    @property
-    def max_num_tokens(self) -> int:
-        """Flattened tokens per forward step (prefill chunks + decodes)."""
-        return self.limits.num_tokens
+    page_size = _FromLimits("page_size", "Tokens per page.")
+    max_batch_size = _FromLimits("max_batch_size", "Sequences in flight at once (rows of the page table).")
+    max_seq_len = _FromLimits("max_seq_len", "Tokens one sequence may hold (prompt + generated).")
+    max_num_tokens = _FromLimits("num_tokens", "Flattened tokens per forward step (prefill chunks + decodes).")
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
 from ..ops.backends import ATTENTION_BACKENDS
+from ..ops.registry import BackendRegistry
 from ..runtime.backends import COMPILE_BACKENDS
 
 NO_CUDA = "no CUDA GPU on this machine"
@@ -70,22 +71,17 @@ class Selector:
         return None
 
 
+def _backend_selector(
+    name: str, backends: BackendRegistry[Any], key: str, reason: Callable[[str, torch.device], Reason]
+) -> Selector:
+    """The selector of transform ``key``'s ``backend`` field: ``auto`` and every backend of its registry."""
+    return Selector(name, f"{name} backend", ("auto", *backends.names()), ((key, "backend"),), reason)
+
+
 # Options come from the backend registries and the config Literals, never from a list of our own.
 SELECTORS: Tuple[Selector, ...] = (
-    Selector(
-        "attention",
-        "attention backend",
-        ("auto", *ATTENTION_BACKENDS.names()),
-        (("insert_cached_attention", "backend"),),
-        attention_backend_reason,
-    ),
-    Selector(
-        "compile",
-        "compile backend",
-        ("auto", *COMPILE_BACKENDS.names()),
-        (("compile_model", "backend"),),
-        compile_backend_reason,
-    ),
+    _backend_selector("attention", ATTENTION_BACKENDS, "insert_cached_attention", attention_backend_reason),
+    _backend_selector("compile", COMPILE_BACKENDS, "compile_model", compile_backend_reason),
     Selector(
         "layout",
         "attention + RoPE layout",

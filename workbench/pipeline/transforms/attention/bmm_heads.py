@@ -81,10 +81,8 @@ def _bmm_attention(with_mask: bool, with_dropout: bool) -> Pattern:
         ignore=(
             (aten.view.default, "size"),
             (aten.reshape.default, "shape"),
-            (aten.full.default, "dtype"),
-            (aten.full.default, "device"),
-            (aten.full.default, "layout"),
-            (aten.full.default, "pin_memory"),
+            # the clamp's scalar tensor takes its dtype, device, layout and pinning from the model
+            *((aten.full.default, arg) for arg in ("dtype", "device", "layout", "pin_memory")),
             *EVAL_DROPOUT,
         ),
         check=check,

@@ -16,7 +16,7 @@ weighted form, so only the weightless chain is left for ``match_l2norm_pattern``
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -128,30 +128,33 @@ def _rms_l2norm_replacement(x, *, eps, dim, dtype):
     return y if dtype == torch.float32 else y.to(dtype)
 
 
+def _l2norm_pattern(
+    name: str,
+    search: Callable[..., Any],
+    replace: Callable[..., Any],
+    check: Callable[[Match], Optional[Dict[str, Any]]],
+    *,
+    out_dtype: Optional[torch.dtype] = None,
+    shareable: Tuple[Any, ...] = (),
+) -> Pattern:
+    """One L2Norm pattern, traced on one (2, 3, 8) input with the eps sentinel (and the cast-back
+    sentinel ``out_dtype`` for a chain that casts back); they differ only in these arguments."""
+    literals: Dict[str, Any] = {"eps": _EPS} if out_dtype is None else {"eps": _EPS, "out_dtype": out_dtype}
+    return Pattern(
+        name, search, replace, lambda: (torch.randn(2, 3, 8),), literals=literals, check=check, shareable=shareable
+    )
+
+
 L2NORM_PATTERNS = (
-    Pattern(
-        "l2norm_with_casts",
-        _l2norm_with_casts,
-        _l2norm_replacement,
-        lambda: (torch.randn(2, 3, 8),),
-        literals={"eps": _EPS, "out_dtype": _CAST_DTYPE},
-        check=_casts_back_to_input_dtype,
+    _l2norm_pattern(
+        "l2norm_with_casts", _l2norm_with_casts, _l2norm_replacement, _casts_back_to_input_dtype, out_dtype=_CAST_DTYPE
     ),
-    Pattern(
-        "l2norm",
-        _l2norm,
-        _l2norm_replacement,
-        lambda: (torch.randn(2, 3, 8),),
-        literals={"eps": _EPS},
-        check=_fp32_input,
-    ),
-    Pattern(
+    _l2norm_pattern("l2norm", _l2norm, _l2norm_replacement, _fp32_input),
+    _l2norm_pattern(
         "rms_l2norm_type_as",
         _rms_l2norm_type_as,
         _rms_l2norm_replacement,
-        lambda: (torch.randn(2, 3, 8),),
-        literals={"eps": _EPS},
-        check=_last_dim,
+        _last_dim,
         shareable=(torch.ops.aten.to.dtype,),
     ),
 )
