@@ -13,8 +13,8 @@ from typing import Optional
 import pytest
 import torch
 
-from workbench.ops.recurrent import RecurrentOp, define_recurrent_op, read_step
-from workbench.ops.state import StateSpec, stateful_op_for
+from workbench.ops.recurrent import RecurrentMath, RecurrentOp, RecurrentState, define_recurrent_op, read_step
+from workbench.ops.state import stateful_op_for
 
 
 # ------------------------------------------------------------- the walkthrough's family, as written there
@@ -47,14 +47,16 @@ EMA = define_recurrent_op(
         name="kit_ema",
         inputs="Tensor x, Tensor decay",
         options="float gain=1.0",
-        state=StateSpec("ema_state", shape=lambda args: (int(args["x"].shape[-1]),), dtype=torch.float32),
-        state_layout="c",
+        state=RecurrentState(
+            "ema_state",
+            shape=lambda args: (int(args["x"].shape[-1]),),
+            dtype=torch.float32,
+            layout="c",
+            description="moving average per channel, [c], fp32",
+        ),
         token_args=("x",),
         insert_key="insert_cached_ssm_attention",
-        description="moving average per channel, [c], fp32",
-        check=_check,
-        run=_run,
-        step=_step,
+        math=RecurrentMath(check=_check, run=_run, step=_step),
     )
 )
 
@@ -71,6 +73,7 @@ def test_the_description_defines_three_ops_and_the_state_entry():
     entry = stateful_op_for(wb.torch_kit_ema.default)
     assert entry is EMA.stateful and dict(entry.cached) == {"torch": "workbench::torch_cached_kit_ema"}
     assert entry.insert_key == "insert_cached_ssm_attention" and entry.token_args == ("x",)
+    assert entry.description == "moving average per channel, [c], fp32"  # the state's, for tables and renders
     schema = str(wb.torch_cached_kit_ema.default._schema)
     assert "Tensor(a!) ema_state, *, float gain=1." in schema and "SymInt num_prefill" in schema
 
@@ -125,9 +128,8 @@ def test_kit_errors_name_the_problem():
 
 def test_a_description_naming_an_unknown_token_arg_is_refused():
     with pytest.raises(ValueError, match=r"token_args \['y'\] are not among its inputs"):
-        RecurrentOp(name="kit_bad", inputs="Tensor x", options="", state=EMA.stateful.states[0], state_layout="c",
-                    token_args=("y",), insert_key="insert_cached_ssm_attention", description="", check=_check,
-                    run=_run, step=_step)
+        RecurrentOp(name="kit_bad", inputs="Tensor x", options="", state=EMA.stateful.states[0], token_args=("y",),
+                    insert_key="insert_cached_ssm_attention", math=RecurrentMath(check=_check, run=_run, step=_step))
 
 
 def test_decode_only_step_reads_no_lengths():

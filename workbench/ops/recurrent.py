@@ -8,7 +8,7 @@ defines from one ``RecurrentOp``::
     torch_cached_<name>(<inputs>, seq_lens, input_pos, slot_idx, num_prefill, <state>(a!), *, <options>)
     triton_cached_<name>(the same)                            decode rows in a Triton kernel
 
-What a family writes is its math, in two forms, and its checks:
+What a family writes is its math (``RecurrentMath``), in two forms, and its checks:
 
 - ``run(inputs, init, options) -> (y, final)``: whole sequences ``[b, s, ...]`` from ``init``
   (``[b, *state]``, or ``None`` for fresh sequences: some mixers treat their first token apart,
@@ -17,8 +17,11 @@ What a family writes is its math, in two forms, and its checks:
   ``held [n, *state]`` (zeros where ``fresh``), for the decode rows of the torch backend.
 - ``check(inputs, options)``: shapes, naming the argument that is off (at trace time too, from
   the fakes); the kit adds the flattened-token, state and metadata checks (``ops/state.py``).
-- ``triton_decode(inputs, step, state, out, options)``: optional; launches the family's kernel on
-  the decode rows (``step.first_decode_row..``), which the kit hands it non-empty.
+
+and, optionally, ``triton_decode(rows, state, options)``: launches the family's kernel on the
+step's decode rows (``DecodeRows``: the inputs and output cut to the decode tokens, each row's slot
+and position), which the kit hands it non-empty. Its state is a ``RecurrentState``: a ``StateSpec``
+that also names its dims (for errors) and says what it holds.
 
 The kit does the rest once for every family: the schemas (the cached ops share one, so backends are
 interchangeable in a graph), the fakes, reading and checking the step metadata into a typed
@@ -102,21 +105,53 @@ def read_step(
 
 
 @dataclass(frozen=True)
+class DecodeRows:
+    """A step's decode rows, one token each, as ``step`` and ``triton_decode`` get them: the
+    per-token inputs and the output cut to the decode tokens, and each row's slot and position, so
+    decode row ``r`` is token ``r``, ``slot_idx[r]`` and ``input_pos[r]`` alike. Views (slices of
+    the step's tensors): nothing is read on the host, a CUDA graph can capture them."""
+
+    inputs: Inputs  # per-token inputs [n, ...]; the others as the op got them
+    slot_idx: torch.Tensor  # [n] int32: each row's state row
+    input_pos: torch.Tensor  # [n] int32: tokens it had before this step (0: a new sequence)
+    out: torch.Tensor  # [n, ...]: the output's decode tokens, written in place
+
+    @property
+    def num_rows(self) -> int:
+        return self.slot_idx.numel()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecurrentState(StateSpec):
+    """A recurrent family's per-sequence state: the ``StateSpec`` the cache stage allocates by
+    (``name``, ``shape`` from the inputs by name, ``dtype``), its dims by name and what it holds."""
+
+    layout: str  # its dims, for errors: "c, k-1"
+    description: str  # what it holds, for tables and renders (the stateful-op entry's)
+
+
+@dataclass(frozen=True)
+class RecurrentMath:
+    """What a family writes (module docstring): its math over whole sequences (``run``) and over one
+    token per row (``step``), and its shape checks."""
+
+    check: Callable[[Inputs, Options], None]
+    run: Callable[[Inputs, Optional[torch.Tensor], Options], Tuple[torch.Tensor, torch.Tensor]]
+    step: Callable[[Inputs, torch.Tensor, torch.Tensor, Options], Tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
 class RecurrentOp:
     """A recurrent mixer: its schema text, its state and its math (module docstring)."""
 
     name: str  # ops torch_<name>, torch_cached_<name>, triton_cached_<name>
     inputs: str  # schema text of the inputs: "Tensor x, Tensor weight, Tensor? bias"
     options: str  # schema text of the keyword-only options: "str? activation=None" ("" for none)
-    state: StateSpec  # the per-sequence state (its shape from the inputs by name)
-    state_layout: str  # its dims, for errors: "c, k-1"
+    state: RecurrentState  # the per-sequence state (its shape from the inputs by name)
     token_args: Tuple[str, ...]  # inputs that are per-token [b, s, ...]
     insert_key: str  # the cache_init transform that rewrites it
-    description: str  # what the state holds, for tables and renders
-    check: Callable[[Inputs, Options], None]
-    run: Callable[[Inputs, Optional[torch.Tensor], Options], Tuple[torch.Tensor, torch.Tensor]]
-    step: Callable[[Inputs, torch.Tensor, torch.Tensor, Options], Tuple[torch.Tensor, torch.Tensor]]
-    triton_decode: Optional[Callable[[Inputs, StepMetadata, torch.Tensor, torch.Tensor, Options], None]] = None
+    math: RecurrentMath
+    triton_decode: Optional[Callable[[DecodeRows, torch.Tensor, Options], None]] = None
     output_like: Optional[Callable[[Inputs], torch.Tensor]] = None  # default: like the first input
     input_names: Tuple[str, ...] = field(init=False)
 
@@ -172,26 +207,26 @@ class _Bodies:
 
     def check_cached(self, inputs: Inputs, state: torch.Tensor, options: Options) -> None:
         spec = self.spec
-        spec.check(inputs, options)
+        spec.math.check(inputs, options)
         tokens = inputs[spec.tokens_of]
         if tokens.shape[0] != 1:
             raise ValueError(
                 f"cached {spec.name} expects flattened tokens {spec.tokens_of} [1, T, ...]; got {tuple(tokens.shape)}"
             )
         expected = spec.state.shape(inputs)
-        check_state_shape(state, expected, f"{spec.state.name} must be [num_slots, {spec.state_layout}]")
+        check_state_shape(state, expected, f"{spec.state.name} must be [num_slots, {spec.state.layout}]")
 
     def uncached(self, *args, **options) -> torch.Tensor:
         inputs, opts = self._inputs(args), self._options(options)
-        self.spec.check(inputs, opts)
-        y, _ = self.spec.run(inputs, None, opts)
+        self.spec.math.check(inputs, opts)
+        y, _ = self.spec.math.run(inputs, None, opts)
         out = self.spec.empty_output(inputs)
         out.copy_(y)
         return out
 
     def fake(self, *args, **options) -> torch.Tensor:
         inputs = self._inputs(args[: len(self.spec.input_names)])
-        self.spec.check(inputs, self._options(options))
+        self.spec.math.check(inputs, self._options(options))
         return self.spec.empty_output(inputs)
 
     def prefill(self, inputs: Inputs, step: StepMetadata, state: torch.Tensor, out: torch.Tensor, opts: Options):
@@ -201,18 +236,22 @@ class _Bodies:
         for i, span in step.prefill_spans():
             part = {k: (v[:, span] if k in self.spec.token_args else v) for k, v in inputs.items()}
             init = state[slots[i]][None] if past[i] > 0 else None
-            y, final = self.spec.run(part, init, opts)
+            y, final = self.spec.math.run(part, init, opts)
             out[:, span] = y
             state[slots[i]] = final[0].to(state.dtype)
 
-    def torch_decode(self, inputs: Inputs, step: StepMetadata, state, out, opts: Options) -> None:
-        """The decode rows together through ``step``: one token each."""
+    def decode_rows(self, inputs: Inputs, step: StepMetadata, out: torch.Tensor) -> DecodeRows:
+        """The step's decode rows: per-token inputs and ``out`` (``[1, T, ...]``) cut to their tokens."""
         tokens = slice(step.first_decode_token, None)
         rows = slice(step.first_decode_row, None)
         part = {k: (v[0, tokens] if k in self.spec.token_args else v) for k, v in inputs.items()}
-        slots, pos = step.slot_idx[rows].long(), step.input_pos[rows]
-        y, new = self.spec.step(part, initial_states(state, slots, pos), pos <= 0, opts)
-        out[0, tokens] = y
+        return DecodeRows(part, step.slot_idx[rows], step.input_pos[rows], out[0, tokens])
+
+    def torch_decode(self, rows: DecodeRows, state: torch.Tensor, opts: Options) -> None:
+        """The decode rows together through ``step``: one token each."""
+        slots, pos = rows.slot_idx.long(), rows.input_pos
+        y, new = self.spec.math.step(rows.inputs, initial_states(state, slots, pos), pos <= 0, opts)
+        rows.out.copy_(y)
         state.index_copy_(0, slots, new.to(state.dtype))
 
     def torch_cached(self, *args, **options) -> torch.Tensor:
@@ -220,7 +259,7 @@ class _Bodies:
         out = self.spec.empty_output(inputs)
         self.prefill(inputs, step, state, out, opts)
         if step.num_decode:
-            self.torch_decode(inputs, step, state, out, opts)
+            self.torch_decode(self.decode_rows(inputs, step, out), state, opts)
         return out
 
     def triton_cached(self, *args, **options) -> torch.Tensor:
@@ -233,7 +272,7 @@ class _Bodies:
             self.prefill(inputs, step, state, out, opts)
         if step.num_decode:
             assert spec.triton_decode is not None  # the triton op is defined only with a launcher
-            spec.triton_decode(inputs, step, state, out, opts)
+            spec.triton_decode(self.decode_rows(inputs, step, out), state, opts)
         return out
 
 
@@ -277,11 +316,22 @@ def define_recurrent_op(spec: RecurrentOp) -> RecurrentOps:
             token_args=spec.token_args,
             states=(spec.state,),
             insert_key=spec.insert_key,
-            description=spec.description,
+            description=spec.state.description,
             backend_requirements={"triton": TRITON_REQUIREMENT} if "triton" in cached_ops else {},
         )
     )
     return RecurrentOps(uncached, cached_ops["torch"], cached_ops.get("triton"), stateful)
 
 
-__all__ = ["Inputs", "Options", "RecurrentOp", "RecurrentOps", "StepMetadata", "define_recurrent_op", "read_step"]
+__all__ = [
+    "DecodeRows",
+    "Inputs",
+    "Options",
+    "RecurrentMath",
+    "RecurrentOp",
+    "RecurrentOps",
+    "RecurrentState",
+    "StepMetadata",
+    "define_recurrent_op",
+    "read_step",
+]

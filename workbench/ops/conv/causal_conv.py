@@ -25,8 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..recurrent import Inputs, Options, RecurrentOp, define_recurrent_op
-from ..state import StateSpec
+from ..recurrent import Inputs, Options, RecurrentMath, RecurrentOp, RecurrentState, define_recurrent_op
 from . import triton_causal_conv
 
 #: Activations the conv kernels can apply in registers (``fuse_causal_conv_activation``).
@@ -98,33 +97,24 @@ def _conv_state_shape(args) -> tuple:
     return (int(c), int(k) - 1)
 
 
-# The state holds inputs as they were (no arithmetic on them), so the cache dtype -- the model's,
-# the dtype x arrives in -- loses nothing.
 CAUSAL_CONV = define_recurrent_op(
     RecurrentOp(
         name="causal_conv1d",
         inputs="Tensor x, Tensor weight, Tensor? bias",
         options="str? activation=None",
-        state=StateSpec("conv_state", shape=_conv_state_shape),
-        state_layout="c, k-1",
+        # The state holds inputs as they were (no arithmetic on them), so the cache dtype -- the
+        # model's, the dtype x arrives in -- loses nothing.
+        state=RecurrentState(
+            "conv_state",
+            shape=_conv_state_shape,
+            layout="c, k-1",
+            description="causal conv window per sequence: the last k-1 inputs of every channel, [channels, k-1]",
+        ),
         token_args=("x",),
         insert_key="insert_cached_causal_conv",
-        description="causal conv window per sequence: the last k-1 inputs of every channel, [channels, k-1]",
-        check=_check,
-        run=_run,
-        step=_step,
+        math=RecurrentMath(check=_check, run=_run, step=_step),
         triton_decode=triton_causal_conv.decode,
     )
 )
-torch_causal_conv1d = CAUSAL_CONV.uncached
-torch_cached_causal_conv1d = CAUSAL_CONV.torch_cached
-triton_cached_causal_conv1d = CAUSAL_CONV.triton_cached
 
-__all__ = [
-    "torch_causal_conv1d",
-    "torch_cached_causal_conv1d",
-    "triton_cached_causal_conv1d",
-    "check_conv_args",
-    "ACTIVATIONS",
-    "CAUSAL_CONV",
-]
+__all__ = ["check_conv_args", "ACTIVATIONS", "CAUSAL_CONV"]

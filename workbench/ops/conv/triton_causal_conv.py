@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..recurrent import Inputs, Options, StepMetadata
+from ..recurrent import DecodeRows, Options
 from ..triton_support import last_dim_contiguous, lazy_kernel, num_warps
 
 
@@ -36,8 +36,6 @@ def kernel():
         out_ptr,
         slot_ptr,
         pos_ptr,
-        first_row,
-        first_token,
         channels,
         stride_xt,
         stride_wc,
@@ -52,14 +50,13 @@ def kernel():
         HAS_BIAS: tl.constexpr,
         SILU: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        token = tl.program_id(0).to(tl.int64)  # decode row r: token r, slot_idx[r], input_pos[r]
         ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
         tap = tl.arange(0, K_POW2)  # [K_POW2]: window columns 0..K-1 (K-1 = the new input)
         ch_ok = ch < channels
-        slot = tl.load(slot_ptr + first_row + row).to(tl.int64)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
         # State columns to read: K-1, or none for a new sequence (input_pos 0), whatever its slot holds.
-        held_cols = tl.where(tl.load(pos_ptr + first_row + row) > 0, K - 1, 0)
-        token = (first_token + row).to(tl.int64)
+        held_cols = tl.where(tl.load(pos_ptr + token) > 0, K - 1, 0)
 
         x = tl.load(x_ptr + token * stride_xt + ch, mask=ch_ok, other=0.0).to(tl.float32)  # [BLOCK_C]
         rows = state_ptr + slot * stride_ss + ch[:, None] * stride_sc  # [BLOCK_C, 1]
@@ -94,28 +91,25 @@ def kernel():
     return conv_decode_kernel
 
 
-def decode(inputs: Inputs, step: StepMetadata, conv_state: torch.Tensor, out: torch.Tensor, options: Options) -> None:
-    """Launch the kernel on the decode rows (``step.first_decode_row..``, tokens
-    ``step.first_decode_token..`` of ``x [1, T, c]``); writes ``out [1, T, c]`` and the state rows."""
+def decode(rows: DecodeRows, conv_state: torch.Tensor, options: Options) -> None:
+    """Launch the kernel on the decode rows (``x [n, c]``); writes their ``out [n, c]`` and state rows."""
     import triton
 
-    x, weight, bias = inputs["x"], inputs["weight"], inputs["bias"]
+    x, weight, bias = rows.inputs["x"], rows.inputs["weight"], rows.inputs["bias"]
     c, k = weight.shape[0], weight.shape[2]
-    xs, os_ = last_dim_contiguous(x[0]), out[0]
+    xs, os_ = last_dim_contiguous(x), rows.out
     if conv_state.shape[2] and conv_state.stride(1) == 0:
         raise ValueError("conv_state must be a real tensor, not a broadcast view")
     block = min(256, triton.next_power_of_2(c))
-    grid = (step.num_decode, triton.cdiv(c, block))
+    grid = (rows.num_rows, triton.cdiv(c, block))
     kernel()[grid](
         xs,
         weight,
         bias if bias is not None else weight,
         conv_state,
         os_,
-        step.slot_idx,
-        step.input_pos,
-        step.first_decode_row,
-        step.first_decode_token,
+        rows.slot_idx,
+        rows.input_pos,
         c,
         xs.stride(0),
         weight.stride(0),

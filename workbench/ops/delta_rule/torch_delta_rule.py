@@ -27,8 +27,7 @@ from typing import Optional
 
 import torch
 
-from ..recurrent import Inputs, Options, RecurrentOp, define_recurrent_op
-from ..state import StateSpec
+from ..recurrent import Inputs, Options, RecurrentMath, RecurrentOp, RecurrentState, define_recurrent_op
 from . import triton_delta_rule
 from .delta_rule_math import check_delta_rule_args, chunked_delta_rule, delta_rule_step, prepare
 
@@ -63,26 +62,30 @@ def output_like(i: Inputs) -> torch.Tensor:
 
 
 def state_shape(args) -> tuple:
-    """Per-sequence state of a (gated) delta-rule node: ``(value_heads, dk, dv)`` from q and v."""
+    """Per-sequence state of a fast-weight node: ``(value_heads, dk, dv)`` from q and v."""
     return (int(args["v"].shape[2]), int(args["q"].shape[3]), int(args["v"].shape[3]))
+
+
+def fast_weight_state(name: str, description: str) -> RecurrentState:
+    """The fast-weight matrix ``S [value_heads, dk, dv]`` per sequence, in fp32 whatever the model
+    dtype (it accumulates over the whole sequence): the delta rules' and linear attention's state."""
+    return RecurrentState(
+        name, shape=state_shape, dtype=torch.float32, layout="value_heads, dk, dv", description=description
+    )
 
 
 OPTIONS = "float? scale=None, bool use_qk_l2norm=False, int chunk_size=64"
 
 
-def _delta_rule(name: str, inputs: str, state: str, description: str) -> RecurrentOp:
+def _delta_rule(name: str, inputs: str, state: RecurrentState) -> RecurrentOp:
     return RecurrentOp(
         name=name,
         inputs=inputs,
         options=OPTIONS,
-        state=StateSpec(state, shape=state_shape, dtype=torch.float32),
-        state_layout="value_heads, dk, dv",
+        state=state,
         token_args=tuple(n.split()[-1] for n in inputs.split(",")),
         insert_key=f"insert_cached_{name}",
-        description=description,
-        check=_check,
-        run=_run,
-        step=_step,
+        math=RecurrentMath(check=_check, run=_run, step=_step),
         triton_decode=triton_delta_rule.decode,
         output_like=output_like,
     )
@@ -92,35 +95,18 @@ GATED_DELTA_RULE = define_recurrent_op(
     _delta_rule(
         "gated_delta_rule",
         "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta",
-        "gated_delta_state",
-        "fast-weight matrix S [value_heads, dk, dv] per sequence (fp32), decayed by exp(g) each token",
+        fast_weight_state(
+            "gated_delta_state",
+            "fast-weight matrix S [value_heads, dk, dv] per sequence (fp32), decayed by exp(g) each token",
+        ),
     )
 )
 DELTA_RULE = define_recurrent_op(
     _delta_rule(
         "delta_rule",
         "Tensor q, Tensor k, Tensor v, Tensor beta",
-        "delta_state",
-        "fast-weight matrix S [value_heads, dk, dv] per sequence (fp32)",
+        fast_weight_state("delta_state", "fast-weight matrix S [value_heads, dk, dv] per sequence (fp32)"),
     )
 )
-torch_gated_delta_rule = GATED_DELTA_RULE.uncached
-torch_cached_gated_delta_rule = GATED_DELTA_RULE.torch_cached
-triton_cached_gated_delta_rule = GATED_DELTA_RULE.triton_cached
-torch_delta_rule = DELTA_RULE.uncached
-torch_cached_delta_rule = DELTA_RULE.torch_cached
-triton_cached_delta_rule = DELTA_RULE.triton_cached
 
-__all__ = [
-    "torch_gated_delta_rule",
-    "torch_cached_gated_delta_rule",
-    "triton_cached_gated_delta_rule",
-    "torch_delta_rule",
-    "torch_cached_delta_rule",
-    "triton_cached_delta_rule",
-    "GATED_DELTA_RULE",
-    "DELTA_RULE",
-    "OPTIONS",
-    "output_like",
-    "state_shape",
-]
+__all__ = ["GATED_DELTA_RULE", "DELTA_RULE", "OPTIONS", "fast_weight_state", "output_like", "state_shape"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..recurrent import Inputs, Options, StepMetadata
+from ..recurrent import DecodeRows, Options
 from ..triton_support import last_dim_contiguous, lazy_kernel, num_warps
 from .delta_rule_math import L2NORM_EPS
 
@@ -41,8 +41,6 @@ def kernel():
         out_ptr,
         slot_ptr,
         pos_ptr,
-        first_row,
-        first_token,
         scale,
         dk,
         dv,
@@ -69,13 +67,12 @@ def kernel():
         L2NORM: tl.constexpr,
         EPS: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        token = tl.program_id(0).to(tl.int64)  # decode row r: token r, slot_idx[r], input_pos[r]
         head = tl.program_id(1)
         kd = tl.arange(0, DK_POW2)  # [DK_POW2]
         vd = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
         kd_ok, vd_ok = kd < dk, vd < dv
-        token = (first_token + row).to(tl.int64)
-        slot = tl.load(slot_ptr + first_row + row).to(tl.int64)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
         key_head = head // REP
 
         q = tl.load(q_ptr + token * stride_qt + key_head * stride_qh + kd, mask=kd_ok, other=0.0).to(tl.float32)
@@ -88,7 +85,7 @@ def kernel():
 
         # State rows to read: all dk, or none for a new sequence (input_pos 0), whatever its slot
         # holds -- a masked load, never a multiply by zero: a reused slot may hold inf/NaN.
-        held_rows = tl.where(tl.load(pos_ptr + first_row + row) > 0, dk, 0)
+        held_rows = tl.where(tl.load(pos_ptr + token) > 0, dk, 0)
         cells = state_ptr + slot * stride_ss + head * stride_sh + kd[:, None] * stride_sk + vd[None, :]
         s = tl.load(cells, mask=(kd[:, None] < held_rows) & vd_ok[None, :], other=0.0).to(tl.float32)
         if GATED:
@@ -104,22 +101,22 @@ def kernel():
     return fast_weight_decode_kernel
 
 
-def _launch(inputs: Inputs, step: StepMetadata, state: torch.Tensor, out: torch.Tensor, scale: float, **switches):
-    """One launch over the decode rows (``step.first_decode_row..``, tokens ``step.first_decode_token..``
-    of the ``[1, T, ...]`` inputs); writes ``out [1, T, h, dv]`` and the state rows in place."""
+def _launch(rows: DecodeRows, state: torch.Tensor, scale: float, **switches):
+    """One launch over the decode rows (``q/k [n, hk, dk]``, ``v [n, h, dv]``); writes their
+    ``out [n, h, dv]`` and state rows in place."""
     import triton
 
     if state.stride(-1) != 1:
         raise ValueError(
             "the fast-weight state must be contiguous in its last (dv) dim: the kernel updates it in place"
         )
-    q, k, v = (last_dim_contiguous(inputs[n][0]) for n in ("q", "k", "v"))  # [T, heads, d]
+    q, k, v = (last_dim_contiguous(rows.inputs[n]) for n in ("q", "k", "v"))  # [n, heads, d]
     hk, dk = q.shape[1], q.shape[2]
     h, dv = v.shape[1], v.shape[2]
-    g, beta = (None if inputs.get(n) is None else inputs[n][0] for n in ("g", "beta"))  # [T, h]
-    o = out[0]
+    g, beta = (rows.inputs.get(n) for n in ("g", "beta"))  # [n, h], or None where the mixer has none
+    o = rows.out
     block_v = min(64, triton.next_power_of_2(dv))
-    kernel()[(step.num_decode, h, triton.cdiv(dv, block_v))](
+    kernel()[(rows.num_rows, h, triton.cdiv(dv, block_v))](
         q,
         k,
         v,
@@ -127,10 +124,8 @@ def _launch(inputs: Inputs, step: StepMetadata, state: torch.Tensor, out: torch.
         beta if beta is not None else v,
         state,
         o,
-        step.slot_idx,
-        step.input_pos,
-        step.first_decode_row,
-        step.first_decode_token,
+        rows.slot_idx,
+        rows.input_pos,
         scale,
         dk,
         dv,
@@ -157,18 +152,16 @@ def _launch(inputs: Inputs, step: StepMetadata, state: torch.Tensor, out: torch.
     )
 
 
-def decode(inputs: Inputs, step: StepMetadata, state: torch.Tensor, out: torch.Tensor, options: Options) -> None:
-    """The delta rules' decode rows (gated when ``inputs`` has ``g``)."""
+def decode(rows: DecodeRows, state: torch.Tensor, options: Options) -> None:
+    """The delta rules' decode rows (gated when the inputs have ``g``)."""
     scale = options["scale"]
-    dk = inputs["q"].shape[-1]
-    _launch(inputs, step, state, out, dk**-0.5 if scale is None else scale, DELTA=True, L2NORM=options["use_qk_l2norm"])
+    dk = rows.inputs["q"].shape[-1]
+    _launch(rows, state, dk**-0.5 if scale is None else scale, DELTA=True, L2NORM=options["use_qk_l2norm"])
 
 
-def decode_linear_attention(
-    inputs: Inputs, step: StepMetadata, state: torch.Tensor, out: torch.Tensor, options: Options
-) -> None:
+def decode_linear_attention(rows: DecodeRows, state: torch.Tensor, options: Options) -> None:
     """Decayed linear attention's decode rows: ``S = S * exp(g) + k v^T``."""
-    _launch(inputs, step, state, out, float(options["scale"]), DELTA=False, L2NORM=False)
+    _launch(rows, state, float(options["scale"]), DELTA=False, L2NORM=False)
 
 
 __all__ = ["decode", "decode_linear_attention", "kernel"]

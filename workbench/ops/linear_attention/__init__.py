@@ -1,7 +1,3 @@
 """Linear attention with a per-token, per-head log decay (MiniMax lightning attention); see README.md."""
 
-from .linear_attention import (  # noqa: F401
-    torch_cached_linear_attention,
-    torch_linear_attention,
-    triton_cached_linear_attention,
-)
+from .linear_attention import LINEAR_ATTENTION  # noqa: F401  (defines torch_linear_attention and its cached forms)

@@ -44,8 +44,8 @@ import torch.nn.functional as F
 
 from ..delta_rule import triton_delta_rule
 from ..delta_rule.delta_rule_math import check_fast_weight_args
-from ..recurrent import Inputs, Options, RecurrentOp, define_recurrent_op
-from ..state import StateSpec
+from ..delta_rule.torch_delta_rule import fast_weight_state, output_like
+from ..recurrent import Inputs, Options, RecurrentMath, RecurrentOp, define_recurrent_op
 
 
 def check_linear_attention_args(q, k, v, g, chunk_size: int = 64) -> None:
@@ -131,36 +131,24 @@ def _step(i: Inputs, held: torch.Tensor, fresh: torch.Tensor, options: Options):
     return linear_attention_step(q, k, v, g, held.float())
 
 
-def _state_shape(args) -> tuple:
-    """Per-sequence state of a linear-attention node: ``(value_heads, dk, dv)`` from q and v."""
-    return (int(args["v"].shape[2]), int(args["q"].shape[3]), int(args["v"].shape[3]))
-
-
 LINEAR_ATTENTION = define_recurrent_op(
     RecurrentOp(
         name="linear_attention",
         inputs="Tensor q, Tensor k, Tensor v, Tensor g",
         options="float scale=1.0, int chunk_size=64",
-        state=StateSpec("linear_attention_state", shape=_state_shape, dtype=torch.float32),
-        state_layout="value_heads, dk, dv",
+        state=fast_weight_state(
+            "linear_attention_state",
+            "decayed sum of k^T v, S [value_heads, dk, dv] per sequence (fp32), scaled by exp(g) each token",
+        ),
         token_args=("q", "k", "v", "g"),
         insert_key="insert_cached_linear_attention",
-        description="decayed sum of k^T v, S [value_heads, dk, dv] per sequence (fp32), scaled by exp(g) each token",
-        check=_check,
-        run=_run,
-        step=_step,
+        math=RecurrentMath(check=_check, run=_run, step=_step),
         triton_decode=triton_delta_rule.decode_linear_attention,
-        output_like=lambda i: i["v"].new_empty(i["v"].shape, dtype=i["q"].dtype),
+        output_like=output_like,
     )
 )
-torch_linear_attention = LINEAR_ATTENTION.uncached
-torch_cached_linear_attention = LINEAR_ATTENTION.torch_cached
-triton_cached_linear_attention = LINEAR_ATTENTION.triton_cached
 
 __all__ = [
-    "torch_linear_attention",
-    "torch_cached_linear_attention",
-    "triton_cached_linear_attention",
     "check_linear_attention_args",
     "chunked_linear_attention",
     "recurrent_linear_attention",

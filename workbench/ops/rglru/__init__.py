@@ -1,3 +1,3 @@
 """RG-LRU ops (RecurrentGemma / Griffin's real-gated linear recurrence); see README.md."""
 
-from .torch_rglru import torch_cached_rglru, torch_rglru, triton_cached_rglru  # noqa: F401
+from .torch_rglru import RGLRU  # noqa: F401  (defines torch_rglru and its cached forms)

@@ -25,6 +25,10 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+# The whole-sequence scan over ``[N, s, w]`` (``h_t = a_t h_{t-1} + u_t`` in log2(s) rounds, where
+# HF loops over the tokens) is the Mamba-1 chunks' scan.
+from ..selective_scan.scan_math import linear_scan
+
 #: Griffin's fixed scale of the log decay (HF: the literal ``-8.0`` in ``RecurrentGemmaRglru.forward``).
 DEFAULT_DECAY_SCALE = 8.0
 
@@ -39,23 +43,6 @@ def gates(
     gated = x.float() * torch.sigmoid(gate_x.float())
     multiplier = torch.sqrt(1 - torch.exp(2 * log_a))
     return torch.exp(log_a), gated * multiplier, gated
-
-
-def linear_scan(a: torch.Tensor, u: torch.Tensor, h0: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``h_t = a_t h_{t-1} + u_t`` over dim 1 of ``a, u [N, s, w]`` from ``h0 [N, w]`` (None: zero).
-
-    A Hillis-Steele scan: after round r every position holds the composition of its last 2^r
-    steps, ``(A, U)`` with ``h_t = A h_{t-2^r} + U``, so ``ceil(log2 s)`` vectorised rounds replace
-    the s-step loop (HF's). Products of decays stay in [0, 1]: no overflow whatever the length.
-    Sums run in another order than the loop's: fp32 round-off only."""
-    if h0 is not None:
-        u = torch.cat([u[:, :1] + a[:, :1] * h0[:, None], u[:, 1:]], dim=1)
-    s, d = u.shape[1], 1
-    while d < s:
-        u = torch.cat([u[:, :d], u[:, d:] + a[:, d:] * u[:, :-d]], dim=1)
-        a = torch.cat([a[:, :d], a[:, d:] * a[:, :-d]], dim=1)
-        d *= 2
-    return u
 
 
 def rglru_recurrence(

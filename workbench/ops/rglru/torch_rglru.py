@@ -27,8 +27,7 @@ from typing import Optional
 
 import torch
 
-from ..recurrent import Inputs, Options, RecurrentOp, define_recurrent_op
-from ..state import StateSpec
+from ..recurrent import Inputs, Options, RecurrentMath, RecurrentOp, RecurrentState, define_recurrent_op
 from . import triton_rglru
 from .rglru_math import DEFAULT_DECAY_SCALE, gates, linear_scan
 
@@ -79,17 +78,18 @@ RGLRU = define_recurrent_op(
         name="rglru",
         inputs="Tensor x, Tensor gate_x, Tensor gate_a, Tensor recurrent_param",
         options=f"float decay_scale={DEFAULT_DECAY_SCALE}",
-        state=StateSpec("rglru_state", shape=_rglru_state_shape, dtype=torch.float32),
-        state_layout="width",
+        state=RecurrentState(
+            "rglru_state",
+            shape=_rglru_state_shape,
+            dtype=torch.float32,
+            layout="width",
+            description="RG-LRU recurrent state per sequence: [lru_width], fp32",
+        ),
         token_args=("x", "gate_x", "gate_a"),
         insert_key="insert_cached_ssm_attention",
-        description="RG-LRU recurrent state per sequence: [lru_width], fp32",
-        check=_check,
-        run=_run,
-        step=_step,
+        math=RecurrentMath(check=_check, run=_run, step=_step),
         triton_decode=triton_rglru.decode,
     )
 )
-torch_rglru, torch_cached_rglru, triton_cached_rglru = RGLRU.uncached, RGLRU.torch_cached, RGLRU.triton_cached
 
-__all__ = ["torch_rglru", "torch_cached_rglru", "triton_cached_rglru", "check_rglru_args", "RGLRU"]
+__all__ = ["check_rglru_args", "RGLRU"]

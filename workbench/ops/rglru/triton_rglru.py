@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..recurrent import Inputs, Options, StepMetadata
+from ..recurrent import DecodeRows, Options
 from ..triton_support import last_dim_contiguous, lazy_kernel, num_warps
 
 #: Channels per program (the width of RecurrentGemma-2B is 2560: 10 programs per row).
@@ -38,8 +38,6 @@ def kernel():
         out_ptr,
         slot_ptr,
         pos_ptr,
-        first_row,
-        first_token,
         width,
         decay_scale,
         stride_xt,
@@ -49,15 +47,14 @@ def kernel():
         stride_ot,
         BLOCK: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        token = tl.program_id(0).to(tl.int64)  # decode row r: token r, slot_idx[r], input_pos[r]
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < width
-        slot = tl.load(slot_ptr + first_row + row).to(tl.int64)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
         # Channels to read from the slot: all for a continuing sequence, none for a new one
         # (input_pos 0: reset), whatever its slot holds. A per-channel mask, as the interpreter
         # wants masks of the loaded shape.
-        held = cols < tl.where(tl.load(pos_ptr + first_row + row) > 0, width, 0)
-        token = (first_token + row).to(tl.int64)
+        held = cols < tl.where(tl.load(pos_ptr + token) > 0, width, 0)
 
         x = tl.load(x_ptr + token * stride_xt + cols, mask=ok, other=0.0).to(tl.float32)
         gx = tl.load(gx_ptr + token * stride_gxt + cols, mask=ok, other=0.0).to(tl.float32)
@@ -82,29 +79,26 @@ def kernel():
     return rglru_decode_kernel
 
 
-def decode(inputs: Inputs, step: StepMetadata, rglru_state: torch.Tensor, out: torch.Tensor, options: Options) -> None:
-    """Launch the kernel on the decode rows (``step.first_decode_row..``, tokens
-    ``step.first_decode_token..`` of the flattened [1, T, w] inputs); writes ``out [1, T, w]`` and
-    the state rows in place."""
+def decode(rows: DecodeRows, rglru_state: torch.Tensor, options: Options) -> None:
+    """Launch the kernel on the decode rows (``x``, ``gate_x``, ``gate_a [n, w]``); writes their
+    ``out [n, w]`` and state rows in place."""
     import triton
 
-    width = inputs["x"].shape[-1]
+    width = rows.inputs["x"].shape[-1]
     if rglru_state.stride(-1) != 1:
         raise ValueError("rglru_state must be contiguous in its width dim (a real [num_slots, width] tensor)")
-    xs, gxs, gas = (last_dim_contiguous(inputs[k][0]) for k in ("x", "gate_x", "gate_a"))
-    os_ = out[0]
+    xs, gxs, gas = (last_dim_contiguous(rows.inputs[k]) for k in ("x", "gate_x", "gate_a"))
+    os_ = rows.out
     block = min(BLOCK_W, triton.next_power_of_2(width))
-    kernel()[(step.num_decode, triton.cdiv(width, block))](
+    kernel()[(rows.num_rows, triton.cdiv(width, block))](
         xs,
         gxs,
         gas,
-        inputs["recurrent_param"].contiguous(),
+        rows.inputs["recurrent_param"].contiguous(),
         rglru_state,
         os_,
-        step.slot_idx,
-        step.input_pos,
-        step.first_decode_row,
-        step.first_decode_token,
+        rows.slot_idx,
+        rows.input_pos,
         width,
         float(options["decay_scale"]),
         xs.stride(0),

@@ -37,20 +37,25 @@ def discretize(dt: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
     return F.softplus(dt.float() + dt_bias.float())
 
 
-def _scan_chunk(decay: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-    """Inclusive scan of ``h_t = decay_t * h_{t-1} + inp_t`` along dim 1 from ``h_{-1} = 0``.
+def linear_scan(a: torch.Tensor, u: torch.Tensor, h0: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Every ``h_t = a_t h_{t-1} + u_t`` along dim 1 of ``a, u [N, s, ...]`` (elementwise over the
+    other dims) from ``h0 [N, ...]`` (None: zero): the Mamba-1 chunks' and RG-LRU's scan.
 
-    decay, inp [b, L, d, n] fp32 -> every state h [b, L, d, n]. Hillis-Steele: after the round with
-    offset k, position t holds the composition of positions t-2k+1 .. t (clipped at 0).
+    Hillis-Steele: after the round with offset k, position t holds the composition of its last 2k
+    steps (clipped at 0), ``(A, U)`` with ``h_t = A h_{t-2k} + U``, so ``ceil(log2 s)`` vectorised
+    rounds replace the s-step loop. ``h0`` is one more input to the first token, decayed by its
+    ``a``. Products of decays in [0, 1] stay there: no overflow whatever the length. Sums run in
+    another order than the loop's: fp32 round-off only.
     """
-    length = decay.shape[1]
-    k = 1
+    if h0 is not None:
+        u = torch.cat([u[:, :1] + a[:, :1] * h0[:, None], u[:, 1:]], dim=1)
+    length, k = u.shape[1], 1
     while k < length:
-        # position t absorbs position t-k: (a_prev, b_prev) then (a, b) = (a_prev * a, a * b_prev + b)
-        inp = torch.cat([inp[:, :k], inp[:, k:] + decay[:, k:] * inp[:, :-k]], dim=1)
-        decay = torch.cat([decay[:, :k], decay[:, k:] * decay[:, :-k]], dim=1)
+        # position t absorbs position t-k: (a_prev, u_prev) then (a, u) = (a_prev * a, a * u_prev + u)
+        u = torch.cat([u[:, :k], u[:, k:] + a[:, k:] * u[:, :-k]], dim=1)
+        a = torch.cat([a[:, :k], a[:, k:] * a[:, :-k]], dim=1)
         k *= 2
-    return inp
+    return u
 
 
 def selective_scan_chunked(
@@ -77,9 +82,7 @@ def selective_scan_chunked(
         step = dt[:, start:end, :, None]  # [b, L, d, 1]
         decay = torch.exp(step * A)  # [b, L, d, n]
         inp = (step * x[:, start:end, :, None]) * B[:, start:end, None, :]  # [b, L, d, n]
-        # the state entering the chunk: one more input to its first token, decayed by that token's step
-        inp = torch.cat([inp[:, :1] + decay[:, :1] * state[:, None], inp[:, 1:]], dim=1)
-        states = _scan_chunk(decay, inp)
+        states = linear_scan(decay, inp, state)  # from the state entering the chunk
         ys.append(torch.einsum("bldn,bln->bld", states, C[:, start:end]))
         state = states[:, -1]
     y = torch.cat(ys, dim=1) if ys else x.new_zeros(b, 0, d)
@@ -118,4 +121,4 @@ def selective_recurrence(
     return (torch.stack(ys, dim=1) if ys else x.new_zeros(b, 0, d)), state
 
 
-__all__ = ["discretize", "selective_scan_chunked", "selective_step", "selective_recurrence"]
+__all__ = ["discretize", "linear_scan", "selective_scan_chunked", "selective_step", "selective_recurrence"]

@@ -31,9 +31,8 @@ from typing import Optional
 
 import torch
 
-from ..recurrent import Inputs, Options, RecurrentOp, define_recurrent_op
+from ..recurrent import Inputs, Options, RecurrentMath, RecurrentOp, RecurrentState, define_recurrent_op
 from ..ssm import triton_ssm
-from ..state import StateSpec
 from .scan_math import discretize, selective_scan_chunked, selective_step
 
 
@@ -94,25 +93,18 @@ SELECTIVE_SCAN = define_recurrent_op(
         name="selective_scan",
         inputs="Tensor hidden_states, Tensor A, Tensor B, Tensor C, Tensor D, Tensor dt, Tensor dt_bias",
         options="int chunk_size=64",
-        state=StateSpec("ssm_state", shape=_selective_state_shape, dtype=torch.float32),
-        state_layout="d, state",
+        state=RecurrentState(
+            "ssm_state",
+            shape=_selective_state_shape,
+            dtype=torch.float32,
+            layout="d, state",
+            description="Mamba-1 selective-scan state per sequence: [inner_width, state_size], fp32",
+        ),
         token_args=("hidden_states", "B", "C", "dt"),
         insert_key="insert_cached_ssm_attention",
-        description="Mamba-1 selective-scan state per sequence: [inner_width, state_size], fp32",
-        check=_check,
-        run=_run,
-        step=_step,
+        math=RecurrentMath(check=_check, run=_run, step=_step),
         triton_decode=triton_ssm.decode_selective,
     )
 )
-torch_selective_scan = SELECTIVE_SCAN.uncached
-torch_cached_selective_scan = SELECTIVE_SCAN.torch_cached
-triton_cached_selective_scan = SELECTIVE_SCAN.triton_cached
 
-__all__ = [
-    "torch_selective_scan",
-    "torch_cached_selective_scan",
-    "triton_cached_selective_scan",
-    "check_selective_scan_args",
-    "SELECTIVE_SCAN",
-]
+__all__ = ["check_selective_scan_args", "SELECTIVE_SCAN"]

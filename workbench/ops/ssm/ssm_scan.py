@@ -30,8 +30,7 @@ from typing import Optional
 
 import torch
 
-from ..recurrent import Inputs, Options, RecurrentOp, define_recurrent_op
-from ..state import StateSpec
+from ..recurrent import Inputs, Options, RecurrentMath, RecurrentOp, RecurrentState, define_recurrent_op
 from . import triton_ssm
 from .ssd import discretize_dt, heads_from_groups, ssd_chunked, ssm_step
 
@@ -95,17 +94,18 @@ SSM = define_recurrent_op(
         name="ssm",
         inputs="Tensor hidden_states, Tensor A, Tensor B, Tensor C, Tensor D, Tensor dt, Tensor dt_bias",
         options=SSM_OPTIONS,
-        state=StateSpec("ssm_state", shape=_ssm_state_shape, dtype=torch.float32),
-        state_layout="heads, head_dim, state",
+        state=RecurrentState(
+            "ssm_state",
+            shape=_ssm_state_shape,
+            dtype=torch.float32,
+            layout="heads, head_dim, state",
+            description="Mamba-2 SSM state per sequence: [heads, head_dim, state_size], fp32",
+        ),
         token_args=("hidden_states", "B", "C", "dt"),
         insert_key="insert_cached_ssm_attention",
-        description="Mamba-2 SSM state per sequence: [heads, head_dim, state_size], fp32",
-        check=_check,
-        run=_run,
-        step=_step,
+        math=RecurrentMath(check=_check, run=_run, step=_step),
         triton_decode=triton_ssm.decode,
     )
 )
-torch_ssm, torch_cached_ssm, triton_cached_ssm = SSM.uncached, SSM.torch_cached, SSM.triton_cached
 
-__all__ = ["torch_ssm", "torch_cached_ssm", "triton_cached_ssm", "check_ssm_args", "SSM_OPTIONS", "SSM"]
+__all__ = ["check_ssm_args", "SSM_OPTIONS", "SSM"]

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..recurrent import Inputs, Options, StepMetadata
+from ..recurrent import DecodeRows, Options
 from ..triton_support import last_dim_contiguous, lazy_kernel, num_warps
 
 #: Largest state tile one program holds (elements): BLOCK_D * BLOCK_N, e.g. 32 x 128 (Mamba-2).
@@ -48,8 +48,6 @@ def kernel():
         out_ptr,
         slot_ptr,
         pos_ptr,
-        first_row,
-        first_token,
         heads_per_group,
         head_dim,
         state_size,
@@ -73,17 +71,16 @@ def kernel():
         HAS_MAX: tl.constexpr,
         PER_CHANNEL: tl.constexpr,
     ):
-        row = tl.program_id(0)
+        token = tl.program_id(0).to(tl.int64)  # decode row r: token r, slot_idx[r], input_pos[r]
         head = tl.program_id(1)
         dd = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] channels of the head
         nn = tl.arange(0, BLOCK_N)  # [BLOCK_N] state entries
         d_ok = dd < head_dim
         n_ok = nn < state_size
         in_tile = d_ok[:, None] & n_ok[None, :]
-        slot = tl.load(slot_ptr + first_row + row).to(tl.int64)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
         # State entries to read: all, or none for a new sequence (input_pos 0), whatever its slot holds.
-        held_n = tl.where(tl.load(pos_ptr + first_row + row) > 0, state_size, 0)
-        token = (first_token + row).to(tl.int64)
+        held_n = tl.where(tl.load(pos_ptr + token) > 0, state_size, 0)
         group = head // heads_per_group
 
         # Mamba-1 (PER_CHANNEL): dt, dt_bias, D per channel, A [d, n]; Mamba-2: one of each per head.
@@ -123,10 +120,8 @@ def kernel():
 
 
 def _launch(
-    inputs: Inputs,
-    step: StepMetadata,
+    rows: DecodeRows,
     state: torch.Tensor,
-    out: torch.Tensor,
     *,
     heads: int,
     head_dim: int,
@@ -138,22 +133,23 @@ def _launch(
     time_step_max: Optional[float],
     per_channel: bool,
 ) -> None:
-    """One launch over the decode rows (``step.first_decode_row..``, tokens ``step.first_decode_token..``
-    of the flattened [1, T, ...] inputs), heads x head_dim blocks of at most ``tile`` state elements."""
+    """One launch over the decode rows (the ``[n, ...]`` inputs), heads x head_dim blocks of at most
+    ``tile`` state elements; writes their ``out`` and state rows in place."""
     import triton
 
     if state.stride(-1) != 1:
         raise ValueError(f"the scan state must be contiguous in its state dim; got strides {state.stride()}")
-    x, bs, cs, dts = (last_dim_contiguous(inputs[k][0]) for k in ("hidden_states", "B", "C", "dt"))
+    inputs = rows.inputs
+    x, bs, cs, dts = (last_dim_contiguous(inputs[k]) for k in ("hidden_states", "B", "C", "dt"))
     d, n = head_dim, inputs["B"].shape[-1]
     block_n = triton.next_power_of_2(n)
     block_d = min(triton.next_power_of_2(d), max(1, tile // block_n))
-    o = out[0]
+    o = rows.out
 
     def head_stride(t: torch.Tensor, dims: int) -> int:  # 0 for Mamba-1's one head (no head dim)
         return t.stride(1) if t.dim() == dims else 0
 
-    kernel()[(step.num_decode, heads, triton.cdiv(d, block_d))](
+    kernel()[(rows.num_rows, heads, triton.cdiv(d, block_d))](
         x,
         dts,
         last_dim_contiguous(inputs["dt_bias"]),
@@ -163,10 +159,8 @@ def _launch(
         last_dim_contiguous(inputs["D"]),
         state,
         o,
-        step.slot_idx,
-        step.input_pos,
-        step.first_decode_row,
-        step.first_decode_token,
+        rows.slot_idx,
+        rows.input_pos,
         heads_per_group,
         d,
         n,
@@ -193,20 +187,18 @@ def _launch(
     )
 
 
-def decode(inputs: Inputs, step: StepMetadata, ssm_state: torch.Tensor, out: torch.Tensor, options: Options) -> None:
-    """Mamba-2 decode rows: ``hidden_states [1, T, h, d]``, B/C ``[1, T, g, n]``, A/D/dt_bias ``[h]``,
-    ``ssm_state [num_slots, h, d, n]``."""
-    _, _, h, d = inputs["hidden_states"].shape
+def decode(rows: DecodeRows, ssm_state: torch.Tensor, options: Options) -> None:
+    """Mamba-2 decode rows: ``hidden_states [n, h, d]``, B/C ``[n, g, n_state]``, A/D/dt_bias ``[h]``,
+    ``ssm_state [num_slots, h, d, n_state]``."""
+    _, h, d = rows.inputs["hidden_states"].shape
     _launch(
-        inputs,
-        step,
+        rows,
         ssm_state,
-        out,
         heads=h,
         head_dim=d,
         tile=TILE_ELEMS,
-        heads_per_group=h // inputs["B"].shape[2],
-        A=inputs["A"],
+        heads_per_group=h // rows.inputs["B"].shape[1],
+        A=rows.inputs["A"],
         stride_ad=0,
         time_step_min=options["time_step_min"],
         time_step_max=options["time_step_max"],
@@ -214,17 +206,14 @@ def decode(inputs: Inputs, step: StepMetadata, ssm_state: torch.Tensor, out: tor
     )
 
 
-def decode_selective(
-    inputs: Inputs, step: StepMetadata, ssm_state: torch.Tensor, out: torch.Tensor, options: Options
-) -> None:
-    """Mamba-1 decode rows: one "head" of d channels, ``hidden_states``/``dt [1, T, d]``, B/C
-    ``[1, T, n]``, ``A [d, n]``, D/dt_bias ``[d]``, ``ssm_state [num_slots, d, n]``; no step clamp."""
-    A = last_dim_contiguous(inputs["A"])
+def decode_selective(rows: DecodeRows, ssm_state: torch.Tensor, options: Options) -> None:
+    """Mamba-1 decode rows: one "head" of d channels, ``hidden_states``/``dt [n, d]``, B/C
+    ``[n, n_state]``, ``A [d, n_state]``, D/dt_bias ``[d]``, ``ssm_state [num_slots, d, n_state]``; no
+    step clamp."""
+    A = last_dim_contiguous(rows.inputs["A"])
     _launch(
-        inputs,
-        step,
+        rows,
         ssm_state,
-        out,
         heads=1,
         head_dim=A.shape[0],
         tile=TILE_ELEMS_PER_CHANNEL,
