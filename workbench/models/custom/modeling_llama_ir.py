@@ -31,22 +31,36 @@ def _layer(config, i: int) -> PreNormBlock:
 
 
 class LlamaIRModel(DecoderStack):
-    """Embedding, decoder layers, final norm: (input_ids, position_ids) [b, s] -> hidden [b, s, H]."""
+    """Embedding, decoder layers, final norm: (input_ids, position_ids) [b, s] -> hidden [b, s, H].
+
+    The other sharding-aware models subclass it with their own decoder layers (``make_layer``) and
+    ``model_name`` (the name their errors give)."""
+
+    model_name = MODEL_NAME
+    make_layer = staticmethod(_layer)
 
     def __init__(self, config):
-        super().__init__(config, _layer, RMSNorm, head_dims(config)[2], MODEL_NAME)
+        super().__init__(config, self.make_layer, RMSNorm, head_dims(config)[2], self.model_name)
 
 
-def _check_config(config) -> None:
+def check_silu(config, model_name: str, hinted_blocks: str = "MLP uses") -> None:
+    """Refuse a ``hidden_act`` other than silu: the hinted blocks (``hinted_blocks``, e.g. ``"MLP uses"``)
+    compute silu only."""
     if config.hidden_act != "silu":
         raise NotImplementedError(
-            f"custom {MODEL_NAME}: hidden_act={config.hidden_act!r}; the hinted MLP uses silu. "
+            f"custom {model_name}: hidden_act={config.hidden_act!r}; the hinted {hinted_blocks} silu. "
             "Load with custom_models=False to export HF's own class"
         )
 
 
+def _check_config(config) -> None:
+    check_silu(config, MODEL_NAME)
+
+
 class LlamaIRForCausalLM(CustomCausalLM):
-    """``forward(input_ids, position_ids)`` -> ``CausalLMOutput`` with a hinted LM head."""
+    """``forward(input_ids, position_ids)`` -> ``CausalLMOutput`` with a hinted LM head.
+
+    The other sharding-aware models subclass it with their own ``decoder_class`` and ``check_config``."""
 
     decoder_class = LlamaIRModel
     check_config = staticmethod(_check_config)

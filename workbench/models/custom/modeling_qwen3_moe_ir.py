@@ -15,21 +15,12 @@ Experts are HF's stacked tensors (``mlp.experts.gate_up_proj [E, 2I, H]`` gate r
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import torch
 from torch import nn
 
-from .common import (
-    OPS,
-    CausalLMOutput,
-    CustomCausalLM,
-    DecoderStack,
-    StackedExperts,
-    TopKSoftmaxRouter,
-    check_export_contract,
-)
-from .ir_layers import HintedAttention, HintedSwiGLU, PreNormBlock, RMSNorm, head_dims, hinted_logits
+from .common import OPS, StackedExperts, TopKSoftmaxRouter
+from .ir_layers import HintedAttention, HintedSwiGLU, PreNormBlock
+from .modeling_llama_ir import LlamaIRForCausalLM, LlamaIRModel, check_silu
 
 MODEL_NAME = "Qwen3MoeIRForCausalLM"
 
@@ -64,34 +55,26 @@ def _layer(config, i: int) -> PreNormBlock:
     return PreNormBlock(config, HintedAttention(config, qk_norm=True), mlp)
 
 
-class Qwen3MoeIRModel(DecoderStack):
-    """Embedding, decoder layers, final norm: (input_ids, position_ids) [b, s] -> hidden [b, s, H]."""
+class Qwen3MoeIRModel(LlamaIRModel):
+    """The Llama IR stack with Qwen3-MoE's layers (q/k norms; MoE or dense MLP): (input_ids,
+    position_ids) [b, s] -> hidden [b, s, H]."""
 
-    def __init__(self, config):
-        super().__init__(config, _layer, RMSNorm, head_dims(config)[2], MODEL_NAME)
+    model_name = MODEL_NAME
+    make_layer = staticmethod(_layer)
 
 
 def _check_config(config) -> None:
-    if config.hidden_act != "silu":
-        raise NotImplementedError(
-            f"custom {MODEL_NAME}: hidden_act={config.hidden_act!r}; the hinted MLP/MoE use silu. "
-            "Load with custom_models=False to export HF's own class"
-        )
+    check_silu(config, MODEL_NAME, hinted_blocks="MLP/MoE use")
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
         raise NotImplementedError(f"custom {MODEL_NAME}: sliding-window attention is not implemented")
 
 
-class Qwen3MoeIRForCausalLM(CustomCausalLM):
-    """``forward(input_ids, position_ids)`` -> ``CausalLMOutput`` with a hinted LM head."""
+class Qwen3MoeIRForCausalLM(LlamaIRForCausalLM):
+    """``forward(input_ids, position_ids)`` -> ``CausalLMOutput`` with a hinted LM head (the Llama IR
+    model's forward over this decoder)."""
 
     decoder_class = Qwen3MoeIRModel
     check_config = staticmethod(_check_config)
-
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, **unused: Any
-    ) -> CausalLMOutput:
-        check_export_contract(position_ids, unused)
-        return CausalLMOutput(logits=hinted_logits(self.model(input_ids, position_ids), self.lm_head))
 
 
 __all__ = ["Qwen3MoeIRForCausalLM", "Qwen3MoeIRModel"]

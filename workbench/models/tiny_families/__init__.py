@@ -1,6 +1,8 @@
 """Tiny random configs of the families behind the cache kinds beyond paged attention: SSM (Mamba-2
 and its attention hybrids), delta rule / gated delta rule, MLA, mRoPE. One module per mechanism,
-each an ``ARCHS`` dict of ``name -> builder`` in the style of ``workbench.models.tiny``."""
+each an ``ARCHS`` dict of ``name -> builder`` in the style of ``workbench.models.tiny``. Most builders are
+data, ``spec.TinyConfig`` (the family's config class and its fields, from the shared sizes of ``sizes.py``);
+a builder with real logic stays a function."""
 
 from __future__ import annotations
 

@@ -23,33 +23,42 @@ oracle default 0.3, or at 0.1-0.2, some prompts of every family settle into a 1-
 from __future__ import annotations
 
 from .sizes import WIDTH
+from .spec import tiny_config
 
 #: What every ALiBi tiny config shares: 2 layers of 4 heads (head dim 16), untied lm head.
 _HEADS = 4
 _LAYERS = 2
 
+#: Falcon-RW's fields (SDPA and eager alike).
+FALCON_RW: dict = dict(
+    hidden_size=WIDTH["hidden_size"],
+    vocab_size=WIDTH["vocab_size"],
+    num_hidden_layers=_LAYERS,
+    num_attention_heads=_HEADS,
+    alibi=True,
+    multi_query=False,
+    new_decoder_architecture=False,
+    parallel_attn=False,
+    bias=True,
+    tie_word_embeddings=False,
+    initializer_range=0.015,
+)
 
-def _bloom():
-    """BLOOM at toy size (refuses SDPA: its attention is one eager baddbmm/bmm chain)."""
-    from transformers import BloomConfig
-
-    config = BloomConfig(
+ARCHS: dict = {
+    # BLOOM refuses SDPA: its attention is one eager baddbmm/bmm chain.
+    "bloom": tiny_config(
+        "BloomConfig",
         hidden_size=WIDTH["hidden_size"],
         vocab_size=WIDTH["vocab_size"],
         n_layer=_LAYERS,
         n_head=_HEADS,
         tie_word_embeddings=False,
         initializer_range=0.03,
-    )
-    config._attn_implementation = "eager"
-    return config
-
-
-def _mpt():
-    """MPT at toy size (eager attention only; ``max_seq_len`` bounds the bias table)."""
-    from transformers import MptConfig
-
-    config = MptConfig(
+        attention="eager",
+    ),
+    # MPT: eager attention only; ``max_seq_len`` bounds the bias table.
+    "mpt": tiny_config(
+        "MptConfig",
         d_model=WIDTH["hidden_size"],
         vocab_size=WIDTH["vocab_size"],
         max_seq_len=WIDTH["max_position_embeddings"],
@@ -58,35 +67,10 @@ def _mpt():
         expansion_ratio=2,  # MLP 128 wide, like the other tiny models
         tie_word_embeddings=False,
         initializer_range=0.03,
-    )
-    config._attn_implementation = "eager"
-    return config
-
-
-def _falcon_alibi(attn: str = "sdpa"):
-    """Falcon-RW (falcon-rw-1b/7b) at toy size: ALiBi instead of RoPE."""
-    from transformers import FalconConfig
-
-    config = FalconConfig(
-        hidden_size=WIDTH["hidden_size"],
-        vocab_size=WIDTH["vocab_size"],
-        num_hidden_layers=_LAYERS,
-        num_attention_heads=_HEADS,
-        alibi=True,
-        multi_query=False,
-        new_decoder_architecture=False,
-        parallel_attn=False,
-        bias=True,
-        tie_word_embeddings=False,
-        initializer_range=0.015,
-    )
-    config._attn_implementation = attn
-    return config
-
-
-def _falcon_alibi_eager():
-    """Falcon-RW with HF's eager attention (the bias enters the logits twice there)."""
-    return _falcon_alibi("eager")
-
-
-ARCHS: dict = {"bloom": _bloom, "mpt": _mpt, "falcon_alibi": _falcon_alibi, "falcon_alibi_eager": _falcon_alibi_eager}
+        attention="eager",
+    ),
+    # Falcon-RW (falcon-rw-1b/7b): ALiBi instead of RoPE, SDPA (Falcon's default) ...
+    "falcon_alibi": tiny_config("FalconConfig", FALCON_RW, attention="sdpa"),
+    # ... and HF's eager attention (the bias enters the logits twice there).
+    "falcon_alibi_eager": tiny_config("FalconConfig", FALCON_RW, attention="eager"),
+}

@@ -21,36 +21,30 @@ Four layers, so that export's layer stamping meets them too.
 
 from __future__ import annotations
 
-from .sizes import COMMON, WIDTH
+from .sizes import COMMON, SMALL_TOKEN_IDS, WIDTH
+from .spec import tiny_config
 
 #: Chunk size of the chunked layers: shorter than the test prompts (see the module docstring).
 CHUNK = 4
 
-
-def _llama4_text():
-    """Llama 4 (Scout/Maverick) text stack at toy size: a chunked RoPE layer, then a full NoPE MoE layer."""
-    from transformers import Llama4TextConfig
-
-    return Llama4TextConfig(
-        **{**COMMON, "intermediate_size": 64},  # MoE experts' width
+ARCHS: dict = {
+    # Llama 4 (Scout/Maverick) text stack at toy size: a chunked RoPE layer, then a full NoPE MoE layer.
+    "llama4_text": tiny_config(
+        "Llama4TextConfig",
+        COMMON,
+        intermediate_size=64,  # MoE experts' width
         intermediate_size_mlp=128,  # the dense layers' MLP
         num_local_experts=4,
         num_experts_per_tok=1,
         moe_layers=[1],
         no_rope_layers=[1, 0],  # 1: RoPE (and chunked attention), 0: NoPE (full attention)
         attention_chunk_size=CHUNK,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-
-
-def _falcon_mqa():
-    """Falcon-7B shape: multi-query attention (one K/V head), parallel attention + MLP, RoPE."""
-    from transformers import FalconConfig
-
-    return FalconConfig(
-        **WIDTH,
+        **SMALL_TOKEN_IDS,
+    ),
+    # Falcon-7B shape: multi-query attention (one K/V head), parallel attention + MLP, RoPE.
+    "falcon_mqa": tiny_config(
+        "FalconConfig",
+        WIDTH,
         num_hidden_layers=4,
         num_attention_heads=4,
         multi_query=True,
@@ -59,10 +53,6 @@ def _falcon_mqa():
         alibi=False,
         ffn_hidden_size=128,
         tie_word_embeddings=False,  # tied, the tiny random model's greedy tokens repeat one token
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-
-
-ARCHS: dict = {"llama4_text": _llama4_text, "falcon_mqa": _falcon_mqa}
+        **SMALL_TOKEN_IDS,
+    ),
+}

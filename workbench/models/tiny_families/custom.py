@@ -13,6 +13,7 @@ that no other tiny family covers yet (merged into ``workbench.models.tiny.TINY_A
 from __future__ import annotations
 
 from .sizes import MLA_DIMS, MLA_HEADS, MLP_WIDTH, WIDTH
+from .spec import tiny_config
 
 #: DeepSeek-V3's routing at toy size: 8 experts of width 32 in 4 groups, 2 groups kept, top-2, 1 shared.
 DEEPSEEK_V3_MOE: dict = dict(
@@ -20,18 +21,17 @@ DEEPSEEK_V3_MOE: dict = dict(
 )
 
 
-def _deepseek_v3():
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(
-        **WIDTH,
-        **MLP_WIDTH,
-        **MLA_HEADS,
-        **MLA_DIMS,
+ARCHS: dict = {
+    "deepseek_v3": tiny_config(
+        "DeepseekV3Config",
+        WIDTH,
+        MLP_WIDTH,
+        MLA_HEADS,
+        MLA_DIMS,
+        DEEPSEEK_V3_MOE,
         num_hidden_layers=4,
         q_lora_rank=24,
         first_k_dense_replace=1,
-        **DEEPSEEK_V3_MOE,
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
         rope_interleave=True,
@@ -44,6 +44,4 @@ def _deepseek_v3():
             "mscale_all_dim": 1.0,
         },
     )
-
-
-ARCHS: dict = {"deepseek_v3": _deepseek_v3}
+}

@@ -20,7 +20,13 @@
 
 from __future__ import annotations
 
-from .sizes import SMALL_TOKEN_IDS, TRANSFORMER
+from typing import TYPE_CHECKING, Any
+
+from .sizes import LINEAR_THEN_FULL_TWICE, SMALL_TOKEN_IDS, TRANSFORMER
+from .spec import TinyConfig, tiny_config
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 #: Qwen3-Next's gated delta nets: 2 key heads and 4 value heads of 16 (each key head serves two).
 GATED_DELTA_NET_HEADS: dict = dict(
@@ -32,52 +38,24 @@ QWEN3_NEXT_MOE: dict = dict(
 )
 
 
-def _qwen3_next():
-    from transformers import Qwen3NextConfig
-
-    return Qwen3NextConfig(
-        **TRANSFORMER,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        partial_rotary_factor=0.25,
-        **GATED_DELTA_NET_HEADS,
-        linear_conv_kernel_dim=4,
-        **QWEN3_NEXT_MOE,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
-
-
-def _linear_then_full(model_type: str, **fields):
+def _linear_then_full(model_type: str, **fields: Any) -> TinyConfig:
     """A gated delta net (Qwen3-Next's head sizes, conv kernel 4) then full attention: the hybrids'
     pattern at its smallest, for the families configured by model type."""
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(
+    return tiny_config(
         model_type,
-        **TRANSFORMER,
+        TRANSFORMER,
+        GATED_DELTA_NET_HEADS,
+        SMALL_TOKEN_IDS,
         num_hidden_layers=2,
         layer_types=["linear_attention", "full_attention"],
-        **GATED_DELTA_NET_HEADS,
         linear_conv_kernel_dim=4,
-        **SMALL_TOKEN_IDS,
         **fields,
     )
 
 
-def _qwen3_5():
-    return _linear_then_full("qwen3_5_text")
-
-
-def _qwen3_5_moe():
-    return _linear_then_full("qwen3_5_moe_text", **QWEN3_NEXT_MOE)
-
-
-def _olmo_hybrid():
-    return _linear_then_full("olmo_hybrid", linear_allow_neg_eigval=True)
-
-
-def _deltanet():
+def _deltanet() -> PretrainedConfig:
+    """The tiny DeltaNet: registers its model with transformers' Auto classes first (no config class
+    of transformers' own to name)."""
     from .deltanet_model import DeltaNetConfig, register_deltanet
 
     register_deltanet()
@@ -87,9 +65,19 @@ def _deltanet():
 
 
 ARCHS: dict = {
-    "qwen3_next": _qwen3_next,
-    "qwen3_5": _qwen3_5,
-    "qwen3_5_moe": _qwen3_5_moe,
-    "olmo_hybrid": _olmo_hybrid,
+    "qwen3_next": tiny_config(
+        "Qwen3NextConfig",
+        TRANSFORMER,
+        GATED_DELTA_NET_HEADS,
+        QWEN3_NEXT_MOE,
+        LINEAR_THEN_FULL_TWICE,
+        partial_rotary_factor=0.25,
+        linear_conv_kernel_dim=4,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    ),
+    "qwen3_5": _linear_then_full("qwen3_5_text"),
+    "qwen3_5_moe": _linear_then_full("qwen3_5_moe_text", **QWEN3_NEXT_MOE),
+    "olmo_hybrid": _linear_then_full("olmo_hybrid", linear_allow_neg_eigval=True),
     "deltanet": _deltanet,
 }

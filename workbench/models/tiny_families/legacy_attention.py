@@ -20,75 +20,32 @@ keep their constructor's 0.02, ``models/build.py``).
 
 from __future__ import annotations
 
-from .more_dense import ORACLE
-from .sizes import SMALL_TOKEN_IDS
+from .more_dense import GPT_SHAPE, MHA, ORACLE, oracle_config
+from .sizes import MLP_WIDTH, WIDTH
+from .spec import tiny_config
 
-
-def _gpt_neo():
-    from transformers import GPTNeoConfig
-
-    config = GPTNeoConfig(
-        vocab_size=512,
-        max_position_embeddings=512,
-        hidden_size=64,
+ARCHS: dict = {
+    "gpt_neo": oracle_config(
+        "GPTNeoConfig",
+        WIDTH,
+        MLP_WIDTH,
         num_layers=2,
         num_heads=4,
-        intermediate_size=128,
         attention_types=[[["local", "global"], 1]],
         window_size=4,
-        **ORACLE,
-        **SMALL_TOKEN_IDS,
-    )
-    config._attn_implementation = "eager"
-    return config
-
-
-def _openai_gpt():
-    from transformers import OpenAIGPTConfig
-
-    config = OpenAIGPTConfig(
-        vocab_size=512, n_positions=512, n_embd=64, n_layer=2, n_head=4, **ORACLE, **SMALL_TOKEN_IDS
-    )
-    config._attn_implementation = "eager"
-    return config
-
-
-def _ctrl():
-    from transformers import CTRLConfig
-
+        attention="eager",
+    ),
+    "openai_gpt": oracle_config("OpenAIGPTConfig", GPT_SHAPE, attention="eager"),
     # std 0.05: at 0.3 HF's greedy tokens on one check prompt hold 3 distinct ids, at 0.05 >= 9
-    oracle = {**ORACLE, "initializer_range": 0.05}
-    return CTRLConfig(vocab_size=512, n_positions=512, n_embd=64, dff=128, n_layer=2, n_head=4, **oracle)
-
-
-def _biogpt():
-    from transformers import BioGptConfig
-
-    return BioGptConfig(
-        vocab_size=512,
-        max_position_embeddings=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        **ORACLE,
-        **SMALL_TOKEN_IDS,
-    )
-
-
-def _xglm():
-    from transformers import XGLMConfig
-
-    return XGLMConfig(
+    "ctrl": tiny_config("CTRLConfig", GPT_SHAPE, ORACLE, dff=128, initializer_range=0.05),
+    "biogpt": oracle_config("BioGptConfig", MHA),
+    "xglm": oracle_config(
+        "XGLMConfig",
         vocab_size=512,
         max_position_embeddings=512,
         d_model=64,
         ffn_dim=128,
         num_layers=2,
         attention_heads=4,
-        **ORACLE,
-        **SMALL_TOKEN_IDS,
-    )
-
-
-ARCHS: dict = {"gpt_neo": _gpt_neo, "openai_gpt": _openai_gpt, "ctrl": _ctrl, "biogpt": _biogpt, "xglm": _xglm}
+    ),
+}

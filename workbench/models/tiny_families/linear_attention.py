@@ -17,32 +17,28 @@ checks it): no re-drawing is needed.
 from __future__ import annotations
 
 from .more_dense import ORACLE
-from .sizes import SMALL_TOKEN_IDS, TRANSFORMER
+from .sizes import LINEAR_THEN_FULL_TWICE, SMALL_TOKEN_IDS, TRANSFORMER
+from .spec import tiny_config
 
 #: Init std 0.1 with an untied head: at ``ORACLE``'s 0.3 the four layers and the top-2 routing amplify
 #: fp32 round-off so much that HF's own fp32 logits sit 4.4e-5 (of their largest magnitude) from HF
 #: in fp64, and the cached decode drifts from a full re-forward by 4.6e-5 RMSE (tokens still equal);
 #: at 0.1 that drift is 4e-7 and HF's greedy tokens still hold 13-16 distinct ids per prompt.
 MINIMAX_ORACLE: dict = {**ORACLE, "initializer_range": 0.1}
-#: MiniMax's layer pattern: lightning attention first, then full attention, twice.
-MINIMAX_LAYERS: list = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 
-def _minimax():
-    from transformers import MiniMaxConfig
-
-    return MiniMaxConfig(
-        **{**TRANSFORMER, "intermediate_size": 64},
-        num_hidden_layers=4,
-        layer_types=MINIMAX_LAYERS,
+ARCHS: dict = {
+    "minimax": tiny_config(
+        "MiniMaxConfig",
+        TRANSFORMER,
+        MINIMAX_ORACLE,
+        SMALL_TOKEN_IDS,
+        LINEAR_THEN_FULL_TWICE,  # lightning attention first, then full attention, twice
+        intermediate_size=64,  # the experts' width
         block_size=16,
         num_local_experts=4,
         num_experts_per_tok=2,
-        **MINIMAX_ORACLE,
-        **SMALL_TOKEN_IDS,
     )
+}
 
-
-ARCHS: dict = {"minimax": _minimax}
-
-__all__ = ["ARCHS", "MINIMAX_LAYERS"]
+__all__ = ["ARCHS"]

@@ -19,48 +19,30 @@ zeroing the carried state (decay 0) moves the mixers' outputs by 33-93% (Mamba),
 from __future__ import annotations
 
 from .sizes import TRANSFORMER, WIDTH
+from .spec import tiny_config
 
 #: Mamba-1 mixer sizes in Mamba / FalconMamba spelling.
 MAMBA1: dict = dict(state_size=16, expand=2, conv_kernel=4, time_step_rank=4)
+#: The same mixer sizes in Jamba's spelling.
+JAMBA_MAMBA1: dict = dict(mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4)
 
-
-def _mamba():
-    """Pure Mamba-1. ``MambaForCausalLM`` has no attention: the builder names eager itself."""
-    from transformers import MambaConfig
-
-    config = MambaConfig(**WIDTH, **MAMBA1, num_hidden_layers=4)
-    config._attn_implementation = "eager"
-    return config
-
-
-def _falcon_mamba():
-    from transformers import FalconMambaConfig
-
-    config = FalconMambaConfig(**WIDTH, **MAMBA1, num_hidden_layers=2)
-    config._attn_implementation = "eager"
-    return config
-
-
-def _jamba():
-    from transformers import JambaConfig
-
-    return JambaConfig(
-        **TRANSFORMER,
+ARCHS: dict = {
+    # Pure Mamba-1. ``MambaForCausalLM`` has no attention: its config names eager itself.
+    "mamba": tiny_config("MambaConfig", WIDTH, MAMBA1, num_hidden_layers=4, attention="eager"),
+    "falcon_mamba": tiny_config("FalconMambaConfig", WIDTH, MAMBA1, num_hidden_layers=2, attention="eager"),
+    "jamba": tiny_config(
+        "JambaConfig",
+        TRANSFORMER,
+        JAMBA_MAMBA1,
         num_hidden_layers=4,
-        attn_layer_period=4,
+        attn_layer_period=4,  # attention on layer 1 of every 4: Mamba, attention, Mamba, Mamba
         attn_layer_offset=1,
-        expert_layer_period=2,
+        expert_layer_period=2,  # the MoE feed-forward on the odd layers
         expert_layer_offset=1,
         num_experts=4,
         num_experts_per_tok=2,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_dt_rank=4,
-    )
-
-
-ARCHS: dict = {"mamba": _mamba, "falcon_mamba": _falcon_mamba, "jamba": _jamba}
+    ),
+}
 
 
 __all__ = ["ARCHS", "MAMBA1"]

@@ -22,61 +22,46 @@ state carries over dozens of tokens.
 
 from __future__ import annotations
 
-from .more_moe import GRANITE_MUP, GRANITE_ORACLE, TOP2
-from .sizes import TRANSFORMER, WIDTH
+from .more_moe import GRANITE_MOE
+from .sizes import MLP_WIDTH, TRANSFORMER, WIDTH
+from .spec import tiny_config
+from .ssm import HYBRID_SSM
 
-#: Mamba-2 sizes in Granite's spelling (Bamba's: ``mamba_*``).
-GRANITE_SSM: dict = dict(
-    mamba_n_heads=8,
-    mamba_d_head=16,
-    mamba_d_state=16,
-    mamba_n_groups=1,
-    mamba_d_conv=4,
-    mamba_expand=2,
-    mamba_chunk_size=16,
-)
 #: Mamba-2 sizes in Zamba2's spelling (its head dim follows from expand * hidden / heads = 16).
 ZAMBA2_SSM: dict = dict(
     n_mamba_heads=8, mamba_d_state=16, mamba_ngroups=1, mamba_d_conv=4, mamba_expand=2, chunk_size=16
 )
+#: Zamba2's one shared transformer block (``num_mem_blocks=1``: both hybrid layers share its attention
+#: and MLP weights), each hybrid layer with its own adapters (``use_shared_attention_adapter``).
+ZAMBA2_SHARED_BLOCK: dict = dict(
+    num_attention_heads=4,
+    num_key_value_heads=4,  # HF's k/v adapters add [b, s, 2 * hidden]: they need as many KV heads as query heads
+    num_mem_blocks=1,
+    use_shared_attention_adapter=True,
+    adapter_rank=8,
+    use_mem_rope=True,
+)
 
-
-def _granitemoehybrid():
-    from transformers import GraniteMoeHybridConfig
-
-    return GraniteMoeHybridConfig(
-        **TRANSFORMER,
-        **GRANITE_SSM,
+ARCHS: dict = {
+    # Granite spells the Mamba-2 sizes as Bamba does (``ssm.HYBRID_SSM``: ``mamba_*``).
+    "granitemoehybrid": tiny_config(
+        "GraniteMoeHybridConfig",
+        TRANSFORMER,
+        HYBRID_SSM,
+        GRANITE_MOE,
         num_hidden_layers=4,
         layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
         position_embedding_type="rope",
-        num_local_experts=4,
-        **TOP2,
         shared_intermediate_size=64,
-        **GRANITE_MUP,
-        **GRANITE_ORACLE,
-    )
-
-
-def _zamba2():
-    """``num_mem_blocks=1``: both hybrid layers share one transformer block (its attention and MLP
-    weights), each with its own adapters (``use_shared_attention_adapter``)."""
-    from transformers import Zamba2Config
-
-    return Zamba2Config(
-        **WIDTH,
-        **ZAMBA2_SSM,
+    ),
+    "zamba2": tiny_config(
+        "Zamba2Config",
+        WIDTH,
+        MLP_WIDTH,
+        ZAMBA2_SSM,
+        ZAMBA2_SHARED_BLOCK,
         num_hidden_layers=4,
         layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
-        num_attention_heads=4,
-        num_key_value_heads=4,  # HF's k/v adapters add [b, s, 2 * hidden]: they need as many KV heads as query heads
-        intermediate_size=128,
-        num_mem_blocks=1,
-        use_shared_attention_adapter=True,
-        adapter_rank=8,
-        use_mem_rope=True,
         initializer_range=0.1,
-    )
-
-
-ARCHS: dict = {"granitemoehybrid": _granitemoehybrid, "zamba2": _zamba2}
+    ),
+}

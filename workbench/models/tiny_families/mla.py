@@ -21,10 +21,9 @@ against 16), plain rotate-half RoPE.
 
 from __future__ import annotations
 
-from .sizes import MLA_DIMS, MLA_HEADS, MLP_WIDTH, SMALL_TOKEN_IDS, WIDTH
+from .sizes import DEEPSEEK_MOE, MLA_DIMS, MLA_HEADS, MLP_WIDTH, SMALL_TOKEN_IDS, WIDTH
+from .spec import tiny_config
 
-#: DeepSeek-V2's MoE at toy size: 4 routed experts (top-2, greedy) of width 64 and 1 shared expert.
-DEEPSEEK_V2_MOE: dict = dict(moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1)
 #: The MLA sizes shared by both variants (see the module docstring).
 MLA_SIZES: dict = dict(
     **WIDTH,
@@ -33,86 +32,49 @@ MLA_SIZES: dict = dict(
     **MLA_DIMS,
     num_hidden_layers=2,
     first_k_dense_replace=1,
-    **DEEPSEEK_V2_MOE,
+    **DEEPSEEK_MOE,  # DeepSeek-V2's MoE at toy size: 4 routed experts (top-2, greedy) and 1 shared expert
     topk_method="greedy",
 )
 
 
-def _deepseek_v2():
-    """DeepSeek-V2(-Lite) shape: queries through one full projection (``q_lora_rank=None``)."""
-    from transformers import DeepseekV2Config
-
-    return DeepseekV2Config(**MLA_SIZES, q_lora_rank=None)
-
-
-def _deepseek_v2_q_lora():
-    """DeepSeek-V2 (full) shape: queries through a low-rank ``q_a_proj -> RMSNorm -> q_b_proj`` too."""
-    from transformers import DeepseekV2Config
-
-    return DeepseekV2Config(**MLA_SIZES, q_lora_rank=24)
-
-
-def _glm4_moe_lite():
-    """GLM-4.7-Flash shape: no q-LoRA, rope 16 | nope 8 | value 24, latent rank 24, interleaved RoPE."""
-    from transformers import Glm4MoeLiteConfig
-
-    mla = dict(kv_lora_rank=24, qk_rope_head_dim=16, qk_nope_head_dim=8, v_head_dim=24, head_dim=16)
-    return Glm4MoeLiteConfig(
-        **WIDTH,
-        **MLP_WIDTH,
-        **MLA_HEADS,
-        **mla,
-        num_hidden_layers=2,
-        mlp_layer_types=["dense", "sparse"],
-        moe_intermediate_size=64,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        q_lora_rank=None,
-        rope_interleave=True,
-    )
-
-
-def _minicpm3():
-    """MiniCPM3 shape: q-LoRA, the shared MLA dims, scaled embeddings and residual branches."""
-    from transformers import MiniCPM3Config
-
-    return MiniCPM3Config(
-        **WIDTH,
-        **MLP_WIDTH,
-        **MLA_HEADS,
-        **MLA_DIMS,
-        head_dim=MLA_DIMS["qk_rope_head_dim"],
-        num_hidden_layers=2,
-        q_lora_rank=24,
-    )
-
-
-def _youtu():
-    """Youtu-LLM shape: q-LoRA, value heads (12) narrower than nope (16), rotate-half RoPE."""
-    from transformers import AutoConfig
-
-    mla = dict(MLA_DIMS, v_head_dim=12)
-    return AutoConfig.for_model(
-        "youtu",
-        **WIDTH,
-        **MLP_WIDTH,
-        **MLA_HEADS,
-        **mla,
-        head_dim=mla["qk_rope_head_dim"],
-        num_hidden_layers=2,
-        q_lora_rank=24,
-        rope_interleave=False,
-        **SMALL_TOKEN_IDS,
-    )
-
+#: GLM-4.7-Flash's MLA: no q-LoRA, rope 16 | nope 8 | value 24, latent rank 24 (rotary ``head_dim`` = rope).
+GLM4_MOE_LITE_MLA: dict = dict(
+    kv_lora_rank=24, qk_rope_head_dim=16, qk_nope_head_dim=8, v_head_dim=24, head_dim=16, q_lora_rank=None
+)
+#: Youtu's MLA: the shared dims with value heads (12) narrower than nope (16).
+YOUTU_MLA: dict = dict(MLA_DIMS, v_head_dim=12)
+#: The dense families' MLA stack: the shared sizes, q-LoRA of rank 24, rotary ``head_dim`` = rope.
+DENSE_MLA: dict = dict(
+    WIDTH,
+    **MLP_WIDTH,
+    **MLA_HEADS,
+    **MLA_DIMS,
+    head_dim=MLA_DIMS["qk_rope_head_dim"],
+    num_hidden_layers=2,
+    q_lora_rank=24,
+)
 
 ARCHS: dict = {
-    "deepseek_v2": _deepseek_v2,
-    "deepseek_v2_q_lora": _deepseek_v2_q_lora,
-    "glm4_moe_lite": _glm4_moe_lite,
-    "minicpm3": _minicpm3,
-    "youtu": _youtu,
+    # DeepSeek-V2(-Lite) shape: queries through one full projection (``q_lora_rank=None``).
+    "deepseek_v2": tiny_config("DeepseekV2Config", MLA_SIZES, q_lora_rank=None),
+    # DeepSeek-V2 (full) shape: queries through a low-rank ``q_a_proj -> RMSNorm -> q_b_proj`` too.
+    "deepseek_v2_q_lora": tiny_config("DeepseekV2Config", MLA_SIZES, q_lora_rank=24),
+    # GLM-4.7-Flash shape: interleaved RoPE, DeepSeek-V2's MoE after a dense layer.
+    "glm4_moe_lite": tiny_config(
+        "Glm4MoeLiteConfig",
+        WIDTH,
+        MLP_WIDTH,
+        MLA_HEADS,
+        GLM4_MOE_LITE_MLA,
+        DEEPSEEK_MOE,
+        num_hidden_layers=2,
+        mlp_layer_types=["dense", "sparse"],
+        n_group=1,
+        topk_group=1,
+        rope_interleave=True,
+    ),
+    # MiniCPM3 shape: q-LoRA, the shared MLA dims, scaled embeddings and residual branches.
+    "minicpm3": tiny_config("MiniCPM3Config", DENSE_MLA),
+    # Youtu-LLM shape: q-LoRA, value heads (12) narrower than nope (16), rotate-half RoPE.
+    "youtu": tiny_config("youtu", DENSE_MLA, YOUTU_MLA, rope_interleave=False, **SMALL_TOKEN_IDS),
 }

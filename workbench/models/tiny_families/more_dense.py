@@ -39,10 +39,17 @@ Checked (seed 0): HF's 16 greedy tokens on each ``workbench check`` prompt hold 
 
 from __future__ import annotations
 
-from .sizes import COMMON, GQA_HEADS, HEAD_DIM, MLP_WIDTH, SMALL_TOKEN_IDS, WIDTH
+from collections.abc import Mapping
+from typing import Any
 
-#: The shared sizes in GPT-2 spelling (``n_embd`` / ``n_layer`` / ``n_head`` / ``n_inner``); multi-head.
-GPT_SIZES: dict = dict(vocab_size=512, n_positions=512, n_embd=64, n_layer=2, n_head=4, n_inner=128)
+from .sizes import COMMON, GQA_HEADS, HEAD_DIM, MLP_WIDTH, SMALL_TOKEN_IDS, WIDTH
+from .spec import TinyConfig, tiny_config
+
+#: The shared sizes in GPT-2 spelling (``n_embd`` / ``n_layer`` / ``n_head``), multi-head, without the
+#: MLP width (OpenAI GPT has no such field, CTRL names it ``dff``) ...
+GPT_SHAPE: dict = dict(vocab_size=512, n_positions=512, n_embd=64, n_layer=2, n_head=4)
+#: ... and with it (``n_inner``).
+GPT_SIZES: dict = dict(GPT_SHAPE, n_inner=128)
 #: The shared sizes for families without GQA: 4 heads of 16 (head dim = hidden / heads).
 MHA: dict = dict(WIDTH, **MLP_WIDTH, num_hidden_layers=2, num_attention_heads=4)
 #: Weights that make greedy decoding depend on the context (see the module docstring): std 0.3 (0.2
@@ -53,129 +60,54 @@ ORACLE: dict = dict(initializer_range=0.3, tie_word_embeddings=False)
 SLIDING_THEN_FULL: dict = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
 
 
-def _gpt2():
-    from transformers import GPT2Config
-
-    return GPT2Config(**GPT_SIZES, **ORACLE, **SMALL_TOKEN_IDS)
-
-
-def _gpt_bigcode():
-    from transformers import GPTBigCodeConfig
-
-    return GPTBigCodeConfig(**GPT_SIZES, multi_query=True, **ORACLE, **SMALL_TOKEN_IDS)
+def oracle_config(family: str, *presets: Mapping[str, Any], attention: str | None = None, **fields: Any) -> TinyConfig:
+    """``family``'s tiny config with the strong-oracle weights (``ORACLE``) and the small token ids, then
+    its presets and fields (which may override either: ``initializer_range=0.2``)."""
+    return tiny_config(family, ORACLE, SMALL_TOKEN_IDS, *presets, attention=attention, **fields)
 
 
-def _gpt_neox():
-    from transformers import GPTNeoXConfig
-
+ARCHS: dict = {
+    "gpt2": oracle_config("GPT2Config", GPT_SIZES),
+    "gpt_bigcode": oracle_config("GPTBigCodeConfig", GPT_SIZES, multi_query=True),
     # rope_parameters' default partial_rotary_factor is 0.25 (Pythia's rotary_pct).
-    return GPTNeoXConfig(**MHA, **ORACLE, **SMALL_TOKEN_IDS)
-
-
-def _gptj():
-    from transformers import GPTJConfig
-
-    return GPTJConfig(**GPT_SIZES, rotary_dim=8, **{**ORACLE, "initializer_range": 0.2}, **SMALL_TOKEN_IDS)
-
-
-def _codegen():
-    from transformers import CodeGenConfig
-
-    return CodeGenConfig(**GPT_SIZES, n_ctx=512, rotary_dim=8, **ORACLE, **SMALL_TOKEN_IDS)
-
-
-def _opt():
-    from transformers import OPTConfig
-
-    # OPT names its init std init_std.
-    return OPTConfig(
-        vocab_size=512,
-        hidden_size=64,
+    "gpt_neox": oracle_config("GPTNeoXConfig", MHA),
+    "gptj": oracle_config("GPTJConfig", GPT_SIZES, rotary_dim=8, initializer_range=0.2),
+    "codegen": oracle_config("CodeGenConfig", GPT_SIZES, n_ctx=512, rotary_dim=8),
+    "opt": tiny_config(
+        "OPTConfig",
+        WIDTH,
+        SMALL_TOKEN_IDS,
         num_hidden_layers=2,
         ffn_dim=128,
-        max_position_embeddings=512,
         num_attention_heads=4,
         word_embed_proj_dim=64,
-        init_std=0.2,
+        init_std=0.2,  # OPT names its init std init_std.
         tie_word_embeddings=False,
-        **SMALL_TOKEN_IDS,
-    )
-
-
-def _falcon_gqa():
-    from transformers import FalconConfig
-
-    return FalconConfig(
-        **WIDTH,
+    ),
+    "falcon_gqa": oracle_config(
+        "FalconConfig",
+        WIDTH,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_kv_heads=2,
         new_decoder_architecture=True,
         alibi=False,
         ffn_hidden_size=128,
-        **ORACLE,
-        **SMALL_TOKEN_IDS,
-    )
-
-
-def _persimmon():
-    from transformers import PersimmonConfig
-
-    return PersimmonConfig(**MHA, qk_layernorm=True, **{**ORACLE, "initializer_range": 0.2}, **SMALL_TOKEN_IDS)
-
-
-def _nemotron():
-    from transformers import NemotronConfig
-
-    return NemotronConfig(**COMMON, **ORACLE, **SMALL_TOKEN_IDS)
-
-
-def _arcee():
-    from transformers import ArceeConfig
-
-    return ArceeConfig(**COMMON, **{**ORACLE, "initializer_range": 0.2}, **SMALL_TOKEN_IDS)
-
-
-def _bitnet():
-    from transformers import BitNetConfig
-
-    return BitNetConfig(**WIDTH, **GQA_HEADS, **MLP_WIDTH, num_hidden_layers=2, **ORACLE, **SMALL_TOKEN_IDS)
-
-
-def _ernie4_5():
-    from transformers import Ernie4_5Config
-
-    return Ernie4_5Config(**COMMON, **ORACLE, **SMALL_TOKEN_IDS)
-
-
-def _hunyuan_v1_dense():
-    from transformers import HunYuanDenseV1Config
-
-    return HunYuanDenseV1Config(**COMMON, **ORACLE, **SMALL_TOKEN_IDS)
-
-
-def _seed_oss():
-    from transformers import SeedOssConfig
-
-    return SeedOssConfig(**COMMON, **ORACLE, **SMALL_TOKEN_IDS)
-
-
-def _olmo3():
-    from transformers import Olmo3Config
-
-    return Olmo3Config(
-        **WIDTH, **GQA_HEADS, **MLP_WIDTH, num_hidden_layers=2, **SLIDING_THEN_FULL, **ORACLE, **SMALL_TOKEN_IDS
-    )
-
-
-def _gemma3n():
-    from transformers import Gemma3nTextConfig
-
-    return Gemma3nTextConfig(
-        **WIDTH,
-        **GQA_HEADS,
-        **HEAD_DIM,
-        **MLP_WIDTH,
+    ),
+    "persimmon": oracle_config("PersimmonConfig", MHA, qk_layernorm=True, initializer_range=0.2),
+    "nemotron": oracle_config("NemotronConfig", COMMON),
+    "arcee": oracle_config("ArceeConfig", COMMON, initializer_range=0.2),
+    "bitnet": oracle_config("BitNetConfig", WIDTH, GQA_HEADS, MLP_WIDTH, num_hidden_layers=2),
+    "ernie4_5": oracle_config("Ernie4_5Config", COMMON),
+    "hunyuan_v1_dense": oracle_config("HunYuanDenseV1Config", COMMON),
+    "seed_oss": oracle_config("SeedOssConfig", COMMON),
+    "olmo3": oracle_config("Olmo3Config", WIDTH, GQA_HEADS, MLP_WIDTH, SLIDING_THEN_FULL, num_hidden_layers=2),
+    "gemma3n": oracle_config(
+        "Gemma3nTextConfig",
+        WIDTH,
+        GQA_HEADS,
+        HEAD_DIM,
+        MLP_WIDTH,
         num_hidden_layers=4,
         sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
@@ -184,26 +116,5 @@ def _gemma3n():
         hidden_size_per_layer_input=16,
         laurel_rank=8,
         activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
-        **ORACLE,
-        **SMALL_TOKEN_IDS,
-    )
-
-
-ARCHS: dict = {
-    "gpt2": _gpt2,
-    "gpt_bigcode": _gpt_bigcode,
-    "gpt_neox": _gpt_neox,
-    "gptj": _gptj,
-    "codegen": _codegen,
-    "opt": _opt,
-    "falcon_gqa": _falcon_gqa,
-    "persimmon": _persimmon,
-    "nemotron": _nemotron,
-    "arcee": _arcee,
-    "bitnet": _bitnet,
-    "ernie4_5": _ernie4_5,
-    "hunyuan_v1_dense": _hunyuan_v1_dense,
-    "seed_oss": _seed_oss,
-    "olmo3": _olmo3,
-    "gemma3n": _gemma3n,
+    ),
 }

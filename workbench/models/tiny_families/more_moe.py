@@ -30,8 +30,8 @@ each ``workbench check`` prompt hold >= 8 distinct ids.
 
 from __future__ import annotations
 
-from .more_dense import ORACLE
-from .sizes import COMMON, SMALL_TOKEN_IDS
+from .more_dense import ORACLE, oracle_config
+from .sizes import COMMON, DEEPSEEK_MOE, MLA_HEADS, WIDTH
 
 #: Top-2 routing.
 TOP2: dict = dict(num_experts_per_tok=2)
@@ -47,94 +47,33 @@ GRANITE_MUP: dict = dict(
     attention_multiplier=0.1, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0
 )
 #: DeepSeek-V3-style routing (sigmoid + choice bias), 4 routed experts and 1 shared, first layer dense.
-V3_ROUTING: dict = dict(**EXPERT_WIDTH, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, **TOP2)
+V3_ROUTING: dict = dict(DEEPSEEK_MOE, first_k_dense_replace=1)
+#: What Granite's MoE families share besides their sizes: 4 experts, top-2, the muP multipliers, init std 0.1.
+GRANITE_MOE: dict = dict(num_local_experts=4, **TOP2, **GRANITE_MUP, **GRANITE_ORACLE)
 
-
-def _olmoe():
-    from transformers import OlmoeConfig
-
-    return OlmoeConfig(**MOE_COMMON, num_experts=4, **TOP2, **ORACLE, **SMALL_TOKEN_IDS)
-
-
-def _granitemoe():
-    from transformers import GraniteMoeConfig
-
-    return GraniteMoeConfig(
-        **MOE_COMMON, num_local_experts=4, **TOP2, **GRANITE_MUP, **GRANITE_ORACLE, **SMALL_TOKEN_IDS
-    )
-
-
-def _granitemoeshared():
-    from transformers import GraniteMoeSharedConfig
-
-    return GraniteMoeSharedConfig(
-        **MOE_COMMON,
-        num_local_experts=4,
-        shared_intermediate_size=64,
-        **TOP2,
-        **GRANITE_MUP,
-        **GRANITE_ORACLE,
-        **SMALL_TOKEN_IDS,
-    )
-
-
-def _phimoe():
-    from transformers import PhimoeConfig
-
-    return PhimoeConfig(**MOE_COMMON, num_local_experts=4, **TOP2, **ORACLE, **SMALL_TOKEN_IDS)
-
-
-def _qwen2_moe():
-    from transformers import Qwen2MoeConfig
-
-    return Qwen2MoeConfig(
-        **COMMON, num_experts=4, **EXPERT_WIDTH, shared_expert_intermediate_size=64, **TOP2, **ORACLE, **SMALL_TOKEN_IDS
-    )
-
-
-def _glm4_moe():
-    from transformers import Glm4MoeConfig
-
-    return Glm4MoeConfig(**COMMON, **V3_ROUTING, n_group=2, topk_group=1, use_qk_norm=True, **ORACLE, **SMALL_TOKEN_IDS)
-
-
-def _dots1():
-    from transformers import Dots1Config
-
-    return Dots1Config(**COMMON, **V3_ROUTING, n_group=1, topk_group=1, **ORACLE, **SMALL_TOKEN_IDS)
-
-
-def _ernie4_5_moe():
-    from transformers import Ernie4_5_MoeConfig
-
-    return Ernie4_5_MoeConfig(
-        **COMMON,
-        **EXPERT_WIDTH,
+ARCHS: dict = {
+    "olmoe": oracle_config("OlmoeConfig", MOE_COMMON, TOP2, num_experts=4),
+    "granitemoe": oracle_config("GraniteMoeConfig", MOE_COMMON, GRANITE_MOE),
+    "granitemoeshared": oracle_config("GraniteMoeSharedConfig", MOE_COMMON, GRANITE_MOE, shared_intermediate_size=64),
+    "phimoe": oracle_config("PhimoeConfig", MOE_COMMON, TOP2, num_local_experts=4),
+    "qwen2_moe": oracle_config(
+        "Qwen2MoeConfig", COMMON, EXPERT_WIDTH, TOP2, num_experts=4, shared_expert_intermediate_size=64
+    ),
+    "glm4_moe": oracle_config("Glm4MoeConfig", COMMON, V3_ROUTING, n_group=2, topk_group=1, use_qk_norm=True),
+    "dots1": oracle_config("Dots1Config", COMMON, V3_ROUTING, n_group=1, topk_group=1),
+    "ernie4_5_moe": oracle_config(
+        "Ernie4_5_MoeConfig",
+        COMMON,
+        EXPERT_WIDTH,
         moe_k=2,
         moe_num_experts=4,
         moe_num_shared_experts=1,
         moe_layer_start_index=1,
-        **ORACLE,
-        **SMALL_TOKEN_IDS,
-    )
-
-
-def _hunyuan_v1_moe():
-    from transformers import HunYuanMoEV1Config
-
-    return HunYuanMoEV1Config(**MOE_COMMON, num_experts=4, moe_topk=2, **ORACLE, **SMALL_TOKEN_IDS)
-
-
-def _minimax_m2():
-    from transformers import MiniMaxM2Config
-
-    return MiniMaxM2Config(**MOE_COMMON, num_local_experts=4, **TOP2, **ORACLE, **SMALL_TOKEN_IDS)
-
-
-def _dbrx():
-    from transformers import DbrxConfig
-
-    return DbrxConfig(
+    ),
+    "hunyuan_v1_moe": oracle_config("HunYuanMoEV1Config", MOE_COMMON, num_experts=4, moe_topk=2),
+    "minimax_m2": oracle_config("MiniMaxM2Config", MOE_COMMON, TOP2, num_local_experts=4),
+    "dbrx": oracle_config(
+        "DbrxConfig",
         d_model=64,
         n_heads=4,
         n_layers=2,
@@ -142,20 +81,11 @@ def _dbrx():
         vocab_size=512,
         attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
         ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2, ffn_act_fn={"name": "silu"}),
-        **ORACLE,
-        **SMALL_TOKEN_IDS,
-    )
-
-
-def _longcat_flash():
-    from transformers import AutoConfig
-
-    from .sizes import MLA_HEADS, WIDTH
-
-    return AutoConfig.for_model(
+    ),
+    "longcat_flash": oracle_config(
         "longcat_flash",
-        **WIDTH,
-        **MLA_HEADS,
+        WIDTH,
+        MLA_HEADS,
         num_layers=2,
         ffn_hidden_size=128,
         q_lora_rank=24,
@@ -168,22 +98,5 @@ def _longcat_flash():
         zero_expert_num=2,
         moe_topk=2,
         expert_ffn_hidden_size=64,
-        **ORACLE,
-        **SMALL_TOKEN_IDS,
-    )
-
-
-ARCHS: dict = {
-    "olmoe": _olmoe,
-    "granitemoe": _granitemoe,
-    "granitemoeshared": _granitemoeshared,
-    "phimoe": _phimoe,
-    "qwen2_moe": _qwen2_moe,
-    "glm4_moe": _glm4_moe,
-    "dots1": _dots1,
-    "ernie4_5_moe": _ernie4_5_moe,
-    "hunyuan_v1_moe": _hunyuan_v1_moe,
-    "minimax_m2": _minimax_m2,
-    "dbrx": _dbrx,
-    "longcat_flash": _longcat_flash,
+    ),
 }

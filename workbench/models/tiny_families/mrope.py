@@ -17,33 +17,31 @@ token id, which is harmless: without pixel values no token is replaced by vision
 from __future__ import annotations
 
 from .sizes import GQA_HEADS, MLP_WIDTH, WIDTH
+from .spec import tiny_config
 
 #: The common sizes without head_dim (hidden / heads in this family), 2 layers, no BOS/EOS.
 TEXT = dict(**WIDTH, **GQA_HEADS, **MLP_WIDTH, num_hidden_layers=2, bos_token_id=None, eos_token_id=None)
 MROPE_SECTION = [2, 3, 3]  # temporal, height, width frequencies; sum = head_dim / 2 = 8
 
 
-def _qwen2_5_vl():
-    from transformers import Qwen2_5_VLConfig
-
-    # head_dim is hidden/heads in this family (16); the text config has no head_dim field of its own.
-    text = dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": MROPE_SECTION})
-    vision = dict(
-        depth=1,
-        hidden_size=16,
-        intermediate_size=32,
-        num_heads=2,
-        out_hidden_size=TEXT["hidden_size"],
-        fullatt_block_indexes=[0],
-    )
-    return Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
+ARCHS: dict = {
+    "qwen2_5_vl": tiny_config(
+        "Qwen2_5_VLConfig",
+        # head_dim is hidden/heads in this family (16); the text config has no head_dim field of its own.
+        text_config=dict(
+            TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": MROPE_SECTION}
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=TEXT["hidden_size"],
+            fullatt_block_indexes=[0],
+        ),
         image_token_id=508,
         video_token_id=509,
         vision_start_token_id=510,
         vision_end_token_id=511,
     )
-
-
-ARCHS: dict = {"qwen2_5_vl": _qwen2_5_vl}
+}

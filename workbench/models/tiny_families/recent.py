@@ -47,85 +47,49 @@ from __future__ import annotations
 
 from typing import Any
 
-from .more_dense import ORACLE
-from .sizes import COMMON, SMALL_TOKEN_IDS
+from .more_dense import SLIDING_THEN_FULL, oracle_config
+from .sizes import COMMON, DEEPSEEK_MOE
+from .spec import TinyConfig
 
 #: 4 routed experts, top-2, 64 wide, one shared expert.
 SMALL_MOE: dict = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
-#: One sliding-window layer (window 4: shorter than the check prompts) then one full layer.
-SLIDING_THEN_FULL: dict = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+#: Granite's sliding-window variants: muP attention multiplier (the sinks are the family's own).
+GRANITE_SWA: dict = dict(SLIDING_THEN_FULL, attention_multiplier=0.25)
 
 
-def _config(model_type: str, **fields: Any):
-    """The family's config class (by model type: the classes' names vary) with the shared sizes."""
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(model_type, **{**COMMON, **ORACLE, **SMALL_TOKEN_IDS, **fields})
+def _recent(model_type: str, **fields: Any) -> TinyConfig:
+    """The family's config (by model type: the classes' names vary) with the shared sizes."""
+    return oracle_config(model_type, COMMON, **fields)
 
 
-def _ministral():
-    return _config("ministral", **SLIDING_THEN_FULL)
-
-
-def _ministral3():
-    return _config("ministral3")
-
-
-def _hyperclovax():
+ARCHS: dict = {
+    "ministral": _recent("ministral", **SLIDING_THEN_FULL),
+    "ministral3": _recent("ministral3"),
     # the muP multipliers away from 1, so each is exercised (as tiny:granite has them)
-    mup = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0)
-    return _config("hyperclovax", **mup)
-
-
-def _cwm():
-    return _config("cwm", sliding_window=4, layer_types=["full_attention", "sliding_attention"])
-
-
-def _diffllama():
-    return _config("diffllama")
-
-
-def _jetmoe():
+    "hyperclovax": _recent(
+        "hyperclovax", embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0
+    ),
+    "cwm": _recent("cwm", sliding_window=4, layer_types=["full_attention", "sliding_attention"]),
+    "diffllama": _recent("diffllama"),
     # MoA: query heads = KV heads x experts per token; 4 experts, top-2, for attention heads and MLP
-    return _config("jetmoe", num_local_experts=4, num_experts_per_tok=2, kv_channels=16)
-
-
-def _exaone_moe():
-    return _config(
+    "jetmoe": _recent("jetmoe", num_local_experts=4, num_experts_per_tok=2, kv_channels=16),
+    "exaone_moe": _recent(
         "exaone_moe",
         **SMALL_MOE,
         num_shared_experts=1,
         first_k_dense_replace=1,
         mlp_layer_types=["dense", "sparse"],
         **SLIDING_THEN_FULL,
-    )
-
-
-def _flex_olmo():
+    ),
     # 8 experts: with 4 (top-2) HF's greedy tokens repeat on one check prompt (6 distinct of 16)
-    return _config("flex_olmo", num_experts=8, num_experts_per_tok=2)
-
-
-def _solar_open():
-    return _config(
-        "solar_open", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1
-    )
-
-
-def _hy_v3():
-    return _config("hy_v3", **SMALL_MOE, num_shared_experts=1, mlp_layer_types=["dense", "sparse"])
-
-
-def _laguna():
-    return _config("laguna", **SMALL_MOE, shared_expert_intermediate_size=64, mlp_layer_types=["dense", "sparse"])
-
-
-def _vaultgemma():
-    return _config("vaultgemma", query_pre_attn_scalar=16, **SLIDING_THEN_FULL)
-
-
-def _mimo_v2_flash():
-    return _config(
+    "flex_olmo": _recent("flex_olmo", num_experts=8, num_experts_per_tok=2),
+    "solar_open": _recent("solar_open", **DEEPSEEK_MOE),
+    "hy_v3": _recent("hy_v3", **SMALL_MOE, num_shared_experts=1, mlp_layer_types=["dense", "sparse"]),
+    "afmoe": _recent("afmoe", **SMALL_MOE, num_shared_experts=1, num_dense_layers=1, **SLIDING_THEN_FULL),
+    "laguna": _recent("laguna", **SMALL_MOE, shared_expert_intermediate_size=64, mlp_layer_types=["dense", "sparse"]),
+    "apertus": _recent("apertus", num_hidden_layers=3),
+    "vaultgemma": _recent("vaultgemma", query_pre_attn_scalar=16, **SLIDING_THEN_FULL),
+    "mimo_v2_flash": _recent(
         "mimo_v2_flash",
         v_head_dim=8,
         layer_types=["full_attention", "sliding_attention"],
@@ -135,41 +99,9 @@ def _mimo_v2_flash():
         num_experts_per_tok=2,
         moe_intermediate_size=64,
         attention_value_scale=0.707,
-    )
-
-
-def _granite_swa(model_type: str = "granite_swa", **fields: Any):
-    return _config(model_type, **SLIDING_THEN_FULL, attention_multiplier=0.25, **fields)
-
-
-def _granitemoe_swa():
-    return _granite_swa("granitemoe_swa", num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)
-
-
-def _apertus():
-    return _config("apertus", num_hidden_layers=3)
-
-
-def _afmoe():
-    return _config("afmoe", **SMALL_MOE, num_shared_experts=1, num_dense_layers=1, **SLIDING_THEN_FULL)
-
-
-ARCHS: dict = {
-    "ministral": _ministral,
-    "ministral3": _ministral3,
-    "hyperclovax": _hyperclovax,
-    "cwm": _cwm,
-    "diffllama": _diffllama,
-    "jetmoe": _jetmoe,
-    "exaone_moe": _exaone_moe,
-    "flex_olmo": _flex_olmo,
-    "solar_open": _solar_open,
-    "hy_v3": _hy_v3,
-    "afmoe": _afmoe,
-    "laguna": _laguna,
-    "apertus": _apertus,
-    "vaultgemma": _vaultgemma,
-    "mimo_v2_flash": _mimo_v2_flash,
-    "granite_swa": _granite_swa,
-    "granitemoe_swa": _granitemoe_swa,
+    ),
+    "granite_swa": _recent("granite_swa", **GRANITE_SWA),
+    "granitemoe_swa": _recent(
+        "granitemoe_swa", **GRANITE_SWA, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64
+    ),
 }

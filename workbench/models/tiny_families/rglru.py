@@ -19,13 +19,12 @@ move it by percents).
 from __future__ import annotations
 
 from .sizes import WIDTH
+from .spec import tiny_config
 
-
-def _recurrent_gemma():
-    from transformers import RecurrentGemmaConfig
-
-    return RecurrentGemmaConfig(
-        **WIDTH,
+ARCHS: dict = {
+    "recurrent_gemma": tiny_config(
+        "RecurrentGemmaConfig",
+        WIDTH,
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=1,
@@ -35,9 +34,7 @@ def _recurrent_gemma():
         conv1d_width=4,
         block_types=["recurrent", "recurrent", "attention"],
     )
-
-
-ARCHS: dict = {"recurrent_gemma": _recurrent_gemma}
+}
 
 #: The recurrent block class of the family (what ``models/canonical/rglru.py`` patches).
 RECURRENT_BLOCK_CLASSES = ("RecurrentGemmaRecurrentBlock",)

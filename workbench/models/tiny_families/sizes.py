@@ -22,6 +22,11 @@ TRANSFORMER: dict = dict(**WIDTH, **GQA_HEADS, **HEAD_DIM, **MLP_WIDTH)
 #: The plain families: the transformer stack, 2 layers.
 COMMON: dict = dict(TRANSFORMER, num_hidden_layers=2)
 
+#: The linear-attention hybrids' four layers: a linear (recurrent) mixer then full attention, twice.
+LINEAR_THEN_FULL_TWICE: dict = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
+
 #: Multi-head latent attention: 4 heads (K/V come from one shared latent), every MLA dim distinct.
 MLA_HEADS: dict = dict(num_attention_heads=4, num_key_value_heads=4)
 MLA_DIMS: dict = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+#: Mixture of experts in DeepSeek's spelling: 4 routed experts of width 64, top-2, 1 shared expert.
+DEEPSEEK_MOE: dict = dict(moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1)

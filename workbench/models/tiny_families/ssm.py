@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 from .sizes import TRANSFORMER
+from .spec import tiny_config
 
 #: Mamba-2 mixer sizes, in Bamba / Falcon-H1 spelling (``mamba_*``).
 HYBRID_SSM: dict = dict(
@@ -42,12 +43,11 @@ HYBRID_SSM: dict = dict(
 HYBRID_ATTENTION: dict = TRANSFORMER
 
 
-def _mamba2():
-    """Pure Mamba-2. ``Mamba2ForCausalLM`` refuses sdpa (it has no attention), so the builder names
-    eager itself (``build_tiny_config`` sets sdpa only when unset)."""
-    from transformers import Mamba2Config
-
-    config = Mamba2Config(
+ARCHS: dict = {
+    # Pure Mamba-2. ``Mamba2ForCausalLM`` refuses sdpa (it has no attention), so its config names eager
+    # itself (``build_tiny_config`` sets sdpa only when unset).
+    "mamba2": tiny_config(
+        "Mamba2Config",
         hidden_size=64,
         num_hidden_layers=4,
         num_heads=8,
@@ -58,23 +58,13 @@ def _mamba2():
         conv_kernel=4,
         chunk_size=16,
         vocab_size=512,
-    )
-    config._attn_implementation = "eager"
-    return config
-
-
-def _bamba():
-    from transformers import BambaConfig
-
-    return BambaConfig(**HYBRID_ATTENTION, **HYBRID_SSM, num_hidden_layers=4, attn_layer_indices=[1])
-
-
-def _falcon_h1():
-    from transformers import FalconH1Config
-
-    return FalconH1Config(
-        **HYBRID_ATTENTION,
-        **HYBRID_SSM,
+        attention="eager",
+    ),
+    "bamba": tiny_config("BambaConfig", HYBRID_ATTENTION, HYBRID_SSM, num_hidden_layers=4, attn_layer_indices=[1]),
+    "falcon_h1": tiny_config(
+        "FalconH1Config",
+        HYBRID_ATTENTION,
+        HYBRID_SSM,
         num_hidden_layers=2,
         mamba_d_ssm=128,  # inner width = heads * head_dim (Falcon-H1 may decouple it from expand * hidden)
         mamba_rms_norm=True,
@@ -87,16 +77,12 @@ def _falcon_h1():
         mlp_multipliers=[0.7, 1.3],
         embedding_multiplier=1.5,
         lm_head_multiplier=0.6,
-    )
-
-
-def _nemotron_h():
-    """The block pattern as a string (``hybrid_override_pattern``, NemotronH's original spelling):
-    recent configs convert it to ``layers_block_type`` for backward compatibility."""
-    from transformers import NemotronHConfig
-
-    return NemotronHConfig(
-        **HYBRID_ATTENTION,
+    ),
+    # The block pattern as a string (``hybrid_override_pattern``, NemotronH's original spelling):
+    # recent configs convert it to ``layers_block_type`` for backward compatibility.
+    "nemotron_h": tiny_config(
+        "NemotronHConfig",
+        HYBRID_ATTENTION,
         hybrid_override_pattern="M*M-",
         mamba_num_heads=8,
         mamba_head_dim=16,
@@ -104,10 +90,8 @@ def _nemotron_h():
         n_groups=1,
         conv_kernel=4,
         chunk_size=16,
-    )
-
-
-ARCHS: dict = {"mamba2": _mamba2, "bamba": _bamba, "falcon_h1": _falcon_h1, "nemotron_h": _nemotron_h}
+    ),
+}
 
 
 #: Mixer classes of the families above (``checkpoint_like_ssm_weights`` finds mixers by structure,
