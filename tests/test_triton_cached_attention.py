@@ -291,10 +291,10 @@ def test_unavailable_without_interpreter_says_why(monkeypatch):
 def test_bad_arguments_are_named(change, message):
     args = make_inputs(Case((2, 1), (0, 3), 1, hq=4, hkv=2), torch.float32)
     args.update(change)
-    names = ("q", "k", "v", "k_cache", "v_cache", "seq_lens", "input_pos", "page_table",
-             "num_prefill", "sliding_window", "sinks")
+    from workbench.ops.attention.cached_attention_schema import CachedAttentionArgs
+
     with pytest.raises(ValueError, match=message):
-        tca._check(*(args[n] for n in names))
+        tca._check(CachedAttentionArgs(**args))
 
 
 def test_fake_impl_gives_q_shape_and_dtype():
@@ -368,7 +368,11 @@ def test_kernels_compile_for_hopper():
                   HAS_SINKS=True, HAS_ALIBI=True, HAS_CHUNK=True)
     variants = [
         (paged_kv_append.paged_kv_append_kernel, "fp16",
-         dict(NUM_KV_HEADS=3, HEAD_DIM=64, H_PAD=4, D_PAD=64, B_PAD=8, PAGE_SIZE=16)),
+         dict(NUM_KV_HEADS=3, H_PAD=4, K_DIM=64, K_PAD=64, V_DIM=64, V_PAD=64, B_PAD=8, PAGE_SIZE=16)),
+        # triton_cached_mla's latent cache at DeepSeek-V2's sizes: one head, latent r = 512 as K,
+        # rope key dr = 64 as V
+        (paged_kv_append.paged_kv_append_kernel, "bf16",
+         dict(NUM_KV_HEADS=1, H_PAD=1, K_DIM=512, K_PAD=512, V_DIM=64, V_PAD=64, B_PAD=64, PAGE_SIZE=64)),
         (paged_decode.paged_decode_reduce_kernel, "fp16",
          dict(HEAD_DIM=64, D_PAD=64, NUM_SPLITS=8, S_PAD=8)),
     ]

@@ -11,7 +11,7 @@ unavailable, with the reason, where the kernels cannot be built -- no variant fo
 from __future__ import annotations
 
 from ..library import declare_op
-from .torch_cached_attention import CACHED_ATTENTION_ARGS, cached_attention_fake
+from .cached_attention_schema import CACHED_ATTENTION_ARGS, cached_attention_fake
 
 cpu_cached_attention = declare_op(
     "cpu_cached_attention" + CACHED_ATTENTION_ARGS,

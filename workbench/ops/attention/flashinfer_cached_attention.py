@@ -32,7 +32,7 @@ refused under capture with a message saying how to capture it.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Tuple, cast
 
 import torch
@@ -41,7 +41,8 @@ from ..flashinfer_support import FLASHINFER_DTYPES, flashinfer_attention_unsuppo
 from ..flashinfer_support import flashinfer_available as is_available  # noqa: F401  (public per-op name)
 from ..step_plan import HostStep, active_planner
 from ..triton_support import HAS_TRITON
-from .torch_cached_attention import define_cached_attention, token_layout, write_kv
+from .cached_attention_schema import CachedAttentionArgs, define_cached_attention
+from .torch_cached_attention import token_layout, write_kv
 
 _WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace (split-KV scratch)
 _KERNELS = "fa2"  # FlashInfer's FA2 kernels: sm80+, one JIT family for every step kind
@@ -63,17 +64,23 @@ def unsupported(head_dim: int, v_head_dim: int, dtype: torch.dtype, has_sinks: b
 
 @dataclass(frozen=True)
 class PlanKey:
-    """What one FlashInfer plan serves: every layer with these values shares it in a step."""
+    """What one FlashInfer plan serves: every layer with these values shares it in a step. The
+    fields are ``BatchPrefillWithPagedKVCacheWrapper.plan()``'s keyword arguments of those names
+    (``plan_arguments``)."""
 
     num_qo_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim_qk: int
     page_size: int
     window_left: int  # -1: no window
     logits_soft_cap: Optional[float]
     sm_scale: float
-    q_dtype: torch.dtype
-    kv_dtype: torch.dtype
+    q_data_type: torch.dtype
+    kv_data_type: torch.dtype
+
+    def plan_arguments(self) -> Dict[str, Any]:
+        """``plan()``'s keyword arguments for this key."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def host_indices(step: HostStep) -> Tuple[torch.Tensor, ...]:
@@ -184,22 +191,7 @@ class FlashInferPlanner:
             assert self._step is not None  # begin_step ran before any plan
             self._indices = host_indices(self._step)  # host tensors: plan() reads them without a sync
         qo_indptr, kv_indptr, kv_indices, last_page_len = self._indices
-        w.plan(
-            qo_indptr,
-            kv_indptr,
-            kv_indices,
-            last_page_len,
-            num_qo_heads=key.num_qo_heads,
-            num_kv_heads=key.num_kv_heads,
-            head_dim_qk=key.head_dim,
-            page_size=key.page_size,
-            causal=True,
-            sm_scale=key.sm_scale,
-            window_left=key.window_left,
-            logits_soft_cap=key.logits_soft_cap,
-            q_data_type=key.q_dtype,
-            kv_data_type=key.kv_dtype,
-        )
+        w.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, causal=True, **key.plan_arguments())
         self._planned[slot] = self._step_id
         self.plans += 1
 
@@ -220,44 +212,32 @@ def _unmanaged_planner(device: torch.device, step: HostStep) -> FlashInferPlanne
     return planner
 
 
-def _refusal(q, k, v, k_cache, v_cache, sinks) -> Optional[str]:
+def _refusal(call: CachedAttentionArgs) -> Optional[str]:
     """Why FlashInfer cannot serve this call (None: it can)."""
-    why = unsupported(q.shape[-1], v.shape[-1], q.dtype, sinks is not None)
+    q, k, v, k_cache, v_cache = call[:5]
+    why = unsupported(q.shape[-1], v.shape[-1], q.dtype, call.sinks is not None)
     if why is None and k_cache.dtype not in FLASHINFER_DTYPES:
         why = f"KV cache dtype {str(k_cache.dtype).replace('torch.', '')} (FlashInfer takes float16 or bfloat16)"
     if why is None and (q.shape[2] % k.shape[2] or v_cache.dtype != k_cache.dtype):
         why = f"{q.shape[2]} query heads over {k.shape[2]} KV heads, caches {k_cache.dtype}/{v_cache.dtype}"
+    if why is None and call.alibi_slopes is not None:
+        why = ALIBI_UNSUPPORTED
+    if why is None and call.chunk_size is not None:
+        why = CHUNKED_UNSUPPORTED
     return why
 
 
-def flashinfer_cached_attention(
-    q,
-    k,
-    v,
-    k_cache,
-    v_cache,
-    seq_lens,
-    input_pos,
-    page_table,
-    num_prefill,
-    scale,
-    sliding_window=None,
-    logit_cap=None,
-    sinks=None,
-    alibi_slopes=None,
-    chunk_size=None,
-) -> torch.Tensor:
-    """FlashInfer paged attention under the shared cached-attention schema (``torch_cached_attention``)."""
-    why = _refusal(q, k, v, k_cache, v_cache, sinks)
-    if why is None and alibi_slopes is not None:
-        why = ALIBI_UNSUPPORTED
-    if why is None and chunk_size is not None:
-        why = CHUNKED_UNSUPPORTED
+def flashinfer_cached_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """FlashInfer paged attention; ``args``/``kwargs``: the shared cached-attention arguments
+    (``CachedAttentionArgs``)."""
+    call = CachedAttentionArgs(*args, **kwargs)
+    why = _refusal(call)
     if why is not None:
         raise ValueError(
             f"flashinfer_cached_attention cannot serve this call: {why}. Use the {OTHER_BACKENDS} "
             "cached attention backend (insert_cached_attention.backend=triton)."
         )
+    q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, scale = call[:10]
     ok, missing = is_available(q.device)
     if not ok:
         raise RuntimeError(f"flashinfer_cached_attention cannot run: {missing}. Use the {OTHER_BACKENDS} backend.")
@@ -280,16 +260,17 @@ def flashinfer_cached_attention(
         planner = _unmanaged_planner(
             q.device, HostStep.from_device(seq_lens, input_pos, page_table, page_size, int(num_prefill))
         )
+    window, cap = call.sliding_window, call.logit_cap
     key = PlanKey(
-        q.shape[2],
-        k.shape[2],
-        q.shape[3],
-        page_size,
-        -1 if sliding_window is None else int(sliding_window) - 1,
-        float(logit_cap) if logit_cap else None,
-        float(scale),
-        q.dtype,
-        k_cache.dtype,
+        num_qo_heads=q.shape[2],
+        num_kv_heads=k.shape[2],
+        head_dim_qk=q.shape[3],
+        page_size=page_size,
+        window_left=-1 if window is None else int(window) - 1,
+        logits_soft_cap=float(cap) if cap else None,
+        sm_scale=float(scale),
+        q_data_type=q.dtype,
+        kv_data_type=k_cache.dtype,
     )
     out = planner.wrapper(key, page_table.shape[1]).run(q[0].contiguous(), (k_cache, v_cache))  # [T, Hq, Dv]
     return out.to(q.dtype).unsqueeze(0)

@@ -1,7 +1,8 @@
 """``workbench::torch_cached_attention``: attention over a paged KV cache for a mixed batch.
 
 This is the reference every cached backend (``triton_cached_attention``,
-``flashinfer_cached_attention``) is tested against, and the CPU path of the runtime. One call
+``flashinfer_cached_attention``) is tested against, and the CPU path of the runtime; they share its
+schema (``cached_attention_schema.py``). One call
 serves a whole step of continuous batching: B sequences whose new tokens are laid back to back
 in one flattened token dimension T (so the same graph runs prefill, decode and mixed batches)::
 
@@ -40,7 +41,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..library import define_op
+from .cached_attention_schema import define_cached_attention
 
 
 def token_layout(seq_lens: torch.Tensor, input_pos: torch.Tensor, num_tokens: int):
@@ -332,33 +333,6 @@ def torch_cached_attention(
         alibi = None if alibi_slopes is None else (alibi_slopes, (k_pos[None, :] - (totals - 1)[:, None])[:, None])
         out[0, a:] = _attend(qd, kc, vc, keep, scale, logit_cap, sinks, alibi)[:, 0].to(out.dtype)
     return out
-
-
-# Registered through ``define_op`` (a ``torch.library.Library`` kernel) rather than ``custom_op``:
-# for an op that mutates its inputs, custom_op adds a Python ADInplaceOrView kernel whose per-call
-# argument handling (``fill_defaults`` walking the schema) costs ~50-80 us -- more than the
-# attention itself in a CPU decode step, 30 times per token. The C++ fallback does the same
-# version-counter bump. Every cached-attention backend op (triton, flashinfer) shares this schema
-# and fake: one signature, so they are interchangeable in a graph.
-CACHED_ATTENTION_ARGS = (
-    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-    "Tensor seq_lens, Tensor input_pos, Tensor page_table, SymInt num_prefill, float scale, "
-    "SymInt? sliding_window=None, float? logit_cap=None, Tensor? sinks=None, Tensor? alibi_slopes=None, "
-    "SymInt? chunk_size=None) -> Tensor"
-)
-
-
-def cached_attention_fake(q, k, v, *_metadata, **_options):
-    """Output of every cached-attention op: q's shape with v's head dim [1, T, Hq, Dv]."""
-    return q.new_empty(*q.shape[:-1], v.shape[-1])
-
-
-def define_cached_attention(name: str, impl, host_sync: Optional[str] = None):
-    """Register ``workbench::<name>`` with the shared cached-attention schema and fake (``host_sync``:
-    why it cannot be captured in a CUDA graph, if it cannot)."""
-    return define_op(
-        name + CACHED_ATTENTION_ARGS, impl, cached_attention_fake, host_sync=host_sync, category="attention"
-    )
 
 
 define_cached_attention(

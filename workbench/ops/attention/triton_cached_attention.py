@@ -26,12 +26,12 @@ op runs under CUDA graphs. The op is always registered; ``is_available`` says wh
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from ..triton_support import triton_available as is_available  # noqa: F401  (public per-op name)
-from .torch_cached_attention import define_cached_attention
+from .cached_attention_schema import CachedAttentionArgs, define_cached_attention
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,8 +59,10 @@ def _decode_splits(device: torch.device, num_decode: int, num_kv_heads: int, max
     return max(1, min(want, most, 64))
 
 
-def _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, sliding_window, sinks, alibi=None):
+def _check(call: CachedAttentionArgs) -> None:
     """Shape/dtype checks that need no device->host sync."""
+    q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table = call[:8]
+    num_prefill, sliding_window, sinks, alibi = call.num_prefill, call.sliding_window, call.sinks, call.alibi_slopes
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"triton_cached_attention: q must be [1, T, Hq, D], got {tuple(q.shape)}")
     _, t, hq, d = q.shape
@@ -92,25 +94,9 @@ def _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefi
         raise ValueError(f"triton_cached_attention: alibi_slopes must be [{hq}], got {tuple(alibi.shape)}")
 
 
-def cached_attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    input_pos: torch.Tensor,
-    page_table: torch.Tensor,
-    num_prefill: int,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    logit_cap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    chunk_size: Optional[int] = None,
-    num_splits: Optional[int] = None,
-) -> torch.Tensor:
-    """Launch write + prefill + decode; shapes as in the module docstring.
+def cached_attention_forward(*args: Any, num_splits: Optional[int] = None, **kwargs: Any) -> torch.Tensor:
+    """Launch write + prefill + decode; ``args``/``kwargs``: the cached-attention arguments
+    (``CachedAttentionArgs``), shapes as in the module docstring.
 
     ``num_splits`` forces the decode split-K factor (tests use it; None picks one per device).
     """
@@ -120,7 +106,10 @@ def cached_attention_forward(
     from .triton_kernels.paged_kv_append import append_paged_kv
     from .triton_kernels.paged_prefill import paged_prefill_kernel
 
-    _check(q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, sliding_window, sinks, alibi_slopes)
+    call = CachedAttentionArgs(*args, **kwargs)
+    _check(call)
+    q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table, num_prefill, scale = call[:10]
+    sliding_window, logit_cap, sinks, alibi_slopes, chunk_size = call[10:]
     dev = q.device
     _, t, hq, d = q.shape
     hkv = k.shape[2]
@@ -256,7 +245,7 @@ def triton_cached_attention(
     **options,
 ) -> torch.Tensor:
     """Write k/v into the paged caches, then paged causal attention; see the module docstring.
-    ``metadata``/``options``: the shared cached-attention schema (``torch_cached_attention``)."""
+    ``metadata``/``options``: the rest of the shared cached-attention arguments (``CachedAttentionArgs``)."""
     ok, why = is_available(q.device)
     if not ok:
         raise RuntimeError(

@@ -31,7 +31,7 @@ stale slots of reused pages are zeroed in the gathered copy before they enter an
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Any, Callable, List, NamedTuple, Tuple
 
 import torch
 
@@ -40,11 +40,37 @@ from ..library import define_op
 from .torch_mla import mla_absorbed, mla_dims, mla_expanded, torch_mla_reference
 
 
-def check_cached_mla_args(
-    q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, seq_lens, input_pos, page_table, num_prefill
-) -> Tuple[List[int], List[int], int]:
+class CachedMLAArgs(NamedTuple):
+    """The arguments of a cached-MLA op (``torch_cached_mla``, ``triton_cached_mla``) by name, in
+    the order of their shared schema (``CACHED_MLA_SCHEMA``; checked when an op is defined). The
+    dispatcher hands a kernel all of them positionally; a direct call may name them."""
+
+    q_nope: torch.Tensor  # [1, T, n, dn]
+    q_pe: torch.Tensor  # [1, T, n, dr], rotated
+    compressed_kv: torch.Tensor  # [1, T, r]: the latent
+    kpe: torch.Tensor  # [1, T, 1, dr]: the rotated rope key
+    kv_b_proj_weight: torch.Tensor  # [n * (dn + dv), r]
+    mla_cache: torch.Tensor  # [num_pages, page_size, r + dr]; the new rows are written into it
+    seq_lens: torch.Tensor  # [B] int32: new tokens of each sequence
+    input_pos: torch.Tensor  # [B] int32: tokens of each sequence already cached
+    page_table: torch.Tensor  # [B, max_pages_per_seq] int32
+    num_prefill: int  # sequences 0..num_prefill-1 prefill (any length), the rest decode (1 token)
+    scale: float
+
+
+def check_latent_cache(mla_cache: torch.Tensor, r: int, dr: int) -> None:
+    """``mla_cache`` must be [num_pages, page_size, r + dr]: latent then rope key per token."""
+    if mla_cache.dim() != 3 or mla_cache.shape[2] != r + dr:
+        raise ValueError(
+            f"mla_cache {tuple(mla_cache.shape)} does not hold latent + rope key rows: expected "
+            f"[num_pages, page_size, {r} + {dr}]"
+        )
+
+
+def check_cached_mla_args(call: CachedMLAArgs) -> Tuple[List[int], List[int], int]:
     """Validate shapes and metadata; returns (seq_lens, input_pos) as host lists and dv."""
-    n, dn, dr, r, dv = mla_dims(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight)
+    q_nope, q_pe, compressed_kv, kpe, _, mla_cache = call[:6]
+    n, dn, dr, r, dv = mla_dims(*call[:5])  # from q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight
     t = q_nope.shape[1]
     if q_nope.shape[0] != 1 or q_pe.shape[:2] != (1, t) or compressed_kv.shape[:2] != (1, t) or kpe.shape[:2] != (1, t):
         raise ValueError(
@@ -52,12 +78,10 @@ def check_cached_mla_args(
             f"{tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, compressed_kv {tuple(compressed_kv.shape)}, "
             f"kpe {tuple(kpe.shape)}"
         )
-    if mla_cache.dim() != 3 or mla_cache.shape[2] != r + dr:
-        raise ValueError(
-            f"mla_cache {tuple(mla_cache.shape)} does not hold latent + rope key rows: expected "
-            f"[num_pages, page_size, {r} + {dr}]"
-        )
-    lens, past = check_paged_metadata(seq_lens, input_pos, page_table, num_prefill, ("q_nope", t), mla_cache.shape[1])
+    check_latent_cache(mla_cache, r, dr)
+    lens, past = check_paged_metadata(
+        call.seq_lens, call.input_pos, call.page_table, call.num_prefill, ("q_nope", t), mla_cache.shape[1]
+    )
     return lens, past, dv
 
 
@@ -76,17 +100,17 @@ def write_latents(compressed_kv, kpe, mla_cache, seq_lens, input_pos, page_table
     mla_cache[pages, pos % page_size] = torch.cat([compressed_kv[0], kpe[0, :, 0]], dim=-1).to(mla_cache.dtype)
 
 
-def prefill_rows(
-    q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, lens, past, page_table, num_prefill, scale, out
-) -> int:
+def prefill_rows(call: CachedMLAArgs, lens: List[int], past: List[int], out: torch.Tensor) -> int:
     """Attention of the ``num_prefill`` prefill sequences (their rows already written), into ``out``
     [1, T, n, dv]; ``lens``/``past`` are the host lists. Returns the first decode row's token index.
     Shared by ``triton_cached_mla``, whose prefill rows run this same torch code."""
+    q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache = call[:6]
+    page_table, scale = call.page_table, call.scale
     r = compressed_kv.shape[-1]
     page_size = mla_cache.shape[1]
     device = q_nope.device
     a = 0
-    for i in range(num_prefill):
+    for i in range(call.num_prefill):
         b, total = a + lens[i], past[i] + lens[i]
         if past[i] == 0 and mla_cache.dtype == compressed_kv.dtype:  # fresh prefill: keys = its new tokens
             out[0, a:b] = torch_mla_reference(
@@ -102,31 +126,19 @@ def prefill_rows(
     return a
 
 
-def torch_cached_mla(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    compressed_kv: torch.Tensor,
-    kpe: torch.Tensor,
-    kv_b_proj_weight: torch.Tensor,
-    mla_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    input_pos: torch.Tensor,
-    page_table: torch.Tensor,
-    num_prefill: int,
-    scale: float,
-) -> torch.Tensor:
-    """Write the step's latents into the paged cache, then attend; see the module docstring."""
-    lens, past, dv = check_cached_mla_args(
-        q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, seq_lens, input_pos, page_table, num_prefill
-    )
+def torch_cached_mla(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """Write the step's latents into the paged cache, then attend; see the module docstring.
+    ``args``/``kwargs``: the cached-MLA arguments (``CachedMLAArgs``)."""
+    call = CachedMLAArgs(*args, **kwargs)
+    lens, past, dv = check_cached_mla_args(call)
+    q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, seq_lens, input_pos, page_table = call[:9]
+    num_prefill, scale = call.num_prefill, call.scale
     r = compressed_kv.shape[-1]
     device = q_nope.device
     page_size = mla_cache.shape[1]
     write_latents(compressed_kv, kpe, mla_cache, seq_lens, input_pos, page_table)
     out = q_nope.new_empty(*q_nope.shape[:-1], dv)  # [1, T, n, dv]
-    a = prefill_rows(
-        q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, lens, past, page_table, num_prefill, scale, out
-    )
+    a = prefill_rows(call, lens, past, out)
     if num_prefill < len(lens):  # decode rows: absorbed, keys padded to the longest and masked
         totals = input_pos[num_prefill:].long().to(device) + 1  # [Bd]
         longest = max(past[num_prefill:]) + 1
@@ -151,24 +163,39 @@ CACHED_MLA_SCHEMA = (
     "Tensor(a!) mla_cache, Tensor seq_lens, Tensor input_pos, Tensor page_table, SymInt num_prefill, "
     "float scale) -> Tensor"
 )
-torch_cached_mla_op = define_op(
-    CACHED_MLA_SCHEMA,
+
+
+def define_cached_mla(name: str, impl: Callable, **traits: Any):
+    """Register ``workbench::<name>`` with the shared cached-MLA schema and fake; ``traits``: its
+    ``OpTraits`` beyond the category (``host_sync``)."""
+    op = define_op(
+        CACHED_MLA_SCHEMA.replace("torch_cached_mla", name, 1), impl, cached_mla_fake, category="attention", **traits
+    )
+    names = tuple(a.name for a in op.default._schema.arguments)
+    if names != CachedMLAArgs._fields:
+        raise TypeError(f"CachedMLAArgs {CachedMLAArgs._fields} does not match the cached-MLA schema {names}")
+    return op
+
+
+torch_cached_mla_op = define_cached_mla(
+    "torch_cached_mla",
     torch_cached_mla,
-    cached_mla_fake,
     host_sync=(
         "reads seq_lens and input_pos on the host (.tolist()); insert_cached_mla_attention.backend=triton "
         "(auto on CUDA) is captured"
     ),
-    category="attention",
 )
 
 __all__ = [
     "torch_cached_mla",
     "torch_cached_mla_op",
+    "CachedMLAArgs",
+    "define_cached_mla",
     "gather_latents",
     "write_latents",
     "prefill_rows",
     "check_cached_mla_args",
+    "check_latent_cache",
     "cached_mla_fake",
     "CACHED_MLA_SCHEMA",
 ]

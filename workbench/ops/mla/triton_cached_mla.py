@@ -3,7 +3,8 @@
 Same schema and semantics as ``torch_cached_mla`` (``torch_cached_mla.py``: shapes, metadata, the
 cache layout ``[num_pages, page_size, r + dr]``). What differs is how a step runs:
 
-* the cache write is one Triton launch for every new token (``triton_mla_kernels.append_kernel``);
+* the cache write is one Triton launch for every new token (``append_paged_kv``, shared with the
+  cached-attention ops: the latent cache is a one-head K/V cache of latent and rope-key columns);
 * decode rows use the absorbed form on the device, in a fixed number of launches whatever the batch:
   ``q_lat = W_k^T q_nope`` (one batched matmul over heads: ``[n, Bd, dn] @ [n, dn, r]``), the
   paged attention against the cached latents + rope keys (``decode_kernel``: one program per decode
@@ -33,35 +34,32 @@ CPU under ``TRITON_INTERPRET=1`` for tests). Called where they cannot, it raises
 from __future__ import annotations
 
 import functools
+from typing import Any, List
 
 import torch
 
-from ..library import define_op
 from ..triton_support import last_dim_contiguous, require_triton
 from ..triton_support import triton_available as is_available  # noqa: F401  (public per-op name)
-from .torch_cached_mla import CACHED_MLA_SCHEMA, cached_mla_fake, check_cached_mla_args, prefill_rows
+from .torch_cached_mla import CachedMLAArgs, check_cached_mla_args, check_latent_cache, define_cached_mla, prefill_rows
 from .torch_mla import mla_dims, split_kv_b
-from .triton_mla_kernels import LOG2E, append_kernel, decode_kernel
+from .triton_mla_kernels import LOG2E, decode_kernel
 
 USE_TORCH = "insert_cached_mla_attention.backend=torch"
 
 
-def _check_decode_only(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, seq_lens, input_pos, page_table):
+def _check_decode_only(call: CachedMLAArgs):
     """The checks of a decode-only step, from shapes alone (no host read): one token per sequence
     and a cache of latent + rope rows. Returns ``(n, dn, dr, r, dv)``."""
-    dims = mla_dims(q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight)
+    dims = mla_dims(*call[:5])  # from q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight
     _, dn, dr, r, _ = dims
+    q_nope, seq_lens, input_pos, page_table = call.q_nope, call.seq_lens, call.input_pos, call.page_table
     t, b = q_nope.shape[1], seq_lens.shape[0]
     if q_nope.shape[0] != 1 or t != b or input_pos.shape != (b,) or page_table.dim() != 2 or page_table.shape[0] < b:
         raise ValueError(
             f"triton_cached_mla: a decode-only step has one token per sequence: q_nope {tuple(q_nope.shape)}, "
             f"seq_lens {tuple(seq_lens.shape)}, input_pos {tuple(input_pos.shape)}, page_table {tuple(page_table.shape)}"
         )
-    if mla_cache.dim() != 3 or mla_cache.shape[2] != r + dr:
-        raise ValueError(
-            f"mla_cache {tuple(mla_cache.shape)} does not hold latent + rope key rows: expected "
-            f"[num_pages, page_size, {r} + {dr}]"
-        )
+    check_latent_cache(call.mla_cache, r, dr)
     return dims
 
 
@@ -75,33 +73,15 @@ def _check_layout(mla_cache, seq_lens, input_pos, page_table) -> None:
 
 
 def write_latents_triton(compressed_kv, kpe, mla_cache, seq_lens, input_pos, page_table) -> None:
-    """One launch of T programs: each new token's ``[compressed_kv, kpe]`` row into its page slot."""
-    import triton
+    """One launch of T programs: each new token's ``[compressed_kv, kpe]`` row into its page slot.
+    The latent cache is written as a one-head K/V cache (``append_paged_kv``, the attention ops'
+    cache write): K is its first r columns (the latent), V the last dr (the rope key)."""
+    from ..attention.triton_kernels.paged_kv_append import append_paged_kv
 
-    t, r = compressed_kv.shape[1], compressed_kv.shape[2]
-    dr = kpe.shape[3]
-    if t == 0:
-        return
-    append_kernel()[(t,)](
-        compressed_kv,
-        kpe,
-        mla_cache,
-        seq_lens,
-        input_pos,
-        page_table,
-        seq_lens.shape[0],
-        compressed_kv.stride(1),
-        kpe.stride(1),
-        mla_cache.stride(0),
-        mla_cache.stride(1),
-        page_table.stride(0),
-        R=r,
-        DR=dr,
-        R_PAD=triton.next_power_of_2(r),
-        DR_PAD=triton.next_power_of_2(dr),
-        B_PAD=max(2, triton.next_power_of_2(seq_lens.shape[0])),
-        PAGE_SIZE=mla_cache.shape[1],
-    )
+    r = compressed_kv.shape[2]
+    rows = mla_cache.unsqueeze(2)  # [num_pages, page_size, 1, r + dr]: one "head"
+    latent = compressed_kv[0].unsqueeze(1)  # [T, 1, r]
+    append_paged_kv(latent, kpe[0], rows[..., :r], rows[..., r:], seq_lens, input_pos, page_table)
 
 
 def _launch_config(device: torch.device, dtype: torch.dtype, r_pad: int) -> dict:
@@ -129,11 +109,13 @@ def decode_splits(device: torch.device, programs: int, max_keys: int, block_n: i
     return max(1, min(want, max(1, -(-max_keys // block_n) // 2), 32))
 
 
-def decode_rows_triton(q_nope, q_pe, kv_b_proj_weight, mla_cache, input_pos, page_table, num_prefill, scale, out):
+def decode_rows_triton(call: CachedMLAArgs, out: torch.Tensor) -> None:
     """The decode rows (the last ``B - num_prefill`` tokens) in the absorbed form: absorb, one
     attention launch (+ the split merge when it splits), project; writes them into ``out`` [1, T, n, dv]."""
     import triton
 
+    q_nope, q_pe, kv_b_proj_weight, mla_cache = call.q_nope, call.q_pe, call.kv_b_proj_weight, call.mla_cache
+    input_pos, page_table, num_prefill = call.input_pos, call.page_table, call.num_prefill
     b = input_pos.shape[0]
     nd = b - num_prefill
     if nd <= 0:
@@ -164,7 +146,7 @@ def decode_rows_triton(q_nope, q_pe, kv_b_proj_weight, mla_cache, input_pos, pag
         num_prefill,
         first,
         n,
-        float(scale) * LOG2E,
+        float(call.scale) * LOG2E,
         q_lat.stride(0),
         q_lat.stride(1),
         q_pe3.stride(0),
@@ -197,49 +179,32 @@ def decode_rows_triton(q_nope, q_pe, kv_b_proj_weight, mla_cache, input_pos, pag
     out[0, first:] = proj.transpose(0, 1).to(out.dtype)
 
 
-def triton_cached_mla(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    compressed_kv: torch.Tensor,
-    kpe: torch.Tensor,
-    kv_b_proj_weight: torch.Tensor,
-    mla_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    input_pos: torch.Tensor,
-    page_table: torch.Tensor,
-    num_prefill: int,
-    scale: float,
-) -> torch.Tensor:
-    """Write the step's latents, then attend (decode rows in Triton); see the module docstring."""
+def triton_cached_mla(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """Write the step's latents, then attend (decode rows in Triton); see the module docstring.
+    ``args``/``kwargs``: the cached-MLA arguments (``CachedMLAArgs``)."""
+    call = CachedMLAArgs(*args, **kwargs)
+    q_nope, compressed_kv, kpe, mla_cache = call.q_nope, call.compressed_kv, call.kpe, call.mla_cache
+    seq_lens, input_pos, page_table = call.seq_lens, call.input_pos, call.page_table
     require_triton(q_nope.device, "triton_cached_mla", USE_TORCH)
     _check_layout(mla_cache, seq_lens, input_pos, page_table)
-    if num_prefill == 0:  # decode only: the CUDA-graph path, no host read
-        dv = _check_decode_only(
-            q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, seq_lens, input_pos, page_table
-        )[4]
-        lens = past = None
+    if call.num_prefill == 0:  # decode only: the CUDA-graph path, no host read
+        dv = _check_decode_only(call)[4]
+        lens: List[int] = []  # no prefill rows
+        past: List[int] = []
     else:
-        lens, past, dv = check_cached_mla_args(
-            q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache, seq_lens, input_pos, page_table, num_prefill
-        )
+        lens, past, dv = check_cached_mla_args(call)
     out = q_nope.new_empty(*q_nope.shape[:-1], dv)  # [1, T, n, dv]
     write_latents_triton(
         last_dim_contiguous(compressed_kv), last_dim_contiguous(kpe), mla_cache, seq_lens, input_pos, page_table
     )
-    if num_prefill:
-        tokens = (q_nope, q_pe, compressed_kv, kpe, kv_b_proj_weight, mla_cache)
-        prefill_rows(*tokens, lens, past, page_table, num_prefill, scale, out)
-    decode_rows_triton(q_nope, q_pe, kv_b_proj_weight, mla_cache, input_pos, page_table, num_prefill, scale, out)
+    if call.num_prefill:
+        prefill_rows(call, lens, past, out)
+    decode_rows_triton(call, out)
     return out
 
 
 # No host_sync: a decode-only step reads nothing on the host (the only steps a CUDA graph captures).
-triton_cached_mla_op = define_op(
-    CACHED_MLA_SCHEMA.replace("torch_cached_mla", "triton_cached_mla", 1),
-    triton_cached_mla,
-    cached_mla_fake,
-    category="attention",
-)
+triton_cached_mla_op = define_cached_mla("triton_cached_mla", triton_cached_mla)
 
 __all__ = [
     "triton_cached_mla",

@@ -1,11 +1,9 @@
-"""The two Triton kernels of ``triton_cached_mla``: the latent-cache write and the absorbed decode.
+"""The absorbed-decode Triton kernel of ``triton_cached_mla`` (its cache write is the attention
+ops' ``append_paged_kv``, on two column views of the latent cache).
 
 Cache layout (one page pool per layer): ``mla_cache[page, slot, :r]`` is a token's latent
 (``compressed_kv``), ``mla_cache[page, slot, r:r + dr]`` its rotated rope key; sequence ``b`` keeps
 logical position ``pos`` at ``page_table[b, pos // PAGE_SIZE]``, slot ``pos % PAGE_SIZE``.
-
-``append_kernel`` -- grid (T,): token t finds its sequence from ``seq_lens`` (a cumulative sum over
-the batch, one block) and writes its ``[latent, rope key]`` row; no metadata is prepared on the host.
 
 ``decode_kernel`` -- grid (num_decode, cdiv(n, H_BLOCK), NUM_SPLITS): decode row j (sequence
 num_prefill + j, at position ``input_pos``) for a block of H_BLOCK heads and one of NUM_SPLITS
@@ -36,54 +34,6 @@ from ..triton_support import lazy_kernel
 
 # Softmax in base 2 (exp2 is the native instruction): logits are multiplied by log2(e) once.
 LOG2E = 1.4426950408889634
-
-
-@lazy_kernel
-def append_kernel():
-    """The jitted cache-write kernel, built on first use (importing this module never needs triton,
-    and ``TRITON_INTERPRET`` is read when a kernel is decorated)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def mla_append_kernel(
-        latent_ptr,
-        kpe_ptr,
-        cache_ptr,
-        seq_lens_ptr,
-        input_pos_ptr,
-        page_table_ptr,
-        num_seqs,
-        stride_lt,
-        stride_kt,
-        stride_cp,
-        stride_cs,
-        stride_pt,
-        R: tl.constexpr,
-        DR: tl.constexpr,
-        R_PAD: tl.constexpr,
-        DR_PAD: tl.constexpr,
-        B_PAD: tl.constexpr,
-        PAGE_SIZE: tl.constexpr,
-    ):
-        t = tl.program_id(0)
-        offs_b = tl.arange(0, B_PAD)
-        lens = tl.load(seq_lens_ptr + offs_b, mask=offs_b < num_seqs, other=0)
-        ends = tl.cumsum(lens, axis=0)  # one past each sequence's last token
-        done = ends <= t  # sequences wholly before token t
-        b = tl.sum(done.to(tl.int32), axis=0)
-        start = tl.max(tl.where(done, ends, 0), axis=0)
-        pos = tl.load(input_pos_ptr + b) + t - start
-        page = tl.load(page_table_ptr + b * stride_pt + pos // PAGE_SIZE).to(tl.int64)
-        row = cache_ptr + page * stride_cp + (pos % PAGE_SIZE).to(tl.int64) * stride_cs
-        offs_r = tl.arange(0, R_PAD)
-        lat = tl.load(latent_ptr + t.to(tl.int64) * stride_lt + offs_r, mask=offs_r < R)
-        tl.store(row + offs_r, lat.to(cache_ptr.dtype.element_ty), mask=offs_r < R)
-        offs_e = tl.arange(0, DR_PAD)
-        kpe = tl.load(kpe_ptr + t.to(tl.int64) * stride_kt + offs_e, mask=offs_e < DR)
-        tl.store(row + R + offs_e, kpe.to(cache_ptr.dtype.element_ty), mask=offs_e < DR)
-
-    return mla_append_kernel
 
 
 @lazy_kernel
@@ -198,4 +148,4 @@ def decode_kernel():
     return mla_decode_kernel
 
 
-__all__ = ["append_kernel", "decode_kernel", "LOG2E"]
+__all__ = ["decode_kernel", "LOG2E"]

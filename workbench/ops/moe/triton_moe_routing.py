@@ -17,12 +17,15 @@ from typing import Tuple
 import torch
 
 from ..library import workbench_op
+from ..triton_support import lazy_kernel
 from ..triton_support import triton_available as is_available  # noqa: F401  (public per-op name)
 from .torch_moe_routing import torch_moe_topk_softmax
 
 
+@lazy_kernel
 def _kernel():
-    """Build the jitted kernel on first use, so importing this module never needs triton."""
+    """Build the jitted kernel on first use, so importing this module never needs triton; built
+    once (a new JITFunction per call would compile -- or load from triton's disk cache -- again)."""
     import triton
     import triton.language as tl
 

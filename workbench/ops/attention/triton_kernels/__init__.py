@@ -5,9 +5,10 @@ call: importing ``workbench.ops`` never needs triton, and ``triton.jit`` reads `
 when a kernel is decorated, so the env var set before the first call decides compiled vs
 interpreted for the whole process.
 
-- ``paged_common``: jitted helpers (logical position -> cache row offset, soft-cap).
+- ``paged_common``: jitted helpers (logical position -> cache row offset, query/output rows, the
+  online-softmax step, soft-cap, ALiBi).
 - ``paged_kv_append``: writes the step's new K/V rows into their pages (one launch; also used by
-  the FlashInfer op).
+  the FlashInfer op, and by ``triton_cached_mla`` for its latent cache).
 - ``paged_prefill``: flash-attention over query tiles of one sequence and its pages (causal).
 - ``paged_decode``: one query token per sequence, the GQA group per program, optional split-K
   plus the kernel that merges the splits.

@@ -24,6 +24,32 @@ def paged_row_offsets(page_table_row_ptr, pos, mask, stride_page, stride_slot, P
 
 
 @triton.jit
+def token_rows(tokens, heads, offs_d, strides):
+    """Element offsets [M, D_PAD] of the (token, head) rows of a [T, H, D] tensor: ``tokens`` and
+    ``heads`` broadcast to [M, 1] (one of them an [M, 1] column, the other a scalar), ``offs_d``
+    [D_PAD] runs along D, ``strides`` is the tensor's (T, H, D) strides. A stride tuple is indexed,
+    never unpacked in the kernel: triton < 3.7 cannot hash a kernel whose source unpacks nested
+    tuples."""
+    return tokens * strides[0] + heads * strides[1] + offs_d[None, :] * strides[2]
+
+
+@triton.jit
+def load_queries(q_ptr, tokens, heads, offs_d, mask, q_strides, FP32_DOT: tl.constexpr):
+    """The query rows (``token_rows``) [M, D_PAD], 0 where masked; fp32 under FP32_DOT (k/v follow
+    q's dtype in ``attend_block``)."""
+    q = tl.load(q_ptr + token_rows(tokens, heads, offs_d, q_strides), mask=mask, other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def store_rows(out_ptr, tokens, heads, offs_d, rows, mask, out_strides):
+    """``rows`` [M, D_PAD] into the output rows (``token_rows``), in the output's dtype."""
+    tl.store(out_ptr + token_rows(tokens, heads, offs_d, out_strides), rows.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def load_kv_block(
     k_cache_ptr,
     v_cache_ptr,
@@ -84,18 +110,23 @@ def attend_block(
     acc,
     scale,
     cap,
+    slopes,
+    q_pos,
+    k_pos,
     HAS_CAP: tl.constexpr,
     FP32_DOT: tl.constexpr,
-    bias=0.0,
-    HAS_BIAS: tl.constexpr = False,
+    HAS_ALIBI: tl.constexpr,
 ):
     """One online-softmax step over a block of keys (the flash-attention update).
 
-    q [M, D] (M query rows), k/v [N, D] in q's dtype, visible [M, N] bool; running state
-    m_i [M] (max logit, base 2), l_i [M] (sum of exp2), acc [M, D] fp32 -> updated (m_i, l_i, acc).
-    FP32_DOT (q already fp32): full fp32 products; tl.dot would otherwise use TF32 on GPUs.
-    HAS_BIAS: ``bias`` [M, N] fp32 (ALiBi) is added to the scaled, capped logits.
+    q [M, D] (M query rows), k/v [N, D] in the caches' dtype (cast to q's here), visible [M, N]
+    bool; running state m_i [M] (max logit, base 2), l_i [M] (sum of exp2), acc [M, D] fp32 ->
+    updated (m_i, l_i, acc). FP32_DOT (q already fp32): full fp32 products; tl.dot would otherwise
+    use TF32 on GPUs. HAS_ALIBI: the bias ``alibi_block(slopes, q_pos [M], k_pos [N])`` is added
+    to the scaled, capped logits (``slopes``, ``q_pos`` are not read without it).
     """
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     if FP32_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -104,8 +135,8 @@ def attend_block(
         s = soft_cap(s * scale, cap) * LOG2E
     else:
         s = s * (scale * LOG2E)
-    if HAS_BIAS:
-        s = s + bias * LOG2E
+    if HAS_ALIBI:
+        s = s + alibi_block(slopes, q_pos, k_pos) * LOG2E
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead of -inf keeps

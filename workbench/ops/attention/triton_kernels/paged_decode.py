@@ -14,7 +14,7 @@ the output itself.
 import triton
 import triton.language as tl
 
-from .paged_common import alibi_block, attend_block, initial_state, load_kv_block
+from .paged_common import attend_block, initial_state, load_kv_block, load_queries, store_rows
 
 
 @triton.jit
@@ -55,10 +55,7 @@ def paged_decode_kernel(
     (contiguous; unused when NUM_SPLITS == 1).
     """
     scale, window, cap, chunk = scalars
-    # one name per level: triton < 3.7 cannot hash a kernel whose source unpacks nested tuples
     q_strides, o_strides, kc_strides, vc_strides, stride_pt = strides
-    stride_qt, stride_qh, stride_qd = q_strides
-    stride_ot, stride_oh, stride_od = o_strides
     j = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -82,13 +79,8 @@ def paged_decode_kernel(
     heads = kv_head * GROUP + offs_g
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
-    q = tl.load(
-        q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=g_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    if FP32_DOT:
-        q = q.to(tl.float32)  # k/v follow q's dtype below
+    q_ok = g_ok[:, None] & d_ok[None, :]  # the group's query (and output) rows
+    q = load_queries(q_ptr, t, heads[:, None], offs_d, q_ok, q_strides, FP32_DOT)  # [G_PAD, D_PAD]
 
     # The sink joins the softmax once: in split 0 only (the merge carries it to the others).
     m_i, l_i = initial_state(sinks_ptr, heads, g_ok, G_PAD, HAS_SINKS)
@@ -97,9 +89,11 @@ def paged_decode_kernel(
         m_i = tl.where(first, m_i, float("-inf"))
         l_i = tl.where(first, l_i, 0.0)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    if HAS_ALIBI:  # one slope per query head of the group
+    if HAS_ALIBI:  # one slope per query head of the group, every row at the token's position
         slopes = tl.load(slopes_ptr + heads, mask=g_ok, other=0.0).to(tl.float32)[:, None]
         q_pos = pos + tl.zeros([G_PAD], tl.int32)
+    else:
+        slopes, q_pos = 0.0, pos  # not read
     pt_row = page_table_ptr + b * stride_pt
     for s0 in range(start, end, BLOCK_N):
         offs_n, n_ok, k, v = load_kv_block(
@@ -107,22 +101,14 @@ def paged_decode_kernel(
         )
         # Causality, the window and the chunk are already in [start, end): only the block tail is masked.
         visible = g_ok[:, None] & n_ok[None, :]
-        if HAS_ALIBI:
-            bias = alibi_block(slopes, q_pos, offs_n)
-        else:
-            bias = 0.0
         m_i, l_i, acc = attend_block(
-            q, k.to(q.dtype), v.to(q.dtype), visible, m_i, l_i, acc, scale, cap, HAS_CAP, FP32_DOT, bias, HAS_ALIBI
+            q, k, v, visible, m_i, l_i, acc, scale, cap, slopes, q_pos, offs_n, HAS_CAP, FP32_DOT, HAS_ALIBI
         )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # l == 0: padded group rows, or an empty split
     out = acc / l_safe[:, None]
     if NUM_SPLITS == 1:
-        tl.store(
-            out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-            out.to(out_ptr.dtype.element_ty),
-            mask=g_ok[:, None] & d_ok[None, :],
-        )
+        store_rows(out_ptr, t, heads[:, None], offs_d, out, q_ok, o_strides)
     else:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         row = (j * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [G_PAD]

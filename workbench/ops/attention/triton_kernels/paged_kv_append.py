@@ -7,9 +7,12 @@ bytes, are the time. Here one program per new token finds its sequence from ``se
 (a cumulative sum over the batch, which fits one block), so nothing is prepared beforehand and
 the launch needs no host read: a CUDA graph captures it.
 
-Shapes: k, v ``[T, Hkv, D]``; k_cache, v_cache ``[num_pages, page_size, Hkv, D]``; seq_lens,
-input_pos ``[B]`` int32 (sequence b's tokens are the ``seq_lens[b]`` rows after those of
-sequences ``0..b-1``, at positions ``input_pos[b]...``); page_table ``[B, P]`` int32.
+Shapes: k ``[T, Hkv, D]``, v ``[T, Hkv, Dv]``; k_cache ``[num_pages, page_size, Hkv, D]``, v_cache
+``[num_pages, page_size, Hkv, Dv]``; seq_lens, input_pos ``[B]`` int32 (sequence b's tokens are the
+``seq_lens[b]`` rows after those of sequences ``0..b-1``, at positions ``input_pos[b]...``);
+page_table ``[B, P]`` int32. The caches may be views: ``triton_cached_mla`` writes its latent
+cache ``[num_pages, page_size, r + dr]`` as a one-head K cache (its first r columns, the latent)
+and V cache (the last dr, the rope key) of the same page pool.
 """
 
 from __future__ import annotations
@@ -17,6 +20,35 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .paged_common import token_rows
+
+
+@triton.jit
+def copy_into_slot(
+    src_ptr,
+    src_strides,
+    dst_ptr,
+    dst_strides,
+    t,
+    page,
+    slot,
+    NUM_HEADS: tl.constexpr,
+    H_PAD: tl.constexpr,
+    DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    """Row t ``[NUM_HEADS, DIM]`` of ``src`` ``[T, NUM_HEADS, DIM]`` into slot ``slot`` of page
+    ``page`` of ``dst`` ``[num_pages, page_size, NUM_HEADS, DIM]``, in dst's dtype; ``*_strides``:
+    the tensors' strides."""
+    offs_h = tl.arange(0, H_PAD)[:, None]
+    offs_d = tl.arange(0, D_PAD)
+    mask = (offs_h < NUM_HEADS) & (offs_d[None, :] < DIM)
+    row = tl.load(src_ptr + token_rows(t, offs_h, offs_d, src_strides), mask=mask)
+    dst = dst_ptr + page * dst_strides[0] + slot * dst_strides[1]
+    tl.store(
+        dst + offs_h * dst_strides[2] + offs_d[None, :] * dst_strides[3], row.to(dst_ptr.dtype.element_ty), mask=mask
+    )
 
 
 @triton.jit
@@ -31,9 +63,11 @@ def paged_kv_append_kernel(
     num_seqs,
     strides,
     NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
     H_PAD: tl.constexpr,
-    D_PAD: tl.constexpr,
+    K_DIM: tl.constexpr,
+    K_PAD: tl.constexpr,
+    V_DIM: tl.constexpr,
+    V_PAD: tl.constexpr,
     B_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
 ):
@@ -50,24 +84,9 @@ def paged_kv_append_kernel(
     pos = tl.load(input_pos_ptr + b) + t - start
     page = tl.load(page_table_ptr + b * stride_pt + pos // PAGE_SIZE).to(tl.int64)
     slot = (pos % PAGE_SIZE).to(tl.int64)
-
-    offs_h = tl.arange(0, H_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(k_ptr + t * k_strides[0] + offs_h[:, None] * k_strides[1] + offs_d[None, :] * k_strides[2], mask=mask)
-    k_dst = k_cache_ptr + page * kc_strides[0] + slot * kc_strides[1]
-    tl.store(
-        k_dst + offs_h[:, None] * kc_strides[2] + offs_d[None, :] * kc_strides[3],
-        k.to(k_cache_ptr.dtype.element_ty),
-        mask=mask,
-    )
-    v = tl.load(v_ptr + t * v_strides[0] + offs_h[:, None] * v_strides[1] + offs_d[None, :] * v_strides[2], mask=mask)
-    v_dst = v_cache_ptr + page * vc_strides[0] + slot * vc_strides[1]
-    tl.store(
-        v_dst + offs_h[:, None] * vc_strides[2] + offs_d[None, :] * vc_strides[3],
-        v.to(v_cache_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    row = t.to(tl.int64)  # row * stride may pass 2**31 elements
+    copy_into_slot(k_ptr, k_strides, k_cache_ptr, kc_strides, row, page, slot, NUM_KV_HEADS, H_PAD, K_DIM, K_PAD)
+    copy_into_slot(v_ptr, v_strides, v_cache_ptr, vc_strides, row, page, slot, NUM_KV_HEADS, H_PAD, V_DIM, V_PAD)
 
 
 def append_paged_kv(
@@ -79,9 +98,10 @@ def append_paged_kv(
     input_pos: torch.Tensor,
     page_table: torch.Tensor,
 ) -> None:
-    """Write k/v ``[T, Hkv, D]`` into the paged caches (shapes in the module docstring): one launch
-    of T programs. ``page_table`` must have unit stride along its pages."""
+    """Write k ``[T, Hkv, D]`` and v ``[T, Hkv, Dv]`` into the paged caches (shapes in the module
+    docstring): one launch of T programs. ``page_table`` must have unit stride along its pages."""
     t, hkv, d = k.shape
+    dv = v.shape[2]
     if t == 0:
         return
     if page_table.stride(1) != 1:
@@ -97,12 +117,14 @@ def append_paged_kv(
         seq_lens.shape[0],
         (k.stride(), v.stride(), k_cache.stride(), v_cache.stride(), page_table.stride(0)),
         NUM_KV_HEADS=hkv,
-        HEAD_DIM=d,
         H_PAD=triton.next_power_of_2(hkv),
-        D_PAD=triton.next_power_of_2(d),
+        K_DIM=d,
+        K_PAD=triton.next_power_of_2(d),
+        V_DIM=dv,
+        V_PAD=triton.next_power_of_2(dv),
         B_PAD=max(2, triton.next_power_of_2(seq_lens.shape[0])),
         PAGE_SIZE=k_cache.shape[1],
     )
 
 
-__all__ = ["append_paged_kv", "paged_kv_append_kernel"]
+__all__ = ["append_paged_kv", "paged_kv_append_kernel", "copy_into_slot"]

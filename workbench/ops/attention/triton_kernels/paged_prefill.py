@@ -10,7 +10,7 @@ no special case.
 import triton
 import triton.language as tl
 
-from .paged_common import alibi_block, attend_block, initial_state, load_kv_block
+from .paged_common import attend_block, initial_state, load_kv_block, load_queries, store_rows
 
 
 @triton.jit
@@ -48,10 +48,7 @@ def paged_prefill_kernel(
     max(0, pos - window + 1) .. pos (with a chunk: only those with k // chunk == pos // chunk).
     """
     scale, window, cap, chunk = scalars
-    # one name per level: triton < 3.7 cannot hash a kernel whose source unpacks nested tuples
     q_strides, o_strides, kc_strides, vc_strides, stride_pt = strides
-    stride_qt, stride_qh, stride_qd = q_strides
-    stride_ot, stride_oh, stride_od = o_strides
     tile = tl.program_id(0)
     head = tl.program_id(1)
     b = tl.load(tile_seq_ptr + tile)
@@ -68,14 +65,9 @@ def paged_prefill_kernel(
     q_pos = ctx + offs_m
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
-    tok = (seq_start + offs_m).to(tl.int64)
-    q = tl.load(
-        q_ptr + tok[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    if FP32_DOT:
-        q = q.to(tl.float32)  # k/v follow q's dtype below
+    tok = (seq_start + offs_m).to(tl.int64)[:, None]
+    q_ok = row_ok[:, None] & d_ok[None, :]
+    q = load_queries(q_ptr, tok, head, offs_d, q_ok, q_strides, FP32_DOT)  # [BLOCK_M, D_PAD]
 
     hi = ctx + tl.minimum(m0 + BLOCK_M, seq_len)  # one past the tile's last query position
     if HAS_WINDOW:
@@ -93,6 +85,8 @@ def paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     if HAS_ALIBI:
         slope = tl.load(slopes_ptr + head).to(tl.float32)
+    else:
+        slope = 0.0  # not read
     pt_row = page_table_ptr + b * stride_pt
     for start in range(lo, hi, BLOCK_N):
         offs_n, n_ok, k, v = load_kv_block(
@@ -114,17 +108,9 @@ def paged_prefill_kernel(
             visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
         if HAS_CHUNK:
             visible = visible & (offs_n[None, :] // chunk == q_pos[:, None] // chunk)
-        if HAS_ALIBI:
-            bias = alibi_block(slope, q_pos, offs_n)
-        else:
-            bias = 0.0
         m_i, l_i, acc = attend_block(
-            q, k.to(q.dtype), v.to(q.dtype), visible, m_i, l_i, acc, scale, cap, HAS_CAP, FP32_DOT, bias, HAS_ALIBI
+            q, k, v, visible, m_i, l_i, acc, scale, cap, slope, q_pos, offs_n, HAS_CAP, FP32_DOT, HAS_ALIBI
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0 only on rows past the sequence
-    tl.store(
-        out_ptr + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+    store_rows(out_ptr, tok, head, offs_d, out, q_ok, o_strides)
