@@ -27,9 +27,8 @@ each failure is a ``CheckResult`` whose fields say where and why.
 
 The row itself (``CheckSettings``, ``CheckResult``, the prompts, HF's greedy tokens and the measures) is
 ``check_row.py``'s, shared with ``check_sharded.py`` (an entry with ``world_size > 1``); this module
-re-exports those names. The two steps around the pipeline that both paths take alike (HF's reference
-tokens, the generation compared with them) are this module's ``reference_tokens`` and
-``generate_and_record``.
+re-exports those names, with the two steps around the pipeline that both paths take alike (HF's
+reference tokens, the generation compared with them): ``reference_tokens`` and ``generate_and_record``.
 """
 
 from __future__ import annotations
@@ -49,14 +48,16 @@ from .check_row import (
     CheckSettings,
     check_prompts,
     first_line,
-    hf_greedy,
+    generate_and_record,
     load_entry,
-    oracle_strength,
-    record_generation,
     record_pipeline,
+    reference_tokens,
 )
 from .check_row import compare_tokens as compare_tokens
+from .check_row import hf_greedy as hf_greedy
 from .check_row import inserted_cache_kinds as inserted_cache_kinds
+from .check_row import oracle_strength as oracle_strength
+from .check_row import record_generation as record_generation
 from .check_row import uncached_attention_left as uncached_attention_left
 from .check_row import worst_probe as worst_probe
 from .divergence import explain_divergence
@@ -131,35 +132,6 @@ def _run(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> 
         result.divergence = explain(wb, loaded.model, prompts, [r.token_ids for r in out.results], want)
 
 
-# ------------------------------------------------------------------- the steps both check paths share
-def reference_tokens(
-    hf_model: torch.nn.Module, prompts: Sequence[List[int]], settings: CheckSettings, result: CheckResult
-) -> Optional[List[List[int]]]:
-    """HF's greedy tokens for every prompt, each prompt alone (the row's reference), with the oracle's
-    strength recorded; None, and the row stopped at "hf reference", when HF itself fails."""
-    try:
-        with torch.no_grad():
-            want = [hf_greedy(hf_model, p, settings.new_tokens) for p in prompts]
-    except Exception as e:  # noqa: BLE001
-        result.stopped_at, result.error = "hf reference", first_line(e)
-        return None
-    result.oracle_tokens = oracle_strength(want)
-    return want
-
-
-def generate_and_record(wb, prompts, want, tokenizer, settings: CheckSettings, result: CheckResult):
-    """The pipeline's cached greedy generation of ``prompts`` (one continuous batch), compared with HF's
-    tokens ``want`` into the row; ``generate``'s output, or None (the row stopped at "generate") when
-    it raised. ``wb`` is a ``Workbench`` or a ``ShardedWorkbench``: both ``generate`` alike."""
-    try:
-        out = wb.generate(prompts, max_new_tokens=settings.new_tokens, stop_token_ids=[])
-    except Exception as e:  # noqa: BLE001
-        result.stopped_at, result.error = "generate", first_line(e)
-        return None
-    record_generation(result, out, prompts, want, tokenizer)
-    return out
-
-
 def explain(wb, hf_model: torch.nn.Module, prompts, got, want) -> str:
     """The divergence verdict's line (``divergence.py``); what stopped it, if it could not be made."""
     try:
@@ -197,6 +169,4 @@ __all__ = [  # (check_row's names are re-exported: tests and reports import them
     "check_registry",
     "exit_code",
     "explain",
-    "generate_and_record",
-    "reference_tokens",
 ]

@@ -232,7 +232,38 @@ def load_entry(entry, result: "CheckResult"):
     return loaded
 
 
+# ------------------------------------------------------ the steps the one-process and sharded checks share
+def reference_tokens(
+    hf_model: torch.nn.Module, prompts: Sequence[List[int]], settings: CheckSettings, result: CheckResult
+) -> Optional[List[List[int]]]:
+    """HF's greedy tokens for every prompt, each prompt alone (the row's reference), with the oracle's
+    strength recorded; None, and the row stopped at "hf reference", when HF itself fails."""
+    try:
+        with torch.no_grad():
+            want = [hf_greedy(hf_model, p, settings.new_tokens) for p in prompts]
+    except Exception as e:  # noqa: BLE001
+        result.stopped_at, result.error = "hf reference", first_line(e)
+        return None
+    result.oracle_tokens = oracle_strength(want)
+    return want
+
+
+def generate_and_record(wb, prompts, want, tokenizer, settings: CheckSettings, result: CheckResult):
+    """The pipeline's cached greedy generation of ``prompts`` (one continuous batch), compared with HF's
+    tokens ``want`` into the row; ``generate``'s output, or None (the row stopped at "generate") when
+    it raised. ``wb`` is a ``Workbench`` or a ``ShardedWorkbench``: both ``generate`` alike."""
+    try:
+        out = wb.generate(prompts, max_new_tokens=settings.new_tokens, stop_token_ids=[])
+    except Exception as e:  # noqa: BLE001
+        result.stopped_at, result.error = "generate", first_line(e)
+        return None
+    record_generation(result, out, prompts, want, tokenizer)
+    return out
+
+
 __all__ = [
+    "reference_tokens",
+    "generate_and_record",
     "CACHE_KINDS",
     "UNCACHED_RUNNER",
     "CheckResult",

@@ -10,21 +10,20 @@ needs it is refused here with that reason instead of comparing different weights
 
 from __future__ import annotations
 
-# check.py imports this module only when an entry is sharded, so importing its shared steps here is no cycle
-from .check import generate_and_record, reference_tokens
-from .check_row import CheckResult, CheckSettings, check_prompts, first_line, load_entry, record_pipeline
+from . import check_row as row
+from .check_row import CheckResult, CheckSettings
 from .registry import RegistryEntry
 
 
 def run_sharded(entry: RegistryEntry, settings: CheckSettings, result: CheckResult) -> None:
     """Fill ``result`` for ``entry`` run on ``entry.world_size`` ranks; failures become its fields.
     The prompts and the row's measures are ``check_row``'s, HF's reference and the generation step
-    ``check``'s (``reference_tokens``, ``generate_and_record``), as for one process."""
+    ``check_row``'s (``reference_tokens``, ``generate_and_record``), as for one process."""
     from ..api import Workbench
     from ..parallel.sharded import ShardedWorkbench
     from ..pipeline.config import ConfigError
 
-    loaded = load_entry(entry, result)
+    loaded = row.load_entry(entry, result)
     if loaded is None:
         return
     if entry.redraw_ssm and any("mamba" in type(m).__name__.lower() for m in loaded.model.modules()):
@@ -33,8 +32,8 @@ def run_sharded(entry: RegistryEntry, settings: CheckSettings, result: CheckResu
             "world_size > 1 with re-drawn Mamba-2 mixers: the ranks load their own weights (set weights: as_loaded)"
         )
         return
-    prompts = check_prompts(loaded.config.vocab_size, settings.prompt_lens, settings.prompt_seed)
-    want = reference_tokens(loaded.model, prompts, settings, result)
+    prompts = row.check_prompts(loaded.config.vocab_size, settings.prompt_lens, settings.prompt_seed)
+    want = row.reference_tokens(loaded.model, prompts, settings, result)
     if want is None:
         return
     tokenizer = loaded.tokenizer
@@ -52,7 +51,7 @@ def run_sharded(entry: RegistryEntry, settings: CheckSettings, result: CheckResu
             max_batch_size=settings.max_batch_size,
         )
     except ConfigError as e:
-        result.stopped_at, result.error = "config", first_line(e)
+        result.stopped_at, result.error = "config", row.first_line(e)
         return
     try:
         step_key = "start"
@@ -61,13 +60,13 @@ def run_sharded(entry: RegistryEntry, settings: CheckSettings, result: CheckResu
                 step_key = wb.keys[wb.position] if wb.position < len(wb.keys) else step_key
                 wb.step()
         except Exception as e:  # noqa: BLE001 - a rank's failure names the transform it was in
-            result.stopped_at, result.error = f"sharded/{step_key}", first_line(e)
+            result.stopped_at, result.error = f"sharded/{step_key}", row.first_line(e)
         finally:
             snaps = list(wb.snapshots)  # rank 0's; the ranks' stages are the single pipeline's
-            record_pipeline(result, snaps, [s.stage.value for s in snaps], total=len(wb.keys))
+            row.record_pipeline(result, snaps, [s.stage.value for s in snaps], total=len(wb.keys))
         if result.stopped_at:
             return
-        generate_and_record(wb, prompts, want, tokenizer, settings, result)
+        row.generate_and_record(wb, prompts, want, tokenizer, settings, result)
     finally:
         wb.close()
 
