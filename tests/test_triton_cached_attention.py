@@ -373,6 +373,11 @@ def test_kernels_compile_for_hopper():
         # rope key dr = 64 as V
         (paged_kv_append.paged_kv_append_kernel, "bf16",
          dict(NUM_KV_HEADS=1, H_PAD=1, K_DIM=512, K_PAD=512, V_DIM=64, V_PAD=64, B_PAD=64, PAGE_SIZE=64)),
+        # ... in an fp32 cache, and at tiny:deepseek_v2's sizes (r = 32, dr = 8)
+        (paged_kv_append.paged_kv_append_kernel, "fp32",
+         dict(NUM_KV_HEADS=1, H_PAD=1, K_DIM=512, K_PAD=512, V_DIM=64, V_PAD=64, B_PAD=64, PAGE_SIZE=64)),
+        (paged_kv_append.paged_kv_append_kernel, "fp32",
+         dict(NUM_KV_HEADS=1, H_PAD=1, K_DIM=32, K_PAD=32, V_DIM=8, V_PAD=8, B_PAD=64, PAGE_SIZE=64)),
         (paged_decode.paged_decode_reduce_kernel, "fp16",
          dict(HEAD_DIM=64, D_PAD=64, NUM_SPLITS=8, S_PAD=8)),
     ]

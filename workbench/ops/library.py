@@ -168,6 +168,20 @@ def workbench_op(name: str, *, category: str, mutates_args: Tuple[str, ...] = ()
     return wrap
 
 
+def check_named_args(op: Any, args_type: Any) -> None:
+    """``args_type`` (a ``NamedTuple`` of an op's arguments, for launchers that read them by name)
+    must name ``op``'s schema arguments in order, with the schema's defaults: a ``TypeError`` at
+    definition time rather than a kernel reading the wrong argument."""
+    arguments = op.default._schema.arguments
+    names = tuple(a.name for a in arguments)
+    defaults = {a.name: a.default_value for a in arguments if a.has_default_value()}
+    if names != args_type._fields or defaults != args_type._field_defaults:
+        raise TypeError(
+            f"{args_type.__name__} {args_type._fields} (defaults {args_type._field_defaults}) does not match "
+            f"the schema of {op.default._schema.name}: {names} (defaults {defaults})"
+        )
+
+
 MISSING = object()  # a required argument the call did not give
 
 
@@ -197,6 +211,7 @@ __all__ = [
     "OpTraits",
     "DefinedOp",
     "define_op",
+    "check_named_args",
     "declare_op",
     "workbench_op",
     "op_traits",

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ..library import define_op
+from ..library import check_named_args, define_op
 
 # Registered through ``define_op`` (a ``torch.library.Library`` kernel) rather than ``custom_op``:
 # for an op that mutates its inputs, custom_op adds a Python ADInplaceOrView kernel whose per-call
@@ -64,23 +64,11 @@ def cached_attention_fake(q, k, v, *_metadata, **_options):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
-def _check_args_match(op) -> None:
-    """``CachedAttentionArgs`` must name the schema's arguments, in order, with its defaults."""
-    arguments = op.default._schema.arguments
-    names = tuple(a.name for a in arguments)
-    defaults = {a.name: a.default_value for a in arguments if a.has_default_value()}
-    if names != CachedAttentionArgs._fields or defaults != CachedAttentionArgs._field_defaults:
-        raise TypeError(
-            f"CachedAttentionArgs {CachedAttentionArgs._fields} (defaults {CachedAttentionArgs._field_defaults}) "
-            f"does not match the cached-attention schema {names} (defaults {defaults})"
-        )
-
-
 def define_cached_attention(name: str, impl: Callable, host_sync: Optional[str] = None):
     """Register ``workbench::<name>`` with the shared cached-attention schema and fake (``host_sync``:
     why it cannot be captured in a CUDA graph, if it cannot)."""
     op = define_op(name + CACHED_ATTENTION_ARGS, impl, cached_attention_fake, host_sync=host_sync, category="attention")
-    _check_args_match(op)
+    check_named_args(op, CachedAttentionArgs)
     return op
 
 

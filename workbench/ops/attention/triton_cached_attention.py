@@ -60,7 +60,7 @@ def _decode_splits(device: torch.device, num_decode: int, num_kv_heads: int, max
 
 
 def _check(call: CachedAttentionArgs) -> None:
-    """Shape/dtype checks that need no device->host sync."""
+    """Shape/dtype/option checks that need no device->host sync, before anything is written."""
     q, k, v, k_cache, v_cache, seq_lens, input_pos, page_table = call[:8]
     num_prefill, sliding_window, sinks, alibi = call.num_prefill, call.sliding_window, call.sinks, call.alibi_slopes
     if q.dim() != 4 or q.shape[0] != 1:
@@ -88,6 +88,8 @@ def _check(call: CachedAttentionArgs) -> None:
         raise ValueError(f"triton_cached_attention: num_prefill={num_prefill} with B={b}, T={t}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"triton_cached_attention: sliding_window must be >= 1, got {sliding_window}")
+    if call.chunk_size is not None and call.chunk_size < 1:
+        raise ValueError(f"triton_cached_attention: chunk_size must be >= 1, got {call.chunk_size}")
     if sinks is not None and sinks.shape != (hq,):
         raise ValueError(f"triton_cached_attention: sinks must be [{hq}], got {tuple(sinks.shape)}")
     if alibi is not None and alibi.shape != (hq,):
@@ -131,8 +133,6 @@ def cached_attention_forward(*args: Any, num_splits: Optional[int] = None, **kwa
     cu = torch.zeros(b + 1, dtype=torch.int32, device=dev)
     cu[1:] = torch.cumsum(seq_lens, 0)
 
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"triton_cached_attention: chunk_size must be >= 1, got {chunk_size}")
     # scale, window, cap, chunk
     scalars = (float(scale), int(sliding_window or 0), float(logit_cap or 0.0), int(chunk_size or 0))
     flags = dict(

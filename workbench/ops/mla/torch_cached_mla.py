@@ -36,7 +36,7 @@ from typing import Any, Callable, List, NamedTuple, Tuple
 import torch
 
 from ..attention.torch_cached_attention import check_paged_metadata, token_layout
-from ..library import define_op
+from ..library import check_named_args, define_op
 from .torch_mla import mla_absorbed, mla_dims, mla_expanded, torch_mla_reference
 
 
@@ -171,9 +171,7 @@ def define_cached_mla(name: str, impl: Callable, **traits: Any):
     op = define_op(
         CACHED_MLA_SCHEMA.replace("torch_cached_mla", name, 1), impl, cached_mla_fake, category="attention", **traits
     )
-    names = tuple(a.name for a in op.default._schema.arguments)
-    if names != CachedMLAArgs._fields:
-        raise TypeError(f"CachedMLAArgs {CachedMLAArgs._fields} does not match the cached-MLA schema {names}")
+    check_named_args(op, CachedMLAArgs)
     return op
 
 

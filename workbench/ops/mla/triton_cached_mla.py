@@ -194,9 +194,8 @@ def triton_cached_mla(*args: Any, **kwargs: Any) -> torch.Tensor:
     else:
         lens, past, dv = check_cached_mla_args(call)
     out = q_nope.new_empty(*q_nope.shape[:-1], dv)  # [1, T, n, dv]
-    write_latents_triton(
-        last_dim_contiguous(compressed_kv), last_dim_contiguous(kpe), mla_cache, seq_lens, input_pos, page_table
-    )
+    # append_paged_kv reads every stride: no contiguous copies of the new rows
+    write_latents_triton(compressed_kv, kpe, mla_cache, seq_lens, input_pos, page_table)
     if call.num_prefill:
         prefill_rows(call, lens, past, out)
     decode_rows_triton(call, out)

@@ -127,4 +127,4 @@ def append_paged_kv(
     )
 
 
-__all__ = ["append_paged_kv", "paged_kv_append_kernel", "copy_into_slot"]
+__all__ = ["append_paged_kv", "paged_kv_append_kernel"]
