@@ -18,7 +18,8 @@ import torch
 from triton_child import child_main, generate_with_triton_backend_equals_hf, interpreter_results_fixture
 
 import workbench.ops.rglru  # noqa: F401
-from workbench.ops.rglru.rglru_math import linear_scan, rglru_recurrence
+from workbench.ops.rglru.rglru_math import rglru_recurrence
+from workbench.ops.selective_scan.scan_math import linear_scan
 from workbench.ops.state import STATE_METADATA_ARGS, stateful_op_for
 
 rglru = torch.ops.workbench.torch_rglru

@@ -138,3 +138,37 @@ def test_decode_only_step_reads_no_lengths():
     assert meta.lens is None and meta.num_decode == 3 and meta.first_decode_token == 0
     with pytest.raises(ValueError, match="one token per sequence"):
         read_step(4, *_meta([1, 1, 1], [2, 0, 5], [0, 1, 2], 0), "x", host=False)
+
+
+def _definitions(source: str) -> dict:
+    """Top-level functions and assignments by name, without docstrings and annotations."""
+    import ast
+
+    out = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef):
+            if node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+                node.body = node.body[1:]
+            node.returns = None
+            for a in node.args.args:
+                a.annotation = None
+            out[node.name] = ast.dump(node)
+        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            out[node.targets[0].id] = ast.dump(node)
+    return out
+
+
+def test_the_readme_walkthrough_is_this_family():
+    """The code of ``ops/README.md``'s walkthrough is the family this module defines and runs."""
+    import pathlib
+    import re
+
+    import workbench.ops
+
+    readme = (pathlib.Path(workbench.ops.__file__).parent / "README.md").read_text()
+    section = readme.split("## Adding a recurrent family", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    shown = _definitions("\n".join(line[3:] for line in block.splitlines()))
+    here = _definitions(pathlib.Path(__file__).read_text())
+    assert set(shown) == {"_check", "_run", "_step", "EMA"}, sorted(shown)
+    assert {name: here.get(name) for name in shown} == shown

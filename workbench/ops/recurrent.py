@@ -67,7 +67,6 @@ class StepMetadata:
     rows, their tokens back to back in the flattened token dim. ``lens`` is ``seq_lens`` read on
     the host, ``None`` in a decode-only step that must not read it (a CUDA-graph capture)."""
 
-    seq_lens: torch.Tensor  # [B] int32
     input_pos: torch.Tensor  # [B] int32: tokens each sequence had before this step
     slot_idx: torch.Tensor  # [B] int32: its state row
     num_prefill: int
@@ -99,9 +98,9 @@ def read_step(
     ``host=False`` (decode-only steps of a capturable backend) checks sizes only."""
     if not host:
         check_decode_only_metadata(num_tokens, slot_idx, input_pos)
-        return StepMetadata(seq_lens, input_pos, slot_idx, num_prefill, None, 0)
+        return StepMetadata(input_pos, slot_idx, num_prefill, None, 0)
     lens = check_step_metadata(num_tokens, seq_lens, input_pos, slot_idx, num_prefill, tokens_of)
-    return StepMetadata(seq_lens, input_pos, slot_idx, num_prefill, lens, sum(lens[:num_prefill]))
+    return StepMetadata(input_pos, slot_idx, num_prefill, lens, sum(lens[:num_prefill]))
 
 
 @dataclass(frozen=True)
@@ -242,9 +241,13 @@ class _Bodies:
 
     def decode_rows(self, inputs: Inputs, step: StepMetadata, out: torch.Tensor) -> DecodeRows:
         """The step's decode rows: per-token inputs and ``out`` (``[1, T, ...]``) cut to their tokens."""
+        token_args = self.spec.token_args
+        if not step.num_prefill:  # decode only (every eager decode step): the whole tensors, no slicing
+            whole = {k: (v[0] if k in token_args else v) for k, v in inputs.items()}
+            return DecodeRows(whole, step.slot_idx, step.input_pos, out[0])
         tokens = slice(step.first_decode_token, None)
         rows = slice(step.first_decode_row, None)
-        part = {k: (v[0, tokens] if k in self.spec.token_args else v) for k, v in inputs.items()}
+        part = {k: (v[0, tokens] if k in token_args else v) for k, v in inputs.items()}
         return DecodeRows(part, step.slot_idx[rows], step.input_pos[rows], out[0, tokens])
 
     def torch_decode(self, rows: DecodeRows, state: torch.Tensor, opts: Options) -> None:

@@ -1,4 +1,4 @@
-"""The RG-LRU recurrence in plain torch: gates, one step, the whole-sequence scan (fp32).
+"""The RG-LRU recurrence in plain torch (fp32): its gates and the token-by-token reference (the whole-sequence scan is ``selective_scan.scan_math.linear_scan``).
 
 RecurrentGemma's (Griffin's) Real-Gated Linear Recurrent Unit keeps one number per channel,
 ``h [w]``. From the conv output ``x_t [w]`` and two gate pre-activations ``gate_x_t``, ``gate_a_t``
@@ -24,10 +24,6 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-
-# The whole-sequence scan over ``[N, s, w]`` (``h_t = a_t h_{t-1} + u_t`` in log2(s) rounds, where
-# HF loops over the tokens) is the Mamba-1 chunks' scan.
-from ..selective_scan.scan_math import linear_scan
 
 #: Griffin's fixed scale of the log decay (HF: the literal ``-8.0`` in ``RecurrentGemmaRglru.forward``).
 DEFAULT_DECAY_SCALE = 8.0
@@ -65,4 +61,4 @@ def rglru_recurrence(
     return torch.stack(out, dim=1), h
 
 
-__all__ = ["DEFAULT_DECAY_SCALE", "gates", "linear_scan", "rglru_recurrence"]
+__all__ = ["DEFAULT_DECAY_SCALE", "gates", "rglru_recurrence"]

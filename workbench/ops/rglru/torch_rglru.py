@@ -28,8 +28,12 @@ from typing import Optional
 import torch
 
 from ..recurrent import Inputs, Options, RecurrentMath, RecurrentOp, RecurrentState, define_recurrent_op
+
+# The whole-sequence scan over ``[N, s, w]`` (``h_t = a_t h_{t-1} + u_t`` in log2(s) rounds, where
+# HF loops over the tokens) is the Mamba-1 chunks' scan.
+from ..selective_scan.scan_math import linear_scan
 from . import triton_rglru
-from .rglru_math import DEFAULT_DECAY_SCALE, gates, linear_scan
+from .rglru_math import DEFAULT_DECAY_SCALE, gates
 
 
 def check_rglru_args(x, gate_x, gate_a, recurrent_param, op: str = "torch_rglru") -> None:

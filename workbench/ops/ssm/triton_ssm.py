@@ -198,7 +198,7 @@ def decode(rows: DecodeRows, ssm_state: torch.Tensor, options: Options) -> None:
         head_dim=d,
         tile=TILE_ELEMS,
         heads_per_group=h // rows.inputs["B"].shape[1],
-        A=rows.inputs["A"],
+        A=last_dim_contiguous(rows.inputs["A"]),  # the kernel reads A[head] at unit stride
         stride_ad=0,
         time_step_min=options["time_step_min"],
         time_step_max=options["time_step_max"],
