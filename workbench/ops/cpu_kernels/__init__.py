@@ -99,18 +99,8 @@ declare_op(
 
 
 KERNEL_SOURCES = ("linear.cpp", "linear_a8.cpp", "attention.cpp", "elementwise.cpp")
-KERNEL_HEADERS = (
-    "vec.h",
-    "linear_kernel.h",
-    "linear_a8_kernel.h",
-    "attention_kernel.h",
-    "elementwise_kernel.h",
-    "simd/avx512.h",
-    "simd/avx2.h",
-    "simd/neon.h",
-    "simd/common.h",
-    "simd/x86.h",
-)
+# every header below this package: a build's cache key hashes them all, so a new header cannot be left out
+KERNEL_HEADERS = tuple(sorted(p.relative_to(HERE).as_posix() for p in HERE.rglob("*.h")))
 SOURCES = KERNEL_SOURCES + KERNEL_HEADERS + ("step_program.cpp",)  # every file a build reads
 OPENMP = ("-fopenmp",)  # at::parallel_for's OpenMP region is compiled into the kernels
 STEP_PROGRAM = build.Library("workbench_step_program", ("step_program.cpp",), (), ("-O3",), "step")

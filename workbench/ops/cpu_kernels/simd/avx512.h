@@ -73,3 +73,5 @@ WB_INLINE float quantize_block(const float* x, int8_t* q, int32_t& qsum) {
 }
 
 }  // namespace wb
+
+#undef WB_F32_OP  // the spelling macro stays inside the SIMD headers

@@ -3,6 +3,9 @@
 //     WB_F32_OP(add)  ->  _mm512_add_ps (AVX-512), _mm256_add_ps (AVX2), vaddq_f32 (NEON)
 // The including ISA header defines WB_F32_OP and F32Reg (its native float register) first.
 #pragma once
+#ifndef WB_F32_OP
+#error "simd/common.h is included by an ISA header (avx2.h, avx512.h, neon.h) through vec.h, which define WB_F32_OP first"
+#endif
 
 namespace wb {
 

@@ -2,6 +2,9 @@
 // only in width (_mm256_<op>_ps / _mm512_<op>_ps, named by the including header's WB_F32_OP), and the
 // int4 x int8 block dot products, which both run on 256-bit registers (32 bytes: one block's codes).
 #pragma once
+#ifndef WB_F32_OP
+#error "simd/x86.h is included by an ISA header (avx2.h, avx512.h, neon.h) through vec.h, which define WB_F32_OP first"
+#endif
 #include <immintrin.h>
 
 #include "common.h"
