@@ -59,6 +59,8 @@ TinyBuilder = Callable[[], "PretrainedConfig"]
 
 from .tiny_archs import ARCHS  # noqa: E402  (builders only: no transformers import)
 from .tiny_families import FAMILY_ARCHS  # noqa: E402  (builders only: no transformers import)
+from .tiny_families.sizes import ORACLE  # noqa: E402  (plain data, like TINY_INIT_STD)
+from .tiny_families.sizes import TINY_INIT_STD as TINY_INIT_STD  # noqa: E402  (re-exported)
 
 #: name -> builder. The declarative default registry; extend with register_tiny_arch.
 TINY_ARCHS: dict[str, TinyBuilder] = {
@@ -95,11 +97,10 @@ def register_tiny_arch(
     target[name] = builder
 
 
-#: The weights' init std of every tiny config whose builder leaves ``initializer_range`` at its class
-#: default (see the module docstring: a strong oracle).
-TINY_INIT_STD = 0.3
-#: Config fields ``oracle_defaults`` sets where the builder left the class default, and their values.
-ORACLE_DEFAULTS: dict = dict(initializer_range=TINY_INIT_STD, tie_word_embeddings=False)
+#: Config fields ``oracle_defaults`` sets where the builder left the class default, and their values
+#: (see the module docstring: a strong oracle): ``sizes.ORACLE`` -- init std ``TINY_INIT_STD``, an
+#: untied head --, which the families' ``oracle_config`` sets explicitly.
+ORACLE_DEFAULTS: dict = ORACLE
 #: Archs that keep transformers' init: strong oracles at it already, and HF's own reference breaks at
 #: the larger one -- NemotronH's cached decode in HF ``generate`` then disagrees with its full forward
 #: (logits RMSE 9e-3, greedy tokens differ), so HF's tokens would be a wrong reference.

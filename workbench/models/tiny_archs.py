@@ -20,14 +20,16 @@ shorter than the test prompts, so they really hide keys. Families whose default 
 
 from __future__ import annotations
 
-from .tiny_families.sizes import COMMON, SMALL_TOKEN_IDS
+import copy
 
-#: Extra sizes for mixture-of-experts families.
-MOE: dict = dict(num_experts_per_tok=2)
-#: Sliding-window size: shorter than the test prompts, so a window layer differs from a full one.
-WINDOW = 4
-#: One sliding-window layer then one full-attention layer (families with ``layer_types``).
-SLIDING_THEN_FULL = ("sliding_attention", "full_attention")
+from .tiny_families.sizes import COMMON, MUP, QWEN_MOE, SLIDING_THEN_FULL, SMALL_TOKEN_IDS, WINDOW
+from .tiny_families.sizes import TOP2 as MOE
+
+
+def _sliding_then_full() -> dict:
+    """``SLIDING_THEN_FULL`` (a sliding-window layer, window ``WINDOW``, then a full layer), its list a
+    fresh copy: a config keeps the list it is given."""
+    return copy.deepcopy(SLIDING_THEN_FULL)
 
 
 def _eager(config):
@@ -72,7 +74,7 @@ def _mixtral():
 def _qwen3_moe():
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(**COMMON, num_experts=4, moe_intermediate_size=64, **MOE)
+    return Qwen3MoeConfig(**COMMON, **QWEN_MOE)
 
 
 # ------------------------------------------------------------------------ attention variants
@@ -122,8 +124,7 @@ def _gemma2():
     return _eager(
         Gemma2Config(
             **COMMON,
-            sliding_window=WINDOW,
-            layer_types=list(SLIDING_THEN_FULL),
+            **_sliding_then_full(),
             query_pre_attn_scalar=24,
             attn_logit_softcapping=50.0,
             final_logit_softcapping=30.0,
@@ -135,9 +136,7 @@ def _gemma3():
     from transformers import Gemma3TextConfig
 
     # Sliding and full layers with their own RoPE bases, QK-norm, query_pre_attn_scalar scale.
-    return Gemma3TextConfig(
-        **COMMON, sliding_window=WINDOW, layer_types=list(SLIDING_THEN_FULL), query_pre_attn_scalar=24
-    )
+    return Gemma3TextConfig(**COMMON, **_sliding_then_full(), query_pre_attn_scalar=24)
 
 
 def _gpt_oss():
@@ -151,8 +150,7 @@ def _gpt_oss():
             **{**COMMON, "intermediate_size": 64},
             num_local_experts=4,
             **MOE,
-            sliding_window=WINDOW,
-            layer_types=list(SLIDING_THEN_FULL),
+            **_sliding_then_full(),
             rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
         )
     )
@@ -216,23 +214,21 @@ def _cohere2():
     from transformers import Cohere2Config
 
     # A sliding layer with RoPE, a full layer without (NoPE).
-    return Cohere2Config(**COMMON, sliding_window=WINDOW, layer_types=list(SLIDING_THEN_FULL), **SMALL_TOKEN_IDS)
+    return Cohere2Config(**COMMON, **_sliding_then_full(), **SMALL_TOKEN_IDS)
 
 
 def _exaone4():
     from transformers import Exaone4Config
 
     # Sliding and full layers, QK-norm, post-norm residual blocks.
-    return Exaone4Config(**COMMON, sliding_window=WINDOW, layer_types=list(SLIDING_THEN_FULL), **SMALL_TOKEN_IDS)
+    return Exaone4Config(**COMMON, **_sliding_then_full(), **SMALL_TOKEN_IDS)
 
 
 def _granite():
     from transformers import GraniteConfig
 
     # attention_multiplier is the softmax scale; embedding/residual/logit multipliers around it.
-    return GraniteConfig(
-        **COMMON, attention_multiplier=0.1, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0
-    )
+    return GraniteConfig(**COMMON, **MUP)
 
 
 def _starcoder2():

@@ -162,6 +162,16 @@ class DecoderStack(nn.Module):
         return self.norm(x)
 
 
+def check_silu(config, model_name: str, silu_users: str) -> None:
+    """Refuse a ``hidden_act`` other than silu: ``silu_users`` names what computes silu only (the
+    message's "<silu_users> silu", e.g. ``"the hinted MLP uses"``); ``model_name`` names the custom class."""
+    if config.hidden_act != "silu":
+        raise NotImplementedError(
+            f"custom {model_name}: hidden_act={config.hidden_act!r}; {silu_users} silu. "
+            "Load with custom_models=False to export HF's own class"
+        )
+
+
 def check_export_contract(position_ids: Optional[torch.Tensor], unused: dict) -> None:
     """The contract is ``(input_ids, position_ids)``: positions are required (no fallback to arange),
     and HF runtime arguments that would change the result (a mask, a cache) are refused."""

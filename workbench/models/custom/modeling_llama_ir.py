@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from .common import CausalLMOutput, CustomCausalLM, DecoderStack, check_export_contract
+from .common import CausalLMOutput, CustomCausalLM, DecoderStack, check_export_contract, check_silu
 from .ir_layers import HintedAttention, HintedSwiGLU, PreNormBlock, RMSNorm, head_dims, hinted_logits
 
 MODEL_NAME = "LlamaIRForCausalLM"
@@ -43,18 +43,8 @@ class LlamaIRModel(DecoderStack):
         super().__init__(config, self.make_layer, RMSNorm, head_dims(config)[2], self.model_name)
 
 
-def check_silu(config, model_name: str, hinted_blocks: str = "MLP uses") -> None:
-    """Refuse a ``hidden_act`` other than silu: the hinted blocks (``hinted_blocks``, e.g. ``"MLP uses"``)
-    compute silu only."""
-    if config.hidden_act != "silu":
-        raise NotImplementedError(
-            f"custom {model_name}: hidden_act={config.hidden_act!r}; the hinted {hinted_blocks} silu. "
-            "Load with custom_models=False to export HF's own class"
-        )
-
-
 def _check_config(config) -> None:
-    check_silu(config, MODEL_NAME)
+    check_silu(config, MODEL_NAME, "the hinted MLP uses")
 
 
 class LlamaIRForCausalLM(CustomCausalLM):

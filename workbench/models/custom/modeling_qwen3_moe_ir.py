@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .common import OPS, StackedExperts, TopKSoftmaxRouter
+from .common import OPS, StackedExperts, TopKSoftmaxRouter, check_silu
 from .ir_layers import HintedAttention, HintedSwiGLU, PreNormBlock
-from .modeling_llama_ir import LlamaIRForCausalLM, LlamaIRModel, check_silu
+from .modeling_llama_ir import LlamaIRForCausalLM, LlamaIRModel
 
 MODEL_NAME = "Qwen3MoeIRForCausalLM"
 
@@ -64,7 +64,7 @@ class Qwen3MoeIRModel(LlamaIRModel):
 
 
 def _check_config(config) -> None:
-    check_silu(config, MODEL_NAME, hinted_blocks="MLP/MoE use")
+    check_silu(config, MODEL_NAME, "the hinted MLP/MoE use")
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
         raise NotImplementedError(f"custom {MODEL_NAME}: sliding-window attention is not implemented")
 

@@ -42,6 +42,7 @@ from .common import (
     StackedExperts,
     SwiGLUMLP,
     TopKSoftmaxRouter,
+    check_silu,
     rope_parameters,
 )
 
@@ -227,12 +228,7 @@ class Qwen3NextModel(DecoderStack):
 
 def _check_config(config) -> None:
     """Refuse what this prefill-only rewrite does not implement, naming the way out."""
-    if config.hidden_act != "silu":
-        raise NotImplementedError(
-            f"custom Qwen3NextForCausalLM: hidden_act={config.hidden_act!r}; the canonical "
-            "conv/MLP/MoE ops here use silu. Load with custom_models=False to export HF's own "
-            "class"
-        )
+    check_silu(config, MODEL_NAME, "the canonical conv/MLP/MoE ops here use")
 
 
 class Qwen3NextForCausalLM(CustomCausalLM):

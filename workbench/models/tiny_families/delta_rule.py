@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .sizes import LINEAR_THEN_FULL_TWICE, SMALL_TOKEN_IDS, TRANSFORMER
+from .sizes import LINEAR_THEN_FULL_TWICE, QWEN_MOE, SMALL_TOKEN_IDS, TRANSFORMER
 from .spec import TinyConfig, tiny_config
 
 if TYPE_CHECKING:
@@ -33,9 +33,7 @@ GATED_DELTA_NET_HEADS: dict = dict(
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16
 )
 #: Qwen3-Next's MoE on every layer: 4 experts of width 64, top-2, plus a gated shared expert of 64.
-QWEN3_NEXT_MOE: dict = dict(
-    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64
-)
+QWEN3_NEXT_MOE: dict = dict(QWEN_MOE, shared_expert_intermediate_size=64)
 
 
 def _linear_then_full(model_type: str, **fields: Any) -> TinyConfig:

@@ -20,8 +20,8 @@ keep their constructor's 0.02, ``models/build.py``).
 
 from __future__ import annotations
 
-from .more_dense import GPT_SHAPE, MHA, ORACLE, oracle_config
-from .sizes import MLP_WIDTH, WIDTH
+from .more_dense import GPT_SHAPE, MHA, oracle_config
+from .sizes import MLP_WIDTH, ORACLE, WIDTH
 from .spec import tiny_config
 
 ARCHS: dict = {

@@ -7,7 +7,7 @@
   (``slope_rate``: 1/4, 1/16, 1/64, 1/256 in layer 0, a third of that in layer 2), an RMSNorm over
   all heads and a sigmoid output gate. HF's block size is 16 (default 256), so the check's prompts
   span several of HF's blocks and its inter-block recurrence runs too. Full attention: the shared
-  4 query / 2 KV heads of 16. Hidden 64, vocab 512; init std 0.1 and an untied head (``MINIMAX_ORACLE``).
+  4 query / 2 KV heads of 16. Hidden 64, vocab 512; init std 0.1 and an untied head (``sizes.ORACLE_STD_0_1``).
 
 The decays above are slow enough (a memory of 4 to several hundred tokens) that the carried state
 moves the outputs well above fp32 resolution with HF's own init (``tests/test_family_minimax.py``
@@ -16,28 +16,25 @@ checks it): no re-drawing is needed.
 
 from __future__ import annotations
 
-from .more_dense import ORACLE
-from .sizes import LINEAR_THEN_FULL_TWICE, SMALL_TOKEN_IDS, TRANSFORMER
+from .sizes import LINEAR_THEN_FULL_TWICE, ORACLE_STD_0_1, SMALL_TOKEN_IDS, TOP2, TRANSFORMER
 from .spec import tiny_config
-
-#: Init std 0.1 with an untied head: at ``ORACLE``'s 0.3 the four layers and the top-2 routing amplify
-#: fp32 round-off so much that HF's own fp32 logits sit 4.4e-5 (of their largest magnitude) from HF
-#: in fp64, and the cached decode drifts from a full re-forward by 4.6e-5 RMSE (tokens still equal);
-#: at 0.1 that drift is 4e-7 and HF's greedy tokens still hold 13-16 distinct ids per prompt.
-MINIMAX_ORACLE: dict = {**ORACLE, "initializer_range": 0.1}
-
 
 ARCHS: dict = {
     "minimax": tiny_config(
         "MiniMaxConfig",
         TRANSFORMER,
-        MINIMAX_ORACLE,
+        # Init std 0.1 with an untied head: at ``ORACLE``'s 0.3 the four layers and the top-2 routing
+        # amplify fp32 round-off so much that HF's own fp32 logits sit 4.4e-5 (of their largest
+        # magnitude) from HF in fp64, and the cached decode drifts from a full re-forward by 4.6e-5 RMSE
+        # (tokens still equal); at 0.1 that drift is 4e-7 and HF's greedy tokens still hold 13-16
+        # distinct ids per prompt.
+        ORACLE_STD_0_1,
         SMALL_TOKEN_IDS,
         LINEAR_THEN_FULL_TWICE,  # lightning attention first, then full attention, twice
         intermediate_size=64,  # the experts' width
         block_size=16,
         num_local_experts=4,
-        num_experts_per_tok=2,
+        **TOP2,
     )
 }
 

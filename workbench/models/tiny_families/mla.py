@@ -21,7 +21,7 @@ against 16), plain rotate-half RoPE.
 
 from __future__ import annotations
 
-from .sizes import DEEPSEEK_MOE, MLA_DIMS, MLA_HEADS, MLP_WIDTH, SMALL_TOKEN_IDS, WIDTH
+from .sizes import DEEPSEEK_MOE, MLA_DIMS, MLA_HEADS, MLP_WIDTH, SMALL_TOKEN_IDS, WIDE_ROPE_MLA_DIMS, WIDTH
 from .spec import tiny_config
 
 #: The MLA sizes shared by both variants (see the module docstring).
@@ -38,9 +38,7 @@ MLA_SIZES: dict = dict(
 
 
 #: GLM-4.7-Flash's MLA: no q-LoRA, rope 16 | nope 8 | value 24, latent rank 24 (rotary ``head_dim`` = rope).
-GLM4_MOE_LITE_MLA: dict = dict(
-    kv_lora_rank=24, qk_rope_head_dim=16, qk_nope_head_dim=8, v_head_dim=24, head_dim=16, q_lora_rank=None
-)
+GLM4_MOE_LITE_MLA: dict = dict(WIDE_ROPE_MLA_DIMS, q_lora_rank=None)
 #: Youtu's MLA: the shared dims with value heads (12) narrower than nope (16).
 YOUTU_MLA: dict = dict(MLA_DIMS, v_head_dim=12)
 #: The dense families' MLA stack: the shared sizes, q-LoRA of rank 24, rotary ``head_dim`` = rope.

@@ -42,7 +42,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .sizes import COMMON, GQA_HEADS, HEAD_DIM, MLP_WIDTH, SMALL_TOKEN_IDS, WIDTH
+from .sizes import (
+    COMMON,
+    GQA_HEADS,
+    HEAD_DIM,
+    MLP_WIDTH,
+    ORACLE,  # weights that make greedy decoding depend on the context (see the module docstring)
+    SLIDING_THEN_FULL,
+    SMALL_TOKEN_IDS,
+    WIDTH,
+)
 from .spec import TinyConfig, tiny_config
 
 #: The shared sizes in GPT-2 spelling (``n_embd`` / ``n_layer`` / ``n_head``), multi-head, without the
@@ -52,12 +61,6 @@ GPT_SHAPE: dict = dict(vocab_size=512, n_positions=512, n_embd=64, n_layer=2, n_
 GPT_SIZES: dict = dict(GPT_SHAPE, n_inner=128)
 #: The shared sizes for families without GQA: 4 heads of 16 (head dim = hidden / heads).
 MHA: dict = dict(WIDTH, **MLP_WIDTH, num_hidden_layers=2, num_attention_heads=4)
-#: Weights that make greedy decoding depend on the context (see the module docstring): std 0.3 (0.2
-#: where that gives HF's greedy tokens >= 8 distinct ids on every check prompt and 0.3 does not),
-#: an lm head of its own.
-ORACLE: dict = dict(initializer_range=0.3, tie_word_embeddings=False)
-#: One sliding-window layer (window 4: shorter than the check prompts) then one full layer.
-SLIDING_THEN_FULL: dict = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
 
 
 def oracle_config(family: str, *presets: Mapping[str, Any], attention: str | None = None, **fields: Any) -> TinyConfig:

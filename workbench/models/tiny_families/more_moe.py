@@ -30,35 +30,36 @@ each ``workbench check`` prompt hold >= 8 distinct ids.
 
 from __future__ import annotations
 
-from .more_dense import ORACLE, oracle_config
-from .sizes import COMMON, DEEPSEEK_MOE, MLA_HEADS, WIDTH
+from .more_dense import oracle_config
+from .sizes import (
+    COMMON,
+    DEEPSEEK_MOE,
+    EXPERT_WIDTH,
+    MLA_HEADS,
+    MUP,
+    ORACLE_STD_0_1,
+    QWEN_MOE,
+    TOP2,
+    WIDE_ROPE_MLA_DIMS,
+    WIDTH,
+)
 
-#: Top-2 routing.
-TOP2: dict = dict(num_experts_per_tok=2)
-#: Expert width (families with a separate MoE width).
-EXPERT_WIDTH: dict = dict(moe_intermediate_size=64)
 #: The shared sizes for families whose experts take ``intermediate_size`` (no separate MoE width).
 MOE_COMMON: dict = {**COMMON, "intermediate_size": 64}
-#: Granite's MoE families at init std 0.1: at 0.3 the cached decode's logits drift from a full re-forward by
-#: just over ``test_generate``'s 1e-5 RMSE (the tokens still equal HF's); 0.1 keeps >= 12 distinct tokens.
-GRANITE_ORACLE: dict = {**ORACLE, "initializer_range": 0.1}
-#: Granite's muP multipliers, away from 1 so each is exercised (as ``tiny:granite`` has them).
-GRANITE_MUP: dict = dict(
-    attention_multiplier=0.1, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0
-)
 #: DeepSeek-V3-style routing (sigmoid + choice bias), 4 routed experts and 1 shared, first layer dense.
 V3_ROUTING: dict = dict(DEEPSEEK_MOE, first_k_dense_replace=1)
-#: What Granite's MoE families share besides their sizes: 4 experts, top-2, the muP multipliers, init std 0.1.
-GRANITE_MOE: dict = dict(num_local_experts=4, **TOP2, **GRANITE_MUP, **GRANITE_ORACLE)
+#: What Granite's MoE families share besides their sizes: 4 experts, top-2, the muP multipliers (as
+#: ``tiny:granite`` has them), init std 0.1 (``ORACLE_STD_0_1``): at 0.3 the cached decode's logits drift
+#: from a full re-forward by just over ``test_generate``'s 1e-5 RMSE (the tokens still equal HF's); 0.1
+#: keeps >= 12 distinct tokens.
+GRANITE_MOE: dict = dict(num_local_experts=4, **TOP2, **MUP, **ORACLE_STD_0_1)
 
 ARCHS: dict = {
     "olmoe": oracle_config("OlmoeConfig", MOE_COMMON, TOP2, num_experts=4),
     "granitemoe": oracle_config("GraniteMoeConfig", MOE_COMMON, GRANITE_MOE),
     "granitemoeshared": oracle_config("GraniteMoeSharedConfig", MOE_COMMON, GRANITE_MOE, shared_intermediate_size=64),
     "phimoe": oracle_config("PhimoeConfig", MOE_COMMON, TOP2, num_local_experts=4),
-    "qwen2_moe": oracle_config(
-        "Qwen2MoeConfig", COMMON, EXPERT_WIDTH, TOP2, num_experts=4, shared_expert_intermediate_size=64
-    ),
+    "qwen2_moe": oracle_config("Qwen2MoeConfig", COMMON, QWEN_MOE, shared_expert_intermediate_size=64),
     "glm4_moe": oracle_config("Glm4MoeConfig", COMMON, V3_ROUTING, n_group=2, topk_group=1, use_qk_norm=True),
     "dots1": oracle_config("Dots1Config", COMMON, V3_ROUTING, n_group=1, topk_group=1),
     "ernie4_5_moe": oracle_config(
@@ -86,14 +87,10 @@ ARCHS: dict = {
         "longcat_flash",
         WIDTH,
         MLA_HEADS,
+        WIDE_ROPE_MLA_DIMS,  # GLM-4.7-Flash's MLA dims (``mla.GLM4_MOE_LITE_MLA``), with q-LoRA
         num_layers=2,
         ffn_hidden_size=128,
         q_lora_rank=24,
-        kv_lora_rank=24,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=8,
-        v_head_dim=24,
-        head_dim=16,
         n_routed_experts=4,
         zero_expert_num=2,
         moe_topk=2,

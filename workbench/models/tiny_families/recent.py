@@ -47,12 +47,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .more_dense import SLIDING_THEN_FULL, oracle_config
-from .sizes import COMMON, DEEPSEEK_MOE
+from .more_dense import oracle_config
+from .sizes import COMMON, DEEPSEEK_MOE, EXPERT_WIDTH, MUP, QWEN_MOE, SLIDING_THEN_FULL, TOP2
 from .spec import TinyConfig
 
-#: 4 routed experts, top-2, 64 wide, one shared expert.
-SMALL_MOE: dict = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
 #: Granite's sliding-window variants: muP attention multiplier (the sinks are the family's own).
 GRANITE_SWA: dict = dict(SLIDING_THEN_FULL, attention_multiplier=0.25)
 
@@ -66,27 +64,25 @@ ARCHS: dict = {
     "ministral": _recent("ministral", **SLIDING_THEN_FULL),
     "ministral3": _recent("ministral3"),
     # the muP multipliers away from 1, so each is exercised (as tiny:granite has them)
-    "hyperclovax": _recent(
-        "hyperclovax", embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0
-    ),
+    "hyperclovax": _recent("hyperclovax", **MUP),
     "cwm": _recent("cwm", sliding_window=4, layer_types=["full_attention", "sliding_attention"]),
     "diffllama": _recent("diffllama"),
     # MoA: query heads = KV heads x experts per token; 4 experts, top-2, for attention heads and MLP
-    "jetmoe": _recent("jetmoe", num_local_experts=4, num_experts_per_tok=2, kv_channels=16),
+    "jetmoe": _recent("jetmoe", num_local_experts=4, **TOP2, kv_channels=16),
     "exaone_moe": _recent(
         "exaone_moe",
-        **SMALL_MOE,
+        **QWEN_MOE,
         num_shared_experts=1,
         first_k_dense_replace=1,
         mlp_layer_types=["dense", "sparse"],
         **SLIDING_THEN_FULL,
     ),
     # 8 experts: with 4 (top-2) HF's greedy tokens repeat on one check prompt (6 distinct of 16)
-    "flex_olmo": _recent("flex_olmo", num_experts=8, num_experts_per_tok=2),
+    "flex_olmo": _recent("flex_olmo", num_experts=8, **TOP2),
     "solar_open": _recent("solar_open", **DEEPSEEK_MOE),
-    "hy_v3": _recent("hy_v3", **SMALL_MOE, num_shared_experts=1, mlp_layer_types=["dense", "sparse"]),
-    "afmoe": _recent("afmoe", **SMALL_MOE, num_shared_experts=1, num_dense_layers=1, **SLIDING_THEN_FULL),
-    "laguna": _recent("laguna", **SMALL_MOE, shared_expert_intermediate_size=64, mlp_layer_types=["dense", "sparse"]),
+    "hy_v3": _recent("hy_v3", **QWEN_MOE, num_shared_experts=1, mlp_layer_types=["dense", "sparse"]),
+    "afmoe": _recent("afmoe", **QWEN_MOE, num_shared_experts=1, num_dense_layers=1, **SLIDING_THEN_FULL),
+    "laguna": _recent("laguna", **QWEN_MOE, shared_expert_intermediate_size=64, mlp_layer_types=["dense", "sparse"]),
     "apertus": _recent("apertus", num_hidden_layers=3),
     "vaultgemma": _recent("vaultgemma", query_pre_attn_scalar=16, **SLIDING_THEN_FULL),
     "mimo_v2_flash": _recent(
@@ -96,12 +92,10 @@ ARCHS: dict = {
         sliding_window=4,
         mlp_layer_types=["dense", "sparse"],
         n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
+        **TOP2,
+        **EXPERT_WIDTH,
         attention_value_scale=0.707,
     ),
     "granite_swa": _recent("granite_swa", **GRANITE_SWA),
-    "granitemoe_swa": _recent(
-        "granitemoe_swa", **GRANITE_SWA, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64
-    ),
+    "granitemoe_swa": _recent("granitemoe_swa", **GRANITE_SWA, num_local_experts=4, **TOP2, intermediate_size=64),
 }
