@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from match_support import check, count, export, gone, run
-from workbench.pipeline.transforms.attention.matchers import MaskKind, classify_mask
+from workbench.pipeline.matcher.masks import MaskKind, classify_mask
 
 wb = torch.ops.workbench
 B, S, D = 2, 6, 8

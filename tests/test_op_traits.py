@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import workbench.ops  # noqa: F401  (defines every op)
-from workbench.analysis.cost.rules import category_of
+from workbench.analysis.cost.categories import category_of
 from workbench.ops.inline import inline_table
 from workbench.ops.library import CATEGORIES, OpTraits, activation_rounding, op_traits, ops_with, workbench_op
 from workbench.pipeline.transforms.compile.multi_stream import rms_norm_ops

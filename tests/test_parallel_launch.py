@@ -22,8 +22,9 @@ import psutil
 import pytest
 
 from workbench import ConfigError, Workbench
-from workbench.cli import prompt_token_ids, DEFAULT_PROMPT
 from workbench.parallel import RankError, ShardedWorkbench
+from workbench.runtime.generate import DEFAULT_PROMPT
+from workbench.runtime.generate import text_prompt_ids as prompt_token_ids
 
 PROMPTS = [[1, 2, 3, 4, 5], [17, 3, 99], [400, 12, 7, 7, 250, 31, 8]]
 BOUND_S = 60.0  # a failure must end a command within this, however the ranks are stuck

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from workbench import Workbench
-from workbench.cli import DEFAULT_PROMPT, prompt_token_ids
+from workbench.runtime.generate import DEFAULT_PROMPT
+from workbench.runtime.generate import text_prompt_ids as prompt_token_ids
 
 TEXTS = [DEFAULT_PROMPT, "Write a haiku about the sea.", "List three prime numbers."]
 NEW_TOKENS = 16

@@ -15,10 +15,8 @@ import sys
 from typing import Any, Callable, Dict, List, Optional
 
 from .cli_errors import EXIT_READER_GONE, say_error, say_interrupted, stdout_reader_gone
-from .cli_parser import build_parser  # noqa: F401  (re-exported)
+from .cli_parser import build_parser
 from .cli_run import Terminated, cmd_run, how_stopped
-from .runtime.generate import DEFAULT_PROMPT  # noqa: F401  (re-exported: the CLI's default prompt)
-from .runtime.generate import text_prompt_ids as prompt_token_ids  # noqa: F401  (re-exported)
 
 
 def cmd_transforms(args: argparse.Namespace) -> int:

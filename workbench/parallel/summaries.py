@@ -43,7 +43,7 @@ def rank_summary(snap: Snapshot) -> Snapshot:
 class ShardedSnapshot:
     """One pipeline position on every rank (``ranks[r]`` is rank r's summary).
 
-    Reads like a ``Snapshot`` (attributes of rank 0), so ``workbench.cli.format_table`` and friends
+    Reads like a ``Snapshot`` (attributes of rank 0), so ``workbench.run_summary.format_table`` and friends
     take it as is; ``per_rank()`` and the ``*_r<N>`` columns of ``row()`` show where ranks differ.
     """
 

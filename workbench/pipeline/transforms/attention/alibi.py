@@ -38,13 +38,12 @@ import torch.nn.functional as F
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...matcher import EVAL_DROPOUT, Match, Pattern, named_args, same_size
 from .alibi_slopes import HIDDEN_BELOW, alibi_slopes, slopes_node
-from .variants import grouped_qkv, sdpa_pattern
+from .variants import SCALE, grouped_qkv, sdpa_pattern
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
 
-# Sentinels (see pipeline/matcher): values that appear nowhere else in the traced patterns.
-_SCALE = 0.3125
+# Sentinels (see pipeline/matcher): values that appear nowhere else in the traced patterns (the scale's: ``SCALE``).
 _FILL = -1234.5
 
 
@@ -132,7 +131,7 @@ def _bloom_pattern(with_dropout: bool) -> Pattern:
         search,
         "bloom",
         slopes,
-        literals={"scale": _SCALE},
+        literals={"scale": SCALE},
         ignore=((aten.reshape.default, "shape"), (aten.view.default, "size"), (aten.to.dtype, "dtype")),
     )
 
@@ -163,7 +162,7 @@ def _mpt_pattern(with_dropout: bool) -> Pattern:
         search,
         "mpt",
         slopes,
-        literals={"scale": _SCALE, "fill": _FILL},
+        literals={"scale": SCALE, "fill": _FILL},
         ignore=((aten.to.dtype, "dtype"),),
     )
 
@@ -198,7 +197,7 @@ def _falcon_eager_pattern(with_dropout: bool, with_cast: bool) -> Pattern:
         search,
         "falcon",
         slopes,
-        literals={"scale": _SCALE},
+        literals={"scale": SCALE},
         ignore=((aten.view.default, "size"), (aten.softmax.int, "dtype"), (aten.to.dtype, "dtype")),
     )
 

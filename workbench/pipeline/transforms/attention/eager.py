@@ -30,13 +30,12 @@ from ...matcher import EVAL_DROPOUT, Match, Pattern, PatternTransform, named_arg
 from .alibi import ALIBI_EAGER_PATTERNS
 from .bmm_heads import BMM_HEADS_PATTERNS
 from .legacy import LEGACY_EAGER_PATTERNS
-from .variants import variant_masking, variant_replacement
+from .variants import SCALE, variant_masking, variant_replacement
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
 
-# Sentinels (see pipeline/matcher): values that appear nowhere else in the traced patterns.
-_SCALE = 0.3125
+# Sentinels (see pipeline/matcher): values that appear nowhere else in the traced patterns (the scale's: ``SCALE``).
 _CAP = 41.5
 
 
@@ -87,7 +86,7 @@ def _eager_attention(scale_op: str, with_mask: bool, with_dropout: bool, upcast:
         replacement,
         check,
         with_mask,
-        literals={"scale": _SCALE},
+        literals={"scale": SCALE},
         ignore=((aten.to.dtype, "dtype"),),
     )
 
@@ -145,7 +144,7 @@ def _softcapped_eager_attention(with_mask: bool, with_dropout: bool) -> Pattern:
         replacement,
         check,
         with_mask,
-        literals={"scale": _SCALE, "cap": _CAP},
+        literals={"scale": SCALE, "cap": _CAP},
         ignore=((aten.to.dtype, "dtype"),),
     )
 
@@ -210,7 +209,7 @@ def _max_subtracted_eager_attention(with_sinks: bool, with_mask: bool, with_drop
         replacement,
         check,
         with_mask,
-        literals={"scale": _SCALE},
+        literals={"scale": SCALE},
         ignore=((aten.expand.default, "size"), (aten.softmax.int, "dtype"), (aten.to.dtype, "dtype")),
         with_sinks=with_sinks,
     )
@@ -255,7 +254,7 @@ def _lse_sink_eager_attention(with_mask: bool, with_dropout: bool) -> Pattern:
         replacement,
         check,
         with_mask,
-        literals={"scale": _SCALE},
+        literals={"scale": SCALE},
         ignore=((aten.softmax.int, "dtype"), (aten.to.dtype, "dtype")),
         with_sinks=True,
     )

@@ -36,12 +36,12 @@ import torch.nn.functional as F
 from ...graph.utils import tensor_meta
 from ...matcher import EVAL_DROPOUT, Match, Pattern, same_size
 from ...matcher.masks import constant_tensor
+from .variants import SCALE
 
 aten = torch.ops.aten
 wb = torch.ops.workbench
 
-_SCALE = 0.3125  # sentinels: values that appear nowhere else in the traced patterns
-_FILL = -12345.5
+_FILL = -12345.5  # a sentinel (see pipeline/matcher), like ``SCALE``: a value appearing nowhere else
 # A replaced logit at or below this is a hidden key (see the module docstring).
 REPLACED_HIDDEN = -1e4
 
@@ -133,7 +133,7 @@ def _legacy_attention(form: str, scale_op: str, with_mask: bool, with_cast: bool
             table, rest = torch.ones(1, 1, 4, 4).tril(), ()
         return (q, kt, v, table, *rest, *((torch.zeros(1, 1, 4, 4),) if with_mask else ()))
 
-    literals: Dict[str, Any] = {} if scale_op == "none" else {"scale": _SCALE}
+    literals: Dict[str, Any] = {} if scale_op == "none" else {"scale": SCALE}
     if form == "arith":
         literals["fill"] = _FILL
     names = ("q", "kt", "v", "table", *(("fill",) if form == "where" else ()), *(("attn_mask",) if with_mask else ()))

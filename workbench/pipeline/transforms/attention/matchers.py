@@ -34,7 +34,7 @@ import torch
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...interface import register
 from ...matcher import Match, Pattern, PatternTransform, named_args, same_size
-from ...matcher.masks import MaskKind, attention_mask_arguments, classify_mask
+from ...matcher.masks import attention_mask_arguments
 from .alibi import ALIBI_SDPA_PATTERNS
 from .variants import chunk_kwargs, sdpa_pattern
 
@@ -91,4 +91,4 @@ class MatchSDPAToTorchAttention(PatternTransform):
     patterns = ALIBI_SDPA_PATTERNS + SDPA_PATTERNS  # ALiBi first: the general ones would keep its mask
 
 
-__all__ = ["SDPA_PATTERNS", "MaskKind", "classify_mask"]
+__all__ = ["SDPA_PATTERNS"]

@@ -17,6 +17,9 @@ wb = torch.ops.workbench
 
 #: Sentinel (see pipeline/matcher) of the KV heads' repeat count in traced patterns.
 N_REP = 3
+#: Sentinel (see pipeline/matcher) of the softmax scale in the traced eager patterns (``eager.py``,
+#: ``alibi.py``, ``legacy.py``).
+SCALE = 0.3125
 #: SDPA's flags: read by each SDPA pattern's check, never compared.
 SDPA_FLAGS = ("dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -102,6 +105,7 @@ def sdpa_pattern(
 
 __all__ = [
     "N_REP",
+    "SCALE",
     "SDPA_FLAGS",
     "chunk_kwargs",
     "grouped_qkv",

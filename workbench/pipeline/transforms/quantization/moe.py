@@ -109,10 +109,6 @@ def stack_nvfp4_gate_up(*tensors: torch.Tensor, experts: int):
 
 
 # ------------------------------------------------------------------------------ the rewrite
-def _moe_nodes(gm: fx.GraphModule):
-    return call_nodes(gm, wb.torch_moe_fused.default)
-
-
 def _names(per_expert, suffix: str) -> List[str]:
     return [f"{m}.{suffix}" for m in per_expert]
 
@@ -204,7 +200,7 @@ def quantize_moe(
     reason = checkpoint_skip_reason(ctx, key, (algo,))
     if reason:
         return nothing_to_do(gm, reason)
-    nodes = _moe_nodes(gm)
+    nodes = call_nodes(gm, wb.torch_moe_fused.default)
     if not nodes:
         return nothing_to_do(gm, "no torch_moe_fused nodes (a dense model, or match_moe_pattern did not run)")
     ck, cfg = ctx.checkpoint, ctx.quant_config.with_excluded(*exclude)

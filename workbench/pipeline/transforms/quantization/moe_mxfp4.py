@@ -23,6 +23,7 @@ from pydantic import Field
 
 from .... import ops  # noqa: F401  (registers torch.ops.workbench)
 from ...context import PipelineContext
+from ...graph.utils import call_nodes, tensor_meta
 from ...interface import Transform, TransformInfo, register, rewrite_info
 from ...matcher import named_args
 from .graph import (
@@ -34,7 +35,6 @@ from .graph import (
     nothing_to_do,
     replace_node,
 )
-from .moe import _moe_nodes
 
 wb = torch.ops.workbench
 aten = torch.ops.aten
@@ -54,11 +54,6 @@ def stacked_target(node: Any) -> Optional[str]:
     if isinstance(node, fx.Node) and node.target == aten.transpose.int and tuple(node.args[1:]) in ((1, 2), (-2, -1)):
         return get_attr_target(node.args[0])
     return get_attr_target(node)
-
-
-def _stacked_shape(node: fx.Node) -> Optional[Tuple[int, ...]]:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(val.shape) if val is not None else None
 
 
 def resolve_mxfp4_kernel(backend: Optional[str], trtllm_quant_act: str, device: torch.device) -> Dict[str, Any]:
@@ -128,7 +123,7 @@ class QuantizeMxfp4Moe(Transform[QuantizeMxfp4MoeConfig]):
         reason = checkpoint_skip_reason(ctx, self.key, ("MXFP4",))
         if reason:
             return nothing_to_do(gm, reason)
-        nodes = _moe_nodes(gm)
+        nodes = call_nodes(gm, wb.torch_moe_fused.default)
         if not nodes:
             return nothing_to_do(gm, "no torch_moe_fused nodes (a dense model, or match_moe_pattern did not run)")
         ck = ctx.checkpoint
@@ -185,7 +180,8 @@ class QuantizeMxfp4Moe(Transform[QuantizeMxfp4MoeConfig]):
     def _layout_mismatch(ck, names: List[str], weights: List[fx.Node]) -> Optional[str]:
         """Why the stored ``_blocks`` [E, N, K/32, 16] do not fit the op's ``[E, N, K]`` weights, or None."""
         for name, w in zip(names, weights):
-            blocks, want = ck.tensors[f"{name}_blocks"], _stacked_shape(w)
+            blocks, meta = ck.tensors[f"{name}_blocks"], tensor_meta(w)
+            want = tuple(meta.shape) if meta is not None else None
             got = (*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1] * 2) if blocks.dim() == 4 else None
             if want is not None and got != want:
                 return (

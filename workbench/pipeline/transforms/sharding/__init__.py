@@ -2,7 +2,7 @@
 
 transforms.py   detect_sharding, sharding_transform_executor
 plans.py        detect_plan / apply_plan, the two entry points
-detect.py       regions (attention heads, MLP features, MoE experts, LM-head vocabulary) from the graph
+detect.py       Detector: runs the region finders below in the order they claim nodes, collects the plan
 detect_attention.py  the attention regions (split by heads)
 detect_mlp.py   the MoE (experts), LM-head (vocabulary) and MLP (features) regions
 detect_cuts.py  what the region finders share: column / row cuts, region bytes, NotShardable

@@ -1,25 +1,14 @@
 """Find the shardable regions of a canonical graph and cut them for one rank (``detect_sharding``).
 
-Regions, in the order they claim nodes:
+``Detector`` runs the region finders in the order they claim nodes and collects the plan:
 
-* **mha**: a ``torch_attention`` node (bsnd). Q, K and V are traced back through per-head ops
-  (view/reshape/transpose, the RoPE op, per-head norms, casts) to their linears, the output
-  forward through reshapes to the O linear. Heads go to ranks whole: with ``G >= W`` KV heads each
-  rank takes a contiguous block of KV heads and their query groups (9 query / 3 KV heads on 2
-  ranks: 6+3 query heads, 2+1 KV heads); with fewer KV heads than ranks (``W % G == 0``) each KV head
-  is copied to ``W / G`` ranks that split its query group. Q/K/V column, O row + all-reduce.
-* **moe**: ``torch_moe_fused`` / ``torch_moe``: experts in contiguous blocks per rank (EP), the
-  router replicated, tokens routed elsewhere skipped (``torch_moe_local_experts`` maps the global
-  ids to local ones or -1), the partial sums all-reduced.
-* **lm_head**: the linear that makes the logits, split by vocabulary rows, logits all-gathered.
-* **mlp**: a ``torch_swiglu_mlp`` node, or any linear whose input comes from other linears through
-  element-wise ops only (``silu(gate(x)) * up(x)``, ``gelu(fc1(x))``): those column, it row.
+1. **mha**: ``torch_attention`` nodes, split by heads (``detect_attention.py``);
+2. **moe**: ``torch_moe_fused`` / ``torch_moe``, split by experts (``detect_mlp.py``);
+3. **lm_head**: the linear that makes the logits, split by vocabulary rows (``detect_mlp.py``);
+4. **mlp**: ``torch_swiglu_mlp`` nodes and the remaining linears, split by features (``detect_mlp.py``).
 
 Anything else stays replicated; regions built around ops with no rule are listed with the reason.
-
-``Detector`` runs the finders in that order and collects the plan: the attention finder is in
-``detect_attention.py``, the MoE / LM-head / MLP ones in ``detect_mlp.py``, the cuts they share in
-``detect_cuts.py``.
+The cuts the finders share are in ``detect_cuts.py``.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 Q, K and V are traced back through per-head ops (view/reshape/transpose, the RoPE op, per-head norms,
 casts, partial rotary's slice / cat) to their linears, the output forward through reshapes to the O
 linear. Heads go to ranks whole: with ``G >= W`` KV heads each rank takes a contiguous block of KV
-heads and their query groups; with fewer KV heads than ranks (``W % G == 0``) each KV head is copied
-to ``W / G`` ranks that split its query group. Q/K/V column, O row + all-reduce; literal head counts
-in the reshapes between them are rewritten to this rank's (``shape_fixes``).
+heads and their query groups (9 query / 3 KV heads on 2 ranks: 6+3 query heads, 2+1 KV heads); with
+fewer KV heads than ranks (``W % G == 0``) each KV head is copied to ``W / G`` ranks that split its
+query group. Q/K/V column, O row + all-reduce; literal head counts in the reshapes between them are
+rewritten to this rank's (``shape_fixes``).
 """
 
 from __future__ import annotations
